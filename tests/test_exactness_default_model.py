@@ -1,0 +1,130 @@
+"""Differential exactness on the embedded default model (SmolLM2-135M-Instruct, fp32):
+``pld`` == ``ar`` == transformers ``generate(do_sample=False)``, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import triedec
+
+ARTICLE = (
+    "The city council voted on Tuesday to expand the bike lane network by 40 kilometres over the next "
+    "three years. The plan, which costs 12 million euros, connects the northern suburbs to the central "
+    "station and adds 2,000 parking spaces for bicycles. Supporters said the project would cut traffic "
+    "and pollution, while opponents argued that the money should go to bus services instead. The mayor "
+    "said construction would begin in the spring and that residents would be consulted on each section."
+)
+CODE = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+'''
+LONG = " ".join([ARTICLE] * 9)  # ~1,000 tokens of context
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Give me three tips for staying focused while studying."}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "List the planets of the solar system."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
+    [{"role": "user", "content": f"Summarize this article in one sentence.\n\n{ARTICLE}"}],
+    [{"role": "user", "content": f"What does the plan connect? Answer using the article.\n\n{ARTICLE}"}],
+    [{"role": "user", "content": f"Rewrite this text in simpler words:\n\n{ARTICLE}"}],
+    [{"role": "user", "content": "Translate to English: Der Hund schläft unter dem Tisch."}],
+    [{"role": "user", "content": "Translate to French: I would like a cup of coffee, please."}],
+    [{"role": "user", "content": "Translate to German: The weather is nice today."}],
+    [{"role": "user", "content": f"Add type hints and a docstring to this code:\n\n{CODE}"}],
+    [{"role": "user", "content": f"Rewrite this function iteratively:\n\n{CODE}"}],
+    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [{"role": "user", "content": "Write a SQL query that counts users per country."}],
+    [{"role": "user", "content": "If I have 3 apples and buy 5 more, then eat 2, how many are left?"}],
+    [{"role": "user", "content": f"{LONG}\n\nQuestion: how much does the plan cost?"}],
+    "The history of the printing press begins",
+    "def quicksort(arr):\n",
+    CODE + "\n# Tests\nassert fibonacci(10) ==",
+    [0, 1, 2, 3, 4],  # raw token ids
+]
+
+
+def hf_generate(lm, ids, max_new_tokens):
+    with torch.inference_mode():
+        out = lm.model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_pld_equals_ar_equals_transformers(default_lm, index):
+    prompt = PROMPTS[index]
+    ids = default_lm.encode(prompt)
+    truth = hf_generate(default_lm, ids, 40)
+    ar = default_lm.generate(prompt, "ar", max_new_tokens=40)
+    pld = default_lm.generate(prompt, "pld", max_new_tokens=40)
+    assert ar.token_ids == truth
+    assert pld.token_ids == truth
+    assert pld.stats.new_tokens == len(truth)
+    assert pld.text == default_lm.tokenizer.decode(truth, skip_special_tokens=True)
+
+
+@pytest.mark.default_model
+def test_pld_variants_and_eager_attention(default_lm):
+    prompt = PROMPTS[6]
+    truth = hf_generate(default_lm, default_lm.encode(prompt), 48)
+    for opts in ({"max_ngram": 1, "num_tokens": 4, "num_matches": 6}, {"num_tokens": 30, "num_matches": 1}):
+        assert default_lm.generate(prompt, "pld", max_new_tokens=48, **opts).token_ids == truth
+    eager = triedec.load(attn_implementation="eager")
+    assert eager.generate(prompt, "pld", max_new_tokens=48).token_ids == truth
+
+
+@pytest.mark.default_model
+def test_stop_string_inside_an_accepted_draft(default_lm):
+    prompt = PROMPTS[6]
+    full = default_lm.generate(prompt, "ar", max_new_tokens=40)
+    words = full.text.split()
+    stop = " ".join(words[3:5])  # a stop string well inside the answer
+    ids = default_lm.encode(prompt)
+    with torch.inference_mode():
+        ref = default_lm.model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=40, stop_strings=[stop],
+            tokenizer=default_lm.tokenizer, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )[0, len(ids):].tolist()
+    for method in ("ar", "pld"):
+        out = default_lm.generate(prompt, method, max_new_tokens=40, stop=stop)
+        assert out.token_ids == ref
+        assert out.stats.stop_reason == "stop_string"
+        assert out.text.endswith(stop) and stop not in out.text[: -len(stop)]
+
+
+@pytest.mark.default_model
+def test_stop_token_ids_and_streaming(default_lm):
+    prompt = PROMPTS[7]
+    full = default_lm.generate(prompt, "pld", max_new_tokens=30)
+    stop_tok = full.token_ids[10]
+    cut = full.token_ids[: full.token_ids.index(stop_tok) + 1]
+    chunks = []
+    out = default_lm.generate(prompt, "pld", max_new_tokens=30, stop_token_ids=[stop_tok], on_tokens=chunks.append)
+    assert out.token_ids == cut
+    assert [t for c in chunks for t in c] == cut
+    steps = default_lm.stream(prompt, "pld", max_new_tokens=30)
+    streamed = [t for chunk in steps for t in chunk]
+    assert streamed == full.token_ids
+
+
+@pytest.mark.default_model
+def test_stats_are_consistent(default_lm):
+    out = default_lm.generate(PROMPTS[6], "pld", max_new_tokens=48)
+    s = out.stats
+    assert s.new_tokens == len(out.token_ids) == 1 + sum(s.accepted_per_step)
+    assert s.steps == len(s.accepted_per_step)
+    assert s.mean_accepted == pytest.approx((s.new_tokens - 1) / s.steps)
+    assert s.computed_tokens >= s.steps
+    assert s.tokens_per_s == pytest.approx(s.new_tokens / s.seconds)
+    assert s.prompt_tokens == len(default_lm.encode(PROMPTS[6]))

@@ -1,0 +1,133 @@
+"""Differential exactness on tiny random-weight models: every method, and an adversarial oracle
+drafter, must reproduce transformers' greedy output token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import EOS, TINY_VOCAB, hf_greedy, tiny_gemma3, tiny_llama
+
+from triedec.adapter import ModelAdapter
+from triedec.drafters import ModelInfo, method_spec
+from triedec.engine import StopRule, speculative_decode
+from triedec.tree import TokenTree
+
+MODELS = {
+    "llama-sdpa": lambda: tiny_llama(attn="sdpa"),
+    "llama-eager": lambda: tiny_llama(attn="eager"),
+    "gemma3-sdpa": lambda: tiny_gemma3(attn="sdpa"),
+    "gemma3-eager": lambda: tiny_gemma3(attn="eager"),
+}
+
+
+class OracleDrafter:
+    """Test-only drafter: proposes trees that mix the true greedy continuation (known in advance)
+    with wrong branches, at random depths, so every acceptance length and branch layout occurs."""
+
+    def __init__(self, truth: list[int], prompt_len: int, seed: int, vocab: int = TINY_VOCAB) -> None:
+        self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
+        self.rng = random.Random(seed)
+
+    def begin(self, prompt, documents=()):
+        pass
+
+    def propose(self, context):
+        done = len(context) - self.prompt_len
+        right = self.truth[done : done + self.rng.randint(0, 8)]
+        keep = self.rng.randint(0, len(right))
+        seqs = []
+        for _ in range(self.rng.randint(0, 4)):  # wrong branches off the correct path
+            cut = self.rng.randint(0, keep)
+            seqs.append(right[:cut] + [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 4))])
+        seqs.append(right[:keep] if self.rng.random() < 0.5 else right)
+        self.rng.shuffle(seqs)
+        return TokenTree.from_sequences(context[-1], seqs)
+
+    def observe(self, verified):
+        pass
+
+
+def run(model, drafter, prompt, max_new_tokens, eos=EOS):
+    gen = speculative_decode(ModelAdapter(model), drafter, prompt, StopRule(max_new_tokens, frozenset([eos])))
+    tokens = []
+    try:
+        while True:
+            tokens += next(gen)
+    except StopIteration as stop:
+        return tokens, stop.value
+
+
+def prompts(seed: int, count: int, vocab: int = TINY_VOCAB):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(1, 40)
+        # half the prompts repeat a motif so that prompt lookup finds matches
+        if rng.random() < 0.5:
+            motif = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
+            out.append((motif * 12)[:n])
+        else:
+            out.append([rng.randrange(3, vocab) for _ in range(n)])
+    return out
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_registered_methods_equal_transformers_greedy(name):
+    model = MODELS[name]()
+    info = ModelInfo(TINY_VOCAB, torch.device("cpu"))
+    pld_variants = [{}, {"max_ngram": 1, "num_tokens": 3, "num_matches": 5}, {"num_tokens": 20, "num_matches": 1}]
+    for i, prompt in enumerate(prompts(seed=hash(name) % 1000, count=12)):
+        new = [24, 40][i % 2]
+        truth = hf_greedy(model, prompt, new)
+        ar, stats = run(model, method_spec("ar").factory(method_spec("ar").make_options({}), info), prompt, new)
+        assert ar == truth, f"ar differs on prompt {i}"
+        assert stats.steps == len(truth) - 1 and stats.computed_tokens == stats.steps
+        spec = method_spec("pld")
+        opts = spec.make_options(pld_variants[i % len(pld_variants)])
+        pld, _ = run(model, spec.factory(opts, info), prompt, new)
+        assert pld == truth, f"pld differs on prompt {i}"
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gemma3-sdpa", "gemma3-eager"])
+def test_adversarial_trees_equal_transformers_greedy(name):
+    model = MODELS[name]()
+    for i, prompt in enumerate(prompts(seed=7, count=15)):
+        new = 30
+        truth = hf_greedy(model, prompt, new, eos=-1)  # no EOS: long outputs
+        got, stats = run(model, OracleDrafter(truth, len(prompt), seed=i), prompt, new, eos=-1)
+        assert got == truth, f"prompt {i}"
+        assert stats.stop_reason == "length"
+
+
+def test_gemma3_context_longer_than_window_with_long_accepts():
+    """Window 4, prompts of 30+ tokens, drafts accepted 8 deep: masks must apply the window."""
+    model = tiny_gemma3(window=4, seed=3)
+    for i, prompt in enumerate(prompts(seed=11, count=8)):
+        prompt = (prompt * 5)[:35]
+        truth = hf_greedy(model, prompt, 40, eos=-1)
+        got, _ = run(model, OracleDrafter(truth, len(prompt), seed=100 + i), prompt, 40, eos=-1)
+        assert got == truth
+
+
+def test_stop_inside_an_accepted_draft():
+    """EOS and max_new_tokens falling inside a fully accepted draft: nothing past them is kept."""
+    model = tiny_llama(seed=5)
+    prompt = [5, 9, 13, 5, 9]
+    truth = hf_greedy(model, prompt, 30, eos=-1)
+    stop_tok = truth[6]
+    first = truth.index(stop_tok)
+
+    class FullOracle(OracleDrafter):
+        def propose(self, context):
+            done = len(context) - self.prompt_len
+            return TokenTree.from_sequences(context[-1], [self.truth[done : done + 12]])
+
+    got, stats = run(model, FullOracle(truth, len(prompt), 0), prompt, 30, eos=stop_tok)
+    assert got == truth[: first + 1] == hf_greedy(model, prompt, 30, eos=stop_tok)
+    assert stats.stop_reason == "eos"
+    for limit in (1, 2, 5, 11):
+        got, stats = run(model, FullOracle(truth, len(prompt), 0), prompt, limit, eos=-1)
+        assert got == truth[:limit]
+        assert stats.stop_reason == "length" and stats.new_tokens == limit

@@ -1,0 +1,104 @@
+"""Property tests for the draft tree: mask, positions, merging, paths."""
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triedec.errors import TriedecError
+from triedec.tree import TokenTree
+
+sequences = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=6), min_size=0, max_size=8)
+
+
+def prefixes(seqs):
+    return {tuple(s[:k]) for s in seqs for k in range(1, len(s) + 1)}
+
+
+def node_sequence(tree, i):
+    return tuple(tree.tokens[j] for j in tree.path_to(i)[1:])
+
+
+@given(seqs=sequences, cache_len=st.integers(0, 7))
+def test_mask_row_is_cache_plus_ancestors_plus_self(seqs, cache_len):
+    tree = TokenTree.from_sequences(9, seqs)
+    mask = tree.mask(cache_len, torch.float32)
+    assert mask.shape == (1, 1, tree.size, cache_len + tree.size)
+    blocked = torch.finfo(torch.float32).min
+    for i in range(tree.size):
+        row = mask[0, 0, i]
+        assert torch.all(row[:cache_len] == 0)
+        expected = set(tree.path_to(i))
+        for j in range(tree.size):
+            assert row[cache_len + j].item() == (0.0 if j in expected else blocked)
+
+
+@given(seqs=sequences, cache_len=st.integers(0, 100))
+def test_positions_are_cache_length_plus_depth(seqs, cache_len):
+    tree = TokenTree.from_sequences(1, seqs)
+    pos = tree.positions(cache_len)
+    assert pos.shape == (1, tree.size)
+    for i in range(tree.size):
+        assert pos[0, i].item() == cache_len + len(tree.path_to(i)) - 1 == cache_len + tree.depths[i]
+
+
+@given(seqs=sequences)
+def test_merging_never_duplicates_a_prefix(seqs):
+    tree = TokenTree.from_sequences(0, seqs)
+    node_seqs = [node_sequence(tree, i) for i in range(1, tree.size)]
+    assert len(node_seqs) == len(set(node_seqs))  # every prefix once
+    assert set(node_seqs) == prefixes(seqs)  # and exactly the prefixes of the inputs
+    for children in tree.children:  # siblings never share a token
+        assert len(children) == len(set(children))
+
+
+@given(seqs=sequences)
+def test_paths_cover_every_leaf_exactly_once(seqs):
+    tree = TokenTree.from_sequences(0, seqs)
+    paths = tree.paths()
+    leaves = [p[-1] for p in paths]
+    assert sorted(leaves) == sorted(tree.leaves)
+    assert len(leaves) == len(set(leaves))
+    covered = {i for p in paths for i in p}
+    assert covered == set(range(tree.size))
+    for p in paths:
+        assert p[0] == 0
+        assert all(tree.parents[b] == a for a, b in itertools.pairwise(p))
+
+
+@given(seqs=sequences, budget=st.integers(1, 12), depth=st.integers(0, 4))
+@settings(max_examples=50)
+def test_truncate_and_prune_keep_valid_subtrees(seqs, budget, depth):
+    tree = TokenTree.from_sequences(0, seqs)
+    small = tree.truncated(budget)
+    assert small.size == min(budget, tree.size)
+    assert small.tokens == tree.tokens[: small.size]
+    pruned = tree.pruned(depth)
+    assert pruned.max_depth <= depth
+    assert {node_sequence(pruned, i) for i in range(pruned.size)} == {
+        node_sequence(tree, i) for i in range(tree.size) if tree.depths[i] <= depth
+    }
+
+
+def test_from_sequences_hand_made():
+    tree = TokenTree.from_sequences(7, [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]])
+    assert tree.tokens == (7, 1, 2, 3, 4, 5)
+    assert tree.parents == (-1, 0, 1, 2, 2, 0)
+    assert tree.depths == (0, 1, 2, 3, 3, 1)
+    assert tree.paths() == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 5)]
+
+
+def test_max_nodes_limits_the_merge():
+    tree = TokenTree.from_sequences(7, [[1, 2, 3], [4, 5]], max_nodes=5)
+    assert tree.tokens == (7, 1, 2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    "tokens,parents",
+    [((), ()), ((1, 2), (-1,)), ((1, 2), (0, 0)), ((1, 2, 3), (-1, 2, 0)), ((1, -2), (-1, 0))],
+)
+def test_invalid_trees_are_refused(tokens, parents):
+    with pytest.raises(TriedecError):
+        TokenTree(tokens, parents)
