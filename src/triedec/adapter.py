@@ -68,6 +68,10 @@ class AttentionLayout:
     windows: dict[str, int | None]
     per_type: bool
 
+    @property
+    def no_windows(self) -> bool:
+        return all(w is None for w in self.windows.values())
+
     @classmethod
     def from_config(cls, config: object) -> AttentionLayout:
         window = getattr(config, "sliding_window", None)
@@ -110,6 +114,7 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._sdpa = attn == "sdpa"
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
@@ -123,6 +128,19 @@ class ModelAdapter:
             vis = visible if window is None else visible & ((qpos[:, None] - kpos[None, :]) < window)
             masks[kind] = additive_mask(vis.to(self.device), self.dtype)
         return masks if self.layout.per_type else next(iter(masks.values()))
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+        """Causal forward of ``tokens [T]`` at positions ``0..T-1`` on an empty ``cache``.
+
+        transformers builds the (causal, sliding-window) masks itself here; the T slots are left
+        pending. Returns logits ``[1, vocab]`` (last token) or ``[T, vocab]``.
+        """
+        if cache.length or cache.pending:
+            raise TriedecError("prefill needs an empty cache")
+        positions = torch.arange(tokens.numel())
+        cache.stage(positions)
+        return self._run(tokens, positions, cache, None, last_only)
 
     @torch.inference_mode()
     def forward(
@@ -144,6 +162,22 @@ class ModelAdapter:
         if visible.shape != (n, cache.length + n):
             raise TriedecError(f"visibility must be [{n}, {cache.length + n}], got {list(visible.shape)}")
         cache.stage(positions)
+        # One query that sees every slot, without sliding windows: no mask at all, which lets sdpa
+        # use its grouped-query kernel instead of copying K/V per head (what transformers' own
+        # decode step does).
+        plain = n == 1 and self._sdpa and self.layout.no_windows and bool(visible.all())
+        masks = None if plain else self._masks(cache, visible)
+        return self._run(tokens, positions, cache, masks, last_only)
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        masks: torch.Tensor | dict[str, torch.Tensor] | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        """The model call; ``cache`` has the T pending slots staged."""
         hf_cache = Cache(layers=[_SlotLayer(cache, i) for i in range(self._num_layers())])
         kwargs = {}
         if last_only and self._takes_logits_to_keep:
@@ -151,7 +185,7 @@ class ModelAdapter:
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
-            attention_mask=self._masks(cache, visible),
+            attention_mask=masks,
             past_key_values=hf_cache,
             use_cache=True,
             **kwargs,

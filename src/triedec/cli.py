@@ -7,7 +7,8 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from triedec.drafters import methods
@@ -85,6 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_method_options(gen)
 
     sub.add_parser("methods", help="list decoding methods and their options with defaults")
+
+    bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
+    bench.add_argument("--methods", default="hf-greedy,hf-pld,ar,pld",
+                       help="comma-separated: hf-greedy, hf-pld, or triedec methods, each optionally "
+                            "with inline options as name:key=value:key=value (default %(default)s)")
+    bench.add_argument("--dataset", default="spec-bench",
+                       help="spec-bench, humaneval, mbpp or a path to a .jsonl file (fields prompt or turns)")
+    bench.add_argument("--per-category", type=int, default=None,
+                       help="questions per category: a fixed, evenly spaced sample (default: all)")
+    bench.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--repeats", type=int, default=1, help="rotations per prompt; the median is reported")
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method (not recorded)")
+    bench.add_argument("--out", default="bench-results", help="output directory (default %(default)s)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_model_args(bench)
+    _add_method_options(bench)
     return parser
 
 
@@ -159,13 +177,51 @@ class _StreamPrinter:
             self._show(final_text)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None = None) -> int:
+    import torch
+
+    from triedec.bench import BenchConfig, bench
+    from triedec.lm import load
+
+    if args.threads < 1:
+        raise TriedecError(f"--threads must be positive, got {args.threads}")
+    config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
+    if args.per_category is not None and args.per_category < 1:
+        raise TriedecError(f"--per-category must be a positive integer, got {args.per_category}")
+    defaults: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("opt:") and value is not None:
+            _, owner, option = key.split(":")
+            defaults.setdefault(owner, {})[option] = value
+    from triedec.bench.datasets import load_questions, select
+
+    categories = args.categories.split(",") if args.categories else None
+    select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
+    torch.set_num_threads(args.threads)
+    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    results = bench(
+        lm, methods=args.methods.split(","), dataset=args.dataset, out=Path(args.out),
+        per_category=args.per_category, categories=categories, config=config,
+        model_name=args.model or "SmolLM2-135M-Instruct (embedded default, fp32)", option_defaults=defaults,
+        extra_runners=extra_runners, progress=not args.no_progress,
+    )
+    from triedec.bench.report import markdown
+
+    print(markdown(results))
+    print(f"results written to {args.out}/ (results.json, results.md, *.png)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] | None = None) -> int:
+    """Entry point. ``extra_runners`` lets tests add benchmark-only methods."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
     try:
         if args.command == "methods":
             return cmd_methods()
+        if args.command == "bench":
+            return cmd_bench(args, extra_runners)
         return cmd_generate(args)
     except TriedecError as exc:
         print(f"triedec: error: {exc}", file=sys.stderr)

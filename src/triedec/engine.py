@@ -111,13 +111,11 @@ def speculative_decode(
     cache = adapter.new_cache(len(prompt) + stop.max_new_tokens + MAX_TREE_NODES)
 
     # Prefill: the prompt's KV, and the first new token from its last logits.
-    n = len(prompt)
-    causal = torch.ones((n, n), dtype=torch.bool).tril_()
-    logits = adapter.forward(cache, torch.tensor(prompt), torch.arange(n), causal, last_only=True)
-    cache.commit(range(n))
+    logits = adapter.prefill(cache, torch.tensor(prompt))
+    cache.commit(range(len(prompt)))
     generated, reason = stop.cut([], [int(logits[-1].argmax())])
     sync()
-    stats = DecodeStats(prompt_tokens=n, prefill_seconds=time.perf_counter() - start)
+    stats = DecodeStats(prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     yield list(generated)
 
     while reason is None:

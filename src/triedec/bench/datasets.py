@@ -1,0 +1,138 @@
+"""Benchmark questions: Spec-Bench, HumanEval, MBPP (shipped in the package), or a user's JSONL.
+
+Files are found in the installed package (``triedec/bench/data``); if that copy is missing, in
+``../shared/data`` next to the current directory (the project's shared folder, a documented
+fallback for source checkouts).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from triedec.errors import TriedecError, positive_int
+
+DATASETS = ("spec-bench", "humaneval", "mbpp")
+MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+_FILES = {
+    "spec-bench": "spec_bench_question.jsonl",
+    "humaneval": "HumanEval.jsonl.gz",
+    "mbpp": "mbpp/mbpp.jsonl",
+}
+
+
+@dataclass(frozen=True)
+class Question:
+    """One benchmark item: its user turns (a second turn is asked with the first answer in the
+    history, as Spec-Bench does for MT-bench)."""
+
+    id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def data_path(name: str) -> Path:
+    """Where a shipped data file lives: in the package, else ``../shared/data``."""
+    packaged = Path(__file__).parent / "data" / name
+    if packaged.is_file():
+        return packaged
+    shared = Path.cwd().parent / "shared" / "data" / name
+    if shared.is_file():
+        return shared
+    raise TriedecError(f"data file {name} not found in the package ({packaged}) nor in {shared}")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TriedecError(f"cannot read {path}: {exc}") from exc
+    if not rows or not all(isinstance(r, dict) for r in rows):
+        raise TriedecError(f"{path} holds no JSON objects")
+    return rows
+
+
+def _spec_bench(rows: Iterable[dict]) -> list[Question]:
+    out = []
+    for r in rows:
+        category = "mt_bench" if r["category"] in MT_BENCH else r["category"]
+        out.append(Question(str(r["question_id"]), category, tuple(r["turns"])))
+    return out
+
+
+def _humaneval(rows: Iterable[dict]) -> list[Question]:
+    return [
+        Question(
+            r["task_id"], "humaneval",
+            (f"Complete the following Python function. Reply with the whole function in a Python code block."
+             f"\n\n```python\n{r['prompt']}```",),
+        )
+        for r in rows
+    ]
+
+
+def _mbpp(rows: Iterable[dict]) -> list[Question]:
+    return [
+        Question(
+            str(r["task_id"]), "mbpp",
+            (f"You are an expert Python programmer, and here is your task: {r['text']} "
+             f"Your code should pass these tests:\n\n" + "\n".join(r["test_list"]),),
+        )
+        for r in rows
+        if 11 <= int(r["task_id"]) <= 510  # the test split
+    ]
+
+
+def _user_jsonl(rows: Sequence[dict], path: Path) -> list[Question]:
+    out = []
+    for i, r in enumerate(rows):
+        if isinstance(r.get("turns"), list) and r["turns"] and all(isinstance(t, str) and t for t in r["turns"]):
+            turns = tuple(r["turns"])
+        elif isinstance(r.get("prompt"), str) and r["prompt"]:
+            turns = (r["prompt"],)
+        else:
+            raise TriedecError(f"{path} line {i + 1}: needs a non-empty 'prompt' string or 'turns' list")
+        out.append(Question(str(r.get("id", r.get("question_id", i))), str(r.get("category", "default")), turns))
+    return out
+
+
+def load_questions(dataset: str) -> list[Question]:
+    """All questions of a named dataset or of a JSONL file path (fields ``prompt`` or ``turns``,
+    optional ``id`` and ``category``)."""
+    if dataset in _FILES:
+        rows = _read_jsonl(data_path(_FILES[dataset]))
+        return {"spec-bench": _spec_bench, "humaneval": _humaneval, "mbpp": _mbpp}[dataset](rows)
+    path = Path(dataset)
+    if path.suffix in (".jsonl", ".gz") or path.exists():
+        if not path.is_file():
+            raise TriedecError(f"dataset file not found: {path}")
+        return _user_jsonl(_read_jsonl(path), path)
+    raise TriedecError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} or a path to a .jsonl file")
+
+
+def select(
+    questions: Sequence[Question], per_category: int | None = None, categories: Sequence[str] | None = None
+) -> list[Question]:
+    """A fixed sample: for each category (in order of first appearance), ``per_category``
+    questions at evenly spaced positions in file order (index ``floor(i * n / k)``), so the same
+    prompts are chosen on every run and machine and MT-bench's sub-categories are all covered."""
+    by_cat: dict[str, list[Question]] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    if categories:
+        unknown = sorted(set(categories) - set(by_cat))
+        if unknown:
+            raise TriedecError(f"unknown categories {unknown}; available: {', '.join(by_cat)}")
+        by_cat = {c: by_cat[c] for c in by_cat if c in categories}
+    if per_category is not None:
+        positive_int("--per-category", per_category)
+    out = []
+    for items in by_cat.values():
+        k = len(items) if per_category is None else min(per_category, len(items))
+        out += [items[i * len(items) // k] for i in range(k)]
+    return out

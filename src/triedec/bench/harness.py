@@ -1,0 +1,303 @@
+"""The benchmark protocol and its metrics.
+
+Protocol (one process, one loaded model):
+* warm-up runs of every method first (not recorded);
+* methods interleaved per prompt: prompt 1 with every method, then prompt 2, ...; the order of
+  methods rotates with each repeat so that no method always runs first;
+* ``repeats`` rotations per prompt; a sample's time is the median of its repeats;
+* wall clock with ``time.perf_counter`` (plus ``torch.cuda.synchronize`` on GPU);
+* every method's tokens are compared with the reference (``hf-greedy``) for the same prompt; a
+  mismatch is counted, and a method with mismatches is reported as wrong, never as fast.
+
+Metrics per method (overall and per category), as Spec-Bench computes them:
+* ``tokens_per_s``: mean over samples of new tokens / seconds;
+* ``speedup``: that mean divided by the reference's mean on the same samples (null if wrong);
+* ``mean_accepted``: tokens produced by decoding steps / steps (the prefill's token excluded);
+* ``steps``, ``new_tokens``, ``computed_tokens`` (tokens through the model, prompt excluded): sums;
+* ``peak_mem_mb``: the largest peak-memory increase of one run (RSS on CPU, allocated on GPU);
+* ``kv_mb``: the largest KV cache of one run (triedec: its preallocated buffers; transformers:
+  the cache tensors it returns).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from triedec.bench.datasets import Question
+from triedec.errors import TriedecError, positive_int
+from triedec.lm import LM
+
+REFERENCE = "hf-greedy"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run of one method on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    steps: int
+    computed_tokens: int
+    kv_bytes: int
+    peak_mem_bytes: int = 0
+
+
+class Runner(Protocol):
+    """A benchmarked method: ``run`` generates greedily from prompt token ids."""
+
+    label: str
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord: ...
+
+
+class _ForwardCounter:
+    """Counts forward calls and their input tokens through a forward pre-hook (public torch API)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.calls, self.tokens = model, 0, 0
+
+    def __enter__(self) -> _ForwardCounter:
+        self.handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.calls += 1
+        self.tokens += int(ids.shape[-1]) if ids is not None else 0
+
+
+class HFRunner:
+    """``transformers`` ``generate(do_sample=False)``, optionally with its prompt lookup."""
+
+    def __init__(self, lm: LM, label: str, prompt_lookup_num_tokens: int | None = None) -> None:
+        self.lm, self.label = lm, label
+        self.extra = {} if prompt_lookup_num_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
+        model = self.lm.model
+        ids = torch.tensor([prompt], device=self.lm.device)
+        pad = model.generation_config.pad_token_id
+        if pad is None:
+            pad = next(iter(self.lm.eos_token_ids), 0)
+        sync = _sync(self.lm.device)
+        with _ForwardCounter(model) as counter, torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                pad_token_id=pad, return_dict_in_generate=True, **self.extra,
+            )
+            sync()
+            seconds = time.perf_counter() - start
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        kv = out.past_key_values
+        kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)
+                       if t is not None)
+        return RunRecord(tokens, seconds, counter.calls - 1, counter.tokens - len(prompt), kv_bytes)
+
+
+class TriedecRunner:
+    """A registered triedec method with fixed options."""
+
+    def __init__(self, lm: LM, label: str, method: str, options: dict[str, Any]) -> None:
+        self.lm, self.label, self.method, self.options = lm, label, method, options
+        lm.drafter(method, **options)  # validate now, before anything runs
+
+    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
+        sync = _sync(self.lm.device)
+        start = time.perf_counter()
+        out = self.lm.generate(prompt, self.method, max_new_tokens=max_new_tokens, **self.options)
+        sync()
+        seconds = time.perf_counter() - start
+        s = out.stats
+        return RunRecord(out.token_ids, seconds, s.steps, s.computed_tokens, s.kv_bytes)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+# ---- memory -----------------------------------------------------------------------------------
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: torch.device) -> RunRecord:
+    """Run once and record the peak memory increase over the run (GPU: allocated; CPU: RSS,
+    with the kernel's peak-RSS counter reset before the run)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        rec = runner.run(prompt, max_new_tokens)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+            base = _rss_kib("VmRSS")
+        except OSError:
+            base = None
+        rec = runner.run(prompt, max_new_tokens)
+        peak = 0 if base is None else (_rss_kib("VmHWM") - base) * 1024
+    return RunRecord(rec.tokens, rec.seconds, rec.steps, rec.computed_tokens, rec.kv_bytes, max(0, peak))
+
+
+# ---- protocol ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    max_new_tokens: int = 256
+    repeats: int = 1
+    warmup: int = 1
+
+    def __post_init__(self) -> None:
+        positive_int("--max-new-tokens", self.max_new_tokens)
+        positive_int("--repeats", self.repeats)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise TriedecError(f"--warmup must be a non-negative integer, got {self.warmup!r}")
+
+
+def run_benchmark(
+    lm: LM,
+    runners: Sequence[Runner],
+    questions: Sequence[Question],
+    config: BenchConfig,
+    progress: Callable[[int], Any] | None = None,
+) -> tuple[list[dict], list[dict]]:
+    """Run the protocol; return ``(samples, skipped)``. ``runners[0]`` must be the reference.
+
+    ``progress(total)`` may return an object with ``update(n)`` and ``set_description(s)``.
+    """
+    if not runners or runners[0].label != REFERENCE:
+        raise TriedecError(f"the first method must be the reference {REFERENCE!r}")
+    labels = [r.label for r in runners]
+    if len(set(labels)) != len(labels):
+        raise TriedecError(f"methods listed twice: {labels}")
+    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    total = sum(len(q.turns) for q in questions) * len(runners) * config.repeats
+    bar = progress(total) if progress else None
+
+    if questions and config.warmup:
+        warm = lm.encode(_messages([], questions[0].turns[0], chat))
+        for _ in range(config.warmup):
+            for runner in runners:
+                runner.run(warm, min(config.max_new_tokens, 32))
+
+    samples: list[dict] = []
+    skipped: list[dict] = []
+    for q in questions:
+        history: list[dict[str, str]] = []
+        for turn_index, turn in enumerate(q.turns):
+            prompt = lm.encode(_messages(history, turn, chat))
+            if lm.max_context is not None and len(prompt) + config.max_new_tokens > lm.max_context:
+                skipped.append({"id": q.id, "turn": turn_index, "prompt_tokens": len(prompt), "why": "context"})
+                if bar:
+                    bar.update(len(runners) * config.repeats)
+                break
+            records: dict[str, list[RunRecord]] = {label: [] for label in labels}
+            for rep in range(config.repeats):
+                shift = rep % len(runners)
+                for runner in runners[shift:] + runners[:shift]:
+                    if bar:
+                        bar.set_description(f"{q.category} {q.id} {runner.label}")
+                    records[runner.label].append(measured(runner, prompt, config.max_new_tokens, lm.device))
+                    if bar:
+                        bar.update(1)
+            reference = records[REFERENCE][0].tokens
+            for label, recs in records.items():
+                first = recs[0]
+                samples.append({
+                    "id": q.id if len(q.turns) == 1 else f"{q.id}-turn{turn_index + 1}",
+                    "category": q.category,
+                    "method": label,
+                    "new_tokens": len(first.tokens),
+                    "seconds": statistics.median(r.seconds for r in recs),
+                    "seconds_all": [r.seconds for r in recs],
+                    "steps": first.steps,
+                    "computed_tokens": first.computed_tokens,
+                    "identical_to_reference": all(r.tokens == reference for r in recs),
+                    "prompt_tokens": len(prompt),
+                    "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
+                    "kv_mb": max(r.kv_bytes for r in recs) / 2**20,
+                })
+            if chat:
+                history += [{"role": "user", "content": turn},
+                            {"role": "assistant", "content": lm.tokenizer.decode(reference, skip_special_tokens=True)}]
+    if bar and hasattr(bar, "close"):
+        bar.close()
+    return samples, skipped
+
+
+def _messages(history: list[dict[str, str]], turn: str, chat: bool) -> list[dict[str, str]] | str:
+    if not chat:  # a base model: plain text, turns concatenated
+        return "\n\n".join([m["content"] for m in history] + [turn])
+    return [*history, {"role": "user", "content": turn}]
+
+
+# ---- metrics ----------------------------------------------------------------------------------
+
+
+def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
+    new = sum(r["new_tokens"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    speeds = [r["new_tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
+    return {
+        "tokens_per_s": statistics.fmean(speeds) if speeds else 0.0,
+        "mean_accepted": sum(max(r["new_tokens"] - 1, 0) for r in rows) / steps if steps else 0.0,
+        "steps": steps,
+        "new_tokens": new,
+        "computed_tokens": sum(r["computed_tokens"] for r in rows),
+        "computed_per_token": sum(r["computed_tokens"] for r in rows) / new if new else 0.0,
+        "mismatches": sum(not r["identical_to_reference"] for r in rows),
+        "peak_mem_mb": max((r["peak_mem_mb"] for r in rows), default=0.0),
+        "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
+        "samples": len(rows),
+    }
+
+
+def summarize(samples: Sequence[dict]) -> dict[str, dict[str, Any]]:
+    """Per-method metrics, ``{"overall": {...}, "by_category": {cat: {...}}}``, with speedups
+    against the reference on the same samples."""
+    methods = list(dict.fromkeys(r["method"] for r in samples))
+    categories = list(dict.fromkeys(r["category"] for r in samples))
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        mine = [r for r in samples if r["method"] == m]
+        groups = {"overall": (mine, [r for r in samples if r["method"] == REFERENCE])}
+        for c in categories:
+            groups[c] = ([r for r in mine if r["category"] == c],
+                         [r for r in samples if r["method"] == REFERENCE and r["category"] == c])
+        result: dict[str, Any] = {"by_category": {}}
+        for name, (rows, ref_rows) in groups.items():
+            if not rows:
+                continue
+            metrics = _metrics(rows)
+            ref_speed = _metrics(ref_rows)["tokens_per_s"] if ref_rows else 0.0
+            ratio = metrics["tokens_per_s"] / ref_speed if ref_speed else None
+            metrics["speedup_if_correct"] = ratio
+            metrics["speedup"] = ratio if metrics["mismatches"] == 0 else None
+            metrics["wrong"] = metrics["mismatches"] > 0
+            if name == "overall":
+                result["overall"] = metrics
+            else:
+                result["by_category"][name] = metrics
+        out[m] = result
+    return out
+

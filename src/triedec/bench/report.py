@@ -1,0 +1,151 @@
+"""Benchmark outputs: ``results.json``, ``results.md`` and PNG plots, plus the machine description."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from triedec.bench.harness import REFERENCE
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "triedec": version("triedec"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    lines = [
+        f"# triedec bench: {results['dataset']}",
+        "",
+        f"- command: `{results['command']}`",
+        f"- model: {results['model']}; max_new_tokens {results['max_new_tokens']}; repeats {results['repeats']} "
+        f"(median); {results['questions']} questions, {results['turns']} prompts",
+        f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, device {m['device']}"
+        + (f" ({m['gpu']})" if "gpu" in m else ""),
+        f"- versions: torch {m['torch']}, transformers {m['transformers']}, triedec {m['triedec']}, "
+        f"Python {m['python']}",
+        f"- speedup = mean tokens/s of the method / mean tokens/s of `{REFERENCE}` on the same prompts "
+        "(Spec-Bench's definition); MAT = tokens per decoding step; computed/token = tokens through the "
+        "model (prompt excluded) per generated token.",
+        "",
+        "| method | tokens/s | speedup | MAT | steps | computed/token | mismatches | peak mem MB | KV MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results["methods"].items():
+        o = res["overall"]
+        speed = f"**WRONG** ({o['mismatches']} mismatches)" if o["wrong"] else f"{_fmt(o['speedup'])}x"
+        lines.append(
+            f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {speed} | {_fmt(o['mean_accepted'])} | {o['steps']} | "
+            f"{_fmt(o['computed_per_token'])} | {o['mismatches']} | {_fmt(o['peak_mem_mb'], 0)} | "
+            f"{_fmt(o['kv_mb'], 1)} |"
+        )
+    categories = list(dict.fromkeys(c for r in results["methods"].values() for c in r["by_category"]))
+    lines += ["", "Speedup by category (WRONG = output differs from the reference):", "",
+              "| method | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]
+    for name, res in results["methods"].items():
+        cells = []
+        for c in categories:
+            cm = res["by_category"].get(c)
+            cells.append("" if cm is None else ("WRONG" if cm["wrong"] else f"{_fmt(cm['speedup'])}x"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if results.get("skipped"):
+        lines += ["", f"Skipped (prompt + max_new_tokens beyond the model's context): {len(results['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], samples: Sequence[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    names = list(methods)
+    categories = list(dict.fromkeys(c for r in methods.values() for c in r["by_category"]))
+    files = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(categories) + 2), 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        vals = [(methods[name]["by_category"].get(c) or {}).get("speedup_if_correct") or 0.0 for c in categories]
+        wrong = methods[name]["overall"]["wrong"]
+        ax.bar([j + i * width for j in range(len(categories))], vals, width,
+               label=name + (" (WRONG)" if wrong else ""), hatch="xx" if wrong else None)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(categories))], categories, rotation=20)
+    ax.set_ylabel(f"speedup vs {REFERENCE}")
+    ax.set_title("Speedup per category")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out / "speedup_by_category.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names) + 2), 3.5))
+    ax.bar(names, [methods[n]["overall"]["mean_accepted"] for n in names], color="tab:green")
+    ax.set_ylabel("mean accepted tokens per step")
+    ax.set_title("MAT per method")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    files.append(out / "mean_accepted.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in names:
+        rows = [r for r in samples if r["method"] == name and r["seconds"] > 0]
+        ax.scatter([r["prompt_tokens"] for r in rows], [r["new_tokens"] / r["seconds"] for r in rows],
+                   label=name, s=14, alpha=0.75)
+    ax.set_xlabel("context length (prompt tokens)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Speed against context length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(out / "tokens_per_s_vs_context.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    return [out / "results.json", out / "results.md", *plots(results, results["samples"], out)]
