@@ -46,7 +46,8 @@ def test_prompt_lookup_deduplicates_continuations():
 
 @pytest.mark.parametrize(
     "kwargs", [dict(max_ngram=0), dict(num_tokens=-1), dict(num_matches=0), dict(min_ngram=4, max_ngram=3),
-               dict(num_tokens=1.5), dict(max_ngram=True)]
+               dict(num_tokens=1.5), dict(max_ngram=True),
+               dict(min_expected=-1.0), dict(min_expected=float("nan")), dict(min_expected="1")]
 )
 def test_prompt_lookup_bad_options(kwargs):
     with pytest.raises(TriedecError):

@@ -88,7 +88,7 @@ def bench(
     out: Path,
     per_category: int | None = None,
     categories: Sequence[str] | None = None,
-    config: BenchConfig = BenchConfig(),
+    config: BenchConfig | None = None,
     model_name: str = "default",
     option_defaults: Mapping[str, Mapping[str, object]] | None = None,
     extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
@@ -99,6 +99,7 @@ def bench(
 
     The reference ``hf-greedy`` is always run first (added if missing).
     """
+    config = config or BenchConfig()
     entries = [m.strip() for m in methods if m.strip()]
     if not entries:
         raise TriedecError("no methods given")

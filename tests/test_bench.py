@@ -1,0 +1,153 @@
+"""triedec bench: end to end on a tiny random model, metrics arithmetic, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from triedec.bench.datasets import load_questions, select
+from triedec.bench.harness import RunRecord, TriedecRunner, summarize
+from triedec.cli import main
+from triedec.errors import TriedecError
+
+SCHEMA_KEYS = {"tokens_per_s", "speedup", "mean_accepted", "steps", "new_tokens", "computed_tokens",
+               "mismatches", "peak_mem_mb"}
+
+
+class CorruptingRunner:
+    """Test-only method: triedec's pld, with one output token changed."""
+
+    def __init__(self, lm, label):
+        self.label = label
+        self.inner = TriedecRunner(lm, label, "pld", {})
+
+    def run(self, prompt, max_new_tokens):
+        rec = self.inner.run(prompt, max_new_tokens)
+        tokens = list(rec.tokens)
+        tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % 1000
+        return RunRecord(tokens, rec.seconds, rec.steps, rec.computed_tokens, rec.kv_bytes)
+
+
+@pytest.fixture(scope="module")
+def two_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "two.jsonl"
+    rows = [{"id": "a", "category": "chat", "turns": ["Say hello.", "Now say it again, louder."]},
+            {"id": "b", "category": "copy", "prompt": "Repeat: one two three one two three one two"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts, capsys):
+    out = tmp_path / "out"
+    code = main(
+        ["bench", "--model", str(tiny_model_dir), "--dataset", str(two_prompts), "--methods",
+         "hf-greedy,hf-pld,ar,pld,pld:num_tokens=4,corrupt", "--max-new-tokens", "12", "--repeats", "2",
+         "--out", str(out), "--no-progress"],
+        extra_runners={"corrupt": CorruptingRunner},
+    )
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    for key in ("machine", "model", "dataset", "max_new_tokens", "repeats", "methods", "samples"):
+        assert key in results
+    assert results["max_new_tokens"] == 12 and results["repeats"] == 2
+    assert set(results["machine"]) >= {"cpu", "torch_threads", "device", "torch", "transformers", "triedec"}
+    assert list(results["methods"]) == ["hf-greedy", "hf-pld", "ar", "pld", "pld:num_tokens=4", "corrupt"]
+    for res in results["methods"].values():
+        assert set(res["overall"]) >= SCHEMA_KEYS
+        assert set(res["by_category"]) == {"chat", "copy"}
+        for cat in res["by_category"].values():
+            assert set(cat) >= SCHEMA_KEYS
+    assert len(results["samples"]) == 3 * 6  # 3 prompts (two turns + one) x 6 methods
+    for s in results["samples"]:
+        assert {"id", "category", "method", "new_tokens", "seconds", "steps", "identical_to_reference"} <= set(s)
+        assert len(s["seconds_all"]) == 2
+    ok = {n: r for n, r in results["methods"].items() if n != "corrupt"}
+    assert all(r["overall"]["mismatches"] == 0 and r["overall"]["speedup"] is not None for r in ok.values())
+    bad = results["methods"]["corrupt"]["overall"]
+    assert bad["mismatches"] == 3 and bad["wrong"] is True and bad["speedup"] is None
+    assert results["methods"]["hf-greedy"]["overall"]["speedup"] == pytest.approx(1.0)
+    for name in ("results.md", "speedup_by_category.png", "mean_accepted.png", "tokens_per_s_vs_context.png"):
+        assert (out / name).stat().st_size > 0
+    md = (out / "results.md").read_text()
+    assert "**WRONG** (3 mismatches)" in md
+    assert "WRONG" in capsys.readouterr().out
+
+
+def row(method, category, new_tokens, seconds, steps, identical=True, computed=None):
+    return {"method": method, "category": category, "new_tokens": new_tokens, "seconds": seconds, "steps": steps,
+            "computed_tokens": steps if computed is None else computed, "identical_to_reference": identical,
+            "peak_mem_mb": 1.0, "kv_mb": 0.5}
+
+
+def test_speedup_arithmetic_on_hand_made_timings():
+    samples = [
+        row("hf-greedy", "x", 100, 10.0, 99), row("hf-greedy", "y", 50, 2.0, 49),   # 10 and 25 tok/s
+        row("fast", "x", 100, 5.0, 33, computed=330), row("fast", "y", 50, 1.0, 7),  # 20 and 50 tok/s
+        row("bad", "x", 100, 1.0, 10), row("bad", "y", 50, 1.0, 10, identical=False),
+    ]
+    res = summarize(samples)
+    ref = res["hf-greedy"]["overall"]
+    assert ref["tokens_per_s"] == pytest.approx(17.5) and ref["speedup"] == pytest.approx(1.0)
+    fast = res["fast"]
+    assert fast["overall"]["tokens_per_s"] == pytest.approx(35.0)
+    assert fast["overall"]["speedup"] == pytest.approx(2.0)  # ratio of mean tokens/s
+    assert fast["by_category"]["x"]["speedup"] == pytest.approx(2.0)
+    assert fast["by_category"]["y"]["speedup"] == pytest.approx(2.0)
+    assert fast["overall"]["mean_accepted"] == pytest.approx((99 + 49) / 40)
+    assert fast["overall"]["computed_tokens"] == 337
+    assert fast["overall"]["computed_per_token"] == pytest.approx(337 / 150)
+    assert res["bad"]["overall"]["speedup"] is None and res["bad"]["overall"]["wrong"]
+    assert res["bad"]["by_category"]["x"]["speedup"] == pytest.approx(100 / 10)  # correct there
+    assert res["bad"]["by_category"]["y"]["speedup"] is None
+
+
+def test_spec_bench_sample_is_fixed_and_covers_categories():
+    qs = select(load_questions("spec-bench"), per_category=5)
+    cats = {}
+    for q in qs:
+        cats.setdefault(q.category, []).append(q.id)
+    assert list(cats) == ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
+    assert all(len(v) == 5 for v in cats.values())
+    assert cats["mt_bench"] == ["81", "97", "113", "129", "145"]
+    assert [len(q.turns) for q in qs if q.category == "mt_bench"] == [2] * 5
+    assert qs == select(load_questions("spec-bench"), per_category=5)
+    assert len(select(load_questions("humaneval"), per_category=3)) == 3
+    assert {q.category for q in select(load_questions("mbpp"), per_category=2)} == {"mbpp"}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dataset", "nope"], "unknown dataset"),
+        (["--dataset", "missing.jsonl"], "not found"),
+        (["--methods", "hf-greedy,warp"], "unknown method"),
+        (["--methods", "pld:bogus=1"], "unknown option"),
+        (["--methods", "pld:num_tokens=x"], "cannot read"),
+        (["--methods", "hf-pld:num_tokens=0"], "num_tokens"),
+        (["--categories", "poetry"], "unknown categories"),
+        (["--per-category", "0"], "per-category"),
+        (["--repeats", "0"], "repeats"),
+        (["--max-new-tokens", "-1"], "max-new-tokens"),
+    ],
+)
+def test_bench_bad_input(tmp_path, tiny_model_dir, capsys, argv, message):
+    code = main(["bench", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(TriedecError, match="cannot read"):
+        load_questions(str(bad))
+    empty_prompt = tmp_path / "e.jsonl"
+    empty_prompt.write_text('{"prompt": ""}\n')
+    with pytest.raises(TriedecError, match="prompt"):
+        load_questions(str(empty_prompt))
+    binary = tmp_path / "b.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x00")
+    with pytest.raises(TriedecError, match="cannot read"):
+        load_questions(str(binary))
