@@ -32,7 +32,7 @@ from triedec.tree import TokenTree
 class PromptLookupOptions:
     max_ngram: int = 3
     """longest suffix n-gram to match"""
-    min_ngram: int = 1
+    min_ngram: int = 2
     """shortest suffix n-gram to fall back to"""
     num_tokens: int = 10
     """tokens proposed per matched continuation"""
@@ -90,8 +90,9 @@ class PromptLookupDrafter:
     """optimistic initial estimate of accepted draft tokens, for every n-gram length"""
     ALPHA = 0.2
     """EMA weight of a new observation"""
-    RELAX = 0.05
-    """how far a skipped length's estimate moves back toward the prior"""
+    RELAX = 0.01
+    """how far a skipped length's estimate moves back toward the prior: a length whose drafts keep
+    failing is probed again about once every 15-20 opportunities"""
 
     def __init__(self, options: PromptLookupOptions, model: ModelInfo) -> None:
         del model
