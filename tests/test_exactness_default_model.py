@@ -78,7 +78,8 @@ def test_pld_equals_ar_equals_transformers(default_lm, index):
 def test_pld_variants_and_eager_attention(default_lm):
     prompt = PROMPTS[6]
     truth = hf_generate(default_lm, default_lm.encode(prompt), 48)
-    for opts in ({"max_ngram": 1, "num_tokens": 4, "num_matches": 6}, {"num_tokens": 30, "num_matches": 1}):
+    for opts in ({"max_ngram": 1, "min_ngram": 1, "num_tokens": 4, "num_matches": 6, "min_expected": 0.0},
+                 {"min_ngram": 1, "num_tokens": 30, "num_matches": 1, "min_expected": 0.0}):
         assert default_lm.generate(prompt, "pld", max_new_tokens=48, **opts).token_ids == truth
     eager = triedec.load(attn_implementation="eager")
     assert eager.generate(prompt, "pld", max_new_tokens=48).token_ids == truth

@@ -77,7 +77,12 @@ def prompts(seed: int, count: int, vocab: int = TINY_VOCAB):
 def test_registered_methods_equal_transformers_greedy(name):
     model = MODELS[name]()
     info = ModelInfo(TINY_VOCAB, torch.device("cpu"))
-    pld_variants = [{}, {"max_ngram": 1, "num_tokens": 3, "num_matches": 5}, {"num_tokens": 20, "num_matches": 1}]
+    pld_variants = [  # min_expected=0: always draft when there is a match, to exercise verification
+        {},
+        {"min_expected": 0.0},
+        {"max_ngram": 1, "min_ngram": 1, "num_tokens": 3, "num_matches": 5, "min_expected": 0.0},
+        {"min_ngram": 1, "num_tokens": 20, "num_matches": 1, "min_expected": 0.0},
+    ]
     for i, prompt in enumerate(prompts(seed=hash(name) % 1000, count=12)):
         new = [24, 40][i % 2]
         truth = hf_greedy(model, prompt, new)
