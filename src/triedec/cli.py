@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from triedec.drafters import methods
+from triedec.drafters.base import parse_option_value
 from triedec.errors import TriedecError
 
 DEFAULT_THREADS = 2
@@ -30,32 +31,38 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 _option_flag(name, field.name),
                 dest=f"opt:{name}:{field.name}",
-                type=_bool if kind is bool else kind,
+                type=lambda text, default=field.default: _option_value(text, default),
                 default=None,
                 metavar=kind.__name__.upper(),
                 help=f"{name}: {field.name} (default {field.default})",
             )
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _option_value(text: str, default: object) -> object:
+    try:
+        return parse_option_value(text, default)
+    except TriedecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def given_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The ``--METHOD-OPTION`` flags given, as ``{method: {option: value}}``."""
+    given: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("opt:") and value is not None:
+            _, owner, option = key.split(":")
+            given.setdefault(owner, {})[option] = value
+    return given
 
 
 def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """The ``--METHOD-OPTION`` values given for ``method``; refuses options of other methods."""
-    chosen: dict[str, Any] = {}
-    for key, value in vars(args).items():
-        if not key.startswith("opt:") or value is None:
-            continue
-        _, owner, option = key.split(":")
+    given = given_options(args)
+    for owner, options in given.items():
         if owner != method:
-            raise TriedecError(f"{_option_flag(owner, option)} is an option of method {owner!r}, not {method!r}")
-        chosen[option] = value
-    return chosen
+            flag = _option_flag(owner, next(iter(options)))
+            raise TriedecError(f"{flag} is an option of method {owner!r}, not {method!r}")
+    return given.get(method, {})
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -188,11 +195,7 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
     if args.per_category is not None and args.per_category < 1:
         raise TriedecError(f"--per-category must be a positive integer, got {args.per_category}")
-    defaults: dict[str, dict[str, Any]] = {}
-    for key, value in vars(args).items():
-        if key.startswith("opt:") and value is not None:
-            _, owner, option = key.split(":")
-            defaults.setdefault(owner, {})[option] = value
+    defaults = given_options(args)
     from triedec.bench.datasets import load_questions, select
 
     categories = args.categories.split(",") if args.categories else None

@@ -13,6 +13,7 @@ from triedec.bench.datasets import DATASETS, Question, load_questions, select
 from triedec.bench.harness import REFERENCE, BenchConfig, HFRunner, Runner, TriedecRunner, run_benchmark, summarize
 from triedec.bench.report import machine_info, write_outputs
 from triedec.drafters import method_spec
+from triedec.drafters.base import parse_option_value
 from triedec.errors import TriedecError
 from triedec.lm import LM
 
@@ -20,18 +21,6 @@ HF_METHODS = ("hf-greedy", "hf-pld")
 HF_PLD_DEFAULT_TOKENS = 10
 
 __all__ = ["DATASETS", "HF_METHODS", "REFERENCE", "BenchConfig", "Question", "bench", "parse_method_entry"]
-
-
-def _convert(text: str, default: object, where: str) -> object:
-    kind = type(default) if default is not None else str
-    try:
-        if kind is bool:
-            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("1", "true", "yes")
-        return kind(text)
-    except ValueError as exc:
-        raise TriedecError(f"{where}: cannot read {text!r} as {kind.__name__}") from exc
 
 
 def parse_method_entry(entry: str) -> tuple[str, dict[str, str]]:
@@ -46,6 +35,13 @@ def parse_method_entry(entry: str) -> tuple[str, dict[str, str]]:
             raise TriedecError(f"method entry {entry!r}: expected key=value after ':', got {part!r}")
         options[key.replace("-", "_")] = value
     return name, options
+
+
+def _inline_value(text: str, default: object, entry: str) -> object:
+    try:
+        return parse_option_value(text, default)
+    except TriedecError as exc:
+        raise TriedecError(f"{entry}: {exc}") from exc
 
 
 def make_runner(
@@ -66,7 +62,7 @@ def make_runner(
         unknown = set(inline) - {"num_tokens"}
         if unknown:
             raise TriedecError(f"unknown option(s) {sorted(unknown)} for hf-pld; valid options: num_tokens")
-        n = _convert(inline.get("num_tokens", str(HF_PLD_DEFAULT_TOKENS)), 0, entry)
+        n = _inline_value(inline.get("num_tokens", str(HF_PLD_DEFAULT_TOKENS)), HF_PLD_DEFAULT_TOKENS, entry)
         if n < 1:
             raise TriedecError(f"{entry}: num_tokens must be positive")
         return HFRunner(lm, entry, prompt_lookup_num_tokens=n)
@@ -76,7 +72,7 @@ def make_runner(
     for key, value in inline.items():
         if key not in fields:
             spec.make_options({key: value})  # raises the standard unknown-option error
-        options[key] = _convert(value, fields[key], entry)
+        options[key] = _inline_value(value, fields[key], entry)
     return TriedecRunner(lm, entry, name, options)
 
 

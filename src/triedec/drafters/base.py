@@ -84,6 +84,21 @@ class MethodSpec:
         return self.options(**values)
 
 
+def parse_option_value(text: str, default: object) -> object:
+    """Read an option given as text (CLI flag, ``name:key=value``) as the type of its default."""
+    kind = type(default) if default is not None else str
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise TriedecError(f"expected true or false, got {text!r}")
+    try:
+        return kind(text)
+    except ValueError as exc:
+        raise TriedecError(f"cannot read {text!r} as {kind.__name__}") from exc
+
+
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
