@@ -17,8 +17,10 @@ Quirks handled here (checked on transformers 5.x):
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import PreTrainedModel
@@ -116,6 +118,18 @@ class ModelAdapter:
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._sdpa = attn == "sdpa"
 
+    @cached_property
+    def model_id(self) -> str:
+        """A fingerprint of the weights: architecture, shapes, and the signs of a sample of the
+        input embeddings (kept exactly by any float dtype, so the same model gets the same id
+        whatever its path or dtype)."""
+        emb = self.model.get_input_embeddings().weight
+        rows = torch.linspace(0, emb.shape[0] - 1, 64).long().to(emb.device)
+        digest = hashlib.sha256()
+        digest.update(f"{type(self.model).__name__}|{tuple(emb.shape)}|{self.vocab_size}|{self._num_layers()}".encode())
+        digest.update((emb.detach()[rows] > 0).cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
 
@@ -130,17 +144,17 @@ class ModelAdapter:
         return masks if self.layout.per_type else next(iter(masks.values()))
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, tokens: torch.Tensor, last_only: bool = True) -> torch.Tensor:
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, keep_last: int = 1) -> torch.Tensor:
         """Causal forward of ``tokens [T]`` at positions ``0..T-1`` on an empty ``cache``.
 
         transformers builds the (causal, sliding-window) masks itself here; the T slots are left
-        pending. Returns logits ``[1, vocab]`` (last token) or ``[T, vocab]``.
+        pending. Returns the logits of the last ``keep_last`` tokens: ``[min(keep_last, T), vocab]``.
         """
         if cache.length or cache.pending:
             raise TriedecError("prefill needs an empty cache")
         positions = torch.arange(tokens.numel())
         cache.stage(positions)
-        return self._run(tokens, positions, cache, None, last_only)
+        return self._run(tokens, positions, cache, None, max(1, min(keep_last, tokens.numel())))
 
     @torch.inference_mode()
     def forward(
@@ -167,7 +181,7 @@ class ModelAdapter:
         # decode step does).
         plain = n == 1 and self._sdpa and self.layout.no_windows and bool(visible.all())
         masks = None if plain else self._masks(cache, visible)
-        return self._run(tokens, positions, cache, masks, last_only)
+        return self._run(tokens, positions, cache, masks, 1 if last_only else n)
 
     def _run(
         self,
@@ -175,13 +189,13 @@ class ModelAdapter:
         positions: torch.Tensor,
         cache: KVCache,
         masks: torch.Tensor | dict[str, torch.Tensor] | None,
-        last_only: bool,
+        keep_last: int,
     ) -> torch.Tensor:
-        """The model call; ``cache`` has the T pending slots staged."""
+        """The model call; ``cache`` has the T pending slots staged. Logits ``[keep_last, vocab]``."""
         hf_cache = Cache(layers=[_SlotLayer(cache, i) for i in range(self._num_layers())])
         kwargs = {}
-        if last_only and self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+        if keep_last < tokens.numel() and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep_last  # the LM head runs on these positions only
         out = self.model(
             input_ids=tokens.to(self.device)[None],
             position_ids=positions.to(self.device)[None],
@@ -191,7 +205,7 @@ class ModelAdapter:
             **kwargs,
         )
         logits = out.logits[0]
-        return logits[-1:].float() if last_only else logits.float()
+        return logits[-keep_last:].float()
 
     def _num_layers(self) -> int:
         return int(self.config.get_text_config().num_hidden_layers)

@@ -13,10 +13,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from triedec.accept import accept_greedy
+from triedec.accept import Acceptance, accept_greedy
 from triedec.adapter import ModelAdapter
 from triedec.drafters.base import Drafter, Verified
 from triedec.errors import TriedecError, positive_int
+from triedec.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,10 @@ class DecodeStats:
     * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
       ``ar``, higher when drafts are accepted;
     * ``computed_tokens``: tokens that went through the model, prompt excluded (tree nodes);
-    * ``seconds``: wall clock from the start of prefill to the last token.
+    * ``seconds``: wall clock from the start of prefill to the last token;
+    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
+      accepted at least d draft tokens;
+    * ``drafter``: the drafter's own counters (:meth:`Drafter.stats`).
     """
 
     new_tokens: int = 0
@@ -82,6 +86,8 @@ class DecodeStats:
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
+    acceptance_by_depth: list[float] = field(default_factory=list)
+    drafter: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -102,21 +108,37 @@ def speculative_decode(
     autoregressive decoding.
 
     Yields the newly committed tokens after prefill and after every step; returns the stats.
-    Mutates only the drafter's state (through ``begin``/``observe``).
+    Mutates only the drafter's state (through its protocol methods).
     """
-    sync = _synchronizer(adapter.device)
-    start = time.perf_counter()
     prompt = [int(t) for t in prompt]
     drafter.begin(prompt, documents)
+    try:
+        return (yield from _decode(adapter, drafter, prompt, stop))
+    finally:
+        drafter.end()
+
+
+def _decode(
+    adapter: ModelAdapter, drafter: Drafter, prompt: list[int], stop: StopRule
+) -> Generator[list[int], None, DecodeStats]:
+    sync = _synchronizer(adapter.device)
+    start = time.perf_counter()
     cache = adapter.new_cache(len(prompt) + stop.max_new_tokens + MAX_TREE_NODES)
 
     # Prefill: the prompt's KV, and the first new token from its last logits.
-    logits = adapter.prefill(cache, torch.tensor(prompt))
+    logits = adapter.prefill(cache, torch.tensor(prompt), keep_last=drafter.prefill_logits)
     cache.commit(range(len(prompt)))
-    generated, reason = stop.cut([], [int(logits[-1].argmax())])
+    first = int(logits[-1].argmax())
+    if drafter.prefill_logits > 0:  # the prompt's tail, seen as a fully accepted chain
+        tail = prompt[-len(logits) :]
+        chain = TokenTree(tuple(tail), tuple(range(-1, len(tail) - 1)))
+        drafter.observe(Verified(chain, logits, Acceptance(tuple(range(len(tail))), (*tail[1:], first))))
+    generated, reason = stop.cut([], [first])
     sync()
     stats = DecodeStats(prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     yield list(generated)
+    reached = [0] * (MAX_TREE_NODES + 1)  # reached[d]: steps whose tree had depth >= d
+    accepted_at = [0] * (MAX_TREE_NODES + 1)  # accepted_at[d]: steps that accepted >= d drafts
 
     while reason is None:
         context = prompt + generated
@@ -139,6 +161,10 @@ def speculative_decode(
         stats.steps += 1
         stats.computed_tokens += tree.size
         stats.accepted_per_step.append(len(new))
+        for d in range(1, tree.max_depth + 1):
+            reached[d] += 1
+        for d in range(1, len(acceptance.path)):
+            accepted_at[d] += 1
         yield new
 
     sync()
@@ -149,6 +175,8 @@ def speculative_decode(
     stats.stop_reason = reason
     stats.peak_kv_tokens = cache.peak
     stats.kv_bytes = cache.peak * cache.bytes_per_slot()
+    stats.acceptance_by_depth = [accepted_at[d] / reached[d] for d in range(1, len(reached)) if reached[d]]
+    stats.drafter = drafter.stats()
     return stats
 
 

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from triedec.adapter import ModelAdapter
+from triedec.calibration import Calibration, load_or_calibrate
 from triedec.drafters import ModelInfo, method_spec
 from triedec.drafters.base import Drafter
 from triedec.engine import DecodeStats, StopRule, speculative_decode
 from triedec.errors import TriedecError, positive_int
-from triedec.models import load_hf
+from triedec.models import cache_root, load_hf
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 
@@ -36,11 +37,13 @@ class LM:
     online drafters stay warm across ``generate`` calls.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model)
+        self.cache_dir = cache_root(cache_dir)
         self._drafters: dict[tuple[str, object], Drafter] = {}
+        self._calibration: Calibration | None = None
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if gen_eos is None:
             gen_eos = tokenizer.eos_token_id
@@ -48,6 +51,30 @@ class LM:
             [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         )
         self.max_context: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    # ---- calibration --------------------------------------------------------------------------
+
+    def calibration(self) -> Calibration:
+        """This model's device calibration (cost curve, tree sizes): read from the cache
+        directory, or measured once (a minute or two) and cached. See :mod:`triedec.calibration`."""
+        if self._calibration is None:
+            self._calibration = load_or_calibrate(self, self.cache_dir)
+        return self._calibration
+
+    def recalibrate(self, **kwargs: Any) -> Calibration:
+        """Measure the calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and cache it.
+        Drafters already created keep the tree size they were created with."""
+        self._calibration = load_or_calibrate(self, self.cache_dir, force=True, **kwargs)
+        return self._calibration
+
+    def model_info(self, calibrated: bool = True) -> ModelInfo:
+        """What drafters get to know about this model (see :class:`~triedec.drafters.ModelInfo`)."""
+        return ModelInfo(self.adapter.vocab_size, self.adapter.device, self.adapter.model_id,
+                         self.calibration if calibrated else None)
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -83,7 +110,7 @@ class LM:
         opts = spec.make_options(options)
         key = (method, opts)
         if key not in self._drafters:
-            self._drafters[key] = spec.factory(opts, ModelInfo(self.adapter.vocab_size, self.adapter.device))
+            self._drafters[key] = spec.factory(opts, self.model_info())
         return self._drafters[key]
 
     def stream(
@@ -210,4 +237,4 @@ def load(
     hf_model, tokenizer = load_hf(
         model, dtype=dtype, device=device, attn_implementation=attn_implementation, cache_dir=cache_dir
     )
-    return LM(hf_model, tokenizer)
+    return LM(hf_model, tokenizer, cache_dir=cache_dir)

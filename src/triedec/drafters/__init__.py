@@ -3,8 +3,9 @@
 Importing this package registers every built-in method.
 """
 
-from triedec.drafters import autoregressive, prompt_lookup
+from triedec.drafters import autoregressive, prompt_lookup, recycling
 from triedec.drafters.base import (
+    BaseDrafter,
     Drafter,
     MethodSpec,
     ModelInfo,
@@ -15,6 +16,7 @@ from triedec.drafters.base import (
 )
 
 __all__ = [
+    "BaseDrafter",
     "Drafter",
     "MethodSpec",
     "ModelInfo",
@@ -23,5 +25,6 @@ __all__ = [
     "method_spec",
     "methods",
     "prompt_lookup",
+    "recycling",
     "register",
 ]

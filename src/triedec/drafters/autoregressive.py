@@ -9,20 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from triedec.drafters.base import ModelInfo, NoOptions, Verified, register
+from triedec.drafters.base import BaseDrafter, ModelInfo, NoOptions, register
 from triedec.tree import TokenTree
 
 
 @register("ar", NoOptions, "greedy autoregressive decoding (the reference; one token per forward)")
-class Autoregressive:
+class Autoregressive(BaseDrafter):
     def __init__(self, options: NoOptions, model: ModelInfo) -> None:
         del options, model
 
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
-        """Stateless."""
-
     def propose(self, context: Sequence[int]) -> TokenTree:
         return TokenTree.root_only(context[-1])
-
-    def observe(self, verified: Verified) -> None:
-        """Nothing to learn."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -23,13 +23,28 @@ from triedec.accept import Acceptance
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
 
+if TYPE_CHECKING:
+    from triedec.calibration import Calibration
+
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What a drafter may know about the target model: nothing about its internals."""
+    """What a drafter may know about the target model: nothing about its internals.
+
+    ``model_id`` fingerprints the weights (to tag saved drafter state); ``calibration`` returns the
+    device calibration of this model (measured once and cached; see :mod:`triedec.calibration`),
+    for drafters that size their trees from it.
+    """
 
     vocab_size: int
     device: torch.device
+    model_id: str = ""
+    calibration: Callable[[], Calibration] | None = field(default=None, compare=False)
+
+    def require_calibration(self) -> Calibration:
+        if self.calibration is None:
+            raise TriedecError("this drafter setting needs a device calibration, and none is available here")
+        return self.calibration()
 
 
 @dataclass(frozen=True)
@@ -47,19 +62,52 @@ class Verified:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Model-free draft proposer.
+    """Model-free draft proposer. The engine calls, per request:
 
     * ``begin(prompt, documents)`` -- a new request starts (per-request state is reset here;
       state meant to outlive requests, such as a hot-started table, is kept);
-    * ``propose(context)`` -- a tree rooted at ``context[-1]`` (context = prompt + generated);
-    * ``observe(verified)`` -- what the model computed for that tree (online drafters learn here).
+    * if ``prefill_logits`` > 0: ``observe`` once with the prompt's last ``prefill_logits`` tokens
+      as a verified chain, with their prefill logits ``[min(prefill_logits, len(prompt)), vocab]``;
+    * per step, ``propose(context)`` -- a tree rooted at ``context[-1]`` (context = prompt +
+      generated) -- then ``observe(verified)`` -- what the model computed for that tree;
+    * ``end()`` -- the request is over (also when the caller stops early);
+
+    and ``stats()`` for drafter-specific counters to report. :class:`BaseDrafter` supplies no-op
+    defaults for everything but ``propose``.
     """
+
+    prefill_logits: int
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None: ...
 
     def propose(self, context: Sequence[int]) -> TokenTree: ...
 
     def observe(self, verified: Verified) -> None: ...
+
+    def end(self) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+class BaseDrafter:
+    """No-op defaults for the optional parts of the :class:`Drafter` protocol."""
+
+    prefill_logits: int = 0
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+        """Nothing to reset."""
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        raise NotImplementedError
+
+    def observe(self, verified: Verified) -> None:
+        """Nothing to learn."""
+
+    def end(self) -> None:
+        """Nothing to flush."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
 
 @dataclass(frozen=True)

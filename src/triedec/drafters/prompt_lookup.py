@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from triedec.drafters.base import ModelInfo, Verified, register
+from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -85,7 +85,7 @@ def find_matches(context: Sequence[int], options: PromptLookupOptions) -> list[t
 
 
 @register("pld", PromptLookupOptions, "prompt lookup: continuations of suffix n-gram matches, merged into a trie")
-class PromptLookupDrafter:
+class PromptLookupDrafter(BaseDrafter):
     PRIOR = 2.0
     """optimistic initial estimate of accepted draft tokens, for every n-gram length"""
     ALPHA = 0.2
@@ -123,3 +123,7 @@ class PromptLookupDrafter:
             accepted = len(verified.acceptance.path) - 1
             estimate = self.expected.get(n, self.PRIOR)
             self.expected[n] = estimate + self.ALPHA * (accepted - estimate)
+
+    def stats(self) -> dict[str, float]:
+        """The running mean of accepted draft tokens per matched n-gram length."""
+        return {f"expected_accepted_n{n}": v for n, v in sorted(self.expected.items())}

@@ -1,0 +1,337 @@
+"""Method ``recycling``: Token Recycling (Luo et al., ACL 2025).
+
+The model's top-k next-token candidates at every verified position are "recycled" into an
+adjacency matrix ``[vocab, k]``: row t holds the k candidates most recently seen after token t.
+Each step a static tree template is filled breadth-first from the matrix, starting at the last
+committed token: node ``(r1, ..., rd)`` is the r_d-th candidate after the token of node
+``(r1, ..., r(d-1))``. One gather per template layer builds the whole tree.
+
+* **Update** (after every verification): every tree position -- the root and every draft node,
+  accepted or not -- writes the top-k of its logits into the row of its token. When a token occurs
+  at several positions, the last one in tree order (breadth-first) wins.
+* **Cold rows** (never written) propose nothing: a node whose parent's row is cold is dropped
+  with its subtree, instead of drafting token 0.
+* **Tree size.** :data:`PAPER_TREE` is the paper's 80-node template (sized for an A100). ``nodes=N``
+  keeps its N nodes most likely to be accepted, ranked by acceptance rates measured by
+  ``triedec calibrate``; ``nodes=0`` (default) takes the N that the calibration found fastest on
+  this device (calibrating on first use).
+* **Hot start.** The matrix lives as long as the drafter (one per loaded model and option set), so
+  later requests start warm; ``state=PATH`` also loads it from a file at start (if the file
+  exists) and saves it there after every request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.errors import TriedecError, positive_int
+from triedec.tree import TokenTree
+
+PAPER_TREE: tuple[tuple[int, ...], ...] = (
+    # depth 1 (8)
+    (0,), (1,), (2,), (3,), (4,), (5,), (6,), (7,),
+    # depth 2 (21)
+    (0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (1, 0), (1, 1), (1, 2), (1, 3),
+    (2, 0), (2, 1), (2, 2), (3, 0), (3, 1), (4, 0), (5, 0), (6, 0), (7, 0),
+    # depth 3 (25)
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 5), (0, 0, 6), (0, 0, 7),
+    (0, 1, 0), (0, 1, 1), (0, 1, 2), (0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 4, 0), (0, 5, 0), (0, 6, 0),
+    (0, 7, 0), (1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (3, 0, 0), (4, 0, 0), (5, 0, 0),
+    # depth 4 (15)
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 3), (0, 0, 0, 4), (0, 0, 1, 0), (0, 0, 1, 1),
+    (0, 0, 2, 0), (0, 0, 3, 0), (0, 0, 4, 0), (0, 1, 0, 0), (0, 2, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0),
+    (3, 0, 0, 0),
+    # depth 5 (8)
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 2), (0, 0, 0, 1, 0), (0, 0, 0, 2, 0), (0, 0, 1, 0, 0),
+    (0, 1, 0, 0, 0), (1, 0, 0, 0, 0),
+    # depth 6 (3)
+    (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0),
+)
+"""The paper's static draft tree ("2.2.2": 80 nodes, depth 6, 40 leaves), each node written as its
+path of candidate ranks from the root."""
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """A static tree shape: each node is its path of candidate ranks from the root (the root
+    itself is implicit). Validated on construction; nodes are kept in breadth-first order."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        paths = tuple(tuple(int(r) for r in p) for p in self.paths)
+        if len(set(paths)) != len(paths):
+            raise TriedecError("a tree template lists a node twice")
+        known = set(paths)
+        for p in paths:
+            if not p or any(r < 0 for r in p):
+                raise TriedecError(f"template node {p}: a path of non-negative ranks is needed")
+            if len(p) > 1 and p[:-1] not in known:
+                raise TriedecError(f"template node {p} has no parent {p[:-1]} in the template")
+        object.__setattr__(self, "paths", tuple(sorted(paths, key=len)))  # stable: BFS order
+
+    @property
+    def size(self) -> int:
+        """Draft nodes (the root excluded)."""
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    @cached_property
+    def parents(self) -> tuple[int, ...]:
+        """Parent of node i+1 in tree numbering (root = 0, template node i = i + 1)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        return tuple(index[p[:-1]] if len(p) > 1 else 0 for p in self.paths)
+
+    @cached_property
+    def layers(self) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` tree indices of each depth's nodes."""
+        bounds, start = [], 1
+        for d in range(1, self.depth + 1):
+            stop = start + sum(1 for p in self.paths if len(p) == d)
+            bounds.append((start, stop))
+            start = stop
+        return tuple(bounds)
+
+    def with_max_rank(self, k: int) -> TreeTemplate:
+        """The nodes whose every rank is below ``k`` (what a ``[vocab, k]`` matrix can fill)."""
+        return TreeTemplate(tuple(p for p in self.paths if max(p) < k))
+
+    def top(self, n: int, rates: Sequence[float]) -> TreeTemplate:
+        """The ``n`` nodes most likely to be accepted, given ``rates[i]`` for ``paths[i]``.
+
+        Greedy from the root over the frontier (highest rate first, breadth-first order on ties),
+        so every kept node's parent is kept too. A node's acceptance rate never exceeds its
+        parent's, so on exact rates this is simply the top ``n``.
+        """
+        if len(rates) != self.size:
+            raise TriedecError(f"{len(rates)} acceptance rates given for a {self.size}-node template")
+        if not 0 <= n <= self.size:
+            raise TriedecError(f"cannot keep {n} nodes of a {self.size}-node template")
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(i + 1)
+        frontier = [(-float(rates[c - 1]), c) for c in children.get(0, [])]
+        heapq.heapify(frontier)
+        kept: list[int] = []
+        while frontier and len(kept) < n:
+            _, node = heapq.heappop(frontier)
+            kept.append(node)
+            for c in children.get(node, []):
+                heapq.heappush(frontier, (-float(rates[c - 1]), c))
+        return TreeTemplate(tuple(self.paths[i - 1] for i in sorted(kept)))
+
+
+PAPER_TEMPLATE = TreeTemplate(PAPER_TREE)
+STATE_FORMAT = "triedec-recycling-1"
+
+
+class AdjacencyMatrix:
+    """``table [vocab, k]``: row t holds the top-k next tokens last seen after token t;
+    ``filled [vocab]``: whether row t was ever written. Both live on the model's device."""
+
+    def __init__(self, vocab_size: int, k: int, device: torch.device) -> None:
+        positive_int("vocab_size", vocab_size)
+        positive_int("k", k)
+        if k > vocab_size:
+            raise TriedecError(f"k ({k}) cannot exceed the vocabulary size ({vocab_size})")
+        self.vocab_size, self.k, self.device = vocab_size, k, device
+        self.table = torch.zeros((vocab_size, k), dtype=torch.long, device=device)
+        self.filled = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+
+    @torch.inference_mode()
+    def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Write ``topk(logits[i]).indices`` into row ``tokens[i]`` for every i (``tokens [T]``,
+        ``logits [T, vocab]``). Duplicate tokens: the last position wins. Vectorised."""
+        tokens = tokens.to(self.device)
+        top = logits.to(self.device).topk(self.k, dim=-1).indices  # [T, k]
+        rows, inverse = torch.unique(tokens, return_inverse=True)
+        order = torch.arange(tokens.numel(), device=self.device)
+        last = torch.full((rows.numel(),), -1, dtype=torch.long, device=self.device)
+        last.scatter_reduce_(0, inverse, order, reduce="amax")
+        self.table[rows] = top[last]
+        self.filled[rows] = True
+
+    @torch.inference_mode()
+    def expand(self, root: int, template: TreeTemplate, plan: _Plan) -> tuple[list[int], list[bool]]:
+        """Fill ``template`` from ``root``: tokens ``[1 + size]`` in tree numbering, and whether
+        each node may be proposed (it and all its ancestors come from written rows)."""
+        tokens = torch.empty(template.size + 1, dtype=torch.long, device=self.device)
+        usable = torch.empty(template.size + 1, dtype=torch.bool, device=self.device)
+        tokens[0], usable[0] = root, True
+        for (start, stop), parents, ranks in zip(template.layers, plan.parents, plan.ranks, strict=True):
+            parent_tokens = tokens[parents]
+            tokens[start:stop] = self.table[parent_tokens, ranks]  # one gather per layer
+            usable[start:stop] = usable[parents] & self.filled[parent_tokens]
+        return tokens.tolist(), usable.tolist()
+
+    def filled_share(self) -> float:
+        return float(self.filled.float().mean())
+
+    # ---- persistence --------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str], model_id: str) -> None:
+        """Write the matrix to ``path`` (safetensors, replaced atomically), tagged with the model."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"format": STATE_FORMAT, "model_id": model_id, "vocab_size": str(self.vocab_size), "k": str(self.k)}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"table": self.table.cpu(), "filled": self.filled.cpu()}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def load(self, path: str | os.PathLike[str], model_id: str) -> None:
+        """Replace the matrix with the one saved in ``path``; refuse a file from another model,
+        vocabulary or k, and a corrupt one, with a clear error (the matrix is then unchanged)."""
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise TriedecError(f"recycling state {path} is not a readable state file: {exc}") from exc
+        if meta.get("format") != STATE_FORMAT:
+            raise TriedecError(
+                f"recycling state {path} is not a triedec recycling state (format {meta.get('format')!r})"
+            )
+        if meta.get("vocab_size") != str(self.vocab_size) or meta.get("k") != str(self.k):
+            raise TriedecError(
+                f"recycling state {path} is for vocabulary {meta.get('vocab_size')} and k={meta.get('k')}; "
+                f"this model has vocabulary {self.vocab_size} and k={self.k}"
+            )
+        if meta.get("model_id") != model_id:
+            raise TriedecError(f"recycling state {path} was saved for another model ({meta.get('model_id')!r})")
+        table, filled = tensors.get("table"), tensors.get("filled")
+        if (
+            table is None or filled is None or table.dtype != torch.long or filled.dtype != torch.bool
+            or table.shape != (self.vocab_size, self.k) or filled.shape != (self.vocab_size,)
+            or bool(((table < 0) | (table >= self.vocab_size)).any())
+        ):
+            raise TriedecError(f"recycling state {path} is corrupt (bad tensors)")
+        self.table = table.to(self.device)
+        self.filled = filled.to(self.device)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A template's parent indices and ranks per layer, as device tensors (for :meth:`expand`)."""
+
+    parents: tuple[torch.Tensor, ...]
+    ranks: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, template: TreeTemplate, device: torch.device) -> _Plan:
+        parents, ranks = [], []
+        for start, stop in template.layers:
+            parents.append(torch.tensor(template.parents[start - 1 : stop - 1], dtype=torch.long, device=device))
+            ranks.append(torch.tensor([p[-1] for p in template.paths[start - 1 : stop - 1]], device=device))
+        return cls(tuple(parents), tuple(ranks))
+
+
+@dataclass(frozen=True)
+class RecyclingOptions:
+    nodes: int = 0
+    """draft nodes per step: 0 = the size calibrated as fastest on this device; N = the N nodes of the
+    paper's 80-node tree most often accepted (calibrated rates); 80 = the paper's whole tree"""
+    k: int = 8
+    """candidates kept per token (columns of the adjacency matrix)"""
+    seed_prefill: int = 512
+    """also write the prefill logits of the prompt's last N tokens into the matrix (0 = off)"""
+    state: str = ""
+    """file to load the matrix from at start (if it exists) and save it to after every request"""
+
+    def __post_init__(self) -> None:
+        positive_int("k", self.k)
+        seed = self.seed_prefill
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise TriedecError(f"seed_prefill must be an integer >= 0, got {seed!r}")
+        nodes = self.nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= PAPER_TEMPLATE.size:
+            raise TriedecError(f"nodes must be an integer in [0, {PAPER_TEMPLATE.size}], got {self.nodes!r}")
+        if not isinstance(self.state, str):
+            raise TriedecError(f"state must be a file path, got {self.state!r}")
+
+
+@register("recycling", RecyclingOptions, "Token Recycling: a tree filled from a matrix of recycled top-k candidates")
+class RecyclingDrafter(BaseDrafter):
+    """Counters kept across requests: over ``steps`` verified proposals, ``node_proposed`` /
+    ``node_accepted`` count how often each node of the paper's template was proposed and accepted
+    (calibration ranks nodes by ``node_accepted / steps``)."""
+
+    def __init__(self, options: RecyclingOptions, model: ModelInfo) -> None:
+        self.options = options
+        self.prefill_logits = options.seed_prefill
+        self.model_id = model.model_id
+        self.matrix = AdjacencyMatrix(model.vocab_size, options.k, model.device)
+        base = PAPER_TEMPLATE.with_max_rank(options.k)
+        nodes = options.nodes
+        if nodes == 0:
+            nodes = model.require_calibration().recycling_nodes
+        if nodes >= base.size:
+            self.template = base
+        else:
+            rates = model.require_calibration().recycling_rates
+            full_rates = dict(zip(PAPER_TEMPLATE.paths, rates, strict=True))
+            self.template = base.top(nodes, [full_rates[p] for p in base.paths])
+        self._plan = _Plan.of(self.template, model.device)
+        # template node (tree numbering) -> index in PAPER_TEMPLATE.paths
+        paper_index = {p: i for i, p in enumerate(PAPER_TEMPLATE.paths)}
+        self._paper_index = np.array([-1, *(paper_index[p] for p in self.template.paths)])
+        self.node_proposed = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
+        self.node_accepted = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
+        self.steps = 0
+        self._proposed: np.ndarray | None = None  # template index of each node of the last tree
+        if options.state and Path(options.state).exists():
+            self.matrix.load(options.state, self.model_id)
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+        """The matrix is kept (hot start); documents are not used."""
+        self._proposed = None
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        root = int(context[-1])
+        tokens, usable = self.matrix.expand(root, self.template, self._plan)
+        keep = [i for i, ok in enumerate(usable) if ok]
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = [-1, *(new_index[self.template.parents[i - 1]] for i in keep[1:])]
+        self._proposed = self._paper_index[keep]
+        return TokenTree(tuple(tokens[i] for i in keep), tuple(parents))
+
+    def observe(self, verified: Verified) -> None:
+        self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+        if self._proposed is not None and len(self._proposed) == verified.tree.size:  # not cut by the engine
+            self.steps += 1
+            ids = self._proposed[1:]
+            self.node_proposed[ids] += 1
+            accepted = self._proposed[list(verified.acceptance.path[1:])]
+            self.node_accepted[accepted] += 1
+        self._proposed = None
+
+    def end(self) -> None:
+        if self.options.state:
+            self.matrix.save(self.options.state, self.model_id)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "tree_nodes": float(self.template.size),
+            "matrix_rows_filled": self.matrix.filled_share(),
+        }
