@@ -60,3 +60,27 @@ def test_cli_errors_are_clear(capsys, tiny_model_dir, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and out == ""
+
+
+def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    monkeypatch.setenv("TRIEDEC_CACHE", str(tmp_path / "cache"))
+    code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--prompts", "2",
+                           "--max-new-tokens", "8", "--repeats", "1")
+    assert code == 0 and "**chosen**" in out and "draft nodes per step" in out
+    assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1
+    code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show")
+    assert code == 0 and "**chosen**" in out
+
+    state = tmp_path / "warm.safetensors"
+    argv = ["generate", "--model", str(tiny_model_dir), "--method", "recycling", "--max-new-tokens", "10",
+            "--recycling-state", str(state), "--json", "Hello there"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and state.is_file()
+    first = json.loads(out)
+    assert 0 < first["stats"]["drafter"]["matrix_rows_filled"] < 1
+    code, out, _ = run_cli(capsys, *argv)  # starts from the saved matrix
+    assert code == 0 and json.loads(out)["token_ids"] == first["token_ids"]
+
+    state.write_bytes(b"not a state file")
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "not a readable state file" in err

@@ -129,3 +129,43 @@ def test_stats_are_consistent(default_lm):
     assert s.computed_tokens >= s.steps
     assert s.tokens_per_s == pytest.approx(s.new_tokens / s.seconds)
     assert s.prompt_tokens == len(default_lm.encode(PROMPTS[6]))
+
+
+@pytest.fixture(scope="module")
+def calibrated_lm(default_lm, tmp_path_factory):
+    """The default model with a quick calibration of its own (in a temporary cache directory)."""
+    lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
+    cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
+    assert 0 <= cal.recycling_nodes <= 80 and sum(cal.recycling_rates) > 0
+    return lm
+
+
+RECYCLING_SIZES = (80, 8, 24, 0, 3, 48)  # 0 = the calibrated size
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_recycling_equals_transformers(calibrated_lm, index):
+    """Several tree sizes (the paper's 80 nodes among them), one hot drafter per size across prompts."""
+    prompt = PROMPTS[index]
+    truth = hf_generate(calibrated_lm, calibrated_lm.encode(prompt), 40)
+    nodes = RECYCLING_SIZES[index % len(RECYCLING_SIZES)]
+    out = calibrated_lm.generate(prompt, "recycling", max_new_tokens=40, nodes=nodes)
+    assert out.token_ids == truth
+    s = out.stats
+    assert s.new_tokens == 1 + sum(s.accepted_per_step)
+    assert 0 < s.drafter["matrix_rows_filled"] < 1
+    assert all(0 <= r <= 1 for r in s.acceptance_by_depth)
+
+
+@pytest.mark.default_model
+def test_recycling_is_hot_across_requests(calibrated_lm):
+    """The same drafter serves later requests: its matrix only grows, and a repeated request
+    drafts from the start (paper's hot start)."""
+    prompt = PROMPTS[14]
+    first = calibrated_lm.generate(prompt, "recycling", max_new_tokens=32, nodes=80, seed_prefill=0)
+    filled = first.stats.drafter["matrix_rows_filled"]
+    again = calibrated_lm.generate(prompt, "recycling", max_new_tokens=32, nodes=80, seed_prefill=0)
+    assert again.token_ids == first.token_ids
+    assert again.stats.drafter["matrix_rows_filled"] >= filled
+    assert again.stats.mean_accepted > first.stats.mean_accepted

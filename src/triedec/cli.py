@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("methods", help="list decoding methods and their options with defaults")
 
+    cal = sub.add_parser("calibrate", help="measure what a verification forward costs on this device and pick "
+                                           "the fastest draft-tree size (cached per model + device + dtype)")
+    cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
+    cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
+    cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
+    cal.add_argument("--show", action="store_true", help="print the cached calibration; measure only if none")
+    _add_model_args(cal)
+
     bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
     bench.add_argument("--methods", default="hf-greedy,hf-pld,ar,pld",
                        help="comma-separated: hf-greedy, hf-pld, or triedec methods, each optionally "
@@ -118,6 +126,35 @@ def cmd_methods() -> int:
         print(f"{name}: {spec.description}")
         for option, default in spec.option_defaults().items():
             print(f"    {_option_flag(name, option)}  (default {default})")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from triedec.calibration import calibration_path, expected_speeds
+    from triedec.lm import load
+
+    for flag in ("prompts", "max_new_tokens", "repeats", "threads"):
+        if getattr(args, flag) < 1:
+            raise TriedecError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    if args.prompts < 2:
+        raise TriedecError("--prompts must be at least 2 (the first one warms up)")
+    torch.set_num_threads(args.threads)
+    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    if args.show:
+        cal = lm.calibration()
+    else:
+        cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+    print(f"device {cal.device}; model {cal.model_id}; a {cal.context_tokens}-token cache")
+    print("| draft nodes | ms per forward | expected tokens/step | expected tokens/s |")
+    print("|---|---|---|---|")
+    for row in expected_speeds(cal.recycling_rates, cal.forward_seconds):
+        mark = " **chosen**" if row["nodes"] == cal.recycling_nodes else ""
+        print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {row['tokens_per_step']:.2f} | "
+              f"{row['tokens_per_s']:.1f}{mark} |")
+    print(f"recycling verifies {cal.recycling_nodes} draft nodes per step on this device "
+          f"(saved in {calibration_path(lm.cache_dir, cal.model_id, lm.device, lm.adapter.dtype)})")
     return 0
 
 
@@ -225,6 +262,8 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
             return cmd_methods()
         if args.command == "bench":
             return cmd_bench(args, extra_runners)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         return cmd_generate(args)
     except TriedecError as exc:
         print(f"triedec: error: {exc}", file=sys.stderr)

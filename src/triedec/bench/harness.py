@@ -16,7 +16,11 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``steps``, ``new_tokens``, ``computed_tokens`` (tokens through the model, prompt excluded): sums;
 * ``peak_mem_mb``: the largest peak-memory increase of one run (RSS on CPU, allocated on GPU);
 * ``kv_mb``: the largest KV cache of one run (triedec: its preallocated buffers; transformers:
-  the cache tensors it returns).
+  the cache tensors it returns);
+* ``acceptance_by_depth`` (triedec methods): per depth d, the mean over runs of the share of steps
+  whose tree reached depth d that accepted at least d drafts;
+* ``drafter``: the drafter's own counters after the method's last run (e.g. recycling's share of
+  matrix rows filled).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -47,6 +51,7 @@ class RunRecord:
     computed_tokens: int
     kv_bytes: int
     peak_mem_bytes: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Runner(Protocol):
@@ -119,7 +124,8 @@ class TriedecRunner:
         sync()
         seconds = time.perf_counter() - start
         s = out.stats
-        return RunRecord(out.token_ids, seconds, s.steps, s.computed_tokens, s.kv_bytes)
+        details = {"acceptance_by_depth": s.acceptance_by_depth, "drafter": s.drafter}
+        return RunRecord(out.token_ids, seconds, s.steps, s.computed_tokens, s.kv_bytes, details=details)
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -155,7 +161,7 @@ def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: tor
             base = None
         rec = runner.run(prompt, max_new_tokens)
         peak = 0 if base is None else (_rss_kib("VmHWM") - base) * 1024
-    return RunRecord(rec.tokens, rec.seconds, rec.steps, rec.computed_tokens, rec.kv_bytes, max(0, peak))
+    return replace(rec, peak_mem_bytes=max(0, peak))
 
 
 # ---- protocol ---------------------------------------------------------------------------------
@@ -236,6 +242,7 @@ def run_benchmark(
                     "prompt_tokens": len(prompt),
                     "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
                     "kv_mb": max(r.kv_bytes for r in recs) / 2**20,
+                    **recs[-1].details,
                 })
             if chat:
                 history += [{"role": "user", "content": turn},
@@ -258,7 +265,7 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
     new = sum(r["new_tokens"] for r in rows)
     steps = sum(r["steps"] for r in rows)
     speeds = [r["new_tokens"] / r["seconds"] for r in rows if r["seconds"] > 0]
-    return {
+    out: dict[str, Any] = {
         "tokens_per_s": statistics.fmean(speeds) if speeds else 0.0,
         "mean_accepted": sum(max(r["new_tokens"] - 1, 0) for r in rows) / steps if steps else 0.0,
         "steps": steps,
@@ -270,6 +277,15 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
         "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
         "samples": len(rows),
     }
+    by_depth = [r["acceptance_by_depth"] for r in rows if r.get("acceptance_by_depth")]
+    if by_depth:
+        depth = max(len(d) for d in by_depth)
+        out["acceptance_by_depth"] = [
+            statistics.fmean(d[i] for d in by_depth if len(d) > i) for i in range(depth)
+        ]
+    if rows and rows[-1].get("drafter"):
+        out["drafter"] = rows[-1]["drafter"]
+    return out
 
 
 def summarize(samples: Sequence[dict]) -> dict[str, dict[str, Any]]:

@@ -85,6 +85,19 @@ def markdown(results: dict[str, Any]) -> str:
             cm = res["by_category"].get(c)
             cells.append("" if cm is None else ("WRONG" if cm["wrong"] else f"{_fmt(cm['speedup'])}x"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    deep = {name: res["overall"] for name, res in results["methods"].items()
+            if any(x > 0 for x in res["overall"].get("acceptance_by_depth", []))}
+    if deep:
+        depth = max(len(o["acceptance_by_depth"]) for o in deep.values())
+        lines += ["", "Acceptance by depth (share of steps whose tree reached depth d that accepted >= d drafts, "
+                  "mean over runs) and the drafter's own counters after its last run:", "",
+                  "| method | " + " | ".join(f"d={d + 1}" for d in range(depth)) + " | drafter |",
+                  "|---|" + "---|" * (depth + 1)]
+        for name, o in deep.items():
+            rates = o["acceptance_by_depth"]
+            cells = [_fmt(rates[d]) if d < len(rates) else "" for d in range(depth)]
+            extra = ", ".join(f"{k} {v:.3g}" for k, v in o.get("drafter", {}).items())
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {extra} |")
     if results.get("skipped"):
         lines += ["", f"Skipped (prompt + max_new_tokens beyond the model's context): {len(results['skipped'])}"]
     return "\n".join(lines) + "\n"
