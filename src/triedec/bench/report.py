@@ -114,6 +114,12 @@ def plots(results: dict[str, Any], samples: Sequence[dict], out: Path) -> list[P
     categories = list(dict.fromkeys(c for r in methods.values() for c in r["by_category"]))
     files = []
 
+    def _save(fig: Any, path: Path) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(categories) + 2), 4))
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
@@ -126,20 +132,14 @@ def plots(results: dict[str, Any], samples: Sequence[dict], out: Path) -> list[P
     ax.set_ylabel(f"speedup vs {REFERENCE}")
     ax.set_title("Speedup per category")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / "speedup_by_category.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "speedup_by_category.png"))
 
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names) + 2), 3.5))
     ax.bar(names, [methods[n]["overall"]["mean_accepted"] for n in names], color="tab:green")
     ax.set_ylabel("mean accepted tokens per step")
     ax.set_title("MAT per method")
     ax.tick_params(axis="x", rotation=20)
-    fig.tight_layout()
-    files.append(out / "mean_accepted.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "mean_accepted.png"))
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name in names:
@@ -150,10 +150,7 @@ def plots(results: dict[str, Any], samples: Sequence[dict], out: Path) -> list[P
     ax.set_ylabel("tokens/s")
     ax.set_title("Speed against context length")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    files.append(out / "tokens_per_s_vs_context.png")
-    fig.savefig(files[-1], dpi=110)
-    plt.close(fig)
+    files.append(_save(fig, out / "tokens_per_s_vs_context.png"))
     return files
 
 
