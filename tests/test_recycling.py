@@ -171,6 +171,9 @@ def test_drafter_counts_proposed_and_accepted_template_nodes():
 
 def test_tree_size_comes_from_the_calibration():
     assert RecyclingDrafter(RecyclingOptions(), info(nodes=12)).template.size == 12
+    plain = RecyclingDrafter(RecyclingOptions(), info(nodes=0))  # calibrated: drafting does not pay here
+    plain.observe(verified(TokenTree((3,), (-1,)), torch.randn(1, 50)))
+    assert plain.template.size == 0 and plain.propose([1, 3]) == TokenTree((3,), (-1,))
     rates = monotone_rates()
     d = RecyclingDrafter(RecyclingOptions(nodes=20), info())
     assert d.template == PAPER_TEMPLATE.top(20, rates)
@@ -267,3 +270,32 @@ def test_calibration_json_round_trip_and_validation():
         dataclasses.replace(cal, recycling_rates=(0.5,) * 79)
     with pytest.raises(TriedecError):
         dataclasses.replace(cal, forward_seconds={1: -1.0})
+
+
+@pytest.mark.parametrize(("speedup", "kept"), [(1.2, True), (1.02, False), (0.8, False)])
+def test_calibrate_keeps_the_predicted_size_only_if_it_really_beats_ar(monkeypatch, speedup, kept):
+    """The prediction (cost curve x node rates) is checked end to end; below the margin, 0 nodes."""
+    import types
+
+    from triedec import calibration
+
+    seconds = {1: 0.1, 2: 0.1, 4: 0.1, 9: 0.12, 81: 0.5}
+    monkeypatch.setattr(calibration, "calibration_prompts", lambda n: ["a"] * n)
+    monkeypatch.setattr(calibration, "measure_forward_seconds", lambda lm, repeats: seconds)
+    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
+    checked = []
+
+    def end_to_end(lm, texts, predicted, n):
+        checked.append(predicted.recycling_nodes)
+        return {"speedup": speedup}
+
+    monkeypatch.setattr(calibration, "measure_end_to_end", end_to_end)
+    lm = types.SimpleNamespace(adapter=types.SimpleNamespace(model_id="m", dtype=torch.float32),
+                               device=torch.device("cpu"))
+    cal = calibration.calibrate(lm, prompts=3, max_new_tokens=8, repeats=1)
+    predicted = best_nodes(monotone_rates(), seconds)
+    assert predicted > 0 and checked == [predicted]
+    assert cal.details["predicted_nodes"] == predicted
+    assert cal.recycling_nodes == (predicted if kept else 0)
+    with pytest.raises(TriedecError, match="margin"):
+        calibration.calibrate(lm, margin=1.5)

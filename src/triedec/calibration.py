@@ -11,9 +11,14 @@ threads), and cached as JSON under the triedec cache directory:
 * **node rates** -- for each node of the paper's 80-node Token Recycling tree, the share of steps
   in which it was accepted, measured by decoding a few calibration prompts (disjoint from the
   benchmark's Spec-Bench sample) with the full tree, after one warm-up prompt;
-* **choice** -- for each measured size N, keep the N nodes with the highest rates; expected tokens
-  per step = 1 + the sum of their rates (each accepted node yields one token, plus the bonus
-  token); pick the N with the most expected tokens per second.
+* **prediction** -- for each measured size N, keep the N nodes with the highest rates; expected
+  tokens per step = 1 + the sum of their rates (each accepted node yields one token, plus the bonus
+  token); the N with the most expected tokens per second is the candidate;
+* **end-to-end check** -- the prediction is optimistic (rates measured with the full tree, whose 81
+  positions refill the matrix every step, overstate what a small tree learns; per-step overheads
+  are not in the cost curve), so the calibration prompts are decoded with ``ar`` and with the
+  candidate, alternating; the candidate is kept only if it is at least :data:`END_TO_END_MARGIN`
+  faster, else 0 draft nodes are chosen (recycling then runs plain steps).
 
 The pure part (:class:`Calibration`, :func:`expected_speeds`) needs no model; :func:`calibrate`
 runs the measurements through an :class:`~triedec.lm.LM`.
@@ -35,10 +40,13 @@ import torch
 from triedec.errors import TriedecError, positive_int
 
 if TYPE_CHECKING:
+    from triedec.drafters.recycling import TreeTemplate
     from triedec.lm import LM
 
 NODE_SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 """Draft-node counts whose verification cost is measured (a forward of N + 1 tokens)."""
+END_TO_END_MARGIN = 0.05
+"""A predicted tree size is kept only if real decoding with it beats ``ar`` by this share."""
 CALIBRATION_FORMAT = "triedec-calibration-1"
 CALIBRATION_CATEGORIES = ("coding", "translation", "qa", "math_reasoning", "writing", "summarization",
                           "extraction", "rag", "roleplay", "stem", "reasoning", "humanities", "math")
@@ -75,6 +83,17 @@ class Calibration:
         if self.recycling_nodes < 0:
             object.__setattr__(self, "recycling_nodes", best_nodes(self.recycling_rates, seconds))
 
+    def rates_for(self, template: TreeTemplate) -> list[float]:
+        """The measured acceptance rate of each node of ``template`` (a subset of the paper's tree)."""
+        from triedec.drafters.recycling import PAPER_TEMPLATE
+
+        by_path = dict(zip(PAPER_TEMPLATE.paths, self.recycling_rates, strict=True))
+        missing = [p for p in template.paths if p not in by_path]
+        if missing:
+            raise TriedecError(f"calibration: no acceptance rate for template nodes {missing[:3]} "
+                               "(not in the paper's tree)")
+        return [by_path[p] for p in template.paths]
+
     def to_json(self) -> str:
         return json.dumps({"format": CALIBRATION_FORMAT, **asdict(self)}, indent=1)
 
@@ -93,14 +112,15 @@ def expected_speeds(rates: Sequence[float], forward_seconds: Mapping[int, float]
     """For each measured size: draft nodes, expected tokens per step and per second."""
     from triedec.drafters.recycling import PAPER_TEMPLATE
 
-    by_path = dict(zip(PAPER_TEMPLATE.paths, rates, strict=True))
+    if len(rates) != PAPER_TEMPLATE.size:
+        raise TriedecError(f"calibration: {PAPER_TEMPLATE.size} acceptance rates are needed, got {len(rates)}")
     rows = []
     for tokens, seconds in sorted(forward_seconds.items()):
         nodes = tokens - 1
         if nodes > PAPER_TEMPLATE.size:
             continue
         kept = PAPER_TEMPLATE.top(nodes, rates)
-        per_step = 1.0 + sum(by_path[p] for p in kept.paths)
+        per_step = 1.0 + sum(rates[PAPER_TEMPLATE.paths.index(p)] for p in kept.paths)
         rows.append({"nodes": nodes, "seconds": seconds, "tokens_per_step": per_step,
                      "tokens_per_s": per_step / seconds})
     return rows
@@ -199,20 +219,64 @@ def measure_recycling_rates(lm: LM, prompts: Sequence[str], max_new_tokens: int 
     return tuple((drafter.node_accepted / max(drafter.steps, 1)).tolist())
 
 
-def calibrate(lm: LM, prompts: int = 6, max_new_tokens: int = 96, repeats: int = 5) -> Calibration:
-    """Measure the cost curve and the node rates for ``lm`` on its device (see the module doc)."""
+def measure_end_to_end(lm: LM, prompts: Sequence[str], predicted: Calibration,
+                       max_new_tokens: int = 96) -> dict[str, float]:
+    """Decode ``prompts[1:]`` with ``ar`` and with recycling at ``predicted.recycling_nodes``
+    (a fresh drafter, warmed up on ``prompts[0]``), alternating per prompt; total seconds of each
+    and the speedup of recycling over ``ar``. Both emit the same tokens (greedy is exact)."""
+    from triedec.drafters.autoregressive import AutoregressiveDrafter
+    from triedec.drafters.base import ModelInfo, NoOptions
+    from triedec.drafters.recycling import RecyclingDrafter, RecyclingOptions
+    from triedec.engine import StopRule, speculative_decode
+
+    if len(prompts) < 2:
+        raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
+    info = ModelInfo(lm.adapter.vocab_size, lm.device, lm.adapter.model_id, lambda: predicted)
+    drafters = {"ar": AutoregressiveDrafter(NoOptions(), info), "recycling": RecyclingDrafter(RecyclingOptions(), info)}
+    rule = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=lm.eos_token_ids)
+    seconds = {name: 0.0 for name in drafters}
+    tokens = 0
+    for i, prompt in enumerate(prompts):
+        ids = lm.encode(prompt, chat=lm.has_chat_template)
+        for name, drafter in drafters.items():
+            start = time.perf_counter()
+            n = sum(1 for _ in speculative_decode(lm.adapter, drafter, ids, rule))
+            if i:
+                seconds[name] += time.perf_counter() - start
+                tokens += n if name == "ar" else 0
+    return {"tokens": tokens, "ar_seconds": round(seconds["ar"], 3),
+            "recycling_seconds": round(seconds["recycling"], 3),
+            "speedup": round(seconds["ar"] / seconds["recycling"], 4)}
+
+
+def calibrate(lm: LM, prompts: int = 6, max_new_tokens: int = 96, repeats: int = 5,
+              margin: float = END_TO_END_MARGIN) -> Calibration:
+    """Measure the cost curve and the node rates for ``lm`` on its device, predict the fastest
+    tree size, and keep it only if decoding with it really beats ``ar`` by ``margin`` (see the
+    module doc); otherwise choose 0 draft nodes."""
     positive_int("prompts", prompts)
     positive_int("max_new_tokens", max_new_tokens)
+    if not 0 <= margin < 1:
+        raise TriedecError(f"margin must be in [0, 1), got {margin!r}")
     started = time.perf_counter()
+    texts = calibration_prompts(max(prompts, 2))
     seconds = measure_forward_seconds(lm, repeats=repeats)
-    rates = measure_recycling_rates(lm, calibration_prompts(prompts), max_new_tokens)
-    details = {
+    rates = measure_recycling_rates(lm, texts, max_new_tokens)
+    key = (lm.adapter.model_id, device_key(lm.device, lm.adapter.dtype), str(lm.adapter.dtype))
+    predicted = Calibration(*key, seconds, rates)
+    details: dict[str, Any] = {
         "prompts": prompts, "max_new_tokens": max_new_tokens, "repeats": repeats,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "seconds_taken": round(time.perf_counter() - started, 1),
+        "predicted_nodes": predicted.recycling_nodes, "margin": margin,
     }
-    return Calibration(lm.adapter.model_id, device_key(lm.device, lm.adapter.dtype), str(lm.adapter.dtype),
-                       seconds, rates, details=details)
+    chosen = predicted.recycling_nodes
+    if chosen > 0:
+        check = measure_end_to_end(lm, texts, predicted, max_new_tokens)
+        details["end_to_end"] = check
+        if check["speedup"] < 1 + margin:
+            chosen = 0
+    details["seconds_taken"] = round(time.perf_counter() - started, 1)
+    return Calibration(*key, seconds, rates, chosen, details=details)
 
 
 def load_or_calibrate(lm: LM, cache_dir: Path, force: bool = False, **kwargs: Any) -> Calibration:

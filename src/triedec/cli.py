@@ -149,10 +149,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"device {cal.device}; model {cal.model_id}; a {cal.context_tokens}-token cache")
     print("| draft nodes | ms per forward | expected tokens/step | expected tokens/s |")
     print("|---|---|---|---|")
+    predicted = cal.details.get("predicted_nodes", cal.recycling_nodes)
     for row in expected_speeds(cal.recycling_rates, cal.forward_seconds):
-        mark = " **chosen**" if row["nodes"] == cal.recycling_nodes else ""
+        marks = [m for m, n in (("predicted", predicted), ("chosen", cal.recycling_nodes)) if row["nodes"] == n]
+        mark = f" **{', '.join(marks)}**" if marks else ""
         print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {row['tokens_per_step']:.2f} | "
               f"{row['tokens_per_s']:.1f}{mark} |")
+    check = cal.details.get("end_to_end")
+    if check:
+        print(f"end-to-end check of {predicted} nodes on the calibration prompts: {check['speedup']:.2f}x ar "
+              f"(kept if >= {1 + cal.details.get('margin', 0):.2f}x)")
     print(f"recycling verifies {cal.recycling_nodes} draft nodes per step on this device "
           f"(saved in {calibration_path(lm.cache_dir, cal.model_id, lm.device, lm.adapter.dtype)})")
     return 0
@@ -174,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
     lm.drafter(args.method, **options)  # validate the method and options before any output
-    chat = not args.raw and bool(getattr(lm.tokenizer, "chat_template", None))
+    chat = not args.raw and lm.has_chat_template
     printer = _StreamPrinter(lm.tokenizer) if not args.json else None
     result = lm.generate(
         prompt, args.method, max_new_tokens=args.max_new_tokens, stop=args.stop, chat=chat,

@@ -88,7 +88,7 @@ class LM:
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

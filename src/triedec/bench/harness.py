@@ -196,7 +196,7 @@ def run_benchmark(
     labels = [r.label for r in runners]
     if len(set(labels)) != len(labels):
         raise TriedecError(f"methods listed twice: {labels}")
-    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    chat = lm.has_chat_template
     total = sum(len(q.turns) for q in questions) * len(runners) * config.repeats
     bar = progress(total) if progress else None
 

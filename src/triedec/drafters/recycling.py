@@ -283,15 +283,12 @@ class RecyclingDrafter(BaseDrafter):
         self.model_id = model.model_id
         self.matrix = AdjacencyMatrix(model.vocab_size, options.k, model.device)
         base = PAPER_TEMPLATE.with_max_rank(options.k)
-        nodes = options.nodes
-        if nodes == 0:
-            nodes = model.require_calibration().recycling_nodes
-        if nodes >= base.size:
+        if options.nodes >= base.size:
             self.template = base
         else:
-            rates = model.require_calibration().recycling_rates
-            full_rates = dict(zip(PAPER_TEMPLATE.paths, rates, strict=True))
-            self.template = base.top(nodes, [full_rates[p] for p in base.paths])
+            calibration = model.require_calibration()
+            nodes = options.nodes or calibration.recycling_nodes
+            self.template = base if nodes >= base.size else base.top(nodes, calibration.rates_for(base))
         self._plan = _Plan.of(self.template, model.device)
         # template node (tree numbering) -> index in PAPER_TEMPLATE.paths
         paper_index = {p: i for i, p in enumerate(PAPER_TEMPLATE.paths)}
