@@ -151,3 +151,52 @@ def test_unreadable_and_malformed_files(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00\x00")
     with pytest.raises(TriedecError, match="cannot read"):
         load_questions(str(binary))
+
+
+# ---- the beam-search benchmark -----------------------------------------------------------------
+
+
+def test_beam_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts, capsys):
+    out = tmp_path / "beam"
+    code = main(["bench", "--model", str(tiny_model_dir), "--dataset", str(two_prompts), "--methods", "hf-beam,beam",
+                 "--beams", "2,3", "--max-new-tokens", "10", "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["method"], r["num_beams"]): r for r in results["summary"]}
+    assert set(rows) == {("hf-greedy", 1), ("hf-beam", 2), ("beam", 2), ("hf-beam", 3), ("beam", 3)}
+    for b in (2, 3):
+        mine = rows[("beam", b)]
+        assert mine["mismatches"] == 0 and mine["speedup"] is not None
+        assert 0 < mine["kv_ratio"] < 1  # the prompt is held once, not b times
+        assert rows[("hf-beam", b)]["kv_tokens"] > mine["kv_tokens"]
+    assert "| beam | 3 |" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--methods", "hf-beam,beam,pld"], "on their own"),
+        (["--methods", "beam", "--beams", "1,8"], "widths >= 2"),
+        (["--methods", "beam", "--beams", "x"], "comma-separated"),
+    ],
+)
+def test_beam_bench_bad_input(tmp_path, tiny_model_dir, capsys, argv, message):
+    code = main(["bench", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--no-progress", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+
+
+def test_humaneval_answers_run_in_a_sandbox_with_a_timeout():
+    from triedec.bench.beam import extract_code, humaneval_tasks, passes
+
+    tasks = humaneval_tasks()
+    task = tasks["HumanEval/0"]
+    solution = task["prompt"] + task["canonical_solution"]
+    assert passes(task, f"Here it is:\n```python\n{solution}```\nDone.")
+    assert passes(task, task["canonical_solution"])  # the body only
+    assert not passes(task, "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```")
+    assert not passes(task, "```python\ndef has_close_elements(numbers, threshold):\n    while True: pass\n```",
+                      timeout=2)
+    assert not passes(task, "```python\nimport os\nos.environ['X']\n```")  # empty environment: KeyError
+    assert extract_code("a\n```py\nx = 1\n") == "x = 1\n"
+    assert extract_code("no fences") == "no fences"

@@ -41,6 +41,35 @@ def test_methods_lists_options_with_defaults(capsys):
     code, out, _ = run_cli(capsys, "methods")
     assert code == 0
     assert "ar:" in out and "pld:" in out and "--pld-num-tokens  (default 10)" in out
+    assert "beam:" in out and "--num-beams  (default 4)" in out
+
+
+def test_generate_beam(capsys, tiny_model_dir):
+    argv = ["generate", "--model", str(tiny_model_dir), "--method", "beam", "--num-beams", "3",
+            "--num-return-sequences", "2", "--early-stopping", "never", "--max-new-tokens", "8", "Hello"]
+    code, out, _ = run_cli(capsys, *argv, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert len(data["sequences"]) == 2 and data["token_ids"] == data["sequences"][0]["token_ids"]
+    assert data["sequences"][0]["score"] >= data["sequences"][1]["score"]
+    assert data["stats"]["num_beams"] == 3 and data["stats"]["peak_kv_tokens"] < data["stats"]["hf_peak_kv_tokens"]
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0 and "[beam x3]" in out and "hypothesis 2" in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "pld", "--num-beams", "2"], "option of method 'beam'"),
+        (["--method", "beam", "--num-beams", "0"], "num_beams"),
+        (["--method", "beam", "--num-beams", "2", "--num-return-sequences", "3"], "cannot exceed"),
+        (["--method", "beam", "--stop", "x"], "stop strings"),
+        (["--method", "beam", "--pld-num-tokens", "3"], "option of method 'pld'"),
+    ],
+)
+def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), *argv, "Hello")
+    assert code == 2 and message in err and out == ""
 
 
 @pytest.mark.parametrize(
@@ -84,3 +113,15 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     state.write_bytes(b"not a state file")
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "not a readable state file" in err
+
+
+def test_generate_ngram_trie_and_lookahead(capsys, tiny_model_dir):
+    for extra in (["--method", "lookahead", "--verify", "independent"], ["--method", "lookahead"],
+                  ["--method", "ngram-trie", "--ngram-trie-sized", "false", "--ngram-trie-update", "true"]):
+        code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--max-new-tokens", "10",
+                               "--json", *extra, "Hello Hello Hello")
+        assert code == 0
+        assert json.loads(out)["stats"]["computed_tokens"] > 0
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "pld", "--verify", "trie",
+                           "Hi")
+    assert code == 2 and "option of method 'lookahead'" in err

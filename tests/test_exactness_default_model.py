@@ -70,6 +70,8 @@ def test_pld_equals_ar_equals_transformers(default_lm, index):
     pld = default_lm.generate(prompt, "pld", max_new_tokens=40)
     assert ar.token_ids == truth
     assert pld.token_ids == truth
+    trie_options = ({"sized": False}, {"sized": False, "update": True}, {"sized": False, "n": 6, "prefix": 2})
+    assert default_lm.generate(prompt, "ngram-trie", max_new_tokens=40, **trie_options[index % 3]).token_ids == truth
     assert pld.stats.new_tokens == len(truth)
     assert pld.text == default_lm.tokenizer.decode(truth, skip_special_tokens=True)
 
@@ -152,6 +154,7 @@ def test_recycling_equals_transformers(calibrated_lm, index):
     nodes = RECYCLING_SIZES[index % len(RECYCLING_SIZES)]
     out = calibrated_lm.generate(prompt, "recycling", max_new_tokens=40, nodes=nodes)
     assert out.token_ids == truth
+    assert calibrated_lm.generate(prompt, "ngram-trie", max_new_tokens=40).token_ids == truth  # device-sized
     s = out.stats
     assert s.new_tokens == 1 + sum(s.accepted_per_step)
     assert 0 < s.drafter["matrix_rows_filled"] < 1
@@ -169,3 +172,24 @@ def test_recycling_is_hot_across_requests(calibrated_lm):
     assert again.token_ids == first.token_ids
     assert again.stats.drafter["matrix_rows_filled"] >= filled
     assert again.stats.mean_accepted > first.stats.mean_accepted
+
+
+@pytest.mark.default_model
+def test_ngram_trie_drafts_from_context_documents(default_lm):
+    """Documents passed as ``context`` feed the trie but never change the output."""
+    prompt = [{"role": "user", "content": "Copy the first two sentences of the article you were given, word for word."}]
+    truth = hf_generate(default_lm, default_lm.encode(prompt), 48)
+    plain = default_lm.generate(prompt, "ngram-trie", max_new_tokens=48, sized=False)
+    with_doc = default_lm.generate(prompt, "ngram-trie", max_new_tokens=48, sized=False, context=[ARTICLE])
+    assert plain.token_ids == with_doc.token_ids == truth
+    assert with_doc.stats.drafter["trie_nodes"] > plain.stats.drafter["trie_nodes"]
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("index", [0, 6, 12, 14, 18, 20])
+def test_lookahead_equals_transformers(default_lm, index):
+    prompt = PROMPTS[index]
+    truth = hf_generate(default_lm, default_lm.encode(prompt), 32)
+    for verify in ("independent", "trie"):
+        out = default_lm.generate(prompt, "lookahead", max_new_tokens=32, verify=verify)
+        assert out.token_ids == truth, verify

@@ -4,6 +4,7 @@ drafter, must reproduce transformers' greedy output token for token."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_registered_methods_equal_transformers_greedy(name):
         {"max_ngram": 1, "min_ngram": 1, "num_tokens": 3, "num_matches": 5, "min_expected": 0.0},
         {"min_ngram": 1, "num_tokens": 20, "num_matches": 1, "min_expected": 0.0},
     ]
-    for i, prompt in enumerate(prompts(seed=hash(name) % 1000, count=12)):
+    for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 100, count=12)):
         new = [24, 40][i % 2]
         truth = hf_greedy(model, prompt, new)
         ar, stats = run(model, method_spec("ar").factory(method_spec("ar").make_options({}), info), prompt, new)
@@ -146,10 +147,65 @@ def test_recycling_equals_transformers_greedy(name):
                 {"nodes": 16, "seed_prefill": 0}, {"nodes": 16, "seed_prefill": 5}]
     drafters = [spec.factory(spec.make_options(s), info) for s in settings]
     accepted = 0
-    for i, prompt in enumerate(prompts(seed=hash(name) % 1000 + 1, count=14)):
+    for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 1, count=14)):
         truth = hf_greedy(model, prompt, 40)
         for setting, drafter in zip(settings, drafters, strict=True):
             got, stats = run(model, drafter, prompt, 40)
             assert got == truth, f"recycling {setting} differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
     assert accepted > 100  # drafts were accepted, so verification was exercised
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_ngram_trie_equals_transformers_greedy(name):
+    """The paper's fixed num_draft, the device-sized default (flat and steep cost curves), short
+    windows, Lp = 1, and the trie updated with the output; documents passed as context."""
+    from test_recycling import fake_calibration
+
+    model = MODELS[name]()
+    flat = fake_calibration()
+    steep = replace(flat, forward_seconds={t: 0.05 * t for t in (1, 2, 4, 8, 16, 32, 64, 81)})
+    spec = method_spec("ngram-trie")
+    settings = [({"sized": False}, flat), ({}, flat), ({}, steep), ({"n": 4, "prefix": 2, "sized": False}, flat),
+                ({"prefix": 1, "num_draft": 5, "sized": False}, flat), ({"update": True, "sized": False}, flat),
+                ({"update": True}, flat)]
+    drafters = [spec.factory(spec.make_options(s), ModelInfo(TINY_VOCAB, torch.device("cpu"), "tiny", lambda c=c: c))
+                for s, c in settings]
+    accepted = 0
+    for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 20, count=12)):
+        truth = hf_greedy(model, prompt, 40)
+        documents = [truth[5:30]] if i % 3 == 0 else []  # a document that holds part of the answer
+        for (setting, _), drafter in zip(settings, drafters, strict=True):
+            gen = speculative_decode(ModelAdapter(model), drafter, prompt, StopRule(40, frozenset([EOS])), documents)
+            got = []
+            try:
+                while True:
+                    got += next(gen)
+            except StopIteration as stop:
+                stats = stop.value
+            assert got == truth, f"ngram-trie {setting} differs on prompt {i}"
+            accepted += sum(n - 1 for n in stats.accepted_per_step)
+    assert accepted > 100
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_lookahead_equals_transformers_greedy(name):
+    """Both verification modes, several windows and n-gram sizes, tight trie budgets."""
+    model = MODELS[name]()
+    info = ModelInfo(TINY_VOCAB, torch.device("cpu"))
+    spec = method_spec("lookahead")
+    settings = [{"verify": "independent"}, {}, {"window": 2, "ngram": 2}, {"window": 6, "ngram": 5, "guesses": 7},
+                {"budget": 3, "depth": 1}, {"verify": "independent", "window": 3, "ngram": 4, "seed": 3}]
+    computed = {"independent": 0, "trie": 0}
+    accepted = 0
+    for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 40, count=10)):
+        truth = hf_greedy(model, prompt, 40)
+        for setting in settings:
+            drafter = spec.factory(spec.make_options(setting), info)
+            got, stats = run(model, drafter, prompt, 40)
+            assert got == truth, f"lookahead {setting} differs on prompt {i}"
+            accepted += sum(n - 1 for n in stats.accepted_per_step)
+            if setting in ({"verify": "independent"}, {}):
+                computed[setting.get("verify", "trie")] += stats.computed_tokens
+    assert accepted > 50
+    assert computed["trie"] <= computed["independent"]

@@ -6,6 +6,7 @@
 >>> out.text, out.stats.tokens_per_s
 """
 
+from triedec.beam import BeamOptions, BeamResult, BeamStats, Hypothesis, beam_search
 from triedec.drafters import Drafter, ModelInfo, Verified, method_spec, methods, register
 from triedec.engine import DecodeStats, StopRule, speculative_decode
 from triedec.errors import TriedecError
@@ -16,15 +17,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LM",
+    "BeamOptions",
+    "BeamResult",
+    "BeamStats",
     "DecodeStats",
     "Drafter",
     "GenerationResult",
+    "Hypothesis",
     "ModelInfo",
     "StopRule",
     "TokenTree",
     "TriedecError",
     "Verified",
     "__version__",
+    "beam_search",
     "load",
     "method_spec",
     "methods",

@@ -25,17 +25,20 @@ def accept_greedy(tree: TokenTree, argmax: Sequence[int]) -> Acceptance:
     """Greedy acceptance: the longest root-to-leaf path whose every draft token equals the argmax
     of its parent's logits, plus the bonus token.
 
-    ``argmax[i]`` is the model's greedy next token after node i (length ``tree.size``). Because the
-    tree is a trie (no two siblings share a token) the accepted path is unique, and its tokens are
-    exactly what greedy autoregressive decoding would produce.
+    ``argmax[i]`` is the model's greedy next token after node i (length ``tree.size``). In a trie
+    (no two siblings share a token) the accepted path is unique. A tree may repeat a token among
+    siblings (lookahead's independent branches); then every matching branch is followed and the
+    longest accepted path wins (the first one on ties). Every accepted token is the argmax after
+    its predecessor, so the tokens are exactly greedy decoding's.
     """
-    path = [0]
-    node = 0
-    while True:
-        nxt = tree.children[node].get(int(argmax[node]))
-        if nxt is None:
-            break
-        path.append(nxt)
-        node = nxt
-    tokens = (*tuple(tree.tokens[i] for i in path[1:]), int(argmax[node]))
-    return Acceptance(tuple(path), tokens)
+    kids = tree.child_lists
+    best: tuple[int, ...] = (0,)
+    stack: list[tuple[int, ...]] = [(0,)]
+    while stack:
+        path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        want = int(argmax[path[-1]])
+        stack += [(*path, c) for c in reversed(kids[path[-1]]) if tree.tokens[c] == want]
+    tokens = (*tuple(tree.tokens[i] for i in best[1:]), int(argmax[best[-1]]))
+    return Acceptance(best, tokens)

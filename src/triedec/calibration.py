@@ -83,6 +83,28 @@ class Calibration:
         if self.recycling_nodes < 0:
             object.__setattr__(self, "recycling_nodes", best_nodes(self.recycling_rates, seconds))
 
+    def verify_seconds(self, tokens: int) -> float:
+        """Estimated seconds of a forward of ``tokens`` tree tokens: the measured curve made
+        non-decreasing (a bigger tree never counts as cheaper; the raw curve is noisy), linearly
+        interpolated between measured sizes and extrapolated from the last two beyond them."""
+        if tokens < 1:
+            raise TriedecError(f"a forward needs at least 1 token, got {tokens}")
+        sizes = list(self.forward_seconds)
+        envelope, top = [], 0.0
+        for t in sizes:
+            top = max(top, self.forward_seconds[t])
+            envelope.append(top)
+        if tokens <= sizes[0]:
+            return envelope[0]
+        for (t0, c0), (t1, c1) in zip(zip(sizes, envelope, strict=True), zip(sizes[1:], envelope[1:], strict=True),
+                                      strict=False):
+            if tokens <= t1:
+                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
+        if len(sizes) == 1:
+            return envelope[0]
+        slope = (envelope[-1] - envelope[-2]) / (sizes[-1] - sizes[-2])
+        return envelope[-1] + slope * (tokens - sizes[-1])
+
     def rates_for(self, template: TreeTemplate) -> list[float]:
         """The measured acceptance rate of each node of ``template`` (a subset of the paper's tree)."""
         from triedec.drafters.recycling import PAPER_TEMPLATE

@@ -25,6 +25,8 @@ def _option_flag(method: str, option: str) -> str:
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
     """One ``--METHOD-OPTION`` flag per registered method option, typed from its default."""
     group = parser.add_argument_group("method options (see `triedec methods`)")
+    group.add_argument("--verify", dest="opt:lookahead:verify", choices=("independent", "trie"), default=None,
+                       help="lookahead: verification mode (same as --lookahead-verify)")
     for name, spec in methods().items():
         for field in dataclasses.fields(spec.options):
             kind = type(field.default) if field.default is not None else str
@@ -89,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="tokenize the prompt as plain text instead of applying the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+    beam = gen.add_argument_group("beam search (--method beam; transformers' meaning and defaults)")
+    beam.add_argument("--num-beams", type=int, default=None, help="beams (default 4)")
+    beam.add_argument("--length-penalty", type=float, default=None, help="score = log-prob sum / length ** this (1.0)")
+    beam.add_argument("--early-stopping", default=None, choices=["true", "false", "never"], help="(default false)")
+    beam.add_argument("--num-return-sequences", type=int, default=None, help="hypotheses printed (default 1)")
+    beam.add_argument("--gc-every", type=int, default=None,
+                      help="compact the trie KV cache every N steps; 0 = only when full (default 15)")
     _add_model_args(gen)
     _add_method_options(gen)
 
@@ -116,9 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method (not recorded)")
     bench.add_argument("--out", default="bench-results", help="output directory (default %(default)s)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--beams", default="3,8,15",
+                       help="beam widths for --methods hf-beam,beam (beam-search benchmark; default %(default)s)")
     _add_model_args(bench)
     _add_method_options(bench)
     return parser
+
+
+BEAM_FLAGS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "gc_every")
 
 
 def cmd_methods() -> int:
@@ -126,7 +140,24 @@ def cmd_methods() -> int:
         print(f"{name}: {spec.description}")
         for option, default in spec.option_defaults().items():
             print(f"    {_option_flag(name, option)}  (default {default})")
+    from triedec.beam import BeamOptions
+
+    print("beam: trie beam search, transformers' results with one shared trie-shaped KV cache")
+    defaults = BeamOptions()
+    for option in BEAM_FLAGS:
+        print(f"    --{option.replace('_', '-')}  (default {getattr(defaults, option)})")
     return 0
+
+
+def beam_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The beam flags given; refused unless the method is ``beam``."""
+    given = {f: getattr(args, f) for f in BEAM_FLAGS if getattr(args, f) is not None}
+    if given and args.method != "beam":
+        raise TriedecError(f"--{next(iter(given)).replace('_', '-')} is an option of method 'beam', "
+                           f"not {args.method!r}")
+    if "early_stopping" in given:
+        given["early_stopping"] = {"true": True, "false": False}.get(given["early_stopping"], "never")
+    return given
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -174,12 +205,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise TriedecError("the prompt is empty")
-    options = method_options(args, args.method)
+    options = {**method_options(args, args.method), **beam_options(args)}
     if args.threads < 1:
         raise TriedecError(f"--threads must be positive, got {args.threads}")
     torch.set_num_threads(args.threads)
     lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
-    lm.drafter(args.method, **options)  # validate the method and options before any output
+    if args.method == "beam":  # validate the method and options before any output
+        from triedec.beam import BeamOptions
+
+        BeamOptions.from_mapping(options)
+    else:
+        lm.drafter(args.method, **options)
     chat = not args.raw and lm.has_chat_template
     printer = _StreamPrinter(lm.tokenizer) if not args.json else None
     result = lm.generate(
@@ -187,9 +223,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         on_tokens=printer, **options,
     )
     stats = result.stats
+    sequences = [{"text": lm.decode_result(h.token_ids), "token_ids": list(h.token_ids), "score": h.score}
+                 for h in result.sequences]
     if args.json:
-        print(json.dumps({"method": args.method, "text": result.text, "token_ids": result.token_ids,
-                          "stats": stats.as_dict()}, indent=2))
+        out = {"method": args.method, "text": result.text, "token_ids": result.token_ids, "stats": stats.as_dict()}
+        print(json.dumps({**out, "sequences": sequences} if sequences else out, indent=2))
+    elif args.method == "beam":
+        printer.finish(result.text)
+        for i, seq in enumerate(sequences[1:], start=2):
+            print(f"\n--- hypothesis {i} (score {seq['score']:.4f}) ---\n{seq['text']}")
+        print(
+            f"\n[beam x{stats.num_beams}] {stats.new_tokens} tokens in {stats.seconds:.2f} s = "
+            f"{stats.tokens_per_s:.1f} tok/s | best score {result.sequences[0].score:.4f} | KV peak "
+            f"{stats.peak_kv_tokens} tokens (transformers: {stats.hf_peak_kv_tokens}) | stop: {stats.stop_reason}"
+        )
     else:
         printer.finish(result.text)
         print(
@@ -242,7 +289,15 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     from triedec.bench.datasets import load_questions, select
 
     categories = args.categories.split(",") if args.categories else None
-    select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
+    questions = select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
+    from triedec.bench.beam import BEAM_BENCH_METHODS
+
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if any(n in BEAM_BENCH_METHODS for n in names):
+        if set(names) - set(BEAM_BENCH_METHODS):
+            raise TriedecError(f"beam-search methods ({', '.join(BEAM_BENCH_METHODS)}) are benchmarked on their own; "
+                               f"got {names}")
+        return _bench_beams(args, questions)
     torch.set_num_threads(args.threads)
     lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
     results = bench(
@@ -255,6 +310,45 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
 
     print(markdown(results))
     print(f"results written to {args.out}/ (results.json, results.md, *.png)")
+    return 0
+
+
+def _bench_beams(args: argparse.Namespace, questions: list) -> int:
+    import shlex
+
+    import torch
+
+    from triedec.bench.beam import parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
+    from triedec.bench.report import machine_info
+    from triedec.lm import load
+
+    beams = parse_beams(args.beams)
+    if given_options(args):
+        raise TriedecError("--METHOD-OPTION flags do not apply to the beam-search benchmark")
+    torch.set_num_threads(args.threads)
+    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        def bar(total: int) -> Any:
+            return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    samples = run_beam_benchmark(lm, questions, beams, args.max_new_tokens, args.warmup, bar)
+    results = {
+        "machine": machine_info(lm.device),
+        "model": args.model or "SmolLM2-135M-Instruct (embedded default, fp32)",
+        "dataset": args.dataset, "categories": args.categories, "per_category": args.per_category,
+        "max_new_tokens": args.max_new_tokens, "beams": beams,
+        "prompts": len({s["id"] for s in samples}),
+        "command": "triedec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "summary": summarize_beams(samples), "samples": samples,
+    }
+    write_beam_outputs(results, Path(args.out))
+    from triedec.bench.beam import beam_markdown
+
+    print(beam_markdown(results))
+    print(f"results written to {args.out}/ (results.json, results.md)")
     return 0
 
 

@@ -28,7 +28,8 @@ class KVCache:
     * :meth:`write` (called once per layer during a forward) stores the pending K/V and returns
       views over ``[0, length + T)``;
     * :meth:`commit` keeps a subset of the pending slots, in the given order, right after the
-      committed ones; :meth:`select` keeps a subset of the committed slots (compaction).
+      committed ones; :meth:`select` keeps a subset of the committed slots (compaction);
+    * :meth:`reserve` grows the buffers (beam search's trie can outgrow its first estimate).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -106,6 +107,22 @@ class KVCache:
         self._positions[:m] = self._positions[idx]
         self.length = m
         self.pending = 0
+
+    @torch.inference_mode()
+    def reserve(self, capacity: int) -> None:
+        """Grow to at least ``capacity`` slots (buffers reallocated, committed slots copied)."""
+        if capacity <= self.capacity:
+            return
+        n = self.length + self.pending
+        for bufs in (self.keys, self.values):
+            for i, buf in enumerate(bufs):
+                grown = torch.empty((*buf.shape[:2], capacity, buf.shape[3]), dtype=buf.dtype, device=buf.device)
+                grown[:, :, :n] = buf[:, :, :n]
+                bufs[i] = grown
+        positions = torch.zeros(capacity, dtype=torch.long)
+        positions[:n] = self._positions[:n]
+        self._positions = positions
+        self.capacity = capacity
 
     # ---- views --------------------------------------------------------------------------------
 

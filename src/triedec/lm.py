@@ -10,8 +10,10 @@ from typing import Any
 import torch
 
 from triedec.adapter import ModelAdapter
+from triedec.beam import METHOD as BEAM
+from triedec.beam import BeamOptions, BeamStats, Hypothesis, beam_search
 from triedec.calibration import Calibration, load_or_calibrate
-from triedec.drafters import ModelInfo, method_spec
+from triedec.drafters import ModelInfo, method_spec, methods
 from triedec.drafters.base import Drafter
 from triedec.engine import DecodeStats, StopRule, speculative_decode
 from triedec.errors import TriedecError, positive_int
@@ -23,11 +25,14 @@ Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 @dataclass(frozen=True)
 class GenerationResult:
     """``text``: the decoded new tokens (cut right after a stop string, if one ended generation);
-    ``token_ids``: the new tokens only; ``stats``: counters and timings."""
+    ``token_ids``: the new tokens only; ``stats``: counters and timings. Beam search also returns
+    ``sequences``: the ``num_return_sequences`` best hypotheses with their scores, best first
+    (``token_ids`` is the first one's)."""
 
     text: str
     token_ids: list[int]
-    stats: DecodeStats
+    stats: DecodeStats | BeamStats
+    sequences: tuple[Hypothesis, ...] = ()
 
 
 class LM:
@@ -125,14 +130,25 @@ class LM:
         chat: bool = False,
         **options: object,
     ) -> Iterator[list[int]]:
-        """Yield new token ids as they are accepted (several per step when drafts are accepted).
+        """Yield new token ids as they are accepted (several per step when drafts are accepted;
+        with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
 
-        The generator's return value (``StopIteration.value``) is the :class:`DecodeStats`;
-        :meth:`generate` collects it for you. All input is validated before anything runs.
+        The generator's return value (``StopIteration.value``) is the :class:`DecodeStats`
+        (beam search: a :class:`~triedec.beam.BeamResult`); :meth:`generate` collects it for you.
+        All input is validated before anything runs.
         """
-        prompt_ids, drafter, rule, documents = self._prepare(
-            prompt, method, max_new_tokens, stop, stop_token_ids, context, chat, options
-        )
+        if method not in methods() and method != BEAM:
+            raise TriedecError(f"unknown method {method!r}; available: {', '.join(sorted([*methods(), BEAM]))}")
+        if method == BEAM:
+            beam = BeamOptions.from_mapping(options)
+            if context:
+                raise TriedecError("context documents are for drafting methods, not beam search")
+            if stop:
+                raise TriedecError("stop strings are not supported with beam search (stop_token_ids are)")
+            prompt_ids, rule, _ = self._prepare(prompt, max_new_tokens, None, stop_token_ids, (), chat)
+            return beam_search(self.adapter, prompt_ids, beam, rule)
+        drafter = self.drafter(method, **options)
+        prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
         return speculative_decode(self.adapter, drafter, prompt_ids, rule, documents)
 
     def generate(
@@ -148,9 +164,12 @@ class LM:
         on_tokens: Callable[[list[int]], None] | None = None,
         **options: object,
     ) -> GenerationResult:
-        """Greedy generation with ``method`` (``triedec methods`` lists them and their options).
+        """Greedy generation with ``method`` (``triedec methods`` lists them and their options), or
+        beam search with ``method="beam"`` and :class:`~triedec.beam.BeamOptions` (``num_beams``,
+        ``length_penalty``, ``early_stopping``, ``num_return_sequences``, ``gc_every``).
 
-        Output is token-for-token what greedy autoregressive decoding gives. ``stop`` strings and
+        Output is token-for-token what greedy autoregressive decoding gives (beam search: what
+        transformers' beam search gives). ``stop`` strings and
         ``stop_token_ids`` end generation like EOS does (the stopping token is kept, nothing
         after it). ``context`` holds extra documents that context-based drafters may draft from.
         ``on_tokens`` is called with each batch of newly accepted token ids.
@@ -164,12 +183,14 @@ class LM:
             try:
                 new = next(steps)
             except StopIteration as done:
-                stats: DecodeStats = done.value
+                outcome = done.value
                 break
             tokens += new
             if on_tokens is not None:
                 on_tokens(new)
-        return GenerationResult(self.decode_result(tokens, stop), tokens, stats)
+        if isinstance(outcome, DecodeStats):
+            return GenerationResult(self.decode_result(tokens, stop), tokens, outcome)
+        return GenerationResult(self.decode_result(tokens), tokens, outcome.stats, outcome.hypotheses)
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""
@@ -180,16 +201,13 @@ class LM:
     def _prepare(
         self,
         prompt: Prompt,
-        method: str,
         max_new_tokens: int,
         stop: str | Sequence[str] | None,
         stop_token_ids: Sequence[int] | None,
         context: Sequence[str | Sequence[int]],
         chat: bool,
-        options: Mapping[str, object],
-    ) -> tuple[list[int], Drafter, StopRule, list[list[int]]]:
+    ) -> tuple[list[int], StopRule, list[list[int]]]:
         positive_int("max_new_tokens", max_new_tokens)
-        drafter = self.drafter(method, **options)
         prompt_ids = self.encode(prompt, chat=chat)
         if self.max_context is not None and len(prompt_ids) + max_new_tokens > self.max_context:
             raise TriedecError(
@@ -211,7 +229,7 @@ class LM:
             self.tokenizer(d, add_special_tokens=False)["input_ids"] if isinstance(d, str) else list(d)
             for d in context
         ]
-        return prompt_ids, drafter, rule, documents
+        return prompt_ids, rule, documents
 
     @property
     def device(self) -> torch.device:

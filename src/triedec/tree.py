@@ -136,11 +136,20 @@ class TokenTree:
 
     @cached_property
     def children(self) -> tuple[dict[int, int], ...]:
-        """``children[i]`` maps a child's token to the child's index."""
+        """``children[i]`` maps a child's token to the child's index (the last one if siblings
+        repeat a token; :attr:`child_lists` has them all)."""
         out: list[dict[int, int]] = [{} for _ in range(self.size)]
         for i in range(1, self.size):
             out[self.parents[i]][self.tokens[i]] = i
         return tuple(out)
+
+    @cached_property
+    def child_lists(self) -> tuple[tuple[int, ...], ...]:
+        """``child_lists[i]``: the indices of i's children, in order (repeated tokens included)."""
+        out: list[list[int]] = [[] for _ in range(self.size)]
+        for i in range(1, self.size):
+            out[self.parents[i]].append(i)
+        return tuple(tuple(c) for c in out)
 
     @cached_property
     def leaves(self) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 Importing this package registers every built-in method.
 """
 
-from triedec.drafters import autoregressive, prompt_lookup, recycling
+from triedec.drafters import autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
 from triedec.drafters.base import (
     BaseDrafter,
     Drafter,
@@ -22,8 +22,10 @@ __all__ = [
     "ModelInfo",
     "Verified",
     "autoregressive",
+    "lookahead",
     "method_spec",
     "methods",
+    "ngram_trie",
     "prompt_lookup",
     "recycling",
     "register",

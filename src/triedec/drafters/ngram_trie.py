@@ -1,0 +1,223 @@
+"""Method ``ngram-trie``: the N-Gram Trie drafter (Chen, Li et al.), sized for the device.
+
+**Building** (paper, 3.1). A window of ``n`` tokens slides over the context; each window is split
+into a prefix ``P`` (its first ``Lp`` = ``prefix`` tokens) and a suffix ``S``; the keys
+``P[j:] + S`` for j = 0 .. Lp-1 (the full prefix and its sub-prefixes, so that shorter suffixes of
+the output also match) are inserted into a trie, adding 1 to the frequency of every node on the
+key's path. Windows never span two documents; windows at the end of a document are shorter.
+
+Equivalently, every key is a substring of the context starting at some position s, and the node
+at depth d of the path from s gains ``min(Lp - 1, s, n - d) + 1`` (the number of windows whose
+key passes there). :class:`NgramTrie` inserts that way, token by token: each new token extends the
+(at most n) open paths by one node. So building costs O(n) dict operations per context token,
+memory is at most n nodes per context token (linear in the context, not quadratic), and adding
+generated tokens later (``update=True``) continues the same paths, as if the windows had covered
+them from the start.
+
+**Each step** (paper, 3.2): match the longest suffix of the context (prompt + output), backing off
+from Lp tokens to 1, to a trie path that has continuations; take the matched node's subtree; keep
+its ``num_draft`` most frequent nodes (best-first with a heap, so every kept node's parent is kept:
+a child's frequency never exceeds its parent's) and emit them as a tree.
+
+**Sized for the device** (``sized=True``, the default). The paper's ``num_draft`` is 64, for a GPU.
+Here each node's chance of acceptance is estimated as its frequency over the matched node's (the
+share of the context's occurrences that continue that way), scaled by a running correction
+``alpha`` = accepted / predicted over past steps. Among the top 0..num_draft nodes, the drafter
+sends the count with the most expected tokens per second, using the device's measured cost curve
+(:meth:`~triedec.calibration.Calibration.verify_seconds`), so it drafts nothing when no draft is
+worth its verification.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.errors import TriedecError, positive_int
+from triedec.tree import TokenTree
+
+
+@dataclass
+class TrieStream:
+    """Where insertion of one token sequence stands: its length so far and the open paths
+    ``(start position, node)`` of the keys that can still grow."""
+
+    length: int = 0
+    open: list[tuple[int, int]] = field(default_factory=list)
+
+
+class NgramTrie:
+    """The paper's n-gram trie with frequencies. Node 0 is the root; ``children[v]`` maps a token
+    to a child, ``freq[v]`` is the number of inserted keys passing through v, ``parent[v]`` and
+    ``token[v]`` describe the node. Mutated only by :meth:`add`."""
+
+    def __init__(self, n: int, prefix: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise TriedecError(f"n (window length) must be an integer >= 2, got {n!r}")
+        if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < n:
+            raise TriedecError(f"prefix (Lp) must be an integer in [1, n), got {prefix!r} with n={n}")
+        self.n, self.prefix = n, prefix
+        self.children: list[dict[int, int]] = [{}]
+        self.freq: list[int] = [0]
+        self.parent: list[int] = [-1]
+        self.token: list[int] = [-1]
+
+    @property
+    def size(self) -> int:
+        """Nodes, root excluded."""
+        return len(self.freq) - 1
+
+    def add(self, tokens: Sequence[int], stream: TrieStream | None = None) -> TrieStream:
+        """Insert the windows of ``tokens``, continuing ``stream`` (the same document) if given,
+        else starting a new document. Returns the stream to continue later."""
+        st = stream if stream is not None else TrieStream()
+        n, lp = self.n, self.prefix
+        for t in tokens:
+            t = int(t)
+            st.open.append((st.length, 0))
+            still = []
+            for start, node in st.open:
+                depth = st.length - start + 1
+                child = self.children[node].get(t)
+                if child is None:
+                    child = len(self.freq)
+                    self.children[node][t] = child
+                    self.children.append({})
+                    self.freq.append(0)
+                    self.parent.append(node)
+                    self.token.append(t)
+                self.freq[child] += min(lp - 1, start, n - depth) + 1
+                if depth < n:
+                    still.append((start, child))
+            st.open = still
+            st.length += 1
+        return st
+
+    def node(self, path: Sequence[int]) -> int | None:
+        """The node reached from the root by ``path``, or None."""
+        node = 0
+        for t in path:
+            node = self.children[node].get(int(t))
+            if node is None:
+                return None
+        return node
+
+    def match(self, context: Sequence[int]) -> tuple[int, int]:
+        """``(node, length)`` of the longest suffix of ``context`` (at most ``prefix`` tokens)
+        that is a trie path with continuations; ``(0, 0)`` if none."""
+        for m in range(min(self.prefix, len(context)), 0, -1):
+            node = self.node(context[-m:])
+            if node is not None and self.children[node]:
+                return node, m
+        return 0, 0
+
+    def top(self, node: int, k: int) -> list[int]:
+        """The ``k`` most frequent nodes of ``node``'s subtree (``node`` excluded), best-first
+        (highest frequency first, ties to the older node). A child's frequency never exceeds its
+        parent's, so this is the top k of the subtree, parents listed before their children."""
+        out: list[int] = []
+        frontier = [(-self.freq[c], c) for c in self.children[node].values()]
+        heapq.heapify(frontier)
+        while frontier and len(out) < k:
+            _, v = heapq.heappop(frontier)
+            out.append(v)
+            for c in self.children[v].values():
+                heapq.heappush(frontier, (-self.freq[c], c))
+        return out
+
+
+@dataclass(frozen=True)
+class NgramTrieOptions:
+    n: int = 13
+    """sliding-window length (the paper's n)"""
+    prefix: int = 3
+    """maximum prefix length Lp (1 <= Lp < n): suffixes of up to Lp tokens are matched"""
+    num_draft: int = 64
+    """most draft nodes per step (the paper's num_draft)"""
+    sized: bool = True
+    """send only as many of them as pay off on this device (measured cost curve); False = always num_draft"""
+    update: bool = False
+    """also insert the generated tokens into the trie as they are accepted (the paper: context only)"""
+
+    def __post_init__(self) -> None:
+        NgramTrie(self.n, self.prefix)  # validates n and prefix
+        positive_int("num_draft", self.num_draft)
+        for name in ("sized", "update"):
+            if not isinstance(getattr(self, name), bool):
+                raise TriedecError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+@register("ngram-trie", NgramTrieOptions, "N-Gram Trie: a frequency trie of the context's n-grams; the most "
+          "frequent continuations of the longest matched suffix, sized for the device")
+class NgramTrieDrafter(BaseDrafter):
+    """A trie per request (built in ``begin`` from the documents and the prompt). ``alpha``,
+    the correction of the frequency-based acceptance estimates, is kept across requests."""
+
+    def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
+        self.options = options
+        self._cost = None
+        if options.sized:
+            calibration = model.require_calibration()
+            self._cost = [calibration.verify_seconds(t) for t in range(1, options.num_draft + 2)]
+        self.trie = NgramTrie(options.n, options.prefix)
+        self._stream = TrieStream()
+        self._fed = 0
+        self.build_seconds = 0.0
+        self.predicted = 0.0  # sum over steps of the proposed nodes' estimated acceptance (alpha = 1)
+        self.accepted = 0  # draft tokens accepted over those steps
+        self._last_prediction = 0.0
+
+    @property
+    def alpha(self) -> float:
+        """accepted / predicted, with a prior worth two predicted tokens of which one is accepted."""
+        return (self.accepted + 1.0) / (self.predicted + 2.0)
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+        start = time.perf_counter()
+        self.trie = NgramTrie(self.options.n, self.options.prefix)
+        for doc in documents:
+            self.trie.add(doc)
+        self._stream = self.trie.add(prompt)
+        self._fed = len(prompt)
+        self.build_seconds = time.perf_counter() - start
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        if self.options.update and len(context) > self._fed:
+            self.trie.add(context[self._fed :], self._stream)
+            self._fed = len(context)
+        trie = self.trie
+        matched, _ = trie.match(context)
+        nodes = trie.top(matched, self.options.num_draft) if matched else []
+        chance = [trie.freq[v] / trie.freq[matched] for v in nodes]
+        if self._cost is not None:
+            nodes = nodes[: self._best_count(chance)]
+        self._last_prediction = sum(chance[: len(nodes)])
+        index = {matched: 0}
+        tokens, parents = [int(context[-1])], [-1]
+        for v in nodes:
+            index[v] = len(tokens)
+            tokens.append(trie.token[v])
+            parents.append(index[trie.parent[v]])
+        return TokenTree(tuple(tokens), tuple(parents))
+
+    def _best_count(self, chance: Sequence[float]) -> int:
+        """How many of the best-first nodes to send: the most expected tokens per second."""
+        assert self._cost is not None
+        best, best_speed, expected = 0, 1.0 / self._cost[0], 1.0
+        for k, p in enumerate(chance, start=1):
+            expected += self.alpha * p
+            speed = expected / self._cost[k]
+            if speed > best_speed:
+                best, best_speed = k, speed
+        return best
+
+    def observe(self, verified: Verified) -> None:
+        if verified.tree.size > 1:
+            self.predicted += self._last_prediction
+            self.accepted += len(verified.acceptance.path) - 1
+
+    def stats(self) -> dict[str, float]:
+        return {"trie_nodes": float(self.trie.size), "build_ms": self.build_seconds * 1000, "alpha": self.alpha}

@@ -1,0 +1,161 @@
+"""The N-Gram Trie drafter's pure parts: trie construction against a direct transcription of the
+paper's Algorithm 1 (hand-made lists and hypothesis), back-off matching, heap selection, sizing,
+options."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_recycling import fake_calibration
+
+from triedec.accept import Acceptance
+from triedec.drafters import ModelInfo, method_spec
+from triedec.drafters.base import Verified
+from triedec.drafters.ngram_trie import NgramTrie, NgramTrieDrafter, NgramTrieOptions
+from triedec.errors import TriedecError
+
+
+def algorithm_1(tokens: list[int], n: int, lp: int) -> dict[tuple[int, ...], int]:
+    """The paper's construction, literally: windows T[i:i+n] (shorter at the end), prefix P =
+    window[:Lp], suffix S = window[Lp:], keys P[j:] + S for j in 0..Lp-1, +1 per node per key."""
+    freq: dict[tuple[int, ...], int] = {}
+    for i in range(len(tokens)):
+        window = tokens[i : i + n]
+        prefix, suffix = window[:lp], window[lp:]
+        for j in range(lp):
+            key = prefix[j:] + suffix if j < len(prefix) else []
+            for d in range(1, len(key) + 1):
+                freq[tuple(key[:d])] = freq.get(tuple(key[:d]), 0) + 1
+    return freq
+
+
+def as_paths(trie: NgramTrie) -> dict[tuple[int, ...], int]:
+    out = {}
+    for v in range(1, trie.size + 1):
+        path, u = [], v
+        while u:
+            path.append(trie.token[u])
+            u = trie.parent[u]
+        out[tuple(reversed(path))] = trie.freq[v]
+    return out
+
+
+def test_hand_made_trie_with_sub_prefix_nodes_and_frequencies():
+    # n = 3, Lp = 2 over [1, 2, 3]: windows [1,2,3] -> keys [1,2,3], [2,3]; [2,3] -> keys [2,3], [3];
+    # [3] -> key [3]
+    trie = NgramTrie(3, 2)
+    trie.add([1, 2, 3])
+    assert as_paths(trie) == {(1,): 1, (1, 2): 1, (1, 2, 3): 1, (2,): 2, (2, 3): 2, (3,): 2}
+
+
+def test_hand_made_sentence():
+    # "a b c a b d", n = 4, Lp = 2: "a b" occurs twice, with continuations "c a" and "d"
+    a, b, c, d = 1, 2, 3, 4
+    trie = NgramTrie(4, 2)
+    trie.add([a, b, c, a, b, d])
+    paths = as_paths(trie)
+    assert paths == algorithm_1([a, b, c, a, b, d], 4, 2)
+    # "a b" starts the keys of windows 0 and 3 and window 2's sub-prefix key "a b d"
+    assert paths[(a, b)] == 3 and paths[(a, b, c)] == 1 and paths[(a, b, d)] == 2
+    assert paths[(b, c)] == 2 and paths[(b, c, a)] == 2  # the sub-prefix "b" of window 0 and window 1's key
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(2, 7), st.data())
+def test_streamed_construction_equals_algorithm_1(tokens, n, data):
+    lp = data.draw(st.integers(1, n - 1))
+    trie = NgramTrie(n, lp)
+    cut = data.draw(st.integers(0, len(tokens)))
+    stream = trie.add(tokens[:cut])
+    trie.add(tokens[cut:], stream)  # continued in two pieces: same as one
+    assert as_paths(trie) == algorithm_1(tokens, n, lp)
+    assert trie.size <= n * len(tokens)  # memory linear in the context
+    for v in range(1, trie.size + 1):  # a child's frequency never exceeds its parent's
+        assert trie.parent[v] == 0 or trie.freq[v] <= trie.freq[trie.parent[v]]
+
+
+def test_documents_do_not_share_windows():
+    trie = NgramTrie(4, 1)
+    trie.add([1, 2])
+    trie.add([3, 4])
+    assert trie.node([2, 3]) is None and trie.node([1, 2]) is not None
+
+
+def test_match_backs_off_from_lp_to_one():
+    trie = NgramTrie(5, 3)
+    trie.add([7, 8, 9, 1, 2, 3, 4])
+    assert trie.match([7, 8, 9]) == (trie.node([7, 8, 9]), 3)
+    assert trie.match([5, 8, 9]) == (trie.node([8, 9]), 2)  # [5, 8, 9] is not a path
+    assert trie.match([5, 6, 9]) == (trie.node([9]), 1)
+    assert trie.match([4]) == (0, 0)  # a path, but nothing follows it
+    assert trie.match([6]) == (0, 0)
+
+
+def test_heap_keeps_the_most_frequent_nodes_as_a_closed_subtree():
+    trie = NgramTrie(4, 1)
+    for doc in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 5, 6]):
+        trie.add(doc)
+    root = trie.node([1])
+    top = trie.top(root, 3)
+    assert [trie.token[v] for v in top] == [2, 3, 4]  # freqs 3, 2, then 1 (4 and 5 tie: 4 is older)
+    assert all(trie.parent[v] == root or trie.parent[v] in top[:i] for i, v in enumerate(top))
+    assert len(trie.top(root, 100)) == 5
+
+
+def info(cal):
+    return ModelInfo(50, torch.device("cpu"), "m", lambda: cal)
+
+
+def test_drafter_proposes_the_matched_continuations_as_a_tree():
+    d = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=2, sized=False, num_draft=4), info(fake_calibration()))
+    d.begin([1, 2, 3, 9, 1, 2, 4, 9], documents=[[8, 8, 8]])
+    tree = d.propose([5, 1, 2])
+    assert tree.root == 2 and sorted(tree.tokens[1:]) == [3, 4, 9, 9]
+    assert {tree.tokens[i] for i in range(1, tree.size) if tree.parents[i] == 0} == {3, 4}
+    assert d.propose([5, 6, 7]).size == 1  # no match: nothing drafted
+    assert d.propose([8, 8]).size > 1  # from the document
+
+
+def test_sizing_drafts_only_what_the_cost_curve_pays_for():
+    flat = fake_calibration()
+    flat = replace(flat, forward_seconds={1: 0.1, 81: 0.1})
+    steep = replace(flat, forward_seconds={1: 0.1, 2: 1.0, 81: 50.0})
+    prompt = [1, 2, 3, 4] * 5
+    for cal, expect_drafts in ((flat, True), (steep, False)):
+        d = NgramTrieDrafter(NgramTrieOptions(), info(cal))
+        d.begin(prompt)
+        assert (d.propose([*prompt, 1]).size > 1) == expect_drafts
+    with pytest.raises(TriedecError, match="calibration"):
+        NgramTrieDrafter(NgramTrieOptions(), ModelInfo(50, torch.device("cpu")))
+    NgramTrieDrafter(NgramTrieOptions(sized=False), ModelInfo(50, torch.device("cpu")))  # no calibration needed
+
+
+def test_alpha_learns_from_acceptance():
+    d = NgramTrieDrafter(NgramTrieOptions(sized=False), info(fake_calibration()))
+    d.begin([1, 2, 3] * 6)
+    assert d.alpha == 0.5
+    for _ in range(10):
+        tree = d.propose([1, 2, 3, 1, 2])
+        d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))  # nothing accepted
+    assert d.alpha < 0.1
+
+
+def test_update_inserts_the_output():
+    for update in (False, True):
+        d = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=1, sized=False, update=update), info(fake_calibration()))
+        d.begin([1, 2])
+        d.propose([1, 2, 30, 31, 32])
+        assert (d.trie.node([30, 31]) is not None) == update
+
+
+@pytest.mark.parametrize(
+    "bad", [{"n": 1}, {"n": 4, "prefix": 4}, {"prefix": 0}, {"num_draft": 0}, {"sized": "yes"}, {"update": 1},
+            {"n": 2.5}, {"window": 3}]
+)
+def test_bad_options_are_refused(bad):
+    with pytest.raises(TriedecError):
+        method_spec("ngram-trie").make_options(bad)
