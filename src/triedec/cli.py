@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     beam.add_argument("--early-stopping", default=None, choices=["true", "false", "never"], help="(default false)")
     beam.add_argument("--num-return-sequences", type=int, default=None, help="hypotheses printed (default 1)")
     beam.add_argument("--gc-every", type=int, default=None,
-                      help="compact the trie KV cache every N steps; 0 = only when full (default 15)")
+                      help="compact the trie KV cache every N steps; 0 = only when full (default 5)")
     _add_model_args(gen)
     _add_method_options(gen)
 
