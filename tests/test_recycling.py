@@ -1,5 +1,6 @@
 """Token Recycling without a model: the tree template, the adjacency matrix (update semantics,
-cold rows, persistence) and the drafter; plus the pure part of the calibration."""
+cold rows, persistence) and the drafter; plus the calibration (its pure part, and one real run of
+its end-to-end check on a tiny model)."""
 
 from __future__ import annotations
 
@@ -299,3 +300,23 @@ def test_calibrate_keeps_the_predicted_size_only_if_it_really_beats_ar(monkeypat
     assert cal.recycling_nodes == (predicted if kept else 0)
     with pytest.raises(TriedecError, match="margin"):
         calibration.calibrate(lm, margin=1.5)
+
+
+def test_calibrate_runs_its_end_to_end_check_for_real(monkeypatch, tiny_model_dir, tmp_path):
+    """Whatever the device measures, a predicted size above 0 goes through the real end-to-end
+    check (ar against recycling on real prompts); here the cost curve and rates are forced so that
+    the prediction is above 0 on any machine."""
+    import triedec
+    from triedec import calibration
+
+    lm = triedec.load(tiny_model_dir, cache_dir=tmp_path)
+    seconds = {1: 0.1, 2: 0.1, 4: 0.1, 9: 0.12, 81: 0.5}
+    monkeypatch.setattr(calibration, "measure_forward_seconds", lambda lm, repeats: seconds)
+    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
+    cal = calibration.calibrate(lm, prompts=3, max_new_tokens=8, repeats=1)
+    check = cal.details["end_to_end"]
+    assert cal.details["predicted_nodes"] == best_nodes(monotone_rates(), seconds) > 0
+    assert 0 < check["tokens"] <= 2 * 8
+    assert check["ar_seconds"] > 0 and check["recycling_seconds"] > 0
+    assert check["speedup"] == pytest.approx(check["ar_seconds"] / check["recycling_seconds"], rel=1e-2)
+    assert cal.recycling_nodes in (0, cal.details["predicted_nodes"])

@@ -246,15 +246,15 @@ def measure_end_to_end(lm: LM, prompts: Sequence[str], predicted: Calibration,
     """Decode ``prompts[1:]`` with ``ar`` and with recycling at ``predicted.recycling_nodes``
     (a fresh drafter, warmed up on ``prompts[0]``), alternating per prompt; total seconds of each
     and the speedup of recycling over ``ar``. Both emit the same tokens (greedy is exact)."""
-    from triedec.drafters.autoregressive import AutoregressiveDrafter
-    from triedec.drafters.base import ModelInfo, NoOptions
-    from triedec.drafters.recycling import RecyclingDrafter, RecyclingOptions
+    from triedec.drafters import method_spec
+    from triedec.drafters.base import ModelInfo
     from triedec.engine import StopRule, speculative_decode
 
     if len(prompts) < 2:
         raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
     info = ModelInfo(lm.adapter.vocab_size, lm.device, lm.adapter.model_id, lambda: predicted)
-    drafters = {"ar": AutoregressiveDrafter(NoOptions(), info), "recycling": RecyclingDrafter(RecyclingOptions(), info)}
+    drafters = {name: method_spec(name).factory(method_spec(name).make_options({}), info)
+                for name in ("ar", "recycling")}
     rule = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=lm.eos_token_ids)
     seconds = {name: 0.0 for name in drafters}
     tokens = 0
