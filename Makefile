@@ -17,4 +17,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts
 
 test: lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15

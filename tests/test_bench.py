@@ -102,6 +102,18 @@ def test_speedup_arithmetic_on_hand_made_timings():
     assert res["bad"]["by_category"]["y"]["speedup"] is None
 
 
+def test_verification_branch_tokens_are_summed_over_runs():
+    """``verify_per_token`` sums every run's ``verify_tokens`` (not the last run's), only for
+    methods whose drafter reports it."""
+    samples = [row("hf-greedy", "x", 100, 10.0, 99), row("hf-greedy", "y", 50, 2.0, 49),
+               {**row("la", "x", 100, 5.0, 40, computed=400), "drafter": {"verify_tokens": 120.0}},
+               {**row("la", "y", 50, 5.0, 20, computed=200), "drafter": {"verify_tokens": 30.0}}]
+    res = summarize(samples)
+    assert res["la"]["overall"]["verify_per_token"] == pytest.approx(150 / 150)
+    assert res["la"]["by_category"]["x"]["verify_per_token"] == pytest.approx(1.2)
+    assert "verify_per_token" not in res["hf-greedy"]["overall"]
+
+
 def test_spec_bench_sample_is_fixed_and_covers_categories():
     qs = select(load_questions("spec-bench"), per_category=5)
     cats = {}

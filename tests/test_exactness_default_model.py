@@ -60,12 +60,25 @@ def hf_generate(lm, ids, max_new_tokens):
     return out[0, len(ids):].tolist()
 
 
+@pytest.fixture(scope="module")
+def hf_truth(default_lm):
+    """``hf_truth(index)``: transformers' greedy 40 new tokens for ``PROMPTS[index]``, computed once
+    per module (greedy decoding's first k tokens do not depend on the length limit)."""
+    cache: dict[int, list[int]] = {}
+
+    def truth(index: int) -> list[int]:
+        if index not in cache:
+            cache[index] = hf_generate(default_lm, default_lm.encode(PROMPTS[index]), 40)
+        return cache[index]
+
+    return truth
+
+
 @pytest.mark.default_model
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_pld_equals_ar_equals_transformers(default_lm, index):
+def test_pld_equals_ar_equals_transformers(default_lm, hf_truth, index):
     prompt = PROMPTS[index]
-    ids = default_lm.encode(prompt)
-    truth = hf_generate(default_lm, ids, 40)
+    truth = hf_truth(index)
     ar = default_lm.generate(prompt, "ar", max_new_tokens=40)
     pld = default_lm.generate(prompt, "pld", max_new_tokens=40)
     assert ar.token_ids == truth
@@ -147,10 +160,10 @@ RECYCLING_SIZES = (80, 8, 24, 0, 3, 48)  # 0 = the calibrated size
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("index", range(len(PROMPTS)))
-def test_recycling_equals_transformers(calibrated_lm, index):
+def test_recycling_equals_transformers(calibrated_lm, hf_truth, index):
     """Several tree sizes (the paper's 80 nodes among them), one hot drafter per size across prompts."""
     prompt = PROMPTS[index]
-    truth = hf_generate(calibrated_lm, calibrated_lm.encode(prompt), 40)
+    truth = hf_truth(index)  # the same model object as calibrated_lm's
     nodes = RECYCLING_SIZES[index % len(RECYCLING_SIZES)]
     out = calibrated_lm.generate(prompt, "recycling", max_new_tokens=40, nodes=nodes)
     assert out.token_ids == truth
@@ -187,9 +200,9 @@ def test_ngram_trie_drafts_from_context_documents(default_lm):
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("index", [0, 6, 12, 14, 18, 20])
-def test_lookahead_equals_transformers(default_lm, index):
+def test_lookahead_equals_transformers(default_lm, hf_truth, index):
     prompt = PROMPTS[index]
-    truth = hf_generate(default_lm, default_lm.encode(prompt), 32)
+    truth = hf_truth(index)[:32]
     for verify in ("independent", "trie"):
         out = default_lm.generate(prompt, "lookahead", max_new_tokens=32, verify=verify)
         assert out.token_ids == truth, verify

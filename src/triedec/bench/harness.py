@@ -14,6 +14,10 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``speedup``: that mean divided by the reference's mean on the same samples (null if wrong);
 * ``mean_accepted``: tokens produced by decoding steps / steps (the prefill's token excluded);
 * ``steps``, ``new_tokens``, ``computed_tokens`` (tokens through the model, prompt excluded): sums;
+  ``computed_per_token`` = computed / new tokens;
+* ``verify_per_token`` (drafters that report ``verify_tokens``, i.e. lookahead): the tokens of the
+  verification branch alone per new token, the quantity the lookahead trie-verification paper
+  compares between its modes (the lookahead branch is the same in both);
 * ``peak_mem_mb``: the largest peak-memory increase of one run (RSS on CPU, allocated on GPU);
 * ``kv_mb``: the largest KV cache of one run (triedec: its preallocated buffers; transformers:
   the cache tensors it returns);
@@ -277,6 +281,9 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
         "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
         "samples": len(rows),
     }
+    verify = [(r.get("drafter") or {}).get("verify_tokens") for r in rows]
+    if rows and all(v is not None for v in verify):  # drafters that split their tree (lookahead)
+        out["verify_per_token"] = sum(verify) / new if new else 0.0
     by_depth = [r["acceptance_by_depth"] for r in rows if r.get("acceptance_by_depth")]
     if by_depth:
         depth = max(len(d) for d in by_depth)

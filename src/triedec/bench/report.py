@@ -76,6 +76,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_fmt(o['computed_per_token'])} | {o['mismatches']} | {_fmt(o['peak_mem_mb'], 0)} | "
             f"{_fmt(o['kv_mb'], 1)} |"
         )
+    split = {name: res["overall"] for name, res in results["methods"].items() if "verify_per_token" in res["overall"]}
+    if split:
+        lines += ["", "Lookahead's computed tokens split (per generated token): all = the table's computed/token; "
+                  "verify = the verification branch alone (the lookahead branch is the same in both modes):", "",
+                  "| method | computed tokens | all / token | verify / token |", "|---|---|---|---|"]
+        lines += [f"| {name} | {o['computed_tokens']} | {_fmt(o['computed_per_token'])} | "
+                  f"{_fmt(o['verify_per_token'])} |" for name, o in split.items()]
     categories = list(dict.fromkeys(c for r in results["methods"].values() for c in r["by_category"]))
     lines += ["", "Speedup by category (WRONG = output differs from the reference):", "",
               "| method | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]

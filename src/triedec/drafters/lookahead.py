@@ -139,6 +139,7 @@ class LookaheadDrafter(BaseDrafter):
         self.window = source[picks].tolist()
         self.pool = NgramPool(self.options.guesses)
         self._proposed = None
+        self.lookahead_tokens = self.verify_tokens = self.steps = 0
 
     def propose(self, context: Sequence[int]) -> TokenTree:
         o = self.options
@@ -178,6 +179,10 @@ class LookaheadDrafter(BaseDrafter):
         self._proposed = None
 
     def stats(self) -> dict[str, float]:
+        """Of the current (or last) request: tokens fed for the lookahead branch and for the
+        verification branch as proposed (with one root per step, the engine's ``computed_tokens``,
+        unless the engine cut a tree to fit ``max_new_tokens``), per step, and the pool's size."""
         steps = max(self.steps, 1)
-        return {"pool_ngrams": float(len(self.pool)), "lookahead_tokens_per_step": self.lookahead_tokens / steps,
+        return {"pool_ngrams": float(len(self.pool)), "lookahead_tokens": float(self.lookahead_tokens),
+                "verify_tokens": float(self.verify_tokens), "lookahead_tokens_per_step": self.lookahead_tokens / steps,
                 "verify_tokens_per_step": self.verify_tokens / steps}
