@@ -134,14 +134,35 @@ def test_sizing_drafts_only_what_the_cost_curve_pays_for():
     NgramTrieDrafter(NgramTrieOptions(sized=False), ModelInfo(50, torch.device("cpu")))  # no calibration needed
 
 
-def test_alpha_learns_from_acceptance():
-    d = NgramTrieDrafter(NgramTrieOptions(sized=False), info(fake_calibration()))
+def test_agreement_rate_learns_per_match_length_and_is_probed_again():
+    """rho falls when drafts are rejected (per matched suffix length, and per whether the last
+    step accepted drafts), the sized drafter then stops drafting, and skipped steps move rho back
+    toward the prior until it drafts again."""
+    flat = replace(fake_calibration(), forward_seconds={1: 0.1, 2: 0.15, 81: 0.3})
+    d = NgramTrieDrafter(NgramTrieOptions(prefix=2), info(flat))
     d.begin([1, 2, 3] * 6)
-    assert d.alpha == 0.5
-    for _ in range(10):
-        tree = d.propose([1, 2, 3, 1, 2])
+    assert d.rho(2) == d.PRIOR_RHO
+    failures = 0
+    while (tree := d.propose([1, 2, 3, 1, 2])).size > 1:
         d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))  # nothing accepted
-    assert d.alpha < 0.1
+        failures += 1
+        assert failures < 20
+    low = d.rho(2)
+    assert failures >= 2 and low < 0.5 and d.rho(1) == d.PRIOR_RHO  # only the length that failed
+    skipped = 1
+    while d.propose([1, 2, 3, 1, 2]).size == 1:
+        skipped += 1
+        assert skipped < 500
+    assert skipped > 5 and d.rho(2) > low  # probed again, after a while
+    before = d.rho(2)
+    tree = d.propose([1, 2, 3, 1, 2])
+    d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0, 1, 2), (3, 1, 5))))
+    assert d.rho(2) > before and d.rho(2, hot=True) == d.PRIOR_RHO  # 2 accepted, 1 rejected
+    assert "rho_m2" in d.stats()
+    tree = d.propose([1, 2, 3, 1, 2, 3, 1])  # after a step that accepted drafts: the "hot" rate
+    assert tree.size > 1
+    d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))
+    assert d.rho(2, hot=True) < d.PRIOR_RHO and "rho_m2_hot" in d.stats()
 
 
 def test_update_inserts_the_output():

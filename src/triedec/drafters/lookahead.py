@@ -39,7 +39,7 @@ VERIFY_MODES = ("independent", "trie")
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    window: int = 4
+    window: int = 2
     """W: future positions guessed by the Jacobi window"""
     ngram: int = 3
     """N: n-gram size (levels in the window = N - 1)"""

@@ -20,12 +20,16 @@ its ``num_draft`` most frequent nodes (best-first with a heap, so every kept nod
 a child's frequency never exceeds its parent's) and emit them as a tree.
 
 **Sized for the device** (``sized=True``, the default). The paper's ``num_draft`` is 64, for a GPU.
-Here each node's chance of acceptance is estimated as its frequency over the matched node's (the
-share of the context's occurrences that continue that way), scaled by a running correction
-``alpha`` = accepted / predicted over past steps. Among the top 0..num_draft nodes, the drafter
-sends the count with the most expected tokens per second, using the device's measured cost curve
+Here the chance that a node is accepted is estimated as ``share * rho ** depth``: ``share`` is its
+frequency over the matched node's (the share of the context's occurrences that continue that way)
+and ``rho`` is the running rate at which the model has agreed with drafted tokens, one token at a
+time, after matches of the same length (a ratio of two exponential moving averages: accepted draft
+tokens over tried ones, where a step tries its accepted tokens plus the one it rejected, if any).
+Among the best-first 0..num_draft nodes, the drafter sends the count with the most expected
+tokens per second under the device's measured cost curve
 (:meth:`~triedec.calibration.Calibration.verify_seconds`), so it drafts nothing when no draft is
-worth its verification.
+worth its verification. A match length that is skipped drifts back toward the optimistic prior,
+so it is probed again later (as ``pld`` does); the rates live as long as the drafter.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ class NgramTrieOptions:
     """most draft nodes per step (the paper's num_draft)"""
     sized: bool = True
     """send only as many of them as pay off on this device (measured cost curve); False = always num_draft"""
-    update: bool = False
+    update: bool = True
     """also insert the generated tokens into the trie as they are accepted (the paper: context only)"""
 
     def __post_init__(self) -> None:
@@ -153,8 +157,15 @@ class NgramTrieOptions:
 @register("ngram-trie", NgramTrieOptions, "N-Gram Trie: a frequency trie of the context's n-grams; the most "
           "frequent continuations of the longest matched suffix, sized for the device")
 class NgramTrieDrafter(BaseDrafter):
-    """A trie per request (built in ``begin`` from the documents and the prompt). ``alpha``,
-    the correction of the frequency-based acceptance estimates, is kept across requests."""
+    """A trie per request (built in ``begin`` from the documents and the prompt). The agreement
+    rates ``rho`` (per matched suffix length) are kept across requests."""
+
+    PRIOR_RHO = 0.8
+    """optimistic initial agreement rate, for every match length"""
+    EMA = 0.2
+    """weight of a new drafted step in the two moving averages"""
+    RELAX = 0.01
+    """how far a skipped match length's averages move back toward the prior per skipped step"""
 
     def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
         self.options = options
@@ -166,14 +177,16 @@ class NgramTrieDrafter(BaseDrafter):
         self._stream = TrieStream()
         self._fed = 0
         self.build_seconds = 0.0
-        self.predicted = 0.0  # sum over steps of the proposed nodes' estimated acceptance (alpha = 1)
-        self.accepted = 0  # draft tokens accepted over those steps
-        self._last_prediction = 0.0
+        # (match length, hot) -> [moving averages of accepted and of tried draft tokens per drafted step]
+        self._agreement: dict[tuple[int, bool], list[float]] = {}
+        self._drafted: tuple[int, bool] | None = None  # the key of the last proposal if it drafted
+        self._hot = False  # the last step accepted at least one draft token
 
-    @property
-    def alpha(self) -> float:
-        """accepted / predicted, with a prior worth two predicted tokens of which one is accepted."""
-        return (self.accepted + 1.0) / (self.predicted + 2.0)
+    def rho(self, m: int, hot: bool = False) -> float:
+        """Estimated chance that the model agrees with a drafted token after a length-``m`` match,
+        when the previous step accepted a draft (``hot``) or not."""
+        accepted, tried = self._agreement.get((m, hot), (self.PRIOR_RHO, 1.0))
+        return accepted / tried
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
         start = time.perf_counter()
@@ -182,6 +195,7 @@ class NgramTrieDrafter(BaseDrafter):
             self.trie.add(doc)
         self._stream = self.trie.add(prompt)
         self._fed = len(prompt)
+        self._hot = False
         self.build_seconds = time.perf_counter() - start
 
     def propose(self, context: Sequence[int]) -> TokenTree:
@@ -189,12 +203,18 @@ class NgramTrieDrafter(BaseDrafter):
             self.trie.add(context[self._fed :], self._stream)
             self._fed = len(context)
         trie = self.trie
-        matched, _ = trie.match(context)
+        matched, m = trie.match(context)
         nodes = trie.top(matched, self.options.num_draft) if matched else []
-        chance = [trie.freq[v] / trie.freq[matched] for v in nodes]
-        if self._cost is not None:
+        key = (m, self._hot)
+        if self._cost is not None and nodes:
+            rho, depth = self.rho(*key), {matched: 0}
+            for v in nodes:  # parents come before their children
+                depth[v] = depth[trie.parent[v]] + 1
+            chance = [trie.freq[v] / trie.freq[matched] * rho ** depth[v] for v in nodes]
             nodes = nodes[: self._best_count(chance)]
-        self._last_prediction = sum(chance[: len(nodes)])
+            if not nodes:
+                self._relax(key)
+        self._drafted = key if nodes else None
         index = {matched: 0}
         tokens, parents = [int(context[-1])], [-1]
         for v in nodes:
@@ -208,16 +228,29 @@ class NgramTrieDrafter(BaseDrafter):
         assert self._cost is not None
         best, best_speed, expected = 0, 1.0 / self._cost[0], 1.0
         for k, p in enumerate(chance, start=1):
-            expected += self.alpha * p
+            expected += p
             speed = expected / self._cost[k]
             if speed > best_speed:
                 best, best_speed = k, speed
         return best
 
+    def _relax(self, key: tuple[int, bool]) -> None:
+        accepted, tried = self._agreement.get(key, (self.PRIOR_RHO, 1.0))
+        self._agreement[key] = [accepted + self.RELAX * (self.PRIOR_RHO - accepted), tried + self.RELAX * (1.0 - tried)]
+
     def observe(self, verified: Verified) -> None:
-        if verified.tree.size > 1:
-            self.predicted += self._last_prediction
-            self.accepted += len(verified.acceptance.path) - 1
+        key, self._drafted = self._drafted, None
+        path = verified.acceptance.path
+        accepted = len(path) - 1
+        self._hot = accepted > 0
+        if key is None or verified.tree.size == 1:
+            return
+        tried = accepted + (1 if verified.tree.child_lists[path[-1]] else 0)  # the rejected one, if any
+        avg = self._agreement.setdefault(key, [self.PRIOR_RHO, 1.0])
+        avg[0] += self.EMA * (accepted - avg[0])
+        avg[1] += self.EMA * (tried - avg[1])
 
     def stats(self) -> dict[str, float]:
-        return {"trie_nodes": float(self.trie.size), "build_ms": self.build_seconds * 1000, "alpha": self.alpha}
+        """The trie's size and build time for this request, and the agreement rate per match length."""
+        rates = {f"rho_m{m}" + ("_hot" if hot else ""): self.rho(m, hot) for m, hot in sorted(self._agreement)}
+        return {"trie_nodes": float(self.trie.size), "build_ms": self.build_seconds * 1000, **rates}
