@@ -23,8 +23,9 @@ a child's frequency never exceeds its parent's) and emit them as a tree.
 Here the chance that a node is accepted is estimated as ``share * rho ** depth``: ``share`` is its
 frequency over the matched node's (the share of the context's occurrences that continue that way)
 and ``rho`` is the running rate at which the model has agreed with drafted tokens, one token at a
-time, after matches of the same length (a ratio of two exponential moving averages: accepted draft
-tokens over tried ones, where a step tries its accepted tokens plus the one it rejected, if any).
+time, after matches of the same length and in the same state (whether the previous step accepted
+drafts: copying tends to go on); a ratio of two exponential moving averages, accepted draft tokens
+over tried ones, where a step tries its accepted tokens plus the one it rejected, if any.
 Among the best-first 0..num_draft nodes, the drafter sends the count with the most expected
 tokens per second under the device's measured cost curve
 (:meth:`~triedec.calibration.Calibration.verify_seconds`), so it drafts nothing when no draft is
@@ -158,7 +159,7 @@ class NgramTrieOptions:
           "frequent continuations of the longest matched suffix, sized for the device")
 class NgramTrieDrafter(BaseDrafter):
     """A trie per request (built in ``begin`` from the documents and the prompt). The agreement
-    rates ``rho`` (per matched suffix length) are kept across requests."""
+    rates ``rho`` (per matched suffix length and state) are kept across requests."""
 
     PRIOR_RHO = 0.8
     """optimistic initial agreement rate, for every match length"""
