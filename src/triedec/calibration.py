@@ -253,8 +253,7 @@ def measure_end_to_end(lm: LM, prompts: Sequence[str], predicted: Calibration,
     if len(prompts) < 2:
         raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
     info = ModelInfo(lm.adapter.vocab_size, lm.device, lm.adapter.model_id, lambda: predicted)
-    drafters = {name: method_spec(name).factory(method_spec(name).make_options({}), info)
-                for name in ("ar", "recycling")}
+    drafters = {spec.name: spec.factory(spec.make_options({}), info) for spec in map(method_spec, ("ar", "recycling"))}
     rule = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=lm.eos_token_ids)
     seconds = {name: 0.0 for name in drafters}
     tokens = 0

@@ -189,6 +189,10 @@ class NgramTrieDrafter(BaseDrafter):
         accepted, tried = self._agreement.get((m, hot), (self.PRIOR_RHO, 1.0))
         return accepted / tried
 
+    def _averages(self, key: tuple[int, bool]) -> list[float]:
+        """The two moving averages of ``key`` (created at the prior: rho = PRIOR_RHO), to update."""
+        return self._agreement.setdefault(key, [self.PRIOR_RHO, 1.0])
+
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
         start = time.perf_counter()
         self.trie = NgramTrie(self.options.n, self.options.prefix)
@@ -236,8 +240,9 @@ class NgramTrieDrafter(BaseDrafter):
         return best
 
     def _relax(self, key: tuple[int, bool]) -> None:
-        accepted, tried = self._agreement.get(key, (self.PRIOR_RHO, 1.0))
-        self._agreement[key] = [accepted + self.RELAX * (self.PRIOR_RHO - accepted), tried + self.RELAX * (1.0 - tried)]
+        avg = self._averages(key)
+        avg[0] += self.RELAX * (self.PRIOR_RHO - avg[0])
+        avg[1] += self.RELAX * (1.0 - avg[1])
 
     def observe(self, verified: Verified) -> None:
         key, self._drafted = self._drafted, None
@@ -247,7 +252,7 @@ class NgramTrieDrafter(BaseDrafter):
         if key is None or verified.tree.size == 1:
             return
         tried = accepted + (1 if verified.tree.child_lists[path[-1]] else 0)  # the rejected one, if any
-        avg = self._agreement.setdefault(key, [self.PRIOR_RHO, 1.0])
+        avg = self._averages(key)
         avg[0] += self.EMA * (accepted - avg[0])
         avg[1] += self.EMA * (tried - avg[1])
 
