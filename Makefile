@@ -1,10 +1,11 @@
 # `make demo`: install everything, then generate with the embedded default model.
-# `make test`: install everything (if needed), lint, and run the test suite.
+# `make test`: install everything (if needed), lint, and run the whole test suite (what CI runs).
+# `make test-fast`: lint, then every test that does not need the default model (a few minutes).
 VENV := .venv
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: demo test lint bench-foundation
+.PHONY: demo test test-fast lint
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -18,3 +19,6 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/python -m pytest -q --durations=15
+
+test-fast: lint
+	$(VENV)/bin/python -m pytest -q --durations=10 -m "not default_model"

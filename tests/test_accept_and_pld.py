@@ -1,9 +1,13 @@
 import pytest
 
 from triedec.accept import accept_greedy
-from triedec.drafters.prompt_lookup import PromptLookupOptions, find_continuations
+from triedec.drafters.prompt_lookup import PromptLookupOptions, find_matches
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
+
+
+def continuations(context, options):
+    return [cont for _, cont in find_matches(context, options)]
 
 
 def test_greedy_acceptance_follows_argmax_and_adds_bonus():
@@ -27,21 +31,21 @@ def test_prompt_lookup_longest_ngram_first_and_most_recent_first():
     ctx = [1, 2, 3, 9, 9, 5, 2, 3, 8, 7, 2, 3]
     opts = PromptLookupOptions(max_ngram=3, min_ngram=1, num_tokens=2, num_matches=3)
     # suffix 3-gram (7,2,3) absent; 2-gram (2,3) at 1 and 6 -> most recent first
-    assert find_continuations(ctx, opts) == [(8, 7), (9, 9)]
+    assert continuations(ctx, opts) == [(8, 7), (9, 9)]
     opts1 = PromptLookupOptions(max_ngram=1, min_ngram=1, num_tokens=3, num_matches=5)
-    assert find_continuations(ctx, opts1) == [(8, 7, 2), (9, 9, 5)]
+    assert continuations(ctx, opts1) == [(8, 7, 2), (9, 9, 5)]
 
 
 def test_prompt_lookup_no_match_and_short_context():
     opts = PromptLookupOptions()
-    assert find_continuations([1, 2, 3, 4], opts) == []
-    assert find_continuations([5], opts) == []
+    assert continuations([1, 2, 3, 4], opts) == []
+    assert continuations([5], opts) == []
 
 
 def test_prompt_lookup_deduplicates_continuations():
     ctx = [4, 1, 4, 1, 4]
     opts = PromptLookupOptions(max_ngram=2, min_ngram=1, num_tokens=2, num_matches=4)
-    assert find_continuations(ctx, opts) == [(1, 4)]
+    assert continuations(ctx, opts) == [(1, 4)]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers import tiny_llama
 from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditionalGeneration
 
 import triedec

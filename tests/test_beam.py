@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import EOS, TINY_VOCAB, hf_greedy, tiny_gemma3, tiny_llama
+from helpers import EOS, PROMPTS, TINY_VOCAB, drain, hf_greedy, tiny_gemma3, tiny_llama
 
 from triedec.adapter import ModelAdapter
 from triedec.beam import BeamOptions, BeamScorer, beam_search
 from triedec.engine import StopRule
 from triedec.errors import TriedecError
+from triedec.methods import method
 
 
 def hf_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> list[tuple[list[int], float]]:
@@ -32,14 +33,7 @@ def hf_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> li
 def run_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> tuple[list[list[int]], object]:
     """triedec's beam search; also checks that the streamed chunks add up to the best hypothesis."""
     eos_ids = frozenset([eos] if isinstance(eos, int) else eos)
-    gen = beam_search(ModelAdapter(model), prompt, options, StopRule(max_new_tokens, eos_ids))
-    streamed: list[int] = []
-    while True:
-        try:
-            streamed += next(gen)
-        except StopIteration as done:
-            result = done.value
-            break
+    streamed, result = drain(beam_search(ModelAdapter(model), prompt, options, StopRule(max_new_tokens, eos_ids)))
     assert streamed == list(result.hypotheses[0].token_ids)
     return result
 
@@ -160,15 +154,13 @@ def test_scorer_finishes_on_eos_and_at_max_length():
 )
 def test_bad_beam_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        BeamOptions.from_mapping(bad)
+        method("beam").make_options(bad)
 
 
 # ---- the embedded default model ----------------------------------------------------------------
 
 
 def default_prompts():
-    from test_exactness_default_model import PROMPTS
-
     code = [
         "def is_prime(n: int) -> bool:\n",
         "import json\n\ndef load_config(path):\n    \"\"\"Read a JSON config file.\"\"\"\n",
@@ -176,6 +168,7 @@ def default_prompts():
     return [*PROMPTS, *code]
 
 
+@pytest.mark.default_model
 @pytest.mark.parametrize("index", range(24))
 def test_default_model_equals_transformers_beam_search(default_lm, index):
     """24 prompts (chat, code, raw text, token ids), b cycling through 1, 2, 4, 8."""
@@ -199,11 +192,14 @@ def test_default_model_equals_transformers_beam_search(default_lm, index):
     assert out.stats.peak_kv_tokens < out.stats.hf_peak_kv_tokens
 
 
+@pytest.mark.default_model
 def test_lm_refuses_bad_beam_requests(default_lm):
     with pytest.raises(TriedecError, match="num_return_sequences"):
         default_lm.generate("Hi", "beam", num_beams=2, num_return_sequences=3)
-    with pytest.raises(TriedecError, match="sampling"):
+    with pytest.raises(TriedecError, match="unknown option"):
         default_lm.generate("Hi", "beam", num_beams=2, do_sample=True)
+    with pytest.raises(TriedecError, match="context documents"):
+        default_lm.generate("Hi", "beam", num_beams=2, context=["a document"])
     with pytest.raises(TriedecError, match="stop strings"):
         default_lm.generate("Hi", "beam", num_beams=2, stop="\n")
     with pytest.raises(TriedecError, match="unknown option"):

@@ -54,7 +54,7 @@ def test_generate_beam(capsys, tiny_model_dir):
     assert data["sequences"][0]["score"] >= data["sequences"][1]["score"]
     assert data["stats"]["num_beams"] == 3 and data["stats"]["peak_kv_tokens"] < data["stats"]["hf_peak_kv_tokens"]
     code, out, _ = run_cli(capsys, *argv)
-    assert code == 0 and "[beam x3]" in out and "hypothesis 2" in out
+    assert code == 0 and "[beam] " in out and "3 beams" in out and "hypothesis 2" in out
 
 
 @pytest.mark.parametrize(

@@ -5,59 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import ARTICLE, PROMPTS, hf_generate
 
 import triedec
-
-ARTICLE = (
-    "The city council voted on Tuesday to expand the bike lane network by 40 kilometres over the next "
-    "three years. The plan, which costs 12 million euros, connects the northern suburbs to the central "
-    "station and adds 2,000 parking spaces for bicycles. Supporters said the project would cut traffic "
-    "and pollution, while opponents argued that the money should go to bus services instead. The mayor "
-    "said construction would begin in the spring and that residents would be consulted on each section."
-)
-CODE = '''def fibonacci(n):
-    """Return the n-th Fibonacci number."""
-    if n < 2:
-        return n
-    return fibonacci(n - 1) + fibonacci(n - 2)
-'''
-LONG = " ".join([ARTICLE] * 9)  # ~1,000 tokens of context
-
-PROMPTS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Give me three tips for staying focused while studying."}],
-    [{"role": "user", "content": "Write a short poem about the sea."}],
-    [{"role": "user", "content": "Explain what a hash table is in two sentences."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "List the planets of the solar system."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a fun fact about octopuses."}],
-    [{"role": "user", "content": f"Summarize this article in one sentence.\n\n{ARTICLE}"}],
-    [{"role": "user", "content": f"What does the plan connect? Answer using the article.\n\n{ARTICLE}"}],
-    [{"role": "user", "content": f"Rewrite this text in simpler words:\n\n{ARTICLE}"}],
-    [{"role": "user", "content": "Translate to English: Der Hund schläft unter dem Tisch."}],
-    [{"role": "user", "content": "Translate to French: I would like a cup of coffee, please."}],
-    [{"role": "user", "content": "Translate to German: The weather is nice today."}],
-    [{"role": "user", "content": f"Add type hints and a docstring to this code:\n\n{CODE}"}],
-    [{"role": "user", "content": f"Rewrite this function iteratively:\n\n{CODE}"}],
-    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
-    [{"role": "user", "content": "Write a SQL query that counts users per country."}],
-    [{"role": "user", "content": "If I have 3 apples and buy 5 more, then eat 2, how many are left?"}],
-    [{"role": "user", "content": f"{LONG}\n\nQuestion: how much does the plan cost?"}],
-    "The history of the printing press begins",
-    "def quicksort(arr):\n",
-    CODE + "\n# Tests\nassert fibonacci(10) ==",
-    [0, 1, 2, 3, 4],  # raw token ids
-]
-
-
-def hf_generate(lm, ids, max_new_tokens):
-    with torch.inference_mode():
-        out = lm.model.generate(
-            torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        )
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +101,7 @@ def calibrated_lm(default_lm, tmp_path_factory):
     """The default model with a quick calibration of its own (in a temporary cache directory)."""
     lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
     cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
-    assert 0 <= cal.recycling_nodes <= 80 and sum(cal.recycling_rates) > 0
+    assert 0 <= cal.recycling.nodes <= 80 and sum(cal.recycling.rates) > 0
     return lm
 
 

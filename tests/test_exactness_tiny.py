@@ -4,23 +4,35 @@ drafter, must reproduce transformers' greedy output token for token."""
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+import threading
 
 import pytest
-import torch
-from conftest import EOS, TINY_VOCAB, hf_greedy, tiny_gemma3, tiny_llama
+from helpers import (
+    EOS,
+    MODELS,
+    TINY_VOCAB,
+    drain,
+    fake_cost,
+    fake_profile,
+    hf_greedy,
+    run,
+    tiny_gemma3,
+    tiny_info,
+    tiny_llama,
+)
+from helpers import random_prompts as prompts
 
 from triedec.adapter import ModelAdapter
-from triedec.drafters import BaseDrafter, ModelInfo, method_spec
-from triedec.engine import StopRule, speculative_decode
+from triedec.costmodel import CostModel
+from triedec.drafters import BaseDrafter, drafter_spec
+from triedec.engine import StopRule
+from triedec.methods import method
 from triedec.tree import TokenTree
 
-MODELS = {
-    "llama-sdpa": lambda: tiny_llama(attn="sdpa"),
-    "llama-eager": lambda: tiny_llama(attn="eager"),
-    "gemma3-sdpa": lambda: tiny_gemma3(attn="sdpa"),
-    "gemma3-eager": lambda: tiny_gemma3(attn="eager"),
-}
+
+def build(name: str, options: dict, info):
+    spec = drafter_spec(name)
+    return spec.factory(spec.make_options(options), info)
 
 
 class OracleDrafter(BaseDrafter):
@@ -44,34 +56,10 @@ class OracleDrafter(BaseDrafter):
         return TokenTree.from_sequences(context[-1], seqs)
 
 
-def run(model, drafter, prompt, max_new_tokens, eos=EOS):
-    gen = speculative_decode(ModelAdapter(model), drafter, prompt, StopRule(max_new_tokens, frozenset([eos])))
-    tokens = []
-    try:
-        while True:
-            tokens += next(gen)
-    except StopIteration as stop:
-        return tokens, stop.value
-
-
-def prompts(seed: int, count: int, vocab: int = TINY_VOCAB):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        n = rng.randint(1, 40)
-        # half the prompts repeat a motif so that prompt lookup finds matches
-        if rng.random() < 0.5:
-            motif = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 6))]
-            out.append((motif * 12)[:n])
-        else:
-            out.append([rng.randrange(3, vocab) for _ in range(n)])
-    return out
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_registered_methods_equal_transformers_greedy(name):
     model = MODELS[name]()
-    info = ModelInfo(TINY_VOCAB, torch.device("cpu"))
+    info = tiny_info(cost=fake_cost())
     pld_variants = [  # min_expected=0: always draft when there is a match, to exercise verification
         {},
         {"min_expected": 0.0},
@@ -81,12 +69,10 @@ def test_registered_methods_equal_transformers_greedy(name):
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 100, count=12)):
         new = [24, 40][i % 2]
         truth = hf_greedy(model, prompt, new)
-        ar, stats = run(model, method_spec("ar").factory(method_spec("ar").make_options({}), info), prompt, new)
+        ar, stats = run(model, build("ar", {}, info), prompt, new)
         assert ar == truth, f"ar differs on prompt {i}"
         assert stats.steps == len(truth) - 1 and stats.computed_tokens == stats.steps
-        spec = method_spec("pld")
-        opts = spec.make_options(pld_variants[i % len(pld_variants)])
-        pld, _ = run(model, spec.factory(opts, info), prompt, new)
+        pld, _ = run(model, build("pld", pld_variants[i % len(pld_variants)], info), prompt, new)
         assert pld == truth, f"pld differs on prompt {i}"
 
 
@@ -137,15 +123,11 @@ def test_stop_inside_an_accepted_draft():
 def test_recycling_equals_transformers_greedy(name):
     """Tree sizes from 1 node to the paper's 80, the calibrated choice (nodes=0), k below the
     template's ranks, and prefill seeding; one drafter per setting, hot across prompts."""
-    from test_recycling import fake_calibration
-
     model = MODELS[name]()
-    cal = fake_calibration(nodes=12)
-    info = ModelInfo(TINY_VOCAB, torch.device("cpu"), "tiny", lambda: cal)
-    spec = method_spec("recycling")
+    info = tiny_info(cost=fake_cost(), profile=fake_profile(nodes=12))
     settings = [{"nodes": 80}, {"nodes": 1}, {"nodes": 4}, {"nodes": 24}, {}, {"nodes": 80, "k": 3},
                 {"nodes": 16, "seed_prefill": 0}, {"nodes": 16, "seed_prefill": 5}]
-    drafters = [spec.factory(spec.make_options(s), info) for s in settings]
+    drafters = [build("recycling", s, info) for s in settings]
     accepted = 0
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 1, count=14)):
         truth = hf_greedy(model, prompt, 40)
@@ -160,29 +142,19 @@ def test_recycling_equals_transformers_greedy(name):
 def test_ngram_trie_equals_transformers_greedy(name):
     """The paper's fixed num_draft, the device-sized default (flat and steep cost curves), short
     windows, Lp = 1, and the trie updated with the output; documents passed as context."""
-    from test_recycling import fake_calibration
-
     model = MODELS[name]()
-    flat = fake_calibration()
-    steep = replace(flat, forward_seconds={t: 0.05 * t for t in (1, 2, 4, 8, 16, 32, 64, 81)})
-    spec = method_spec("ngram-trie")
+    flat = fake_cost()
+    steep = CostModel({t: 0.05 * t for t in (1, 2, 4, 8, 16, 32, 64, 81)})
     settings = [({"sized": False}, flat), ({}, flat), ({}, steep), ({"n": 4, "prefix": 2, "sized": False}, flat),
                 ({"prefix": 1, "num_draft": 5, "sized": False}, flat), ({"update": True, "sized": False}, flat),
                 ({"update": True}, flat)]
-    drafters = [spec.factory(spec.make_options(s), ModelInfo(TINY_VOCAB, torch.device("cpu"), "tiny", lambda c=c: c))
-                for s, c in settings]
+    drafters = [build("ngram-trie", s, tiny_info(cost=c)) for s, c in settings]
     accepted = 0
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 20, count=12)):
         truth = hf_greedy(model, prompt, 40)
         documents = [truth[5:30]] if i % 3 == 0 else []  # a document that holds part of the answer
         for (setting, _), drafter in zip(settings, drafters, strict=True):
-            gen = speculative_decode(ModelAdapter(model), drafter, prompt, StopRule(40, frozenset([EOS])), documents)
-            got = []
-            try:
-                while True:
-                    got += next(gen)
-            except StopIteration as stop:
-                stats = stop.value
+            got, stats = run(model, drafter, prompt, 40, documents=documents)
             assert got == truth, f"ngram-trie {setting} differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
     assert accepted > 100
@@ -192,8 +164,7 @@ def test_ngram_trie_equals_transformers_greedy(name):
 def test_lookahead_equals_transformers_greedy(name):
     """Both verification modes, several windows and n-gram sizes, tight trie budgets."""
     model = MODELS[name]()
-    info = ModelInfo(TINY_VOCAB, torch.device("cpu"))
-    spec = method_spec("lookahead")
+    info = tiny_info()
     settings = [{"verify": "independent"}, {}, {"window": 2, "ngram": 2}, {"window": 6, "ngram": 5, "guesses": 7},
                 {"budget": 3, "depth": 1}, {"verify": "independent", "window": 3, "ngram": 4, "seed": 3}]
     computed = {"independent": 0, "trie": 0}
@@ -201,13 +172,92 @@ def test_lookahead_equals_transformers_greedy(name):
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 40, count=10)):
         truth = hf_greedy(model, prompt, 40)
         for setting in settings:
-            drafter = spec.factory(spec.make_options(setting), info)
-            got, stats = run(model, drafter, prompt, 40)
+            got, stats = run(model, build("lookahead", setting, info), prompt, 40)
             assert got == truth, f"lookahead {setting} differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
-            own = drafter.stats()  # the two branches, as proposed (the engine may cut the last tree)
+            own = stats.drafter  # the two branches, as proposed (the engine may cut the last tree)
             assert stats.computed_tokens <= stats.steps + own["lookahead_tokens"] + own["verify_tokens"]
             if setting in ({"verify": "independent"}, {}):
                 computed[setting.get("verify", "trie")] += stats.computed_tokens
     assert accepted > 50
     assert computed["trie"] <= computed["independent"]
+
+
+# ---- concurrency: per-request state never leaks between overlapping requests -------------------
+
+
+def interleave(streams: list) -> list[tuple[list[int], object]]:
+    """Advance several decoding generators one step each in turn until all are done: each one's
+    (tokens, outcome)."""
+    outs: list = [([], None) for _ in streams]
+    live = dict(enumerate(streams))
+    while live:
+        for i, gen in list(live.items()):
+            try:
+                outs[i][0].extend(next(gen))
+            except StopIteration as done:
+                outs[i] = (outs[i][0], done.value)
+                del live[i]
+    return outs
+
+
+def footprint(outcome) -> object:
+    """What a request's own state decides besides its tokens: how many tokens each step accepted
+    (drafts are a function of the request alone with these options), or beam search's ranking."""
+    return getattr(outcome.stats, "accepted_per_step", None), outcome.sequences
+
+
+# Options under which what a drafter proposes depends on its own request only (pld always drafts
+# a match, ngram-trie sends num_draft nodes): shared learned state cannot change the steps.
+REQUEST_ONLY = {"ar": {}, "pld": {"min_expected": 0.0}, "ngram-trie": {"sized": False}, "lookahead": {},
+                "beam": {"num_beams": 3}}
+
+
+@pytest.mark.parametrize("name", [*REQUEST_ONLY, "recycling"])
+def test_interleaved_streams_of_one_method_equal_their_solo_outputs(name):
+    """Two (and four) requests of the same method and options, advanced step by step in turn on
+    one shared decoder, each return exactly what they return alone: the same tokens and, where
+    drafts depend only on the request, the same steps. (Recycling's matrix is shared by design:
+    its drafts may differ, its tokens may not.)"""
+    model = tiny_llama(seed=3)
+    adapter = ModelAdapter(model)
+    found = method(name)
+    options = REQUEST_ONLY.get(name, {"nodes": 80})
+    info = tiny_info(cost=fake_cost())
+    rule = StopRule(30, frozenset([EOS]))
+    batch = prompts(seed=77, count=4)
+    solo = [drain(found.build(found.make_options(options), info).decode(adapter, p, rule)) for p in batch]
+    if name not in ("ar", "beam"):  # drafts were accepted, so the step structure is worth comparing
+        assert any(max(footprint(o)[0]) > 1 for _, o in solo)
+    for group in (batch[:2], batch):
+        decoder = found.build(found.make_options(options), info)
+        together = interleave([decoder.decode(adapter, p, rule) for p in group])
+        assert [t for t, _ in together] == [t for t, _ in solo[: len(group)]]
+        if name in REQUEST_ONLY:
+            assert [footprint(o) for _, o in together] == [footprint(o) for _, o in solo[: len(group)]]
+
+
+def test_threads_sharing_one_lm_get_their_solo_outputs(tiny_model_dir):
+    """The API from several threads at once (what a server does): same answers as one by one."""
+    import triedec
+
+    lm = triedec.load(tiny_model_dir)
+    texts = ["Hello there", "one two three one two", "Tell me a story", "def quicksort(arr):"]
+    jobs = [(t, m) for t in texts for m in ("pld", "lookahead", "recycling")]
+    options = {"pld": {"min_expected": 0.0}, "lookahead": {}, "recycling": {"nodes": 80}}
+    solo = {job: lm.generate(job[0], job[1], max_new_tokens=16, **options[job[1]]).token_ids for job in jobs}
+    got: dict = {}
+    errors: list = []
+
+    def work(job):
+        try:
+            got[job] = lm.generate(job[0], job[1], max_new_tokens=16, **options[job[1]]).token_ids
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and got == solo

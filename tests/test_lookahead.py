@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import path_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
-from triedec.drafters import ModelInfo, method_spec
+from triedec.drafters import ModelInfo, drafter_spec
 from triedec.drafters.base import Verified
 from triedec.drafters.lookahead import LookaheadDrafter, LookaheadOptions, NgramPool, verification_branch
 from triedec.errors import TriedecError
@@ -18,8 +19,7 @@ INFO = ModelInfo(50, torch.device("cpu"))
 
 
 def test_lookahead_branch_is_a_tree_with_positions_of_the_jacobi_window():
-    d = LookaheadDrafter(LookaheadOptions(window=3, ngram=4), INFO)
-    d.begin([5, 6, 7, 8])
+    d = LookaheadDrafter(LookaheadOptions(window=3, ngram=4), INFO).begin([5, 6, 7, 8])
     d.window = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]  # [level][column]
     tree = d.propose([1, 2, 9])
     assert tree.size == 1 + 3 * 3  # root + W * (N - 1), nothing in the pool yet
@@ -29,13 +29,12 @@ def test_lookahead_branch_is_a_tree_with_positions_of_the_jacobi_window():
             assert depth[tok] == col + 1 + level  # level j, column c guesses position +c+j
     # column 2's top sees the root, level-0 columns 0..2 and its own levels 1..2, nothing else
     top = tree.tokens.index(32)
-    assert [tree.tokens[i] for i in tree.path_to(top)] == [9, 10, 11, 12, 22, 32]
+    assert [tree.tokens[i] for i in path_to(tree, top)] == [9, 10, 11, 12, 22, 32]
     assert [tree.tokens[i] for i in d._tops] == [30, 31, 32]
 
 
 def test_jacobi_update_fills_the_pool_and_shifts_the_window():
-    d = LookaheadDrafter(LookaheadOptions(window=2, ngram=3, guesses=2), INFO)
-    d.begin([5, 6])
+    d = LookaheadDrafter(LookaheadOptions(window=2, ngram=3, guesses=2), INFO).begin([5, 6])
     d.window = [[10, 11], [20, 21]]
     tree = d.propose([9])
     logits = torch.zeros(tree.size, 50)
@@ -80,4 +79,4 @@ def test_trie_merges_shared_prefixes():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        method_spec("lookahead").make_options(bad)
+        drafter_spec("lookahead").make_options(bad)

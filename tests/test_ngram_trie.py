@@ -4,16 +4,15 @@ options."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
+from helpers import fake_cost
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_recycling import fake_calibration
 
 from triedec.accept import Acceptance
-from triedec.drafters import ModelInfo, method_spec
+from triedec.costmodel import CostModel
+from triedec.drafters import ModelInfo, drafter_spec
 from triedec.drafters.base import Verified
 from triedec.drafters.ngram_trie import NgramTrie, NgramTrieDrafter, NgramTrieOptions
 from triedec.errors import TriedecError
@@ -106,13 +105,13 @@ def test_heap_keeps_the_most_frequent_nodes_as_a_closed_subtree():
     assert len(trie.top(root, 100)) == 5
 
 
-def info(cal):
-    return ModelInfo(50, torch.device("cpu"), "m", lambda: cal)
+def info(cost):
+    return ModelInfo(50, torch.device("cpu"), "m", cost)
 
 
 def test_drafter_proposes_the_matched_continuations_as_a_tree():
-    d = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=2, sized=False, num_draft=4), info(fake_calibration()))
-    d.begin([1, 2, 3, 9, 1, 2, 4, 9], documents=[[8, 8, 8]])
+    drafter = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=2, sized=False, num_draft=4), info(fake_cost()))
+    d = drafter.begin([1, 2, 3, 9, 1, 2, 4, 9], documents=[[8, 8, 8]])
     tree = d.propose([5, 1, 2])
     assert tree.root == 2 and sorted(tree.tokens[1:]) == [3, 4, 9, 9]
     assert {tree.tokens[i] for i in range(1, tree.size) if tree.parents[i] == 0} == {3, 4}
@@ -121,54 +120,49 @@ def test_drafter_proposes_the_matched_continuations_as_a_tree():
 
 
 def test_sizing_drafts_only_what_the_cost_curve_pays_for():
-    flat = fake_calibration()
-    flat = replace(flat, forward_seconds={1: 0.1, 81: 0.1})
-    steep = replace(flat, forward_seconds={1: 0.1, 2: 1.0, 81: 50.0})
+    flat = CostModel({1: 0.1, 81: 0.1})
+    steep = CostModel({1: 0.1, 2: 1.0, 81: 50.0})
     prompt = [1, 2, 3, 4] * 5
-    for cal, expect_drafts in ((flat, True), (steep, False)):
-        d = NgramTrieDrafter(NgramTrieOptions(), info(cal))
-        d.begin(prompt)
+    for cost, expect_drafts in ((flat, True), (steep, False), (None, True)):  # None: size as for a flat curve
+        d = NgramTrieDrafter(NgramTrieOptions(), info(cost)).begin(prompt)
         assert (d.propose([*prompt, 1]).size > 1) == expect_drafts
-    with pytest.raises(TriedecError, match="calibration"):
-        NgramTrieDrafter(NgramTrieOptions(), ModelInfo(50, torch.device("cpu")))
-    NgramTrieDrafter(NgramTrieOptions(sized=False), ModelInfo(50, torch.device("cpu")))  # no calibration needed
+    assert drafter_spec("ngram-trie").needs(NgramTrieOptions()) == {"cost"}
+    assert drafter_spec("ngram-trie").needs(NgramTrieOptions(sized=False)) == frozenset()
 
 
 def test_agreement_rate_learns_per_match_length_and_is_probed_again():
     """rho falls when drafts are rejected (per matched suffix length, and per whether the last
     step accepted drafts), the sized drafter then stops drafting, and skipped steps move rho back
     toward the prior until it drafts again."""
-    flat = replace(fake_calibration(), forward_seconds={1: 0.1, 2: 0.15, 81: 0.3})
-    d = NgramTrieDrafter(NgramTrieOptions(prefix=2), info(flat))
-    d.begin([1, 2, 3] * 6)
-    assert d.rho(2) == d.PRIOR_RHO
+    shared = NgramTrieDrafter(NgramTrieOptions(prefix=2), info(CostModel({1: 0.1, 2: 0.15, 81: 0.3})))
+    d = shared.begin([1, 2, 3] * 6)
+    assert shared.rho(2) == shared.PRIOR_RHO
     failures = 0
     while (tree := d.propose([1, 2, 3, 1, 2])).size > 1:
         d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))  # nothing accepted
         failures += 1
         assert failures < 20
-    low = d.rho(2)
-    assert failures >= 2 and low < 0.5 and d.rho(1) == d.PRIOR_RHO  # only the length that failed
+    low = shared.rho(2)
+    assert failures >= 2 and low < 0.5 and shared.rho(1) == shared.PRIOR_RHO  # only the length that failed
     skipped = 1
     while d.propose([1, 2, 3, 1, 2]).size == 1:
         skipped += 1
         assert skipped < 500
-    assert skipped > 5 and d.rho(2) > low  # probed again, after a while
-    before = d.rho(2)
+    assert skipped > 5 and shared.rho(2) > low  # probed again, after a while
+    before = shared.rho(2)
     tree = d.propose([1, 2, 3, 1, 2])
     d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0, 1, 2), (3, 1, 5))))
-    assert d.rho(2) > before and d.rho(2, hot=True) == d.PRIOR_RHO  # 2 accepted, 1 rejected
-    assert "rho_m2" in d.stats()
+    assert shared.rho(2) > before and shared.rho(2, hot=True) == shared.PRIOR_RHO  # 2 accepted, 1 rejected
+    assert "rho_m2" in shared.stats()
     tree = d.propose([1, 2, 3, 1, 2, 3, 1])  # after a step that accepted drafts: the "hot" rate
     assert tree.size > 1
     d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))
-    assert d.rho(2, hot=True) < d.PRIOR_RHO and "rho_m2_hot" in d.stats()
+    assert shared.rho(2, hot=True) < shared.PRIOR_RHO and "rho_m2_hot" in shared.stats()
 
 
 def test_update_inserts_the_output():
     for update in (False, True):
-        d = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=1, sized=False, update=update), info(fake_calibration()))
-        d.begin([1, 2])
+        d = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=1, sized=False, update=update), info(None)).begin([1, 2])
         d.propose([1, 2, 30, 31, 32])
         assert (d.trie.node([30, 31]) is not None) == update
 
@@ -179,4 +173,4 @@ def test_update_inserts_the_output():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        method_spec("ngram-trie").make_options(bad)
+        drafter_spec("ngram-trie").make_options(bad)

@@ -1,51 +1,34 @@
 """Token Recycling without a model: the tree template, the adjacency matrix (update semantics,
-cold rows, persistence) and the drafter; plus the calibration (its pure part, and one real run of
-its end-to-end check on a tiny model)."""
+cold rows, persistence), the profile's size choice and the drafter with its sessions."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from helpers import CPU, fake_cost, fake_profile, leaves, monotone_rates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
-from triedec.calibration import Calibration, best_nodes, expected_speeds
-from triedec.drafters import ModelInfo, Verified, method_spec
+from triedec.costmodel import CostModel
+from triedec.drafters import ModelInfo, Verified, drafter_spec
 from triedec.drafters.recycling import (
     PAPER_TEMPLATE,
     AdjacencyMatrix,
     RecyclingDrafter,
     RecyclingOptions,
+    RecyclingProfile,
     TreeTemplate,
     _Plan,
+    best_nodes,
+    expected_speeds,
 )
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
 
-CPU = torch.device("cpu")
 
-
-def monotone_rates(seed: int = 0) -> list[float]:
-    """Made-up acceptance rates that shrink with depth and rank (children below parents)."""
-    g = torch.Generator().manual_seed(seed)
-    by_path: dict[tuple[int, ...], float] = {}
-    for p in PAPER_TEMPLATE.paths:
-        parent = by_path.get(p[:-1], 1.0)
-        by_path[p] = parent * float(torch.rand(1, generator=g)) / (1 + p[-1])
-    return [by_path[p] for p in PAPER_TEMPLATE.paths]
-
-
-def fake_calibration(nodes: int = -1, rates: list[float] | None = None) -> Calibration:
-    seconds = {1: 0.06, 2: 0.1, 3: 0.09, 5: 0.095, 9: 0.1, 17: 0.12, 33: 0.17, 65: 0.24, 81: 0.3}
-    return Calibration("test", "cpu", "torch.float32", seconds, tuple(rates or monotone_rates()), nodes)
-
-
-def info(vocab: int = 50, nodes: int = -1, model_id: str = "m1") -> ModelInfo:
-    cal = fake_calibration(nodes)
-    return ModelInfo(vocab, CPU, model_id, lambda: cal)
+def info(vocab: int = 50, nodes: int | None = None, model_id: str = "m1") -> ModelInfo:
+    return ModelInfo(vocab, CPU, model_id, fake_cost(), {"recycling": fake_profile(nodes)})
 
 
 def verified(tree: TokenTree, logits: torch.Tensor, path: tuple[int, ...] = (0,)) -> Verified:
@@ -60,7 +43,7 @@ def test_paper_template_shape():
     assert t.size == 80 and t.depth == 6
     assert [stop - start for start, stop in t.layers] == [8, 21, 25, 15, 8, 3]
     tree = TokenTree(tuple(range(81)), (-1, *t.parents))
-    assert len(tree.leaves) == 40 and tree.max_depth == 6
+    assert len(leaves(tree)) == 40 and tree.max_depth == 6
     assert t.with_max_rank(8) == t
     assert all(max(p) < 2 for p in t.with_max_rank(2).paths)
 
@@ -132,7 +115,7 @@ def test_expand_follows_ranks_and_marks_cold_rows():
 
 
 def test_fresh_drafter_proposes_nothing_and_grows_only_from_written_rows():
-    d = RecyclingDrafter(RecyclingOptions(nodes=80), info(50))
+    d = RecyclingDrafter(RecyclingOptions(nodes=80), info(50)).begin([1, 2, 3])
     assert d.propose([1, 2, 3]).size == 1  # every row cold: root only, never token 0 drafts
     logits = torch.zeros(1, 50)
     logits[0, torch.arange(10, 18)] = torch.arange(8, 0, -1).float()  # row 3 -> 10..17
@@ -149,7 +132,7 @@ def test_every_proposed_node_comes_from_a_written_row(seed, nodes):
     d.matrix.table = torch.randint(30, (30, 8), generator=g)
     d.matrix.filled = torch.rand(30, generator=g) < 0.6
     root = int(torch.randint(30, (1,), generator=g))
-    tree = d.propose([root])
+    tree = d.begin([root]).propose([root])
     table, filled = d.matrix.table, d.matrix.filled
     for i in range(1, tree.size):
         parent_token = tree.tokens[tree.parents[i]]
@@ -160,27 +143,30 @@ def test_every_proposed_node_comes_from_a_written_row(seed, nodes):
 
 def test_drafter_counts_proposed_and_accepted_template_nodes():
     d = RecyclingDrafter(RecyclingOptions(nodes=80), info(50))
+    s = d.begin([3])
     logits = torch.zeros(1, 50)
     logits[0, torch.arange(10, 18)] = torch.arange(8, 0, -1).float()
-    d.observe(verified(TokenTree.root_only(3), logits))
-    tree = d.propose([3])
-    d.observe(verified(tree, torch.zeros(tree.size, 50), path=(0, 2)))  # accepts rank 1 = token 11
+    s.observe(verified(TokenTree.root_only(3), logits))
+    tree = s.propose([3])
+    s.observe(verified(tree, torch.zeros(tree.size, 50), path=(0, 2)))  # accepts rank 1 = token 11
     assert d.node_proposed[:8].tolist() == [1] * 8 and d.node_proposed[8:].sum() == 0
     assert d.node_accepted.tolist() == [0, 1] + [0] * 78
     assert d.steps == 1
 
 
-def test_tree_size_comes_from_the_calibration():
+def test_tree_size_comes_from_the_profile():
     assert RecyclingDrafter(RecyclingOptions(), info(nodes=12)).template.size == 12
-    plain = RecyclingDrafter(RecyclingOptions(), info(nodes=0))  # calibrated: drafting does not pay here
+    plain = RecyclingDrafter(RecyclingOptions(), info(nodes=0)).begin([3])  # drafting does not pay here
     plain.observe(verified(TokenTree((3,), (-1,)), torch.randn(1, 50)))
-    assert plain.template.size == 0 and plain.propose([1, 3]) == TokenTree((3,), (-1,))
+    assert plain.propose([1, 3]) == TokenTree((3,), (-1,))
     rates = monotone_rates()
     d = RecyclingDrafter(RecyclingOptions(nodes=20), info())
     assert d.template == PAPER_TEMPLATE.top(20, rates)
     assert RecyclingDrafter(RecyclingOptions(nodes=80), ModelInfo(50, CPU)).template == PAPER_TEMPLATE
-    with pytest.raises(TriedecError, match="calibration"):
+    with pytest.raises(TriedecError, match="profile"):
         RecyclingDrafter(RecyclingOptions(nodes=0), ModelInfo(50, CPU))
+    spec = drafter_spec("recycling")
+    assert spec.needs(RecyclingOptions()) == {"cost", "recycling"} and spec.needs(RecyclingOptions(nodes=80)) == set()
 
 
 @pytest.mark.parametrize(
@@ -189,7 +175,7 @@ def test_tree_size_comes_from_the_calibration():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        method_spec("recycling").make_options(bad)
+        drafter_spec("recycling").make_options(bad)
 
 
 # ---- persistence -------------------------------------------------------------------------------
@@ -199,7 +185,7 @@ def warmed(vocab: int = 50, model_id: str = "m1", state: str = "") -> RecyclingD
     d = RecyclingDrafter(RecyclingOptions(nodes=80, state=state), info(vocab, model_id=model_id))
     g = torch.Generator().manual_seed(1)
     tree = TokenTree(tuple(range(5, 25)), (-1, *range(19)))
-    d.observe(verified(tree, torch.randn(tree.size, vocab, generator=g)))
+    d.begin([5]).observe(verified(tree, torch.randn(tree.size, vocab, generator=g)))
     return d
 
 
@@ -207,11 +193,11 @@ def test_state_round_trip(tmp_path):
     path = tmp_path / "state" / "recycling.safetensors"
     d = warmed(state=str(path))
     assert not path.exists()  # saved when a request ends
-    d.end()
+    d.begin([5]).end()
     loaded = RecyclingDrafter(RecyclingOptions(nodes=80, state=str(path)), info(50))
     assert torch.equal(loaded.matrix.table, d.matrix.table)
     assert torch.equal(loaded.matrix.filled, d.matrix.filled)
-    assert loaded.propose([7]) == d.propose([7])
+    assert loaded.begin([7]).propose([7]) == d.begin([7]).propose([7])
 
 
 def test_mismatched_or_corrupt_state_is_refused(tmp_path):
@@ -245,78 +231,25 @@ def test_mismatched_or_corrupt_state_is_refused(tmp_path):
         RecyclingDrafter(RecyclingOptions(nodes=80, state=str(bad_values)), info(50))
 
 
-# ---- calibration (pure part) -------------------------------------------------------------------
+# ---- the profile and the size choice -----------------------------------------------------------
 
 
 def test_expected_speed_and_choice_on_a_hand_made_curve():
     rates = [0.0] * 80
     rates[0], rates[8] = 0.8, 0.6  # node (0,) and node (0, 0)
-    seconds = {1: 0.10, 2: 0.30, 3: 0.12, 81: 0.5}
-    rows = {r["nodes"]: r for r in expected_speeds(rates, seconds)}
+    cost = CostModel({1: 0.10, 2: 0.30, 3: 0.12, 81: 0.5})
+    rows = {r["nodes"]: r for r in expected_speeds(rates, cost)}
     assert rows[0]["tokens_per_step"] == 1.0 and rows[0]["tokens_per_s"] == pytest.approx(10.0)
     assert rows[1]["tokens_per_step"] == pytest.approx(1.8)
     assert rows[2]["tokens_per_step"] == pytest.approx(2.4)  # (0,) then (0, 0)
     assert rows[2]["tokens_per_s"] == pytest.approx(20.0)
-    assert best_nodes(rates, seconds) == 2
-    assert best_nodes([0.0] * 80, seconds) == 0  # nothing is ever accepted: do not draft
+    assert best_nodes(rates, cost) == 2
+    assert best_nodes([0.0] * 80, cost) == 0  # nothing is ever accepted: do not draft
 
 
-def test_calibration_json_round_trip_and_validation():
-    cal = fake_calibration()
-    again = Calibration.from_json(cal.to_json())
-    assert again == cal and again.recycling_nodes == best_nodes(cal.recycling_rates, cal.forward_seconds)
+@pytest.mark.parametrize("bad", [{"rates": (0.5,) * 79}, {"rates": (1.5,) * 80}, {"nodes": 81}, {"nodes": -1},
+                                 {"nodes": True}])
+def test_profile_validation(bad):
     with pytest.raises(TriedecError):
-        Calibration.from_json("{}")
-    with pytest.raises(TriedecError):
-        dataclasses.replace(cal, recycling_rates=(0.5,) * 79)
-    with pytest.raises(TriedecError):
-        dataclasses.replace(cal, forward_seconds={1: -1.0})
-
-
-@pytest.mark.parametrize(("speedup", "kept"), [(1.2, True), (1.02, False), (0.8, False)])
-def test_calibrate_keeps_the_predicted_size_only_if_it_really_beats_ar(monkeypatch, speedup, kept):
-    """The prediction (cost curve x node rates) is checked end to end; below the margin, 0 nodes."""
-    import types
-
-    from triedec import calibration
-
-    seconds = {1: 0.1, 2: 0.1, 4: 0.1, 9: 0.12, 81: 0.5}
-    monkeypatch.setattr(calibration, "calibration_prompts", lambda n: ["a"] * n)
-    monkeypatch.setattr(calibration, "measure_forward_seconds", lambda lm, repeats: seconds)
-    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
-    checked = []
-
-    def end_to_end(lm, texts, predicted, n):
-        checked.append(predicted.recycling_nodes)
-        return {"speedup": speedup}
-
-    monkeypatch.setattr(calibration, "measure_end_to_end", end_to_end)
-    lm = types.SimpleNamespace(adapter=types.SimpleNamespace(model_id="m", dtype=torch.float32),
-                               device=torch.device("cpu"))
-    cal = calibration.calibrate(lm, prompts=3, max_new_tokens=8, repeats=1)
-    predicted = best_nodes(monotone_rates(), seconds)
-    assert predicted > 0 and checked == [predicted]
-    assert cal.details["predicted_nodes"] == predicted
-    assert cal.recycling_nodes == (predicted if kept else 0)
-    with pytest.raises(TriedecError, match="margin"):
-        calibration.calibrate(lm, margin=1.5)
-
-
-def test_calibrate_runs_its_end_to_end_check_for_real(monkeypatch, tiny_model_dir, tmp_path):
-    """Whatever the device measures, a predicted size above 0 goes through the real end-to-end
-    check (ar against recycling on real prompts); here the cost curve and rates are forced so that
-    the prediction is above 0 on any machine."""
-    import triedec
-    from triedec import calibration
-
-    lm = triedec.load(tiny_model_dir, cache_dir=tmp_path)
-    seconds = {1: 0.1, 2: 0.1, 4: 0.1, 9: 0.12, 81: 0.5}
-    monkeypatch.setattr(calibration, "measure_forward_seconds", lambda lm, repeats: seconds)
-    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
-    cal = calibration.calibrate(lm, prompts=3, max_new_tokens=8, repeats=1)
-    check = cal.details["end_to_end"]
-    assert cal.details["predicted_nodes"] == best_nodes(monotone_rates(), seconds) > 0
-    assert 0 < check["tokens"] <= 2 * 8
-    assert check["ar_seconds"] > 0 and check["recycling_seconds"] > 0
-    assert check["speedup"] == pytest.approx(check["ar_seconds"] / check["recycling_seconds"], rel=1e-2)
-    assert cal.recycling_nodes in (0, cal.details["predicted_nodes"])
+        RecyclingProfile(**{"rates": (0.5,) * 80, "nodes": 3, **bad})
+    assert RecyclingProfile((0.5,) * 80, 3).rates_for(PAPER_TEMPLATE.top(2, [0.5] * 80)) == [0.5, 0.5]

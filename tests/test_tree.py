@@ -1,14 +1,15 @@
-"""Property tests for the draft tree: mask, positions, merging, paths."""
+"""Property tests for the draft tree: visibility and its additive mask, positions, merging, ancestry."""
 
 import itertools
 
 import pytest
 import torch
+from helpers import leaves, path_to, root_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triedec.errors import TriedecError
-from triedec.tree import TokenTree
+from triedec.tree import TokenTree, additive_mask
 
 sequences = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=6), min_size=0, max_size=8)
 
@@ -18,19 +19,19 @@ def prefixes(seqs):
 
 
 def node_sequence(tree, i):
-    return tuple(tree.tokens[j] for j in tree.path_to(i)[1:])
+    return tuple(tree.tokens[j] for j in path_to(tree, i)[1:])
 
 
 @given(seqs=sequences, cache_len=st.integers(0, 7))
 def test_mask_row_is_cache_plus_ancestors_plus_self(seqs, cache_len):
     tree = TokenTree.from_sequences(9, seqs)
-    mask = tree.mask(cache_len, torch.float32)
+    mask = additive_mask(tree.visibility(cache_len), torch.float32)
     assert mask.shape == (1, 1, tree.size, cache_len + tree.size)
     blocked = torch.finfo(torch.float32).min
     for i in range(tree.size):
         row = mask[0, 0, i]
         assert torch.all(row[:cache_len] == 0)
-        expected = set(tree.path_to(i))
+        expected = set(path_to(tree, i))
         for j in range(tree.size):
             assert row[cache_len + j].item() == (0.0 if j in expected else blocked)
 
@@ -41,7 +42,7 @@ def test_positions_are_cache_length_plus_depth(seqs, cache_len):
     pos = tree.positions(cache_len)
     assert pos.shape == (1, tree.size)
     for i in range(tree.size):
-        assert pos[0, i].item() == cache_len + len(tree.path_to(i)) - 1 == cache_len + tree.depths[i]
+        assert pos[0, i].item() == cache_len + len(path_to(tree, i)) - 1 == cache_len + tree.depths[i]
 
 
 @given(seqs=sequences)
@@ -55,12 +56,14 @@ def test_merging_never_duplicates_a_prefix(seqs):
 
 
 @given(seqs=sequences)
-def test_paths_cover_every_leaf_exactly_once(seqs):
+def test_ancestry_rows_are_the_root_paths(seqs):
     tree = TokenTree.from_sequences(0, seqs)
-    paths = tree.paths()
-    leaves = [p[-1] for p in paths]
-    assert sorted(leaves) == sorted(tree.leaves)
-    assert len(leaves) == len(set(leaves))
+    for i in range(tree.size):
+        assert set(tree.ancestry[i].nonzero().flatten().tolist()) == set(path_to(tree, i))
+    paths = root_paths(tree)
+    ends = [p[-1] for p in paths]
+    assert sorted(ends) == sorted(leaves(tree))
+    assert len(ends) == len(set(ends))
     covered = {i for p in paths for i in p}
     assert covered == set(range(tree.size))
     for p in paths:
@@ -87,7 +90,7 @@ def test_from_sequences_hand_made():
     assert tree.tokens == (7, 1, 2, 3, 4, 5)
     assert tree.parents == (-1, 0, 1, 2, 2, 0)
     assert tree.depths == (0, 1, 2, 3, 3, 1)
-    assert tree.paths() == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 5)]
+    assert root_paths(tree) == [(0, 1, 2, 3), (0, 1, 2, 4), (0, 5)]
 
 
 def test_max_nodes_limits_the_merge():

@@ -6,33 +6,40 @@
 >>> out.text, out.stats.tokens_per_s
 """
 
-from triedec.beam import BeamOptions, BeamResult, BeamStats, Hypothesis, beam_search
-from triedec.drafters import Drafter, ModelInfo, Verified, method_spec, methods, register
-from triedec.engine import DecodeStats, StopRule, speculative_decode
+from triedec.beam import BeamOptions, BeamStats, Hypothesis
+from triedec.costmodel import CostModel
+from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
+from triedec.engine import DecodeStats, Stats, StopRule, speculative_decode
 from triedec.errors import TriedecError
 from triedec.lm import LM, GenerationResult, load
+from triedec.methods import Method, Outcome, method, methods
 from triedec.tree import TokenTree
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LM",
+    "BaseDrafter",
+    "BaseSession",
     "BeamOptions",
-    "BeamResult",
     "BeamStats",
+    "CostModel",
     "DecodeStats",
     "Drafter",
+    "DrafterSession",
     "GenerationResult",
     "Hypothesis",
+    "Method",
     "ModelInfo",
+    "Outcome",
+    "Stats",
     "StopRule",
     "TokenTree",
     "TriedecError",
     "Verified",
     "__version__",
-    "beam_search",
     "load",
-    "method_spec",
+    "method",
     "methods",
     "register",
     "speculative_decode",

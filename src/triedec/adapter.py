@@ -133,6 +133,11 @@ class ModelAdapter:
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
 
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on CPU): call before reading a clock."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _masks(self, cache: KVCache, visible: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
         """Additive masks ``[1, 1, T, length + T]`` per layer type, the window applied by position."""
         kpos = cache.positions()

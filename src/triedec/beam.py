@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Generator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from triedec.adapter import ModelAdapter
-from triedec.engine import StopRule
+from triedec.engine import Stats, StopRule, prefill
 from triedec.errors import TriedecError, positive_int
 
 METHOD = "beam"
@@ -50,8 +51,11 @@ class BeamOptions:
     """best finished hypotheses returned (<= num_beams)"""
     gc_every: int = DEFAULT_GC_EVERY
     """compact the trie KV every N steps (0 = only when the buffers are full)"""
-    do_sample: bool = False
-    """beam sampling (not supported yet)"""
+
+    CLI_ALIASES: ClassVar[dict[str, str]] = {
+        "num_beams": "--num-beams", "length_penalty": "--length-penalty", "early_stopping": "--early-stopping",
+        "num_return_sequences": "--num-return-sequences", "gc_every": "--gc-every"}
+    """short command-line flags (transformers' names) besides ``--beam-OPTION``"""
 
     def __post_init__(self) -> None:
         positive_int("num_beams", self.num_beams)
@@ -69,18 +73,6 @@ class BeamOptions:
         gc = self.gc_every
         if isinstance(gc, bool) or not isinstance(gc, int) or gc < 0:
             raise TriedecError(f"gc_every must be an integer >= 0, got {gc!r}")
-        if self.do_sample is not False:
-            raise TriedecError("beam search with sampling is not supported (only deterministic beam search)")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, object]) -> BeamOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise TriedecError(
-                f"unknown option(s) {unknown} for method 'beam'; valid options: {', '.join(sorted(known))}"
-            )
-        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -198,33 +190,21 @@ class BeamScorer:
 
 
 @dataclass
-class BeamStats:
-    """Counters of one beam search. ``new_tokens``: tokens of the best hypothesis;
-    ``computed_tokens``: tokens fed after prefill (b per step); ``peak_kv_tokens``: most KV slots
-    in use; ``hf_peak_kv_tokens``: what transformers holds for the same run (b copies of prompt +
-    steps); ``kv_bytes_per_token``: peak KV bytes / (prompt + new tokens)."""
+class BeamStats(Stats):
+    """:class:`~triedec.engine.Stats` of a beam search (``new_tokens``: tokens of the best
+    hypothesis; ``computed_tokens``: b per step; ``peak_kv_tokens``: most trie KV slots in use),
+    plus ``num_beams``, ``hf_peak_kv_tokens`` (what transformers holds for the same run: b copies
+    of prompt + steps), ``kv_bytes_per_token`` (peak KV bytes / (prompt + new tokens)) and
+    ``gc_runs`` (compactions)."""
 
-    new_tokens: int = 0
-    steps: int = 0
     num_beams: int = 0
-    computed_tokens: int = 0
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    stop_reason: str = ""
-    peak_kv_tokens: int = 0
     hf_peak_kv_tokens: int = 0
-    kv_bytes: int = 0
     kv_bytes_per_token: float = 0.0
     gc_runs: int = 0
 
-    @property
-    def mean_accepted(self) -> float:
-        return 1.0
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def summary(self) -> str:
+        return (f"{super().summary()} | {self.num_beams} beams, KV peak {self.peak_kv_tokens} tokens "
+                f"(transformers: {self.hf_peak_kv_tokens})")
 
 
 @dataclass(frozen=True)
@@ -289,26 +269,34 @@ class _TrieKV:
 
 
 def beam_search(
-    adapter: ModelAdapter, prompt: Sequence[int], options: BeamOptions, stop: StopRule
+    adapter: ModelAdapter, prompt: Sequence[int], options: BeamOptions, stop: StopRule,
+    documents: Sequence[Sequence[int]] = (),
 ) -> Generator[list[int], None, BeamResult]:
     """Beam search over ``prompt`` with transformers' semantics on a shared trie KV cache.
 
-    Yields tokens of the best hypothesis as soon as they are certain (the stable prefix of all
-    candidates), and the rest at the end; returns the hypotheses and stats. Stops at EOS / stop
-    tokens (``stop.eos_token_ids``) and ``stop.max_new_tokens``; stop strings are refused.
+    The returned generator yields tokens of the best hypothesis as soon as they are certain (the
+    stable prefix of all candidates), and the rest at the end; it returns the hypotheses and
+    stats. Stops at EOS / stop tokens (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop
+    strings and context documents are refused here, before anything runs.
     """
     if stop.stop_strings:
-        raise TriedecError("stop strings are not supported with beam search (stop token ids are)")
+        raise TriedecError("stop strings are not supported with beam search (stop_token_ids are)")
+    if documents:
+        raise TriedecError("context documents are for drafting methods, not beam search")
     prompt = [int(t) for t in prompt]
     if not prompt:
         raise TriedecError("the prompt is empty (no tokens)")
+    return _search(adapter, prompt, options, stop)
+
+
+def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
+            stop: StopRule) -> Generator[list[int], None, BeamResult]:
     start = time.perf_counter()
     b = options.num_beams
     scorer = BeamScorer(options, len(prompt), stop.max_new_tokens, stop.eos_token_ids)
     trie = _TrieKV(adapter, len(prompt), b, options.gc_every)
 
-    logits = adapter.prefill(trie.cache, torch.tensor(prompt))  # [1, vocab]
-    trie.cache.commit(range(len(prompt)))
+    logits = prefill(adapter, trie.cache, prompt)  # [1, vocab]
     stats = BeamStats(num_beams=b, prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     log_probs = torch.log_softmax(logits, dim=-1).expand(b, -1)  # every beam starts at the prompt
     streamed: tuple[int, ...] = ()
@@ -334,14 +322,9 @@ def beam_search(
         raise TriedecError("internal error: the streamed prefix is not a prefix of the best hypothesis")
     if len(best) > len(streamed):
         yield list(best[len(streamed) :])
-    cache = trie.cache
-    stats.seconds = time.perf_counter() - start
-    stats.new_tokens = len(best)
-    stats.tokens_per_s = len(best) / stats.seconds if stats.seconds > 0 else 0.0
-    stats.stop_reason = "eos" if best and best[-1] in stop.eos_token_ids else "length"
-    stats.peak_kv_tokens = cache.peak
+    adapter.synchronize()
+    stats.finish(start, len(best), trie.cache, "eos" if best and best[-1] in stop.eos_token_ids else "length")
     stats.hf_peak_kv_tokens = b * (len(prompt) + stats.steps)
-    stats.kv_bytes = cache.peak * cache.bytes_per_slot()
     stats.kv_bytes_per_token = stats.kv_bytes / (len(prompt) + len(best))
     stats.gc_runs = trie.gc_runs
     return BeamResult(tuple(results), stats)

@@ -11,45 +11,30 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from triedec.drafters import methods
-from triedec.drafters.base import parse_option_value
 from triedec.errors import TriedecError
+from triedec.methods import method, methods
 
 DEFAULT_THREADS = 2
 
 
-def _option_flag(method: str, option: str) -> str:
-    return f"--{method}-{option.replace('_', '-')}"
+def _option_flags(method_name: str, options: type, option: str) -> list[str]:
+    """``--METHOD-OPTION``, plus the short alias the options class declares (``CLI_ALIASES``)."""
+    aliases = getattr(options, "CLI_ALIASES", {})
+    return [f"--{method_name}-{option.replace('_', '-')}", *([aliases[option]] if option in aliases else [])]
 
 
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
-    """One ``--METHOD-OPTION`` flag per registered method option, typed from its default."""
+    """One flag per method option (text, read by the method's option parser once the method is known)."""
     group = parser.add_argument_group("method options (see `triedec methods`)")
-    group.add_argument("--verify", dest="opt:lookahead:verify", choices=("independent", "trie"), default=None,
-                       help="lookahead: verification mode (same as --lookahead-verify)")
-    for name, spec in methods().items():
-        for field in dataclasses.fields(spec.options):
-            kind = type(field.default) if field.default is not None else str
-            group.add_argument(
-                _option_flag(name, field.name),
-                dest=f"opt:{name}:{field.name}",
-                type=lambda text, default=field.default: _option_value(text, default),
-                default=None,
-                metavar=kind.__name__.upper(),
-                help=f"{name}: {field.name} (default {field.default})",
-            )
+    for name, found in methods().items():
+        for field in dataclasses.fields(found.spec.options):
+            group.add_argument(*_option_flags(name, found.spec.options, field.name), dest=f"opt:{name}:{field.name}",
+                               default=None, metavar="VALUE", help=f"{name}: {field.name} (default {field.default})")
 
 
-def _option_value(text: str, default: object) -> object:
-    try:
-        return parse_option_value(text, default)
-    except TriedecError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def given_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """The ``--METHOD-OPTION`` flags given, as ``{method: {option: value}}``."""
-    given: dict[str, dict[str, Any]] = {}
+def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The method-option flags given, as text: ``{method: {option: text}}``."""
+    given: dict[str, dict[str, str]] = {}
     for key, value in vars(args).items():
         if key.startswith("opt:") and value is not None:
             _, owner, option = key.split(":")
@@ -57,14 +42,14 @@ def given_options(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return given
 
 
-def method_options(args: argparse.Namespace, method: str) -> dict[str, Any]:
-    """The ``--METHOD-OPTION`` values given for ``method``; refuses options of other methods."""
+def method_options(args: argparse.Namespace, method_name: str) -> dict[str, object]:
+    """The option flags given for ``method_name``, parsed; flags of other methods are refused."""
     given = given_options(args)
     for owner, options in given.items():
-        if owner != method:
-            flag = _option_flag(owner, next(iter(options)))
-            raise TriedecError(f"{flag} is an option of method {owner!r}, not {method!r}")
-    return given.get(method, {})
+        if owner != method_name:
+            flag = _option_flags(owner, method(owner).spec.options, next(iter(options)))[-1]
+            raise TriedecError(f"{flag} is an option of method {owner!r}, not {method_name!r}")
+    return method(method_name).spec.parse_options(given.get(method_name, {}))
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +64,22 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"torch CPU threads (default {DEFAULT_THREADS})")
 
 
+def load_model(args: argparse.Namespace) -> Any:
+    """The :class:`~triedec.lm.LM` the model flags name, with torch's CPU threads set first."""
+    import torch
+
+    from triedec.lm import load
+
+    if args.threads < 1:
+        raise TriedecError(f"--threads must be positive, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    return load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    return args.model or "SmolLM2-135M-Instruct (embedded default, fp32)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triedec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,13 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="tokenize the prompt as plain text instead of applying the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
-    beam = gen.add_argument_group("beam search (--method beam; transformers' meaning and defaults)")
-    beam.add_argument("--num-beams", type=int, default=None, help="beams (default 4)")
-    beam.add_argument("--length-penalty", type=float, default=None, help="score = log-prob sum / length ** this (1.0)")
-    beam.add_argument("--early-stopping", default=None, choices=["true", "false", "never"], help="(default false)")
-    beam.add_argument("--num-return-sequences", type=int, default=None, help="hypotheses printed (default 1)")
-    beam.add_argument("--gc-every", type=int, default=None,
-                      help="compact the trie KV cache every N steps; 0 = only when full (default 5)")
     _add_model_args(gen)
     _add_method_options(gen)
 
@@ -132,90 +126,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-BEAM_FLAGS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "gc_every")
-
-
 def cmd_methods() -> int:
-    for name, spec in methods().items():
-        print(f"{name}: {spec.description}")
-        for option, default in spec.option_defaults().items():
-            print(f"    {_option_flag(name, option)}  (default {default})")
-    from triedec.beam import BeamOptions
-
-    print("beam: trie beam search, transformers' results with one shared trie-shaped KV cache")
-    defaults = BeamOptions()
-    for option in BEAM_FLAGS:
-        print(f"    --{option.replace('_', '-')}  (default {getattr(defaults, option)})")
+    for name, found in methods().items():
+        print(f"{name}: {found.description}")
+        for field in dataclasses.fields(found.spec.options):
+            default = "auto" if field.default is None else field.default
+            print(f"    {', '.join(_option_flags(name, found.spec.options, field.name))}  (default {default})")
     return 0
 
 
-def beam_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The beam flags given; refused unless the method is ``beam``."""
-    given = {f: getattr(args, f) for f in BEAM_FLAGS if getattr(args, f) is not None}
-    if given and args.method != "beam":
-        raise TriedecError(f"--{next(iter(given)).replace('_', '-')} is an option of method 'beam', "
-                           f"not {args.method!r}")
-    if "early_stopping" in given:
-        given["early_stopping"] = {"true": True, "false": False}.get(given["early_stopping"], "never")
-    return given
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    import torch
+    from triedec.calibration import calibration_path
+    from triedec.drafters.recycling import expected_speeds
 
-    from triedec.calibration import calibration_path, expected_speeds
-    from triedec.lm import load
-
-    for flag in ("prompts", "max_new_tokens", "repeats", "threads"):
+    for flag in ("prompts", "max_new_tokens", "repeats"):
         if getattr(args, flag) < 1:
             raise TriedecError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     if args.prompts < 2:
         raise TriedecError("--prompts must be at least 2 (the first one warms up)")
-    torch.set_num_threads(args.threads)
-    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    lm = load_model(args)
     if args.show:
         cal = lm.calibration()
     else:
         cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    print(f"device {cal.device}; model {cal.model_id}; a {cal.context_tokens}-token cache")
-    print("| draft nodes | ms per forward | expected tokens/step | expected tokens/s |")
-    print("|---|---|---|---|")
-    predicted = cal.details.get("predicted_nodes", cal.recycling_nodes)
-    for row in expected_speeds(cal.recycling_rates, cal.forward_seconds):
-        marks = [m for m, n in (("predicted", predicted), ("chosen", cal.recycling_nodes)) if row["nodes"] == n]
+    profile = cal.recycling
+    assert profile is not None
+    print(f"device {cal.device}; model {cal.model_id}; a {cal.cost.context_tokens}-token cache")
+    print("| draft nodes | ms per forward | x a 1-token forward | recycling: expected tokens/step "
+          "| expected tokens/s |")
+    print("|---|---|---|---|---|")
+    predicted = profile.details.get("predicted_nodes", profile.nodes)
+    for row in expected_speeds(profile.rates, cal.cost):
+        marks = [m for m, n in (("predicted", predicted), ("chosen", profile.nodes)) if row["nodes"] == n]
         mark = f" **{', '.join(marks)}**" if marks else ""
-        print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {row['tokens_per_step']:.2f} | "
-              f"{row['tokens_per_s']:.1f}{mark} |")
-    check = cal.details.get("end_to_end")
+        print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {cal.cost.ratio(row['nodes'] + 1):.2f} "
+              f"| {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f}{mark} |")
+    check = profile.details.get("end_to_end")
     if check:
         print(f"end-to-end check of {predicted} nodes on the calibration prompts: {check['speedup']:.2f}x ar "
-              f"(kept if >= {1 + cal.details.get('margin', 0):.2f}x)")
-    print(f"recycling verifies {cal.recycling_nodes} draft nodes per step on this device "
+              f"(kept if >= {1 + profile.details.get('margin', 0):.2f}x)")
+    print(f"recycling verifies {profile.nodes} draft nodes per step on this device "
           f"(saved in {calibration_path(lm.cache_dir, cal.model_id, lm.device, lm.adapter.dtype)})")
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from triedec.lm import load
-
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise TriedecError("the prompt is empty")
-    options = {**method_options(args, args.method), **beam_options(args)}
-    if args.threads < 1:
-        raise TriedecError(f"--threads must be positive, got {args.threads}")
-    torch.set_num_threads(args.threads)
-    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
-    if args.method == "beam":  # validate the method and options before any output
-        from triedec.beam import BeamOptions
-
-        BeamOptions.from_mapping(options)
-    else:
-        lm.drafter(args.method, **options)
+    options = method_options(args, args.method)
+    lm = load_model(args)
+    lm.decoder(args.method, **options)  # build (and validate) the method before any output
     chat = not args.raw and lm.has_chat_template
     printer = _StreamPrinter(lm.tokenizer) if not args.json else None
     result = lm.generate(
@@ -228,22 +191,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         out = {"method": args.method, "text": result.text, "token_ids": result.token_ids, "stats": stats.as_dict()}
         print(json.dumps({**out, "sequences": sequences} if sequences else out, indent=2))
-    elif args.method == "beam":
-        printer.finish(result.text)
-        for i, seq in enumerate(sequences[1:], start=2):
-            print(f"\n--- hypothesis {i} (score {seq['score']:.4f}) ---\n{seq['text']}")
-        print(
-            f"\n[beam x{stats.num_beams}] {stats.new_tokens} tokens in {stats.seconds:.2f} s = "
-            f"{stats.tokens_per_s:.1f} tok/s | best score {result.sequences[0].score:.4f} | KV peak "
-            f"{stats.peak_kv_tokens} tokens (transformers: {stats.hf_peak_kv_tokens}) | stop: {stats.stop_reason}"
-        )
-    else:
-        printer.finish(result.text)
-        print(
-            f"\n[{args.method}] {stats.new_tokens} tokens in {stats.seconds:.2f} s = {stats.tokens_per_s:.1f} tok/s"
-            f" | {stats.steps} steps, {stats.mean_accepted:.2f} tokens/step, {stats.computed_tokens} computed"
-            f" | prompt {stats.prompt_tokens} tokens, prefill {stats.prefill_seconds:.2f} s | stop: {stats.stop_reason}"
-        )
+        return 0
+    assert printer is not None
+    printer.finish(result.text)
+    for i, seq in enumerate(sequences[1:], start=2):
+        print(f"\n--- hypothesis {i} (score {seq['score']:.4f}) ---\n{seq['text']}")
+    best = f" | best score {sequences[0]['score']:.4f}" if sequences else ""
+    print(f"\n[{args.method}] {stats.summary()}{best}")
     return 0
 
 
@@ -275,80 +229,30 @@ class _StreamPrinter:
 
 
 def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None = None) -> int:
-    import torch
+    from triedec.bench.datasets import load_questions, select
+    from triedec.bench.harness import BenchConfig
+    from triedec.bench.run import run_entries
 
-    from triedec.bench import BenchConfig, bench
-    from triedec.lm import load
-
-    if args.threads < 1:
-        raise TriedecError(f"--threads must be positive, got {args.threads}")
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
     if args.per_category is not None and args.per_category < 1:
         raise TriedecError(f"--per-category must be a positive integer, got {args.per_category}")
-    defaults = given_options(args)
-    from triedec.bench.datasets import load_questions, select
-
     categories = args.categories.split(",") if args.categories else None
-    questions = select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
-    from triedec.bench.beam import BEAM_BENCH_METHODS
-
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if any(n in BEAM_BENCH_METHODS for n in names):
-        if set(names) - set(BEAM_BENCH_METHODS):
-            raise TriedecError(f"beam-search methods ({', '.join(BEAM_BENCH_METHODS)}) are benchmarked on their own; "
-                               f"got {names}")
-        return _bench_beams(args, questions)
-    torch.set_num_threads(args.threads)
-    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
-    results = bench(
-        lm, methods=args.methods.split(","), dataset=args.dataset, out=Path(args.out),
-        per_category=args.per_category, categories=categories, config=config,
-        model_name=args.model or "SmolLM2-135M-Instruct (embedded default, fp32)", option_defaults=defaults,
-        extra_runners=extra_runners, progress=not args.no_progress,
-    )
-    from triedec.bench.report import markdown
-
-    print(markdown(results))
-    print(f"results written to {args.out}/ (results.json, results.md, *.png)")
-    return 0
-
-
-def _bench_beams(args: argparse.Namespace, questions: list) -> int:
-    import shlex
-
-    import torch
-
-    from triedec.bench.beam import parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
-    from triedec.bench.report import machine_info
-    from triedec.lm import load
-
-    beams = parse_beams(args.beams)
-    if given_options(args):
-        raise TriedecError("--METHOD-OPTION flags do not apply to the beam-search benchmark")
-    torch.set_num_threads(args.threads)
-    lm = load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
-    bar = None
+    select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
+    lm = load_model(args)
+    progress = None
     if not args.no_progress:
         from tqdm import tqdm
 
-        def bar(total: int) -> Any:
+        def progress(total: int) -> Any:
             return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
 
-    samples = run_beam_benchmark(lm, questions, beams, args.max_new_tokens, args.warmup, bar)
-    results = {
-        "machine": machine_info(lm.device),
-        "model": args.model or "SmolLM2-135M-Instruct (embedded default, fp32)",
-        "dataset": args.dataset, "categories": args.categories, "per_category": args.per_category,
-        "max_new_tokens": args.max_new_tokens, "beams": beams,
-        "prompts": len({s["id"] for s in samples}),
-        "command": "triedec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "summary": summarize_beams(samples), "samples": samples,
-    }
-    write_beam_outputs(results, Path(args.out))
-    from triedec.bench.beam import beam_markdown
-
-    print(beam_markdown(results))
-    print(f"results written to {args.out}/ (results.json, results.md)")
+    _, text = run_entries(
+        lm, args.methods.split(","), args.beams, dataset=args.dataset, out=Path(args.out),
+        per_category=args.per_category, categories=categories, config=config, model_name=_model_name(args),
+        option_defaults=given_options(args), extra_runners=extra_runners, progress=progress,
+    )
+    print(text)
+    print(f"results written to {args.out}/")
     return 0
 
 

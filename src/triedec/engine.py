@@ -15,8 +15,9 @@ import torch
 
 from triedec.accept import Acceptance, accept_greedy
 from triedec.adapter import ModelAdapter
-from triedec.drafters.base import Drafter, Verified
+from triedec.drafters.base import Drafter, DrafterSession, Verified
 from triedec.errors import TriedecError, positive_int
+from triedec.kvcache import KVCache
 from triedec.tree import TokenTree
 
 
@@ -61,22 +62,18 @@ class StopRule:
 
 
 @dataclass
-class DecodeStats:
-    """Counters of one generation. Names match the benchmark's JSON.
+class Stats:
+    """Counters every decoding method reports (names match the benchmark's JSON).
 
-    * ``steps``: forward passes after prefill;
-    * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
-      ``ar``, higher when drafts are accepted;
-    * ``computed_tokens``: tokens that went through the model, prompt excluded (tree nodes);
-    * ``seconds``: wall clock from the start of prefill to the last token;
-    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
-      accepted at least d draft tokens;
-    * ``drafter``: the drafter's own counters (:meth:`Drafter.stats`).
+    * ``new_tokens``: tokens returned; ``steps``: forward passes after prefill;
+    * ``computed_tokens``: tokens that went through the model, prompt excluded;
+    * ``seconds``: wall clock from the start of prefill to the last token; ``tokens_per_s``;
+    * ``prompt_tokens``, ``prefill_seconds``, ``stop_reason`` (``eos``, ``stop_string``, ``length``);
+    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size.
     """
 
     new_tokens: int = 0
     steps: int = 0
-    mean_accepted: float = 0.0
     computed_tokens: int = 0
     seconds: float = 0.0
     tokens_per_s: float = 0.0
@@ -85,12 +82,49 @@ class DecodeStats:
     stop_reason: str = ""
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for people: speed, steps, prompt and why generation stopped."""
+        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
+                f" | {self._steps_text()}, {self.computed_tokens} computed"
+                f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
+                f" | stop: {self.stop_reason}")
+
+    def _steps_text(self) -> str:
+        return f"{self.steps} steps"
+
+    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str) -> None:
+        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``)."""
+        self.seconds = time.perf_counter() - start
+        self.new_tokens = new_tokens
+        self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
+        self.stop_reason = reason
+        self.peak_kv_tokens = cache.peak
+        self.kv_bytes = cache.peak * cache.bytes_per_slot()
+
+
+@dataclass
+class DecodeStats(Stats):
+    """:class:`Stats` of the speculative loop, plus:
+
+    * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
+      ``ar``, higher when drafts are accepted (the papers' MAT);
+    * ``accepted_per_step``: tokens kept at each step;
+    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
+      accepted at least d draft tokens;
+    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`).
+    """
+
+    mean_accepted: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
     acceptance_by_depth: list[float] = field(default_factory=list)
     drafter: dict[str, float] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def _steps_text(self) -> str:
+        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step"
 
 
 MAX_TREE_NODES = 256
@@ -108,33 +142,40 @@ def speculative_decode(
     autoregressive decoding.
 
     Yields the newly committed tokens after prefill and after every step; returns the stats.
-    Mutates only the drafter's state (through its protocol methods).
+    Per-request drafting state lives in the session ``drafter.begin`` returns; the drafter's
+    shared state changes only through that session (under the drafter's own lock).
     """
     prompt = [int(t) for t in prompt]
-    drafter.begin(prompt, documents)
+    session = drafter.begin(prompt, documents)
     try:
-        return (yield from _decode(adapter, drafter, prompt, stop))
+        return (yield from _decode(adapter, session, drafter.prefill_logits, prompt, stop))
     finally:
-        drafter.end()
+        session.end()
+
+
+def prefill(adapter: ModelAdapter, cache: KVCache, prompt: Sequence[int], keep_last: int = 1) -> torch.Tensor:
+    """Run the prompt on the empty ``cache`` and commit it; the logits of its last ``keep_last``
+    positions ``[min(keep_last, len(prompt)), vocab]``."""
+    logits = adapter.prefill(cache, torch.tensor(prompt), keep_last=keep_last)
+    cache.commit(range(len(prompt)))
+    return logits
 
 
 def _decode(
-    adapter: ModelAdapter, drafter: Drafter, prompt: list[int], stop: StopRule
+    adapter: ModelAdapter, session: DrafterSession, prefill_logits: int, prompt: list[int], stop: StopRule
 ) -> Generator[list[int], None, DecodeStats]:
-    sync = _synchronizer(adapter.device)
     start = time.perf_counter()
     cache = adapter.new_cache(len(prompt) + stop.max_new_tokens + MAX_TREE_NODES)
 
     # Prefill: the prompt's KV, and the first new token from its last logits.
-    logits = adapter.prefill(cache, torch.tensor(prompt), keep_last=drafter.prefill_logits)
-    cache.commit(range(len(prompt)))
+    logits = prefill(adapter, cache, prompt, keep_last=prefill_logits)
     first = int(logits[-1].argmax())
-    if drafter.prefill_logits > 0:  # the prompt's tail, seen as a fully accepted chain
+    if prefill_logits > 0:  # the prompt's tail, seen as a fully accepted chain
         tail = prompt[-len(logits) :]
         chain = TokenTree(tuple(tail), tuple(range(-1, len(tail) - 1)))
-        drafter.observe(Verified(chain, logits, Acceptance(tuple(range(len(tail))), (*tail[1:], first))))
+        session.observe(Verified(chain, logits, Acceptance(tuple(range(len(tail))), (*tail[1:], first))))
     generated, reason = stop.cut([], [first])
-    sync()
+    adapter.synchronize()
     stats = DecodeStats(prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     yield list(generated)
     reached = [0] * (MAX_TREE_NODES + 1)  # reached[d]: steps whose tree had depth >= d
@@ -143,9 +184,9 @@ def _decode(
     while reason is None:
         context = prompt + generated
         # propose
-        tree = drafter.propose(context)
+        tree = session.propose(context)
         if tree.root != context[-1]:
-            raise TriedecError(f"drafter {type(drafter).__name__} proposed a tree not rooted at the last token")
+            raise TriedecError(f"drafter session {type(session).__name__} proposed a tree not rooted at the last token")
         tree = tree.pruned(stop.max_new_tokens - len(generated) - 1).truncated(MAX_TREE_NODES)
         # verify
         logits = adapter.forward(
@@ -153,7 +194,7 @@ def _decode(
         )
         # accept
         acceptance = accept_greedy(tree, logits.argmax(dim=-1).tolist())
-        drafter.observe(Verified(tree, logits, acceptance))
+        session.observe(Verified(tree, logits, acceptance))
         new, reason = stop.cut(generated, acceptance.tokens)
         # commit: the root and the accepted drafts that precede the newest kept token
         cache.commit(acceptance.path[: len(new)])
@@ -167,21 +208,10 @@ def _decode(
             accepted_at[d] += 1
         yield new
 
-    sync()
-    stats.seconds = time.perf_counter() - start
-    stats.new_tokens = len(generated)
+    adapter.synchronize()
+    stats.finish(start, len(generated), cache, reason)
     stats.mean_accepted = (len(generated) - 1) / stats.steps if stats.steps else 0.0
-    stats.tokens_per_s = len(generated) / stats.seconds if stats.seconds > 0 else 0.0
-    stats.stop_reason = reason
-    stats.peak_kv_tokens = cache.peak
-    stats.kv_bytes = cache.peak * cache.bytes_per_slot()
     stats.acceptance_by_depth = [accepted_at[d] / reached[d] for d in range(1, len(reached)) if reached[d]]
-    stats.drafter = drafter.stats()
+    stats.drafter = session.stats()
     return stats
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
 

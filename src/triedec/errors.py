@@ -10,12 +10,6 @@ class TriedecError(ValueError):
     """
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise :class:`TriedecError` with ``message`` unless ``condition`` holds."""
-    if not condition:
-        raise TriedecError(message)
-
-
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an int >= 1 (bools refused), else raise a clear error."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from triedec.adapter import ModelAdapter
-from triedec.beam import METHOD as BEAM
-from triedec.beam import BeamOptions, BeamStats, Hypothesis, beam_search
+from triedec.beam import Hypothesis
 from triedec.calibration import Calibration, load_or_calibrate
-from triedec.drafters import ModelInfo, method_spec, methods
-from triedec.drafters.base import Drafter
-from triedec.engine import DecodeStats, StopRule, speculative_decode
+from triedec.drafters import ModelInfo
+from triedec.engine import Stats, StopRule
 from triedec.errors import TriedecError, positive_int
+from triedec.methods import Decoder, Outcome
+from triedec.methods import method as find_method
 from triedec.models import cache_root, load_hf
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
@@ -31,15 +32,17 @@ class GenerationResult:
 
     text: str
     token_ids: list[int]
-    stats: DecodeStats | BeamStats
+    stats: Stats
     sequences: tuple[Hypothesis, ...] = ()
 
 
 class LM:
     """A loaded causal LM. ``model`` and ``tokenizer`` are the plain transformers objects.
 
-    Drafters are created once per (method, options) and kept for the life of this object, so
-    online drafters stay warm across ``generate`` calls.
+    Each method is built once per options value and kept for the life of this object, so learned
+    drafter state (Token Recycling's matrix, agreement rates) stays warm across requests; all
+    per-request state lives in the generator that :meth:`stream` returns, so overlapping streams
+    (threads, a server) do not disturb each other.
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None) -> None:
@@ -47,8 +50,9 @@ class LM:
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model)
         self.cache_dir = cache_root(cache_dir)
-        self._drafters: dict[tuple[str, object], Drafter] = {}
+        self._decoders: dict[tuple[str, object], Decoder] = {}
         self._calibration: Calibration | None = None
+        self._lock = threading.RLock()  # guards the two caches above
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if gen_eos is None:
             gen_eos = tokenizer.eos_token_id
@@ -63,23 +67,32 @@ class LM:
 
     # ---- calibration --------------------------------------------------------------------------
 
-    def calibration(self) -> Calibration:
-        """This model's device calibration (cost curve, tree sizes): read from the cache
-        directory, or measured once (a minute or two) and cached. See :mod:`triedec.calibration`."""
-        if self._calibration is None:
-            self._calibration = load_or_calibrate(self, self.cache_dir)
-        return self._calibration
+    def calibration(self, needs: frozenset[str] = frozenset({"cost", "recycling"})) -> Calibration:
+        """This model's device calibration with at least the parts in ``needs`` (``"cost"``: the
+        cost curve, seconds; ``"recycling"``: Token Recycling's node profile, a minute or two):
+        read from the cache directory, or measured once and cached. See :mod:`triedec.calibration`."""
+        with self._lock:
+            cal = self._calibration
+            if cal is None or ("recycling" in needs and cal.recycling is None):
+                self._calibration = load_or_calibrate(self, self.cache_dir, frozenset(needs))
+            return self._calibration
 
     def recalibrate(self, **kwargs: Any) -> Calibration:
-        """Measure the calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and cache it.
-        Drafters already created keep the tree size they were created with."""
-        self._calibration = load_or_calibrate(self, self.cache_dir, force=True, **kwargs)
-        return self._calibration
+        """Measure the whole calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and
+        cache it. Methods already built keep what they were built with."""
+        with self._lock:
+            self._calibration = load_or_calibrate(self, self.cache_dir, frozenset({"cost", "recycling"}), force=True,
+                                                  **kwargs)
+            return self._calibration
 
-    def model_info(self, calibrated: bool = True) -> ModelInfo:
-        """What drafters get to know about this model (see :class:`~triedec.drafters.ModelInfo`)."""
-        return ModelInfo(self.adapter.vocab_size, self.adapter.device, self.adapter.model_id,
-                         self.calibration if calibrated else None)
+    def model_info(self, needs: frozenset[str] = frozenset()) -> ModelInfo:
+        """What drafters get to know about this model (see :class:`~triedec.drafters.ModelInfo`),
+        with the measured values in ``needs`` loaded or measured first."""
+        info = ModelInfo(self.adapter.vocab_size, self.adapter.device, self.adapter.model_id)
+        if not needs:
+            return info
+        cal = self.calibration(needs)
+        return ModelInfo(info.vocab_size, info.device, info.model_id, cal.cost, cal.profiles())
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -109,14 +122,16 @@ class LM:
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def drafter(self, method: str, **options: object) -> Drafter:
-        """The (cached) drafter for ``method`` with ``options``; bad names or values raise."""
-        spec = method_spec(method)
-        opts = spec.make_options(options)
-        key = (method, opts)
-        if key not in self._drafters:
-            self._drafters[key] = spec.factory(opts, self.model_info())
-        return self._drafters[key]
+    def decoder(self, method_name: str, **options: object) -> Decoder:
+        """The method ``method_name`` built with ``options`` (once per options value; what it
+        needs measured is loaded or measured first); bad names or values raise."""
+        found = find_method(method_name)
+        opts = found.make_options(options)
+        key = (method_name, opts)
+        with self._lock:
+            if key not in self._decoders:
+                self._decoders[key] = found.build(opts, self.model_info(found.needs(opts)))
+            return self._decoders[key]
 
     def stream(
         self,
@@ -129,27 +144,17 @@ class LM:
         context: Sequence[str | Sequence[int]] = (),
         chat: bool = False,
         **options: object,
-    ) -> Iterator[list[int]]:
+    ) -> Generator[list[int], None, Outcome]:
         """Yield new token ids as they are accepted (several per step when drafts are accepted;
         with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
 
-        The generator's return value (``StopIteration.value``) is the :class:`DecodeStats`
-        (beam search: a :class:`~triedec.beam.BeamResult`); :meth:`generate` collects it for you.
-        All input is validated before anything runs.
+        The generator's return value (``StopIteration.value``) is an
+        :class:`~triedec.methods.Outcome` (stats, and beam search's ranked sequences);
+        :meth:`generate` collects it for you. All input is validated before anything runs.
         """
-        if method not in methods() and method != BEAM:
-            raise TriedecError(f"unknown method {method!r}; available: {', '.join(sorted([*methods(), BEAM]))}")
-        if method == BEAM:
-            beam = BeamOptions.from_mapping(options)
-            if context:
-                raise TriedecError("context documents are for drafting methods, not beam search")
-            if stop:
-                raise TriedecError("stop strings are not supported with beam search (stop_token_ids are)")
-            prompt_ids, rule, _ = self._prepare(prompt, max_new_tokens, None, stop_token_ids, (), chat)
-            return beam_search(self.adapter, prompt_ids, beam, rule)
-        drafter = self.drafter(method, **options)
+        decoder = self.decoder(method, **options)
         prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
-        return speculative_decode(self.adapter, drafter, prompt_ids, rule, documents)
+        return decoder.decode(self.adapter, prompt_ids, rule, documents)
 
     def generate(
         self,
@@ -164,9 +169,10 @@ class LM:
         on_tokens: Callable[[list[int]], None] | None = None,
         **options: object,
     ) -> GenerationResult:
-        """Greedy generation with ``method`` (``triedec methods`` lists them and their options), or
-        beam search with ``method="beam"`` and :class:`~triedec.beam.BeamOptions` (``num_beams``,
-        ``length_penalty``, ``early_stopping``, ``num_return_sequences``, ``gc_every``).
+        """Generation with ``method`` (``triedec methods`` lists them and their options): a
+        speculative method, or beam search with ``method="beam"`` and
+        :class:`~triedec.beam.BeamOptions` (``num_beams``, ``length_penalty``, ``early_stopping``,
+        ``num_return_sequences``, ``gc_every``).
 
         Output is token-for-token what greedy autoregressive decoding gives (beam search: what
         transformers' beam search gives). ``stop`` strings and
@@ -188,9 +194,7 @@ class LM:
             tokens += new
             if on_tokens is not None:
                 on_tokens(new)
-        if isinstance(outcome, DecodeStats):
-            return GenerationResult(self.decode_result(tokens, stop), tokens, outcome)
-        return GenerationResult(self.decode_result(tokens), tokens, outcome.stats, outcome.hypotheses)
+        return GenerationResult(self.decode_result(tokens, stop), tokens, outcome.stats, outcome.sequences)
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""

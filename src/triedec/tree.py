@@ -4,12 +4,12 @@ Node 0 is the root: the last committed token, whose KV is *not* yet in the cache
 is a draft token whose parent has a smaller index (topological order). From this value we derive
 
 * ``depths``       -- depth of each node (root = 0),
+* ``ancestry``     -- ``[T, T]``: which nodes lie on each node's root path (its path to the root),
 * ``visibility``   -- which cache slots and tree nodes each node may attend to: all of the cache,
-                      its ancestors and itself,
-* ``mask``         -- the additive 4D attention mask ``[1, 1, T, cache_len + T]`` (0 = visible,
-                      dtype minimum = blocked),
+                      its ancestors and itself (:func:`additive_mask` turns it into the 4D
+                      attention mask the adapter passes),
 * ``positions``    -- position ids ``[1, T]`` = cache length + depth,
-* ``paths``        -- the root-to-leaf paths, each leaf exactly once.
+* ``children`` / ``child_lists`` -- each node's children, which acceptance walks.
 
 The tree is immutable; "changing" it returns a new tree.
 """
@@ -152,27 +152,6 @@ class TokenTree:
         return tuple(tuple(c) for c in out)
 
     @cached_property
-    def leaves(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.size) if not self.children[i])
-
-    def paths(self) -> list[tuple[int, ...]]:
-        """Root-to-leaf paths as node indices, one per leaf, in leaf order."""
-        out = []
-        for leaf in self.leaves:
-            path = [leaf]
-            while self.parents[path[-1]] >= 0:
-                path.append(self.parents[path[-1]])
-            out.append(tuple(reversed(path)))
-        return out
-
-    def path_to(self, node: int) -> tuple[int, ...]:
-        """Node indices from the root to ``node`` inclusive."""
-        path = [node]
-        while self.parents[path[-1]] >= 0:
-            path.append(self.parents[path[-1]])
-        return tuple(reversed(path))
-
-    @cached_property
     def ancestry(self) -> torch.Tensor:
         """Bool ``[T, T]``: ``ancestry[i, j]`` iff j is i or one of i's ancestors.
 
@@ -192,10 +171,6 @@ class TokenTree:
         vis = torch.ones((self.size, cache_len + self.size), dtype=torch.bool)
         vis[:, cache_len:] = self.ancestry
         return vis
-
-    def mask(self, cache_len: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Additive 4D mask ``[1, 1, T, cache_len + T]`` over [cache + tree]."""
-        return additive_mask(self.visibility(cache_len), dtype)
 
     def positions(self, cache_len: int) -> torch.Tensor:
         """Position ids ``[1, T]``: cache length + depth."""

@@ -31,70 +31,35 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from triedec.bench.datasets import Question, data_path
-from triedec.bench.harness import HFRunner, RunRecord, _ForwardCounter, _messages, _sync, measured
+from triedec.bench.harness import HFRunner, RunRecord, TriedecRunner, _messages, hf_generate, measured
 from triedec.errors import TriedecError
 from triedec.lm import LM
 
-BEAM_BENCH_METHODS = ("hf-beam", "beam")
+BASELINE = "hf-beam"
 SANDBOX_TIMEOUT_S = 10.0
 
 
 class HFBeamRunner:
-    """transformers ``generate(num_beams=b, do_sample=False)``: the best hypothesis."""
+    """Stock transformers ``generate(num_beams=b, do_sample=False)``: the best hypothesis."""
 
     def __init__(self, lm: LM, num_beams: int) -> None:
-        self.lm, self.num_beams, self.label = lm, num_beams, "hf-beam"
+        self.lm, self.num_beams, self.label = lm, num_beams, BASELINE
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
-        model = self.lm.model
-        ids = torch.tensor([prompt], device=self.lm.device)
-        pad = model.generation_config.pad_token_id
-        if pad is None:
-            pad = next(iter(self.lm.eos_token_ids), 0)
-        sync = _sync(self.lm.device)
-        with _ForwardCounter(model) as counter, torch.inference_mode():
-            start = time.perf_counter()
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=self.num_beams,
-                max_new_tokens=max_new_tokens, pad_token_id=pad, return_dict_in_generate=True, output_scores=True,
-            )
-            sync()
-            seconds = time.perf_counter() - start
-        length = int((out.beam_indices[0] != -1).sum())
+        done = hf_generate(self.lm, prompt, max_new_tokens, do_sample=False, num_beams=self.num_beams,
+                           output_scores=True)
+        out = done.output
+        length = int((out.beam_indices[0] != -1).sum())  # the best hypothesis, without padding
         tokens = out.sequences[0, len(prompt) : len(prompt) + length].tolist()
-        steps = counter.calls - 1
-        kv_tokens = self.num_beams * (len(prompt) + steps)
-        kv = out.past_key_values
-        kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)
-                       if t is not None)
-        details = {"kv_tokens": kv_tokens, "score": float(out.sequences_scores[0])}
-        return RunRecord(tokens, seconds, steps, counter.tokens - self.num_beams * len(prompt), kv_bytes,
-                         details=details)
-
-
-class TrieBeamRunner:
-    """triedec's ``beam`` method."""
-
-    def __init__(self, lm: LM, num_beams: int) -> None:
-        self.lm, self.num_beams, self.label = lm, num_beams, "beam"
-
-    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
-        sync = _sync(self.lm.device)
-        start = time.perf_counter()
-        out = self.lm.generate(prompt, "beam", max_new_tokens=max_new_tokens, num_beams=self.num_beams)
-        sync()
-        seconds = time.perf_counter() - start
-        s = out.stats
-        details = {"kv_tokens": s.peak_kv_tokens, "score": out.sequences[0].score, "gc_runs": s.gc_runs}
-        return RunRecord(out.token_ids, seconds, s.steps, s.computed_tokens, s.kv_bytes, details=details)
+        steps = done.forward_calls - 1
+        details = {"kv_tokens": self.num_beams * (len(prompt) + steps), "score": float(out.sequences_scores[0])}
+        return RunRecord(tokens, done.seconds, steps, done.forward_tokens - self.num_beams * len(prompt),
+                         done.kv_bytes, details=details)
 
 
 # ---- HumanEval pass@1 -------------------------------------------------------------------------
@@ -167,7 +132,7 @@ def run_beam_benchmark(
     chat = lm.has_chat_template
     tasks = humaneval_tasks() if any(q.category == "humaneval" for q in questions) else {}
     greedy = HFRunner(lm, "hf-greedy")
-    pairs = {b: (HFBeamRunner(lm, b), TrieBeamRunner(lm, b)) for b in beams}
+    pairs = {b: (HFBeamRunner(lm, b), TriedecRunner(lm, "beam", "beam", {"num_beams": b})) for b in beams}
     bar = progress(len(questions) * (1 + 2 * len(beams))) if progress else None
     if questions and warmup:
         warm = lm.encode(_messages([], questions[0].turns[0], chat))
@@ -197,10 +162,10 @@ def run_beam_benchmark(
                 recs[runner.label] = measured(runner, prompt, max_new_tokens, lm.device)
                 if bar:
                     bar.update(1)
-            same = recs["beam"].tokens == recs["hf-beam"].tokens
-            samples.append(row("hf-beam", b, recs["hf-beam"], True))
-            samples.append(row("beam", b, recs["beam"], same))
-            samples[-1]["kv_ratio"] = recs["beam"].details["kv_tokens"] / recs["hf-beam"].details["kv_tokens"]
+            hf, mine = (recs[r.label] for r in pair)
+            samples.append(row(BASELINE, b, hf, True))
+            samples.append(row(pair[1].label, b, mine, mine.tokens == hf.tokens))
+            samples[-1]["kv_ratio"] = mine.details["kv_tokens"] / hf.details["kv_tokens"]
     if bar and hasattr(bar, "close"):
         bar.close()
     return samples
@@ -240,8 +205,8 @@ def summarize_beams(samples: Sequence[dict]) -> list[dict[str, Any]]:
         }
         judged = [r["passed"] for r in rs if r["passed"] is not None]
         out["pass@1"] = sum(judged) / len(judged) if judged else None
-        if method == "beam":
-            ref = groups[("hf-beam", b)]
+        if method != BASELINE and (BASELINE, b) in groups:  # compared with transformers at the same width
+            ref = groups[(BASELINE, b)]
             ref_speeds = [r["new_tokens"] / r["seconds"] for r in ref if r["seconds"] > 0]
             ratio = out["tokens_per_s"] / statistics.fmean(ref_speeds) if ref_speeds else None
             out["speedup"] = ratio if out["mismatches"] == 0 else None

@@ -85,55 +85,68 @@ class _ForwardCounter:
         self.tokens += int(ids.shape[-1]) if ids is not None else 0
 
 
-class HFRunner:
-    """``transformers`` ``generate(do_sample=False)``, optionally with its prompt lookup."""
+@dataclass(frozen=True)
+class HFGenerated:
+    """One stock ``model.generate`` call: its output (``return_dict_in_generate``), wall-clock
+    seconds, forward calls and tokens fed (prompt included), and the bytes of the KV it returned."""
 
-    def __init__(self, lm: LM, label: str, prompt_lookup_num_tokens: int | None = None) -> None:
-        self.lm, self.label = lm, label
-        self.extra = {} if prompt_lookup_num_tokens is None else {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+    output: Any
+    seconds: float
+    forward_calls: int
+    forward_tokens: int
+    kv_bytes: int
+
+
+def hf_generate(lm: LM, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> HFGenerated:
+    """Stock transformers ``generate`` on ``lm.model``, as a user would call it without triedec
+    (its default cache), timed and with its forwards counted. ``kwargs`` go to ``generate``."""
+    model = lm.model
+    ids = torch.tensor([prompt], device=lm.device)
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = next(iter(lm.eos_token_ids), 0)
+    with _ForwardCounter(model) as counter, torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             pad_token_id=pad, return_dict_in_generate=True, **kwargs)
+        lm.adapter.synchronize()
+        seconds = time.perf_counter() - start
+    kv = out.past_key_values
+    kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)
+                   if t is not None)
+    return HFGenerated(out, seconds, counter.calls, counter.tokens, kv_bytes)
+
+
+class HFRunner:
+    """Stock transformers ``generate(do_sample=False, **extra)``: greedy, or its prompt lookup."""
+
+    def __init__(self, lm: LM, label: str, **extra: Any) -> None:
+        self.lm, self.label, self.extra = lm, label, extra
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
-        model = self.lm.model
-        ids = torch.tensor([prompt], device=self.lm.device)
-        pad = model.generation_config.pad_token_id
-        if pad is None:
-            pad = next(iter(self.lm.eos_token_ids), 0)
-        sync = _sync(self.lm.device)
-        with _ForwardCounter(model) as counter, torch.inference_mode():
-            start = time.perf_counter()
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                pad_token_id=pad, return_dict_in_generate=True, **self.extra,
-            )
-            sync()
-            seconds = time.perf_counter() - start
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        kv = out.past_key_values
-        kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)
-                       if t is not None)
-        return RunRecord(tokens, seconds, counter.calls - 1, counter.tokens - len(prompt), kv_bytes)
+        done = hf_generate(self.lm, prompt, max_new_tokens, do_sample=False, **self.extra)
+        tokens = done.output.sequences[0, len(prompt) :].tolist()
+        return RunRecord(tokens, done.seconds, done.forward_calls - 1, done.forward_tokens - len(prompt), done.kv_bytes)
 
 
 class TriedecRunner:
-    """A registered triedec method with fixed options."""
+    """A triedec method with fixed options, through the public API (``LM.generate``)."""
 
     def __init__(self, lm: LM, label: str, method: str, options: dict[str, Any]) -> None:
         self.lm, self.label, self.method, self.options = lm, label, method, options
-        lm.drafter(method, **options)  # validate now, before anything runs
+        lm.decoder(method, **options)  # validate and build now, before anything is timed
 
     def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
-        sync = _sync(self.lm.device)
         start = time.perf_counter()
         out = self.lm.generate(prompt, self.method, max_new_tokens=max_new_tokens, **self.options)
-        sync()
+        self.lm.adapter.synchronize()
         seconds = time.perf_counter() - start
         s = out.stats
-        details = {"acceptance_by_depth": s.acceptance_by_depth, "drafter": s.drafter}
+        details: dict[str, Any] = {k: v for k, v in s.as_dict().items() if k in ("acceptance_by_depth", "drafter")}
+        details["kv_tokens"] = s.peak_kv_tokens
+        if out.sequences:
+            details["score"] = out.sequences[0].score
         return RunRecord(out.token_ids, seconds, s.steps, s.computed_tokens, s.kv_bytes, details=details)
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 # ---- memory -----------------------------------------------------------------------------------

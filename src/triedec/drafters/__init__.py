@@ -1,30 +1,36 @@
 """Drafters: model-free proposers of draft trees, found through the registry.
 
-Importing this package registers every built-in method.
+Importing this package registers every built-in drafter.
 """
 
 from triedec.drafters import autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
 from triedec.drafters.base import (
+    NEEDS_COST,
     BaseDrafter,
+    BaseSession,
     Drafter,
+    DrafterSession,
     MethodSpec,
     ModelInfo,
     Verified,
-    method_spec,
-    methods,
+    drafter_spec,
+    drafter_specs,
     register,
 )
 
 __all__ = [
+    "NEEDS_COST",
     "BaseDrafter",
+    "BaseSession",
     "Drafter",
+    "DrafterSession",
     "MethodSpec",
     "ModelInfo",
     "Verified",
     "autoregressive",
+    "drafter_spec",
+    "drafter_specs",
     "lookahead",
-    "method_spec",
-    "methods",
     "ngram_trie",
     "prompt_lookup",
     "recycling",

@@ -1,50 +1,58 @@
-"""The drafter protocol and the method registry.
+"""The drafter protocol, per-request sessions, the option parser and the drafter registry.
 
 A drafter is model-free: it sees token ids (the context) and, after each verification, what the
 model computed for the tree it proposed. The engine treats every drafter alike.
 
-Registering a drafter is one decorator on its factory, with a frozen options dataclass whose
+**Where state lives.** A drafter object is shared by every request that uses its method and
+options (the :class:`~triedec.lm.LM` keeps one, so learned state stays warm); everything that
+belongs to one request lives in the :class:`DrafterSession` that ``drafter.begin(...)`` returns.
+State meant to outlive requests (Token Recycling's matrix, agreement rates) stays on the drafter,
+and every update of it is made under the drafter's lock, so concurrent requests are safe.
+
+Registering a drafter is one decorator on its class, with a frozen options dataclass whose
 ``__post_init__`` validates the values::
 
-    @register("pld", PromptLookupOptions, "prompt lookup: ...")
-    class PromptLookupDrafter: ...
+    @register("repeat-last", RepeatOptions, "drafts the last token again")
+    class RepeatLast(BaseDrafter): ...
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from triedec.accept import Acceptance
+from triedec.costmodel import CostModel
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
 
-if TYPE_CHECKING:
-    from triedec.calibration import Calibration
+NEEDS_COST = "cost"
+"""What a method may need measured before it is built: the device's cost curve (``ModelInfo.cost``).
+Any other name asks for that method's calibrated profile (``ModelInfo.profiles[name]``)."""
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     """What a drafter may know about the target model: nothing about its internals.
 
-    ``model_id`` fingerprints the weights (to tag saved drafter state); ``calibration`` returns the
-    device calibration of this model (measured once and cached; see :mod:`triedec.calibration`),
-    for drafters that size their trees from it.
+    ``model_id`` fingerprints the weights (to tag saved drafter state). ``cost`` is the device's
+    measured cost curve, or None: size drafts as for a flat curve (every verified token free).
+    ``profiles`` holds calibrated, method-specific values by method name (Token Recycling's node
+    acceptance rates under ``"recycling"``). Both are measured by :mod:`triedec.calibration`
+    before a drafter is built, never by the drafter.
     """
 
     vocab_size: int
     device: torch.device
     model_id: str = ""
-    calibration: Callable[[], Calibration] | None = field(default=None, compare=False)
-
-    def require_calibration(self) -> Calibration:
-        if self.calibration is None:
-            raise TriedecError("this drafter setting needs a device calibration, and none is available here")
-        return self.calibration()
+    cost: CostModel | None = None
+    profiles: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -61,24 +69,18 @@ class Verified:
 
 
 @runtime_checkable
-class Drafter(Protocol):
-    """Model-free draft proposer. The engine calls, per request:
+class DrafterSession(Protocol):
+    """One request's drafting state. The engine calls, in this order:
 
-    * ``begin(prompt, documents)`` -- a new request starts (per-request state is reset here;
-      state meant to outlive requests, such as a hot-started table, is kept);
-    * if ``prefill_logits`` > 0: ``observe`` once with the prompt's last ``prefill_logits`` tokens
-      as a verified chain, with their prefill logits ``[min(prefill_logits, len(prompt)), vocab]``;
+    * if the drafter's ``prefill_logits`` > 0: ``observe`` once with the prompt's last
+      ``prefill_logits`` tokens as a verified chain, with their prefill logits;
     * per step, ``propose(context)`` -- a tree rooted at ``context[-1]`` (context = prompt +
-      generated) -- then ``observe(verified)`` -- what the model computed for that tree;
+      generated) -- then ``observe(verified)`` -- what the model computed for that tree (possibly a
+      pruned prefix of the proposal, near ``max_new_tokens``);
     * ``end()`` -- the request is over (also when the caller stops early);
 
-    and ``stats()`` for drafter-specific counters to report. :class:`BaseDrafter` supplies no-op
-    defaults for everything but ``propose``.
+    and ``stats()`` for counters to report. A session is used by one request (one thread) only.
     """
-
-    prefill_logits: int
-
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None: ...
 
     def propose(self, context: Sequence[int]) -> TokenTree: ...
 
@@ -89,13 +91,19 @@ class Drafter(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
-class BaseDrafter:
-    """No-op defaults for the optional parts of the :class:`Drafter` protocol."""
+@runtime_checkable
+class Drafter(Protocol):
+    """Model-free draft proposer shared by many requests: ``begin(prompt, documents)`` starts one
+    request and returns its :class:`DrafterSession`; ``prefill_logits`` says how many of the
+    prompt's last positions the session wants to observe with their prefill logits."""
 
-    prefill_logits: int = 0
+    prefill_logits: int
 
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
-        """Nothing to reset."""
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession: ...
+
+
+class BaseSession:
+    """No-op defaults for the optional parts of :class:`DrafterSession`."""
 
     def propose(self, context: Sequence[int]) -> TokenTree:
         raise NotImplementedError
@@ -110,20 +118,81 @@ class BaseDrafter:
         return {}
 
 
+class _StatelessSession(BaseSession):
+    def __init__(self, propose: Callable[[Sequence[int]], TokenTree]) -> None:
+        self.propose = propose  # type: ignore[method-assign]
+
+
+class BaseDrafter:
+    """A drafter without per-request state: subclasses define ``propose(context)`` and ``begin``
+    returns a session that calls it. Drafters with per-request state override ``begin`` to return
+    their own :class:`DrafterSession`."""
+
+    prefill_logits: int = 0
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession:
+        return _StatelessSession(self.propose)
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        raise NotImplementedError(f"{type(self).__name__} must define propose() or begin()")
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+
+def _field_types(options: type) -> dict[str, tuple[type, ...]]:
+    """Each option's accepted value types from its annotation (``float | None`` -> (float, None))."""
+    hints = typing.get_type_hints(options)
+    out = {}
+    for f in dataclasses.fields(options):
+        hint = hints.get(f.name, str)
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+            else (hint,)
+        out[f.name] = tuple(type(None) if a is type(None) else a for a in args)
+    return out
+
+
+def parse_option_text(text: str, kinds: tuple[type, ...]) -> object:
+    """Read an option given as text (a CLI flag, a ``name:key=value`` bench entry) as one of
+    ``kinds`` (tried in the order bool, int, float, str; ``none`` or ``auto`` read as None where
+    None is allowed)."""
+    lowered = text.strip().lower()
+    if type(None) in kinds and lowered in ("none", "auto"):
+        return None
+    if bool in kinds:
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+    for kind in (int, float):
+        if kind in kinds:
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+    if str in kinds:
+        return text
+    names = " or ".join("none" if k is type(None) else k.__name__ for k in kinds)
+    raise TriedecError(f"cannot read {text!r} as {names}")
+
+
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered method: its name, options class and a factory ``(options, model) -> Drafter``."""
+    """A registered drafter: name, options class, factory ``(options, model) -> Drafter``, and
+    ``needs(options)``: what must be measured before the factory runs (:data:`NEEDS_COST`, or a
+    method name whose calibrated profile is wanted)."""
 
     name: str
     options: type
-    factory: Callable[[Any, ModelInfo], Drafter]
+    factory: Callable[[Any, ModelInfo], Any]
     description: str
+    needs: Callable[[Any], frozenset[str]] = field(default=lambda options: frozenset())
 
     def option_defaults(self) -> dict[str, object]:
         return {f.name: f.default for f in dataclasses.fields(self.options)}
 
-    def make_options(self, values: Mapping[str, object]) -> object:
-        """Build the validated options object; unknown names get a clear error."""
+    def make_options(self, values: Mapping[str, object]) -> Any:
+        """The validated options object; unknown names get a clear error."""
         known = self.option_defaults()
         unknown = sorted(set(values) - set(known))
         if unknown:
@@ -131,46 +200,49 @@ class MethodSpec:
             raise TriedecError(f"unknown option(s) {unknown} for method {self.name!r}; valid options: {valid}")
         return self.options(**values)
 
-
-def parse_option_value(text: str, default: object) -> object:
-    """Read an option given as text (CLI flag, ``name:key=value``) as the type of its default."""
-    kind = type(default) if default is not None else str
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise TriedecError(f"expected true or false, got {text!r}")
-    try:
-        return kind(text)
-    except ValueError as exc:
-        raise TriedecError(f"cannot read {text!r} as {kind.__name__}") from exc
+    def parse_options(self, texts: Mapping[str, str]) -> dict[str, object]:
+        """Option values given as text (``{"num_tokens": "16"}``), read as each option's type;
+        ``-`` in names is read as ``_``. The one parser behind CLI flags and bench entries."""
+        kinds = _field_types(self.options)
+        out: dict[str, object] = {}
+        for key, text in texts.items():
+            name = key.replace("-", "_")
+            if name not in kinds:
+                self.make_options({name: None})  # raises the standard unknown-option error
+            try:
+                out[name] = parse_option_text(text, kinds[name])
+            except TriedecError as exc:
+                raise TriedecError(f"method {self.name!r}, option {name}: {exc}") from exc
+        return out
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
+RESERVED = frozenset({"beam"})
+"""Method names taken by loops other than the speculative one (see :mod:`triedec.methods`)."""
 
 
-def register(name: str, options: type, description: str) -> Callable[[Callable], Callable]:
-    """Class/function decorator that registers a drafter factory under ``name``."""
+def register(name: str, options: type, description: str,
+             needs: Callable[[Any], frozenset[str]] | None = None) -> Callable[[Callable], Callable]:
+    """Class/function decorator that registers a drafter factory under ``name``; ``needs``
+    (default: nothing) maps an options value to what must be measured before building it."""
 
     def wrap(factory: Callable) -> Callable:
-        if name in _REGISTRY:
+        if name in _REGISTRY or name in RESERVED:
             raise TriedecError(f"method {name!r} is already registered")
-        _REGISTRY[name] = MethodSpec(name, options, factory, description)
+        extra = {} if needs is None else {"needs": needs}
+        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra)
         return factory
 
     return wrap
 
 
-def method_spec(name: str) -> MethodSpec:
-    spec = _REGISTRY.get(name)
-    if spec is None:
-        raise TriedecError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return spec
+def drafter_spec(name: str) -> MethodSpec | None:
+    """The registered drafter ``name``, or None."""
+    return _REGISTRY.get(name)
 
 
-def methods() -> dict[str, MethodSpec]:
-    """All registered methods by name."""
+def drafter_specs() -> dict[str, MethodSpec]:
+    """All registered drafters by name."""
     return dict(sorted(_REGISTRY.items()))
 
 

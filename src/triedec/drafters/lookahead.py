@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.drafters.base import BaseSession, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -53,6 +54,9 @@ class LookaheadOptions:
     """trie mode: deepest verified level (D); 0 = N - 1"""
     seed: int = 0
     """seed of the window's initial guesses (drawn from the prompt)"""
+
+    CLI_ALIASES: ClassVar[dict[str, str]] = {"verify": "--verify"}
+    """short command-line flags besides ``--lookahead-OPTION``"""
 
     def __post_init__(self) -> None:
         for name in ("window", "ngram"):
@@ -116,29 +120,33 @@ def verification_branch(
 
 @register("lookahead", LookaheadOptions, "lookahead decoding: Jacobi n-grams from a lookahead branch, verified "
           "in the same forward (verify=independent as LADE, or trie-merged)")
-class LookaheadDrafter(BaseDrafter):
-    """Window and pool are per request (reset in ``begin``)."""
+class LookaheadDrafter:
+    """No shared state: the window and the n-gram pool belong to one request (the session)."""
+
+    prefill_logits = 0
 
     def __init__(self, options: LookaheadOptions, model: ModelInfo) -> None:
         self.options = options
         self.vocab_size = model.vocab_size
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> LookaheadSession:
+        return LookaheadSession(self.options, prompt)
+
+
+class LookaheadSession(BaseSession):
+    """One request's Jacobi window (``window[level][column]``, level 0 = oldest) and n-gram pool."""
+
+    def __init__(self, options: LookaheadOptions, prompt: Sequence[int]) -> None:
+        self.options = options
         self.levels = options.ngram - 1
         self.depth = options.depth or self.levels
+        rng = np.random.default_rng(options.seed)
+        source = np.asarray(prompt, dtype=np.int64)
+        picks = rng.integers(0, len(source), size=(self.levels, options.window))
+        self.window: list[list[int]] = source[picks].tolist()
         self.pool = NgramPool(options.guesses)
-        self.window: list[list[int]] = []  # [level][column], level 0 = oldest
         self._tops: list[int] = []  # tree index of each column's top-level node in the last proposal
         self._proposed: TokenTree | None = None
-        self.lookahead_tokens = 0
-        self.verify_tokens = 0
-        self.steps = 0
-
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
-        rng = np.random.default_rng(self.options.seed)
-        source = np.asarray(prompt, dtype=np.int64)
-        picks = rng.integers(0, len(source), size=(self.levels, self.options.window))
-        self.window = source[picks].tolist()
-        self.pool = NgramPool(self.options.guesses)
-        self._proposed = None
         self.lookahead_tokens = self.verify_tokens = self.steps = 0
 
     def propose(self, context: Sequence[int]) -> TokenTree:
@@ -179,9 +187,9 @@ class LookaheadDrafter(BaseDrafter):
         self._proposed = None
 
     def stats(self) -> dict[str, float]:
-        """Of the current (or last) request: tokens fed for the lookahead branch and for the
-        verification branch as proposed (with one root per step, the engine's ``computed_tokens``,
-        unless the engine cut a tree to fit ``max_new_tokens``), per step, and the pool's size."""
+        """Tokens fed for the lookahead branch and for the verification branch as proposed (with
+        one root per step, the engine's ``computed_tokens``, unless the engine cut a tree to fit
+        ``max_new_tokens``), per step, and the pool's size."""
         steps = max(self.steps, 1)
         return {"pool_ngrams": float(len(self.pool)), "lookahead_tokens": float(self.lookahead_tokens),
                 "verify_tokens": float(self.verify_tokens), "lookahead_tokens_per_step": self.lookahead_tokens / steps,

@@ -27,20 +27,25 @@ time, after matches of the same length and in the same state (whether the previo
 drafts: copying tends to go on); a ratio of two exponential moving averages, accepted draft tokens
 over tried ones, where a step tries its accepted tokens plus the one it rejected, if any.
 Among the best-first 0..num_draft nodes, the drafter sends the count with the most expected
-tokens per second under the device's measured cost curve
-(:meth:`~triedec.calibration.Calibration.verify_seconds`), so it drafts nothing when no draft is
-worth its verification. A match length that is skipped drifts back toward the optimistic prior,
-so it is probed again later (as ``pld`` does); the rates live as long as the drafter.
+tokens per second under the device's measured cost curve (``ModelInfo.cost``, see
+:func:`~triedec.costmodel.best_count`), so it drafts nothing when no draft is worth its
+verification. A match length that is skipped drifts back toward the optimistic prior, so it is
+probed again later (as ``pld`` does).
+
+**State.** The trie belongs to one request (its session). The agreement rates are shared learned
+state: they live as long as the drafter and are updated under its lock.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.costmodel import best_count
+from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -155,11 +160,16 @@ class NgramTrieOptions:
                 raise TriedecError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
+def _needs(options: NgramTrieOptions) -> frozenset[str]:
+    return frozenset({NEEDS_COST}) if options.sized else frozenset()
+
+
 @register("ngram-trie", NgramTrieOptions, "N-Gram Trie: a frequency trie of the context's n-grams; the most "
-          "frequent continuations of the longest matched suffix, sized for the device")
-class NgramTrieDrafter(BaseDrafter):
-    """A trie per request (built in ``begin`` from the documents and the prompt). The agreement
-    rates ``rho`` (per matched suffix length and state) are kept across requests."""
+          "frequent continuations of the longest matched suffix, sized for the device", needs=_needs)
+class NgramTrieDrafter:
+    """Shared across requests (under ``lock``): the agreement rates ``rho`` per (matched suffix
+    length, hot). Per request (the session): the trie, built in ``begin`` from the documents and
+    the prompt."""
 
     PRIOR_RHO = 0.8
     """optimistic initial agreement rate, for every match length"""
@@ -168,20 +178,14 @@ class NgramTrieDrafter(BaseDrafter):
     RELAX = 0.01
     """how far a skipped match length's averages move back toward the prior per skipped step"""
 
+    prefill_logits = 0
+
     def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
         self.options = options
-        self._cost = None
-        if options.sized:
-            calibration = model.require_calibration()
-            self._cost = [calibration.verify_seconds(t) for t in range(1, options.num_draft + 2)]
-        self.trie = NgramTrie(options.n, options.prefix)
-        self._stream = TrieStream()
-        self._fed = 0
-        self.build_seconds = 0.0
+        self.cost = model.cost if options.sized else None
+        self.lock = threading.Lock()
         # (match length, hot) -> [moving averages of accepted and of tried draft tokens per drafted step]
         self._agreement: dict[tuple[int, bool], list[float]] = {}
-        self._drafted: tuple[int, bool] | None = None  # the key of the last proposal if it drafted
-        self._hot = False  # the last step accepted at least one draft token
 
     def rho(self, m: int, hot: bool = False) -> float:
         """Estimated chance that the model agrees with a drafted token after a length-``m`` match,
@@ -193,33 +197,60 @@ class NgramTrieDrafter(BaseDrafter):
         """The two moving averages of ``key`` (created at the prior: rho = PRIOR_RHO), to update."""
         return self._agreement.setdefault(key, [self.PRIOR_RHO, 1.0])
 
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+    def relax(self, key: tuple[int, bool]) -> None:
+        with self.lock:
+            avg = self._averages(key)
+            avg[0] += self.RELAX * (self.PRIOR_RHO - avg[0])
+            avg[1] += self.RELAX * (1.0 - avg[1])
+
+    def learn(self, key: tuple[int, bool], accepted: int, tried: int) -> None:
+        with self.lock:
+            avg = self._averages(key)
+            avg[0] += self.EMA * (accepted - avg[0])
+            avg[1] += self.EMA * (tried - avg[1])
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _NgramTrieSession:
+        return _NgramTrieSession(self, prompt, documents)
+
+    def stats(self) -> dict[str, float]:
+        """The agreement rate per match length."""
+        with self.lock:
+            keys = sorted(self._agreement)
+            return {f"rho_m{m}" + ("_hot" if hot else ""): self.rho(m, hot) for m, hot in keys}
+
+
+class _NgramTrieSession(BaseSession):
+    def __init__(self, drafter: NgramTrieDrafter, prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> None:
         start = time.perf_counter()
-        self.trie = NgramTrie(self.options.n, self.options.prefix)
+        self.drafter = drafter
+        options = drafter.options
+        self.trie = NgramTrie(options.n, options.prefix)
         for doc in documents:
             self.trie.add(doc)
-        self._stream = self.trie.add(prompt)
-        self._fed = len(prompt)
-        self._hot = False
+        self.stream = self.trie.add(prompt)
+        self.fed = len(prompt)
+        self.hot = False  # the last step accepted at least one draft token
+        self.drafted: tuple[int, bool] | None = None  # the key of the last proposal if it drafted
         self.build_seconds = time.perf_counter() - start
 
     def propose(self, context: Sequence[int]) -> TokenTree:
-        if self.options.update and len(context) > self._fed:
-            self.trie.add(context[self._fed :], self._stream)
-            self._fed = len(context)
+        drafter = self.drafter
+        if drafter.options.update and len(context) > self.fed:
+            self.trie.add(context[self.fed :], self.stream)
+            self.fed = len(context)
         trie = self.trie
         matched, m = trie.match(context)
-        nodes = trie.top(matched, self.options.num_draft) if matched else []
-        key = (m, self._hot)
-        if self._cost is not None and nodes:
-            rho, depth = self.rho(*key), {matched: 0}
+        nodes = trie.top(matched, drafter.options.num_draft) if matched else []
+        key = (m, self.hot)
+        if drafter.cost is not None and nodes:
+            rho, depth = drafter.rho(*key), {matched: 0}
             for v in nodes:  # parents come before their children
                 depth[v] = depth[trie.parent[v]] + 1
             chance = [trie.freq[v] / trie.freq[matched] * rho ** depth[v] for v in nodes]
-            nodes = nodes[: self._best_count(chance)]
+            nodes = nodes[: best_count(chance, drafter.cost)]
             if not nodes:
-                self._relax(key)
-        self._drafted = key if nodes else None
+                drafter.relax(key)
+        self.drafted = key if nodes else None
         index = {matched: 0}
         tokens, parents = [int(context[-1])], [-1]
         for v in nodes:
@@ -228,35 +259,16 @@ class NgramTrieDrafter(BaseDrafter):
             parents.append(index[trie.parent[v]])
         return TokenTree(tuple(tokens), tuple(parents))
 
-    def _best_count(self, chance: Sequence[float]) -> int:
-        """How many of the best-first nodes to send: the most expected tokens per second."""
-        assert self._cost is not None
-        best, best_speed, expected = 0, 1.0 / self._cost[0], 1.0
-        for k, p in enumerate(chance, start=1):
-            expected += p
-            speed = expected / self._cost[k]
-            if speed > best_speed:
-                best, best_speed = k, speed
-        return best
-
-    def _relax(self, key: tuple[int, bool]) -> None:
-        avg = self._averages(key)
-        avg[0] += self.RELAX * (self.PRIOR_RHO - avg[0])
-        avg[1] += self.RELAX * (1.0 - avg[1])
-
     def observe(self, verified: Verified) -> None:
-        key, self._drafted = self._drafted, None
+        key, self.drafted = self.drafted, None
         path = verified.acceptance.path
         accepted = len(path) - 1
-        self._hot = accepted > 0
+        self.hot = accepted > 0
         if key is None or verified.tree.size == 1:
             return
         tried = accepted + (1 if verified.tree.child_lists[path[-1]] else 0)  # the rejected one, if any
-        avg = self._averages(key)
-        avg[0] += self.EMA * (accepted - avg[0])
-        avg[1] += self.EMA * (tried - avg[1])
+        self.drafter.learn(key, accepted, tried)
 
     def stats(self) -> dict[str, float]:
-        """The trie's size and build time for this request, and the agreement rate per match length."""
-        rates = {f"rho_m{m}" + ("_hot" if hot else ""): self.rho(m, hot) for m, hot in sorted(self._agreement)}
-        return {"trie_nodes": float(self.trie.size), "build_ms": self.build_seconds * 1000, **rates}
+        """The trie's size and build time for this request, and the shared agreement rates."""
+        return {"trie_nodes": float(self.trie.size), "build_ms": self.build_seconds * 1000, **self.drafter.stats()}

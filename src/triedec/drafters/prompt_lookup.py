@@ -9,21 +9,23 @@ lookup keeps only the first match of a single n-gram size.
 Drafting is not free: on a CPU, verifying even 2-4 tokens costs about twice a 1-token step, so a
 draft that is rarely accepted slows decoding down. The drafter therefore keeps, per matched n-gram
 length, a running mean (EMA) of how many draft tokens were accepted, and drafts only when that mean
-is at least ``min_expected`` (the device's break-even: cost(tree) / cost(1 token) - 1, about 1 on
-the 2-core CPU measured here, about 0 on a GPU; 0 = always draft). A length that is skipped drifts
-back toward the optimistic prior, so it is probed again later. The estimates live as long as the
-drafter (one per loaded model and option set).
+is at least ``min_expected``. By default (``None``) that is the device's break-even for the tree it
+would send, from the measured cost curve: ``cost(tree) / cost(1 token) - 1`` (about 1 on the 2-core
+CPU measured here, about 0 on a GPU); 0 = always draft. A length that is skipped drifts back toward
+the optimistic prior, so it is probed again later. The estimates are shared learned state: they
+live as long as the drafter (one per loaded model and option set), updated under its lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -38,8 +40,9 @@ class PromptLookupOptions:
     """tokens proposed per matched continuation"""
     num_matches: int = 2
     """distinct continuations merged into the draft trie"""
-    min_expected: float = 1.0
-    """draft only if the running mean of accepted draft tokens for the matched n-gram length is at least this"""
+    min_expected: float | None = None
+    """draft only if the running mean of accepted draft tokens for the matched n-gram length is at least
+    this; None (auto) = the device's break-even for the tree, from the measured cost curve"""
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "min_ngram", "num_tokens", "num_matches"):
@@ -47,21 +50,18 @@ class PromptLookupOptions:
         if self.min_ngram > self.max_ngram:
             raise TriedecError(f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})")
         value = self.min_expected
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
-            raise TriedecError(f"min_expected must be a finite number >= 0, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not 0 <= value < float("inf")):
+            raise TriedecError(f"min_expected must be a finite number >= 0 or None (auto), got {value!r}")
 
 
-def find_continuations(context: Sequence[int], options: PromptLookupOptions) -> list[tuple[int, ...]]:
-    """Continuations of earlier occurrences of the context's suffix n-grams.
+def find_matches(context: Sequence[int], options: PromptLookupOptions) -> list[tuple[int, tuple[int, ...]]]:
+    """Continuations of earlier occurrences of the context's suffix n-grams, each paired with its
+    matched n-gram length.
 
     Longest n first; within one n, most recent occurrence first; each continuation start is used
     once (an n-gram hit implies (n-1)-gram hits with the same continuation).
     """
-    return [cont for _, cont in find_matches(context, options)]
-
-
-def find_matches(context: Sequence[int], options: PromptLookupOptions) -> list[tuple[int, tuple[int, ...]]]:
-    """Like :func:`find_continuations`, each continuation paired with its matched n-gram length."""
     ctx = np.asarray(context, dtype=np.int64)
     length = len(ctx)
     found: list[tuple[int, tuple[int, ...]]] = []
@@ -84,8 +84,16 @@ def find_matches(context: Sequence[int], options: PromptLookupOptions) -> list[t
     return found
 
 
-@register("pld", PromptLookupOptions, "prompt lookup: continuations of suffix n-gram matches, merged into a trie")
-class PromptLookupDrafter(BaseDrafter):
+def _needs(options: PromptLookupOptions) -> frozenset[str]:
+    return frozenset({NEEDS_COST}) if options.min_expected is None else frozenset()
+
+
+@register("pld", PromptLookupOptions, "prompt lookup: continuations of suffix n-gram matches, merged into a trie",
+          needs=_needs)
+class PromptLookupDrafter:
+    """Shared across requests: ``expected``, the running mean of accepted draft tokens per matched
+    n-gram length (updated under ``lock``). Per request: which length the last proposal drafted."""
+
     PRIOR = 2.0
     """optimistic initial estimate of accepted draft tokens, for every n-gram length"""
     ALPHA = 0.2
@@ -94,36 +102,66 @@ class PromptLookupDrafter(BaseDrafter):
     """how far a skipped length's estimate moves back toward the prior: a length whose drafts keep
     failing is probed again about once every 15-20 opportunities"""
 
+    prefill_logits = 0
+
     def __init__(self, options: PromptLookupOptions, model: ModelInfo) -> None:
-        del model
         self.options = options
+        self.cost = model.cost
         self.expected: dict[int, float] = {}  # n-gram length -> running mean of accepted draft tokens
-        self._drafted_n: int | None = None
+        self.lock = threading.Lock()
 
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
-        """The context is searched afresh every step; the acceptance estimates are kept."""
-        self._drafted_n = None
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _PromptLookupSession:
+        """The context is searched afresh every step; documents are not used."""
+        return _PromptLookupSession(self)
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
-        self._drafted_n = None
-        matches = find_matches(context, self.options)
-        if not matches:
-            return TokenTree.root_only(context[-1])
-        n = matches[0][0]
-        estimate = self.expected.get(n, self.PRIOR)
-        if estimate < self.options.min_expected:
+    def threshold(self, tree: TokenTree) -> float:
+        """Accepted draft tokens a proposal of ``tree`` must expect to be worth verifying."""
+        if self.options.min_expected is not None:
+            return float(self.options.min_expected)
+        return self.cost.break_even(tree.size) if self.cost is not None else 0.0
+
+    def estimate(self, n: int) -> float:
+        return self.expected.get(n, self.PRIOR)
+
+    def relax(self, n: int) -> None:
+        """A skipped length drifts back toward the prior."""
+        with self.lock:
+            estimate = self.estimate(n)
             self.expected[n] = estimate + self.RELAX * (self.PRIOR - estimate)
-            return TokenTree.root_only(context[-1])
-        self._drafted_n = n
-        return TokenTree.from_sequences(context[-1], [cont for _, cont in matches])
 
-    def observe(self, verified: Verified) -> None:
-        n = self._drafted_n
-        if n is not None:
-            accepted = len(verified.acceptance.path) - 1
-            estimate = self.expected.get(n, self.PRIOR)
+    def learn(self, n: int, accepted: int) -> None:
+        with self.lock:
+            estimate = self.estimate(n)
             self.expected[n] = estimate + self.ALPHA * (accepted - estimate)
 
     def stats(self) -> dict[str, float]:
         """The running mean of accepted draft tokens per matched n-gram length."""
-        return {f"expected_accepted_n{n}": v for n, v in sorted(self.expected.items())}
+        with self.lock:
+            return {f"expected_accepted_n{n}": v for n, v in sorted(self.expected.items())}
+
+
+class _PromptLookupSession(BaseSession):
+    def __init__(self, drafter: PromptLookupDrafter) -> None:
+        self.drafter = drafter
+        self.drafted_n: int | None = None
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        drafter = self.drafter
+        self.drafted_n = None
+        matches = find_matches(context, drafter.options)
+        if not matches:
+            return TokenTree.root_only(context[-1])
+        n = matches[0][0]
+        tree = TokenTree.from_sequences(context[-1], [cont for _, cont in matches])
+        if drafter.estimate(n) < drafter.threshold(tree):
+            drafter.relax(n)
+            return TokenTree.root_only(context[-1])
+        self.drafted_n = n
+        return tree
+
+    def observe(self, verified: Verified) -> None:
+        if self.drafted_n is not None:
+            self.drafter.learn(self.drafted_n, len(verified.acceptance.path) - 1)
+
+    def stats(self) -> dict[str, float]:
+        return self.drafter.stats()

@@ -12,21 +12,25 @@ committed token: node ``(r1, ..., rd)`` is the r_d-th candidate after the token 
 * **Cold rows** (never written) propose nothing: a node whose parent's row is cold is dropped
   with its subtree, instead of drafting token 0.
 * **Tree size.** :data:`PAPER_TREE` is the paper's 80-node template (sized for an A100). ``nodes=N``
-  keeps its N nodes most likely to be accepted, ranked by acceptance rates measured by
-  ``triedec calibrate``; ``nodes=0`` (default) takes the N that the calibration found fastest on
-  this device (calibrating on first use).
-* **Hot start.** The matrix lives as long as the drafter (one per loaded model and option set), so
-  later requests start warm; ``state=PATH`` also loads it from a file at start (if the file
+  keeps its N nodes most likely to be accepted, ranked by the acceptance rates of a
+  :class:`RecyclingProfile` (measured by ``triedec calibrate``); ``nodes=0`` (default) takes the N
+  that the calibration found fastest on this device. The profile reaches the drafter through
+  ``ModelInfo.profiles["recycling"]``; the drafter never measures anything.
+* **Hot start.** The matrix is shared learned state: it lives as long as the drafter (one per
+  loaded model and option set), so later requests start warm, and concurrent requests update it
+  under the drafter's lock; ``state=PATH`` also loads it from a file at start (if the file
   exists) and saves it there after every request.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -35,7 +39,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from triedec.drafters.base import BaseDrafter, ModelInfo, Verified, register
+from triedec.costmodel import CostModel
+from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -138,6 +143,62 @@ class TreeTemplate:
 
 PAPER_TEMPLATE = TreeTemplate(PAPER_TREE)
 STATE_FORMAT = "triedec-recycling-1"
+METHOD = "recycling"
+
+
+@dataclass(frozen=True)
+class RecyclingProfile:
+    """Calibrated acceptance of the paper's tree on one device: ``rates[i]`` is the share of
+    steps in which node ``PAPER_TEMPLATE.paths[i]`` was accepted; ``nodes`` is the tree size
+    chosen for this device (0 = draft nothing). ``details``: how it was measured."""
+
+    rates: tuple[float, ...]
+    nodes: int
+    details: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        rates = tuple(float(r) for r in self.rates)
+        if len(rates) != PAPER_TEMPLATE.size or any(not (0 <= r <= 1) or math.isnan(r) for r in rates):
+            raise TriedecError(f"recycling profile: {PAPER_TEMPLATE.size} acceptance rates in [0, 1] are needed")
+        nodes = self.nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= PAPER_TEMPLATE.size:
+            raise TriedecError(f"recycling profile: nodes must be an integer in [0, {PAPER_TEMPLATE.size}]")
+        object.__setattr__(self, "rates", rates)
+
+    def rates_for(self, template: TreeTemplate) -> list[float]:
+        """The measured acceptance rate of each node of ``template`` (a subset of the paper's tree)."""
+        by_path = dict(zip(PAPER_TEMPLATE.paths, self.rates, strict=True))
+        missing = [p for p in template.paths if p not in by_path]
+        if missing:
+            raise TriedecError(f"recycling profile: no acceptance rate for template nodes {missing[:3]} "
+                               "(not in the paper's tree)")
+        return [by_path[p] for p in template.paths]
+
+
+def expected_speeds(rates: Sequence[float], cost: CostModel) -> list[dict[str, float]]:
+    """For each size measured in ``cost`` (draft nodes = tree tokens - 1, up to the paper's 80):
+    expected tokens per step (1 + the rates of the N most accepted nodes) and per second."""
+    if len(rates) != PAPER_TEMPLATE.size:
+        raise TriedecError(f"{PAPER_TEMPLATE.size} acceptance rates are needed, got {len(rates)}")
+    index = {p: i for i, p in enumerate(PAPER_TEMPLATE.paths)}
+    rows = []
+    for tokens, seconds in cost.forward_seconds.items():
+        nodes = tokens - 1
+        if nodes > PAPER_TEMPLATE.size:
+            continue
+        kept = PAPER_TEMPLATE.top(nodes, rates)
+        per_step = 1.0 + sum(rates[index[p]] for p in kept.paths)
+        rows.append({"nodes": nodes, "seconds": seconds, "tokens_per_step": per_step,
+                     "tokens_per_s": per_step / seconds})
+    return rows
+
+
+def best_nodes(rates: Sequence[float], cost: CostModel) -> int:
+    """The draft-tree size with the most expected tokens per second (fewer nodes on ties)."""
+    rows = expected_speeds(rates, cost)
+    if not rows:
+        raise TriedecError("no tree size of the paper's template is measured in the cost model")
+    return int(max(rows, key=lambda r: (r["tokens_per_s"], -r["nodes"]))["nodes"])
 
 
 class AdjacencyMatrix:
@@ -271,24 +332,35 @@ class RecyclingOptions:
             raise TriedecError(f"state must be a file path, got {self.state!r}")
 
 
-@register("recycling", RecyclingOptions, "Token Recycling: a tree filled from a matrix of recycled top-k candidates")
-class RecyclingDrafter(BaseDrafter):
-    """Counters kept across requests: over ``steps`` verified proposals, ``node_proposed`` /
-    ``node_accepted`` count how often each node of the paper's template was proposed and accepted
-    (calibration ranks nodes by ``node_accepted / steps``)."""
+def _needs(options: RecyclingOptions) -> frozenset[str]:
+    full = options.nodes >= PAPER_TEMPLATE.with_max_rank(options.k).size
+    return frozenset() if full else frozenset({NEEDS_COST, METHOD})
+
+
+@register(METHOD, RecyclingOptions, "Token Recycling: a tree filled from a matrix of recycled top-k candidates",
+          needs=_needs)
+class RecyclingDrafter:
+    """Shared across requests, updated under ``lock``: the matrix, and the counters ``steps``,
+    ``node_proposed`` / ``node_accepted`` (how often each node of the paper's template was
+    proposed and accepted over ``steps`` verified proposals: the calibration ranks nodes by
+    ``node_accepted / steps``). Per request: the template index of each node of the last tree."""
 
     def __init__(self, options: RecyclingOptions, model: ModelInfo) -> None:
         self.options = options
         self.prefill_logits = options.seed_prefill
         self.model_id = model.model_id
+        self.lock = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, options.k, model.device)
         base = PAPER_TEMPLATE.with_max_rank(options.k)
         if options.nodes >= base.size:
             self.template = base
         else:
-            calibration = model.require_calibration()
-            nodes = options.nodes or calibration.recycling_nodes
-            self.template = base if nodes >= base.size else base.top(nodes, calibration.rates_for(base))
+            profile = model.profiles.get(METHOD)
+            if not isinstance(profile, RecyclingProfile):
+                raise TriedecError("recycling with nodes < the whole template needs the device's recycling profile "
+                                   "(run `triedec calibrate`, or pass nodes=80)")
+            nodes = options.nodes or profile.nodes
+            self.template = base if nodes >= base.size else base.top(nodes, profile.rates_for(base))
         self._plan = _Plan.of(self.template, model.device)
         # template node (tree numbering) -> index in PAPER_TEMPLATE.paths
         paper_index = {p: i for i, p in enumerate(PAPER_TEMPLATE.paths)}
@@ -296,39 +368,55 @@ class RecyclingDrafter(BaseDrafter):
         self.node_proposed = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
         self.node_accepted = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
         self.steps = 0
-        self._proposed: np.ndarray | None = None  # template index of each node of the last tree
         if options.state and Path(options.state).exists():
             self.matrix.load(options.state, self.model_id)
 
-    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> None:
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _RecyclingSession:
         """The matrix is kept (hot start); documents are not used."""
-        self._proposed = None
+        return _RecyclingSession(self)
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
-        root = int(context[-1])
+    def propose(self, root: int) -> tuple[TokenTree, np.ndarray]:
+        """The template filled from ``root`` (cold rows dropped), and each node's paper index."""
         tokens, usable = self.matrix.expand(root, self.template, self._plan)
         keep = [i for i, ok in enumerate(usable) if ok]
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [-1, *(new_index[self.template.parents[i - 1]] for i in keep[1:])]
-        self._proposed = self._paper_index[keep]
-        return TokenTree(tuple(tokens[i] for i in keep), tuple(parents))
+        return TokenTree(tuple(tokens[i] for i in keep), tuple(parents)), self._paper_index[keep]
 
-    def observe(self, verified: Verified) -> None:
-        self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
-        if self._proposed is not None and len(self._proposed) == verified.tree.size:  # not cut by the engine
-            self.steps += 1
-            ids = self._proposed[1:]
-            self.node_proposed[ids] += 1
-            accepted = self._proposed[list(verified.acceptance.path[1:])]
-            self.node_accepted[accepted] += 1
-        self._proposed = None
+    def learn(self, verified: Verified, proposed: np.ndarray | None) -> None:
+        """Recycle the verified logits into the matrix; count the template nodes proposed and
+        accepted (``proposed``: the paper index of each node of the tree, None for the prefill)."""
+        with self.lock:
+            self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+            if proposed is not None and len(proposed) == verified.tree.size:  # not cut by the engine
+                self.steps += 1
+                self.node_proposed[proposed[1:]] += 1
+                self.node_accepted[proposed[list(verified.acceptance.path[1:])]] += 1
 
-    def end(self) -> None:
+    def save(self) -> None:
         if self.options.state:
-            self.matrix.save(self.options.state, self.model_id)
+            with self.lock:
+                self.matrix.save(self.options.state, self.model_id)
 
     def stats(self) -> dict[str, float]:
-        return {
-            "tree_nodes": float(self.template.size),
-            "matrix_rows_filled": self.matrix.filled_share(),
-        }
+        return {"tree_nodes": float(self.template.size), "matrix_rows_filled": self.matrix.filled_share()}
+
+
+class _RecyclingSession(BaseSession):
+    def __init__(self, drafter: RecyclingDrafter) -> None:
+        self.drafter = drafter
+        self.proposed: np.ndarray | None = None  # paper index of each node of the last tree
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        tree, self.proposed = self.drafter.propose(int(context[-1]))
+        return tree
+
+    def observe(self, verified: Verified) -> None:
+        self.drafter.learn(verified, self.proposed)
+        self.proposed = None
+
+    def end(self) -> None:
+        self.drafter.save()
+
+    def stats(self) -> dict[str, float]:
+        return self.drafter.stats()

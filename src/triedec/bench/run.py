@@ -1,0 +1,196 @@
+"""Entry points of ``triedec bench``: method entries, and the two protocols.
+
+An entry is ``name[:key=value[:key=value...]]``: a triedec method with inline options, or a stock
+transformers baseline (``hf-greedy``, ``hf-pld[:num_tokens=N]``, ``hf-beam``). Each entry has an
+exactness contract (:attr:`triedec.methods.Method.equals`): the entries of one run must share it,
+and it picks the protocol -- the Spec-Bench-style greedy benchmark (:mod:`~triedec.bench.harness`,
+reference ``hf-greedy``) or the beam-search benchmark (:mod:`~triedec.bench.beam`, widths from
+``beams``).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from triedec.bench.beam import beam_markdown, parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
+from triedec.bench.datasets import load_questions, select
+from triedec.bench.harness import REFERENCE, BenchConfig, HFRunner, Runner, TriedecRunner, run_benchmark, summarize
+from triedec.bench.report import machine_info, write_outputs
+from triedec.errors import TriedecError, positive_int
+from triedec.lm import LM
+from triedec.methods import BEAM_SEARCH, GREEDY, method
+
+HF_PLD_DEFAULT_TOKENS = 10
+HF_BASELINES = {"hf-greedy": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH}
+"""Stock transformers baselines and the decoding each one is."""
+
+ProgressFactory = Callable[[int], Any]
+
+
+def parse_method_entry(entry: str) -> tuple[str, dict[str, str]]:
+    """``name[:key=value[:key=value...]]`` -> (name, {key: value text})."""
+    name, *parts = entry.strip().split(":")
+    if not name:
+        raise TriedecError(f"empty method name in {entry!r}")
+    options = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise TriedecError(f"method entry {entry!r}: expected key=value after ':', got {part!r}")
+        options[key.replace("-", "_")] = value
+    return name, options
+
+
+def contract(entry: str, extra: Mapping[str, object] | None = None) -> str:
+    """The exactness contract of an entry (see the module doc); ``extra`` runners (tests) are greedy."""
+    name, _ = parse_method_entry(entry)
+    if extra and name in extra:
+        return GREEDY
+    return HF_BASELINES[name] if name in HF_BASELINES else method(name).equals
+
+
+def make_runner(
+    lm: LM,
+    entry: str,
+    defaults: Mapping[str, Mapping[str, str]],
+    extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
+) -> Runner:
+    """A greedy-benchmark runner for one entry; ``defaults`` are ``--METHOD-OPTION`` texts per
+    method, overridden by the entry's inline options (both read by the one option parser)."""
+    name, inline = parse_method_entry(entry)
+    if extra_runners and name in extra_runners:
+        return extra_runners[name](lm, entry)
+    if name == "hf-greedy":
+        if inline:
+            raise TriedecError("hf-greedy takes no options")
+        return HFRunner(lm, entry)
+    if name == "hf-pld":
+        unknown = set(inline) - {"num_tokens"}
+        if unknown:
+            raise TriedecError(f"unknown option(s) {sorted(unknown)} for hf-pld; valid options: num_tokens")
+        try:
+            n = int(inline.get("num_tokens", HF_PLD_DEFAULT_TOKENS))
+            positive_int("num_tokens", n)
+        except (ValueError, TriedecError) as exc:
+            raise TriedecError(f"{entry}: num_tokens must be a positive integer") from exc
+        return HFRunner(lm, entry, prompt_lookup_num_tokens=n)
+    found = method(name)
+    try:
+        options = found.spec.parse_options({**defaults.get(name, {}), **inline})
+    except TriedecError as exc:
+        raise TriedecError(f"{entry}: {exc}") from exc
+    return TriedecRunner(lm, entry, name, options)
+
+
+def _check_contracts(entries: Sequence[str], want: str, extra: Mapping[str, object] | None = None) -> None:
+    other = [e for e in entries if contract(e, extra) != want]
+    if other:
+        raise TriedecError(f"{', '.join(other)} reproduce(s) {contract(other[0])}, not {want}: benchmark "
+                           f"{BEAM_SEARCH} methods (hf-beam, beam) on their own, with --beams")
+
+
+def bench(
+    lm: LM,
+    *,
+    methods: Sequence[str],
+    dataset: str,
+    out: Path,
+    per_category: int | None = None,
+    categories: Sequence[str] | None = None,
+    config: BenchConfig | None = None,
+    model_name: str = "default",
+    option_defaults: Mapping[str, Mapping[str, str]] | None = None,
+    extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
+    progress: ProgressFactory | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """The greedy benchmark: run it and write ``results.json``, ``results.md`` and plots into ``out``.
+
+    The reference ``hf-greedy`` is always run first (added if missing).
+    """
+    config = config or BenchConfig()
+    entries = [m.strip() for m in methods if m.strip()]
+    if not entries:
+        raise TriedecError("no methods given")
+    if REFERENCE in entries:
+        entries.remove(REFERENCE)
+    entries.insert(0, REFERENCE)
+    _check_contracts(entries, GREEDY, extra_runners)
+    questions = select(load_questions(dataset), per_category, categories)
+    runners = [make_runner(lm, e, option_defaults or {}, extra_runners) for e in entries]
+    samples, skipped = run_benchmark(lm, runners, questions, config, progress)
+    results: dict[str, Any] = {
+        "machine": machine_info(lm.device),
+        "model": model_name,
+        "dataset": dataset,
+        "max_new_tokens": config.max_new_tokens,
+        "repeats": config.repeats,
+        "warmup": config.warmup,
+        "per_category": per_category,
+        "questions": len(questions),
+        "turns": len({(s["id"], s["category"]) for s in samples}),
+        "command": command or _command(),
+        "methods": summarize(samples),
+        "samples": samples,
+        "skipped": skipped,
+    }
+    write_outputs(results, out)
+    return results
+
+
+def bench_beams(
+    lm: LM,
+    *,
+    methods: Sequence[str],
+    beams: str,
+    dataset: str,
+    out: Path,
+    per_category: int | None = None,
+    categories: Sequence[str] | None = None,
+    max_new_tokens: int = 256,
+    warmup: int = 1,
+    model_name: str = "default",
+    progress: ProgressFactory | None = None,
+) -> dict[str, Any]:
+    """The beam-search benchmark (``--methods hf-beam,beam --beams 3,8,15``; see
+    :mod:`triedec.bench.beam`): run it and write ``results.json`` and ``results.md`` into ``out``.
+    It always compares ``beam`` with ``hf-beam`` at every width; ``methods`` only picks it."""
+    _check_contracts(methods, BEAM_SEARCH)
+    widths = parse_beams(beams)
+    questions = select(load_questions(dataset), per_category, categories)
+    samples = run_beam_benchmark(lm, questions, widths, max_new_tokens, warmup, progress)
+    results = {
+        "machine": machine_info(lm.device), "model": model_name,
+        "dataset": dataset, "categories": ",".join(categories) if categories else None, "per_category": per_category,
+        "max_new_tokens": max_new_tokens, "beams": widths,
+        "prompts": len({s["id"] for s in samples}),
+        "command": _command(),
+        "summary": summarize_beams(samples), "samples": samples,
+    }
+    write_beam_outputs(results, out)
+    return results
+
+
+def run_entries(lm: LM, methods: Sequence[str], beams: str, **kwargs: Any) -> tuple[dict[str, Any], str]:
+    """Run the protocol that the entries' contract picks; the results and their markdown."""
+    from triedec.bench.report import markdown
+
+    entries = [m.strip() for m in methods if m.strip()]
+    if entries and all(contract(e, kwargs.get("extra_runners")) == BEAM_SEARCH for e in entries):
+        if kwargs.pop("option_defaults", None):
+            raise TriedecError("--METHOD-OPTION flags do not apply to the beam-search benchmark")
+        config = kwargs.pop("config")
+        kwargs.pop("extra_runners", None)
+        results = bench_beams(lm, methods=entries, beams=beams, max_new_tokens=config.max_new_tokens,
+                              warmup=config.warmup, **kwargs)
+        return results, beam_markdown(results)
+    results = bench(lm, methods=entries, **kwargs)
+    return results, markdown(results)
+
+
+def _command() -> str:
+    return "triedec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
