@@ -117,13 +117,29 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=EOS) -> list[in
 
 
 def hf_generate(lm, ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decoding of a loaded :class:`triedec.LM` (its own EOS settings)."""
+    """Stock transformers' greedy decoding of a loaded :class:`triedec.LM`'s model (unmodified:
+    ``reference_model``; its own EOS settings)."""
     with torch.inference_mode():
-        out = lm.model.generate(
+        out = lm.reference_model().generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )
     return out[0, len(ids):].tolist()
+
+
+def hf_beam(model, prompt, options: Any, max_new_tokens: int, eos) -> list[tuple[list[int], float]]:
+    """transformers' beam search: the returned hypotheses (new tokens) and their scores."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), do_sample=False, num_beams=options.num_beams, max_new_tokens=max_new_tokens,
+            num_return_sequences=options.num_return_sequences, length_penalty=options.length_penalty,
+            early_stopping=options.early_stopping, eos_token_id=eos, pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            return_dict_in_generate=True, output_scores=True,
+        )
+    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
+    seqs = out.sequences[:, len(prompt):].tolist()
+    return [(s[:n], float(score)) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist(), strict=True)]
 
 
 def drain(gen: Generator[list[int], None, Any]) -> tuple[list[int], Any]:

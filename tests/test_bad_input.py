@@ -83,6 +83,6 @@ def test_tiny_model_directory_loads_and_matches_transformers(tiny_lm):
     out = tiny_lm.generate("hello there", "pld", max_new_tokens=20)
     ids = tiny_lm.encode("hello there")
     with torch.inference_mode():
-        ref = tiny_lm.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20,
+        ref = tiny_lm.reference_model().generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20,
                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     assert out.token_ids == ref[0, len(ids):].tolist()

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS, PROMPTS, TINY_VOCAB, drain, hf_greedy, tiny_gemma3, tiny_llama
+from helpers import EOS, PROMPTS, TINY_VOCAB, drain, hf_beam, hf_greedy, tiny_gemma3, tiny_llama
 
 from triedec.adapter import ModelAdapter
 from triedec.beam import BeamOptions, BeamScorer, beam_search
 from triedec.engine import StopRule
 from triedec.errors import TriedecError
 from triedec.methods import method
-
-
-def hf_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> list[tuple[list[int], float]]:
-    """transformers' beam search: the returned hypotheses (new tokens) and their scores."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), do_sample=False, num_beams=options.num_beams, max_new_tokens=max_new_tokens,
-            num_return_sequences=options.num_return_sequences, length_penalty=options.length_penalty,
-            early_stopping=options.early_stopping, eos_token_id=eos, pad_token_id=0,
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            return_dict_in_generate=True, output_scores=True,
-        )
-    lengths = (out.beam_indices != -1).sum(dim=1).tolist()
-    seqs = out.sequences[:, len(prompt):].tolist()
-    return [(s[:n], float(score)) for s, n, score in zip(seqs, lengths, out.sequences_scores.tolist(), strict=True)]
 
 
 def run_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> tuple[list[list[int]], object]:
@@ -179,11 +164,11 @@ def test_default_model_equals_transformers_beam_search(default_lm, index):
     out = default_lm.generate(ids, "beam", max_new_tokens=24, num_beams=b, num_return_sequences=n)
     if b == 1:  # transformers runs greedy decoding for num_beams=1
         with torch.inference_mode():
-            greedy = default_lm.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
+            greedy = default_lm.reference_model().generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24,
                                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         assert out.token_ids == greedy[0, len(ids):].tolist()
         return
-    theirs = hf_beam(default_lm.model, ids, BeamOptions(num_beams=b, num_return_sequences=n), 24,
+    theirs = hf_beam(default_lm.reference_model(), ids, BeamOptions(num_beams=b, num_return_sequences=n), 24,
                      sorted(default_lm.eos_token_ids))
     assert [list(h.token_ids) for h in out.sequences] == [t for t, _ in theirs]
     assert out.token_ids == theirs[0][0]

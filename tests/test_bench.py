@@ -67,10 +67,17 @@ def test_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts, capsys):
     bad = results["methods"]["corrupt"]["overall"]
     assert bad["mismatches"] == 3 and bad["wrong"] is True and bad["speedup"] is None
     assert results["methods"]["hf-greedy"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert results["methods"]["ar"]["overall"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert bad["speedup_vs_ar"] is None
+    assert all(0 <= smp["repeated_4grams"] <= 1 for smp in results["samples"])
     for name in ("results.md", "speedup_by_category.png", "mean_accepted.png", "tokens_per_s_vs_context.png"):
         assert (out / name).stat().st_size > 0
     md = (out / "results.md").read_text()
     assert "**WRONG** (3 mismatches)" in md
+    wrong = [smp for smp in results["samples"] if smp["method"] == "corrupt"]
+    assert all(smp["first_mismatch"]["top2_gap"] >= 0 for smp in wrong)
+    assert all(smp["first_mismatch"]["position"] == smp["new_tokens"] // 2 for smp in wrong)
+    assert "top-2 gap" in md
     assert "WRONG" in capsys.readouterr().out
 
 
@@ -100,6 +107,14 @@ def test_speedup_arithmetic_on_hand_made_timings():
     assert res["bad"]["overall"]["speedup"] is None and res["bad"]["overall"]["wrong"]
     assert res["bad"]["by_category"]["x"]["speedup"] == pytest.approx(100 / 10)  # correct there
     assert res["bad"]["by_category"]["y"]["speedup"] is None
+
+
+def test_repeated_ngram_share():
+    from triedec.bench.harness import repeated_ngram_share
+
+    assert repeated_ngram_share([1, 2, 3, 4, 5, 6]) == 0.0
+    assert repeated_ngram_share([1, 2, 3, 4] * 3) == pytest.approx(5 / 9)  # 9 4-grams: 4 rotations, then repeats
+    assert repeated_ngram_share([1, 2, 3]) == 0.0
 
 
 def test_verification_branch_tokens_are_summed_over_runs():

@@ -98,8 +98,7 @@ def test_only_what_a_method_needs_is_measured_and_it_is_cached(tiny_lm, monkeypa
 
 
 def test_a_stale_calibration_file_is_measured_again(tiny_lm, monkeypatch):
-    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter.model_id, tiny_lm.device,
-                                        tiny_lm.adapter.dtype)
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"format": "triedec-calibration-1", "forward_seconds": {"1": 0.1}}))
     monkeypatch.setattr(calibration, "measure_cost_model", lambda lm, repeats: fake_cost())

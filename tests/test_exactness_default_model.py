@@ -58,7 +58,7 @@ def test_stop_string_inside_an_accepted_draft(default_lm):
     stop = " ".join(words[3:5])  # a stop string well inside the answer
     ids = default_lm.encode(prompt)
     with torch.inference_mode():
-        ref = default_lm.model.generate(
+        ref = default_lm.reference_model().generate(
             torch.tensor([ids]), do_sample=False, max_new_tokens=40, stop_strings=[stop],
             tokenizer=default_lm.tokenizer, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )[0, len(ids):].tolist()
@@ -99,7 +99,8 @@ def test_stats_are_consistent(default_lm):
 @pytest.fixture(scope="module")
 def calibrated_lm(default_lm, tmp_path_factory):
     """The default model with a quick calibration of its own (in a temporary cache directory)."""
-    lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"))
+    lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"),
+                    reference=default_lm.reference_model)
     cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
     assert 0 <= cal.recycling.nodes <= 80 and sum(cal.recycling.rates) > 0
     return lm

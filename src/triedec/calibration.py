@@ -7,7 +7,7 @@ triedec cache directory.
 
 * **cost curve** (:func:`measure_cost_model`, a few seconds to a minute) -- median seconds of one
   forward of T tree tokens on a 512-token cache, including the top-k over its logits that Token
-  Recycling does after every step, for the sizes in :data:`NODE_SIZES` (+ 1 for the root);
+  Recycling does after every step, for the sizes in :data:`TREE_SIZES`;
 * **recycling profile** (:func:`measure_recycling_profile`, a minute or two) -- for each node of
   the paper's 80-node tree, the share of steps in which it was accepted, measured by decoding
   calibration prompts (``calibration_prompts.json``: Spec-Bench prompts never in the benchmark's
@@ -46,8 +46,9 @@ from triedec.engine import StopRule, speculative_decode
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
-NODE_SIZES = (0, 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
-"""Draft-node counts whose verification cost is measured (a forward of N + 1 tokens)."""
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81)
+"""Tree sizes (tokens, the root included) whose verification cost is measured; 81 = the paper's
+whole Token Recycling tree."""
 END_TO_END_MARGIN = 0.05
 """A predicted recycling tree size is kept only if real decoding with it beats ``ar`` by this share."""
 CALIBRATION_FORMAT = "triedec-calibration-2"
@@ -66,6 +67,8 @@ class Target(Protocol):
     def has_chat_template(self) -> bool: ...
 
     def encode(self, prompt: Any, chat: bool = False) -> list[int]: ...
+
+    def reference_model(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -106,20 +109,22 @@ class Calibration:
             raise TriedecError(f"unreadable calibration: {exc!r}") from exc
 
 
-def device_key(device: torch.device, dtype: torch.dtype) -> str:
-    """What a cost curve depends on besides the model: device (name), dtype, CPU threads."""
+def device_key(adapter: ModelAdapter) -> str:
+    """What a cost curve depends on besides the model: device (name), dtype, CPU threads, kernels."""
+    device = adapter.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
-    return "".join(c if c.isalnum() or c in "-." else "-" for c in f"{name}-{str(dtype).removeprefix('torch.')}")
+    key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
+    return "".join(c if c.isalnum() or c in "-." else "-" for c in key)
 
 
-def calibration_path(cache_dir: Path, model_id: str, device: torch.device, dtype: torch.dtype) -> Path:
-    return cache_dir / "calibration" / f"{model_id}-{device_key(device, dtype)}.json"
+def calibration_path(cache_dir: Path, adapter: ModelAdapter) -> Path:
+    return cache_dir / "calibration" / f"{adapter.model_id}-{device_key(adapter)}.json"
 
 
 # ---- measurement ------------------------------------------------------------------------------
 
 
-def measure_cost_model(lm: Target, sizes: Sequence[int] = tuple(n + 1 for n in NODE_SIZES), context_tokens: int = 512,
+def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES, context_tokens: int = 512,
                        repeats: int = 5, k: int = 8) -> CostModel:
     """Median seconds of a forward of T tree tokens (shaped like the paper's tree cut to T nodes,
     random tokens) on a ``context_tokens`` cache, plus the top-k of its logits; sizes are
@@ -150,7 +155,35 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = tuple(n + 1 for n in N
             cache.commit([])
     seconds = {t: statistics.median(v) for t, v in times.items()}
     return CostModel(seconds, context_tokens, {"repeats": repeats, "torch": torch.__version__,
-                                               "threads": torch.get_num_threads()})
+                                               "threads": torch.get_num_threads(), "kernels": adapter.kernels})
+
+
+def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] = (1, 16),
+                              context_tokens: int = 512, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of stock transformers' own forward of T tokens (a causal chain) on a
+    ``context_tokens`` cache, run as ``generate`` runs it (its default ``DynamicCache``): the
+    yardstick the cost curve is read against. ``model`` is an unmodified transformers model."""
+    from transformers import DynamicCache
+
+    positive_int("repeats", repeats)
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=model.config)
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    with torch.inference_mode():
+        model(input_ids=torch.randint(vocab_size, (1, context_tokens), generator=gen).to(device),
+              past_key_values=cache, use_cache=True)
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for t in sizes:
+                ids = torch.randint(vocab_size, (1, t), generator=gen).to(device)
+                start = time.perf_counter()
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if round_:
+                    times[t].append(time.perf_counter() - start)
+                cache.crop(-t)
+    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def calibration_prompts(n: int) -> list[str]:
@@ -241,11 +274,13 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
                       *, prompts: int = 6, max_new_tokens: int = 96, repeats: int = 5) -> Calibration:
     """The cached calibration of ``lm`` on its device, with at least the parts in ``needs``
     (``"cost"``, ``"recycling"``); the missing parts (all of them if ``force``) are measured and
-    the file is rewritten atomically. A file from an older triedec version is measured anew."""
+    the file is rewritten atomically. A file from an older triedec version is measured anew. A
+    forced calibration also times stock transformers' forward of 1 and 16 tokens on the same cache
+    (``details["reference_forward_seconds"]``), next to triedec's curve."""
     unknown = set(needs) - {"cost", RECYCLING}
     if unknown:
         raise TriedecError(f"nothing to calibrate for {sorted(unknown)}")
-    path = calibration_path(cache_dir, lm.adapter.model_id, lm.adapter.device, lm.adapter.dtype)
+    path = calibration_path(cache_dir, lm.adapter)
     cached: Calibration | None = None
     if path.is_file() and not force:
         try:
@@ -257,8 +292,11 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
     started = time.perf_counter()
     if cached is None:
         log.info("measuring this device's cost curve (once; cached in %s)", path)
-        key = (lm.adapter.model_id, device_key(lm.adapter.device, lm.adapter.dtype), str(lm.adapter.dtype))
+        key = (lm.adapter.model_id, device_key(lm.adapter), str(lm.adapter.dtype))
         cached = Calibration(*key, measure_cost_model(lm, repeats=repeats))
+        if force:
+            reference = measure_reference_forward(lm.reference_model(), lm.adapter.vocab_size, repeats=repeats)
+            cached = replace(cached, details={"reference_forward_seconds": {str(t): v for t, v in reference.items()}})
     if RECYCLING in needs:
         log.info("measuring Token Recycling's node acceptance on this device (once; a minute or two)")
         cached = replace(cached, recycling=measure_recycling_profile(lm, cached.cost, prompts, max_new_tokens))

@@ -62,6 +62,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"torch CPU threads (default {DEFAULT_THREADS})")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
+                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32, "
+                             "grouped-query sdpa under tree masks); plain: stock transformers")
 
 
 def load_model(args: argparse.Namespace) -> Any:
@@ -73,7 +76,7 @@ def load_model(args: argparse.Namespace) -> Any:
     if args.threads < 1:
         raise TriedecError(f"--threads must be positive, got {args.threads}")
     torch.set_num_threads(args.threads)
-    return load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    return load(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn, kernels=args.kernels)
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -103,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
     cal.add_argument("--show", action="store_true", help="print the cached calibration; measure only if none")
+    cal.add_argument("--json", action="store_true",
+                     help="print the cost curve as JSON: forward_ms per tree size, hf_forward_ms (stock transformers' "
+                          "own forward of 1 and 16 tokens on the same cache), and what was chosen")
     _add_model_args(cal)
 
     bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
@@ -151,6 +157,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
     profile = cal.recycling
     assert profile is not None
+    path = calibration_path(lm.cache_dir, lm.adapter)
+    if args.json:
+        reference = cal.details.get("reference_forward_seconds", {})
+        print(json.dumps({
+            "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
+            "context_tokens": cal.cost.context_tokens,
+            "forward_ms": {str(t): round(s * 1000, 2) for t, s in cal.cost.forward_seconds.items()},
+            "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
+            "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cal.cost.forward_seconds.items()}
+            if "1" in reference else {},
+            "chosen": {"recycling_nodes": profile.nodes, "recycling_predicted_nodes": profile.details.get(
+                "predicted_nodes"), "pld_break_even_21_tokens": round(cal.cost.break_even(21), 3)},
+            "file": str(path),
+        }, indent=1))
+        return 0
     print(f"device {cal.device}; model {cal.model_id}; a {cal.cost.context_tokens}-token cache")
     print("| draft nodes | ms per forward | x a 1-token forward | recycling: expected tokens/step "
           "| expected tokens/s |")
@@ -161,12 +182,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         mark = f" **{', '.join(marks)}**" if marks else ""
         print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {cal.cost.ratio(row['nodes'] + 1):.2f} "
               f"| {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f}{mark} |")
+    reference = cal.details.get("reference_forward_seconds", {})
+    if reference:
+        print("stock transformers' own forward on the same cache: "
+              + ", ".join(f"{t} token(s) {v * 1000:.0f} ms" for t, v in reference.items())
+              + f"; triedec's kernels: {lm.adapter.kernels}")
     check = profile.details.get("end_to_end")
     if check:
         print(f"end-to-end check of {predicted} nodes on the calibration prompts: {check['speedup']:.2f}x ar "
               f"(kept if >= {1 + profile.details.get('margin', 0):.2f}x)")
     print(f"recycling verifies {profile.nodes} draft nodes per step on this device "
-          f"(saved in {calibration_path(lm.cache_dir, cal.model_id, lm.device, lm.adapter.dtype)})")
+          f"(saved in {path})")
     return 0
 
 

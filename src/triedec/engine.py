@@ -69,7 +69,8 @@ class Stats:
     * ``computed_tokens``: tokens that went through the model, prompt excluded;
     * ``seconds``: wall clock from the start of prefill to the last token; ``tokens_per_s``;
     * ``prompt_tokens``, ``prefill_seconds``, ``stop_reason`` (``eos``, ``stop_string``, ``length``);
-    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size.
+    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
+    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter).
     """
 
     new_tokens: int = 0
@@ -82,6 +83,7 @@ class Stats:
     stop_reason: str = ""
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
+    kernels: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -96,8 +98,9 @@ class Stats:
     def _steps_text(self) -> str:
         return f"{self.steps} steps"
 
-    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str) -> None:
+    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, kernels: str) -> None:
         """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``)."""
+        self.kernels = kernels
         self.seconds = time.perf_counter() - start
         self.new_tokens = new_tokens
         self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -209,7 +212,7 @@ def _decode(
         yield new
 
     adapter.synchronize()
-    stats.finish(start, len(generated), cache, reason)
+    stats.finish(start, len(generated), cache, reason, adapter.kernels)
     stats.mean_accepted = (len(generated) - 1) / stats.steps if stats.steps else 0.0
     stats.acceptance_by_depth = [accepted_at[d] / reached[d] for d in range(1, len(reached)) if reached[d]]
     stats.drafter = session.stats()

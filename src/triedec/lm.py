@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from triedec.adapter import ModelAdapter
+from triedec.adapter import KERNELS, ModelAdapter
 from triedec.beam import Hypothesis
 from triedec.calibration import Calibration, load_or_calibrate
 from triedec.drafters import ModelInfo
@@ -45,10 +45,16 @@ class LM:
     (threads, a server) do not disturb each other.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None,
+                 kernels: str = "plain", reference: Callable[[], Any] | None = None) -> None:
+        """``kernels="auto"`` speeds ``model`` up in place where it applies (see
+        :mod:`triedec.adapter`); the default leaves a model you pass untouched. ``reference``
+        loads a stock copy of the model for :meth:`reference_model` (``triedec.load`` passes one)."""
         self.model = model
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter(model)
+        self.adapter = ModelAdapter(model, kernels)
+        self._reference_loader = reference
+        self._reference: Any = None
         self.cache_dir = cache_root(cache_dir)
         self._decoders: dict[tuple[str, object], Decoder] = {}
         self._calibration: Calibration | None = None
@@ -239,6 +245,20 @@ class LM:
     def device(self) -> torch.device:
         return self.adapter.device
 
+    def reference_model(self) -> Any:
+        """Stock transformers' model, unmodified, as a user would run it without triedec: the
+        benchmark's baselines and the tests' ground truth. It is ``model`` itself when the kernels
+        are plain, else a second copy loaded once (the loaded ``model`` runs faster kernels)."""
+        if self.adapter.kernels == "plain":
+            return self.model
+        with self._lock:
+            if self._reference is None:
+                if self._reference_loader is None:
+                    raise TriedecError("this LM's model runs triedec's kernels and no stock copy can be loaded; "
+                                       "load it with triedec.load(...) or kernels='plain'")
+                self._reference = self._reference_loader()
+            return self._reference
+
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
@@ -253,10 +273,20 @@ def load(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
+    kernels: str = "auto",
 ) -> LM:
     """Load a causal LM: a local HF directory, a cached hub id, a ``.gguf`` file, or (``None``)
-    the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`."""
-    hf_model, tokenizer = load_hf(
-        model, dtype=dtype, device=device, attn_implementation=attn_implementation, cache_dir=cache_dir
-    )
-    return LM(hf_model, tokenizer, cache_dir=cache_dir)
+    the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`.
+
+    ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
+    pre-packed linears on CPU fp32, grouped-query sdpa under tree masks; :mod:`triedec.adapter`);
+    ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
+    if kernels not in KERNELS:
+        raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+
+    def stock() -> Any:
+        return load_hf(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                       cache_dir=cache_dir)
+
+    hf_model, tokenizer = stock()
+    return LM(hf_model, tokenizer, cache_dir=cache_dir, kernels=kernels, reference=lambda: stock()[0])

@@ -7,7 +7,9 @@ Protocol (one process, one loaded model):
 * ``repeats`` rotations per prompt; a sample's time is the median of its repeats;
 * wall clock with ``time.perf_counter`` (plus ``torch.cuda.synchronize`` on GPU);
 * every method's tokens are compared with the reference (``hf-greedy``) for the same prompt; a
-  mismatch is counted, and a method with mismatches is reported as wrong, never as fast.
+  mismatch is counted, and a method with mismatches is reported as wrong, never as fast; each
+  mismatch records its first differing position and stock transformers' top-2 logit gap there
+  (``first_mismatch``), so a near-tie broken by another fp32 kernel can be told from a bug.
 
 Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``tokens_per_s``: mean over samples of new tokens / seconds;
@@ -18,6 +20,10 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``verify_per_token`` (drafters that report ``verify_tokens``, i.e. lookahead): the tokens of the
   verification branch alone per new token, the quantity the lookahead trie-verification paper
   compares between its modes (the lookahead branch is the same in both);
+* ``speedup_vs_ar``: the same ratio against triedec's own ``ar`` (what the draft trees add to
+  triedec's plain decoding), when ``ar`` ran;
+* ``repeated_4grams``: the mean share of an output's 4-grams that already occurred earlier in it
+  (how repetitive the outputs are: a small model's greedy loops inflate every lookup method);
 * ``peak_mem_mb``: the largest peak-memory increase of one run (RSS on CPU, allocated on GPU);
 * ``kv_mb``: the largest KV cache of one run (triedec: its preallocated buffers; transformers:
   the cache tensors it returns);
@@ -98,9 +104,10 @@ class HFGenerated:
 
 
 def hf_generate(lm: LM, prompt: list[int], max_new_tokens: int, **kwargs: Any) -> HFGenerated:
-    """Stock transformers ``generate`` on ``lm.model``, as a user would call it without triedec
-    (its default cache), timed and with its forwards counted. ``kwargs`` go to ``generate``."""
-    model = lm.model
+    """Stock transformers ``generate`` on the unmodified model (``lm.reference_model()``), as a
+    user would call it without triedec (its default cache), timed and with its forwards counted.
+    ``kwargs`` go to ``generate``."""
+    model = lm.reference_model()
     ids = torch.tensor([prompt], device=lm.device)
     pad = model.generation_config.pad_token_id
     if pad is None:
@@ -246,6 +253,9 @@ def run_benchmark(
             reference = records[REFERENCE][0].tokens
             for label, recs in records.items():
                 first = recs[0]
+                differing = next((r.tokens for r in recs if r.tokens != reference), None)
+                diagnosis = {} if differing is None else {"first_mismatch": first_mismatch(lm, prompt, reference,
+                                                                                            differing)}
                 samples.append({
                     "id": q.id if len(q.turns) == 1 else f"{q.id}-turn{turn_index + 1}",
                     "category": q.category,
@@ -256,10 +266,12 @@ def run_benchmark(
                     "steps": first.steps,
                     "computed_tokens": first.computed_tokens,
                     "identical_to_reference": all(r.tokens == reference for r in recs),
+                    "repeated_4grams": repeated_ngram_share(first.tokens),
                     "prompt_tokens": len(prompt),
                     "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
                     "kv_mb": max(r.kv_bytes for r in recs) / 2**20,
                     **recs[-1].details,
+                    **diagnosis,
                 })
             if chat:
                 history += [{"role": "user", "content": turn},
@@ -267,6 +279,35 @@ def run_benchmark(
     if bar and hasattr(bar, "close"):
         bar.close()
     return samples, skipped
+
+
+def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
+    """The share of the output's n-grams that already occurred earlier in it (0 = no repetition;
+    a greedy loop approaches 1). Lookup drafters gain from exactly this."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    seen: set[tuple[int, ...]] = set()
+    repeated = 0
+    for g in grams:
+        repeated += g in seen
+        seen.add(g)
+    return repeated / len(grams) if grams else 0.0
+
+
+def first_mismatch(lm: LM, prompt: list[int], reference: list[int], tokens: list[int]) -> dict[str, Any]:
+    """Where ``tokens`` first leave ``reference`` and by how much stock transformers preferred its
+    token there: the gap between the top two logits of the unmodified model at that position. A
+    gap near fp32 rounding (~1e-4) is a near-tie that another kernel may break either way; a large
+    gap is a bug."""
+    i = next((j for j, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b),
+             min(len(reference), len(tokens)))
+    out: dict[str, Any] = {"position": i, "reference_token": reference[i] if i < len(reference) else None,
+                           "token": tokens[i] if i < len(tokens) else None}
+    model = lm.reference_model()
+    with torch.inference_mode():
+        ids = torch.tensor([[*prompt, *reference[:i]]], device=lm.device)
+        top = model(input_ids=ids).logits[0, -1].float().topk(2).values
+    out["top2_gap"] = float(top[0] - top[1])
+    return out
 
 
 def _messages(history: list[dict[str, str]], turn: str, chat: bool) -> list[dict[str, str]] | str:
@@ -292,6 +333,7 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
         "mismatches": sum(not r["identical_to_reference"] for r in rows),
         "peak_mem_mb": max((r["peak_mem_mb"] for r in rows), default=0.0),
         "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
+        "repeated_4grams": statistics.fmean(r.get("repeated_4grams", 0.0) for r in rows) if rows else 0.0,
         "samples": len(rows),
     }
     verify = [(r.get("drafter") or {}).get("verify_tokens") for r in rows]
@@ -308,9 +350,14 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
     return out
 
 
+OWN_BASELINE = "ar"
+"""triedec's own plain decoding: ``speedup_vs_ar`` is what the draft trees add on top of it."""
+
+
 def summarize(samples: Sequence[dict]) -> dict[str, dict[str, Any]]:
     """Per-method metrics, ``{"overall": {...}, "by_category": {cat: {...}}}``, with speedups
-    against the reference on the same samples."""
+    against the reference on the same samples (``speedup``) and, when ``ar`` ran, against it
+    (``speedup_vs_ar``)."""
     methods = list(dict.fromkeys(r["method"] for r in samples))
     categories = list(dict.fromkeys(r["category"] for r in samples))
     out: dict[str, dict[str, Any]] = {}
@@ -330,6 +377,10 @@ def summarize(samples: Sequence[dict]) -> dict[str, dict[str, Any]]:
             metrics["speedup_if_correct"] = ratio
             metrics["speedup"] = ratio if metrics["mismatches"] == 0 else None
             metrics["wrong"] = metrics["mismatches"] > 0
+            own = [r for r in samples if r["method"] == OWN_BASELINE and (name == "overall" or r["category"] == name)]
+            own_speed = _metrics(own)["tokens_per_s"] if own else 0.0
+            metrics["speedup_vs_ar"] = metrics["tokens_per_s"] / own_speed if own_speed and not metrics["wrong"] \
+                else None
             if name == "overall":
                 result["overall"] = metrics
             else:

@@ -60,22 +60,41 @@ def markdown(results: dict[str, Any]) -> str:
         f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else ""),
         f"- versions: torch {m['torch']}, transformers {m['transformers']}, triedec {m['triedec']}, "
-        f"Python {m['python']}",
+        f"Python {m['python']}; triedec kernels: {results.get('kernels', 'plain')}; baselines: stock transformers",
         f"- speedup = mean tokens/s of the method / mean tokens/s of `{REFERENCE}` on the same prompts "
-        "(Spec-Bench's definition); MAT = tokens per decoding step; computed/token = tokens through the "
-        "model (prompt excluded) per generated token.",
+        "(Spec-Bench's definition); vs triedec ar = the same against triedec's own `ar`; MAT = tokens per "
+        "decoding step; computed/token = tokens through the model (prompt excluded) per generated token.",
         "",
-        "| method | tokens/s | speedup | MAT | steps | computed/token | mismatches | peak mem MB | KV MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | tokens/s | speedup | vs triedec ar | MAT | steps | computed/token | mismatches | peak mem MB "
+        "| KV MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results["methods"].items():
         o = res["overall"]
         speed = f"**WRONG** ({o['mismatches']} mismatches)" if o["wrong"] else f"{_fmt(o['speedup'])}x"
+        vs_ar = "—" if o.get("speedup_vs_ar") is None else f"{_fmt(o['speedup_vs_ar'])}x"
         lines.append(
-            f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {speed} | {_fmt(o['mean_accepted'])} | {o['steps']} | "
-            f"{_fmt(o['computed_per_token'])} | {o['mismatches']} | {_fmt(o['peak_mem_mb'], 0)} | "
+            f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {speed} | {vs_ar} | {_fmt(o['mean_accepted'])} | "
+            f"{o['steps']} | {_fmt(o['computed_per_token'])} | {o['mismatches']} | {_fmt(o['peak_mem_mb'], 0)} | "
             f"{_fmt(o['kv_mb'], 1)} |"
         )
+    ref = results["methods"].get(REFERENCE)
+    if ref:
+        cats = ref["by_category"]
+        lines += ["", "How repetitive the outputs are: the mean share of each output's 4-grams that already occurred "
+                  "earlier in it (greedy loops of a small model inflate every lookup method's gains):", "",
+                  "| overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|",
+                  f"| {_fmt(ref['overall'].get('repeated_4grams'))} | "
+                  + " | ".join(_fmt(c.get("repeated_4grams")) for c in cats.values()) + " |"]
+    mismatched = [s for s in results.get("samples", []) if s.get("first_mismatch")]
+    if mismatched:
+        lines += ["", "Mismatches: where each first differs from the reference, and stock transformers' top-2 logit "
+                  "gap there (~1e-4 or less: a near-tie that another fp32 kernel may break either way):", "",
+                  "| method | prompt | position | reference token | token | top-2 gap |", "|---|---|---|---|---|---|"]
+        for smp in mismatched:
+            fm = smp["first_mismatch"]
+            lines.append(f"| {smp['method']} | {smp['id']} | {fm['position']} | {fm['reference_token']} | "
+                         f"{fm['token']} | {fm['top2_gap']:.2e} |")
     split = {name: res["overall"] for name, res in results["methods"].items() if "verify_per_token" in res["overall"]}
     if split:
         lines += ["", "Lookahead's computed tokens split (per generated token): all = the table's computed/token; "

@@ -126,6 +126,7 @@ def bench(
     results: dict[str, Any] = {
         "machine": machine_info(lm.device),
         "model": model_name,
+        "kernels": lm.adapter.kernels,
         "dataset": dataset,
         "max_new_tokens": config.max_new_tokens,
         "repeats": config.repeats,
@@ -164,7 +165,7 @@ def bench_beams(
     questions = select(load_questions(dataset), per_category, categories)
     samples = run_beam_benchmark(lm, questions, widths, max_new_tokens, warmup, progress)
     results = {
-        "machine": machine_info(lm.device), "model": model_name,
+        "machine": machine_info(lm.device), "model": model_name, "kernels": lm.adapter.kernels,
         "dataset": dataset, "categories": ",".join(categories) if categories else None, "per_category": per_category,
         "max_new_tokens": max_new_tokens, "beams": widths,
         "prompts": len({s["id"] for s in samples}),

@@ -1,0 +1,142 @@
+"""The fast verifier's kernels: pre-packed oneDNN linears and grouped-query sdpa under tree masks.
+They must compute what the stock modules compute (up to fp32 rounding), keep every method equal to
+stock transformers, apply only where they can, and be recorded where they ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EOS, MODELS, fake_cost, hf_greedy, random_prompts, tiny_gemma3, tiny_info, tiny_llama
+from torch import nn
+
+import triedec
+from triedec.adapter import GQA_SDPA, ModelAdapter, _gqa_sdpa
+from triedec.engine import StopRule
+from triedec.errors import TriedecError
+from triedec.kernels import PackedLinear, pack_linears, packing_available
+from triedec.methods import method
+
+needs_onednn = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
+                                  reason="this torch build has no oneDNN linear ops")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_linear_computes_what_nn_linear_computes(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=bias)
+    packed = PackedLinear(linear)
+    for shape in ((1, 64), (5, 64), (2, 7, 64)):
+        x = torch.randn(*shape)
+        with torch.inference_mode():
+            assert torch.allclose(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+            assert packed(x).shape == (*shape[:-1], 96)
+
+
+@needs_onednn
+def test_pack_linears_swaps_every_linear_and_copies_only_a_tied_head():
+    model = tiny_llama(vocab=64)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight  # tie them
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    added = pack_linears(model)
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == linears
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert added == model.model.embed_tokens.weight.numel() * 4  # the tied head is the only copy
+
+
+def test_grouped_query_sdpa_equals_stock_sdpa_under_a_tree_mask():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 6, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(
+        1, 2, 12, 16, generator=g)
+    mask = torch.zeros(1, 1, 5, 12)
+    mask[..., 8:] = torch.finfo(torch.float32).min * torch.tril(torch.ones(5, 4), -1).flip(1)[None, None]
+    ours, _ = _gqa_sdpa(module, q, k, v, mask, scaling=0.25)
+    stock, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert torch.allclose(ours, stock, atol=1e-6)
+    ours, _ = _gqa_sdpa(module, q, k, v, None, scaling=0.25)  # no mask: the stock function itself
+    stock, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.25)
+    assert torch.equal(ours, stock)
+
+
+FAST = {
+    "llama-sdpa": lambda: tiny_llama(attn="sdpa"),
+    "gemma3-sdpa": lambda: tiny_gemma3(attn="sdpa"),
+    "gemma3-eager": lambda: tiny_gemma3(attn="eager"),
+}
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_every_method_on_fast_kernels_equals_stock_transformers(name):
+    """The model runs on triedec's kernels; the ground truth is an unmodified copy."""
+    stock, fast = FAST[name](), FAST[name]()  # same seed: the same weights
+    adapter = ModelAdapter(fast, "auto")
+    assert adapter.kernels != "plain"
+    assert ("gqa-sdpa" in adapter.kernels) == name.endswith("sdpa")
+    info = tiny_info(cost=fake_cost())
+    rule = StopRule(30, frozenset([EOS]))
+    settings = {"ar": {}, "pld": {"min_expected": 0.0}, "recycling": {"nodes": 80}, "ngram-trie": {"sized": False},
+                "lookahead": {}}
+    decoders = {n: method(n).build(method(n).make_options(o), info) for n, o in settings.items()}
+    for i, prompt in enumerate(random_prompts(seed=list(FAST).index(name) + 200, count=8)):
+        truth = hf_greedy(stock, prompt, 30)
+        for n, decoder in decoders.items():
+            tokens: list[int] = []
+            for new in decoder.decode(adapter, prompt, rule):
+                tokens += new
+            assert tokens == truth, f"{n} differs on prompt {i}"
+
+
+def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
+    fast = triedec.load(tiny_model_dir)
+    plain = triedec.load(tiny_model_dir, kernels="plain")
+    assert plain.adapter.kernels == "plain" and plain.reference_model() is plain.model
+    if packing_available(torch.device("cpu"), torch.float32):
+        assert fast.adapter.kernels == "onednn-packed-linear+gqa-sdpa"
+        reference = fast.reference_model()
+        assert reference is not fast.model and not any(isinstance(m, PackedLinear) for m in reference.modules())
+        assert reference.config._attn_implementation == "sdpa" and fast.model.config._attn_implementation == GQA_SDPA
+    out = fast.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0)
+    assert out.stats.kernels == fast.adapter.kernels
+    assert out.token_ids == plain.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0).token_ids
+    bf16 = triedec.load(tiny_model_dir, dtype="bfloat16")  # no packed linears for bf16: the plain path
+    assert "onednn" not in bf16.adapter.kernels
+    eager = triedec.load(tiny_model_dir, attn_implementation="eager")
+    assert "gqa-sdpa" not in eager.adapter.kernels
+    with pytest.raises(TriedecError, match="kernels"):
+        triedec.load(tiny_model_dir, kernels="fast")
+    mine = tiny_llama()
+    lm = triedec.LM(mine, plain.tokenizer)  # a model you pass is left untouched by default
+    assert lm.adapter.kernels == "plain" and not any(isinstance(m, PackedLinear) for m in mine.modules())
+    fast_mine = triedec.LM(tiny_llama(), plain.tokenizer, kernels="auto")
+    if fast_mine.adapter.kernels != "plain":
+        with pytest.raises(TriedecError, match="stock copy"):
+            fast_mine.reference_model()
+
+
+def test_the_calibration_is_kept_per_kernel_choice(tiny_model_dir, tmp_path):
+    from triedec.calibration import calibration_path
+
+    fast = triedec.load(tiny_model_dir, cache_dir=tmp_path)
+    plain = triedec.load(tiny_model_dir, cache_dir=tmp_path, kernels="plain")
+    assert fast.adapter.model_id == plain.adapter.model_id
+    if fast.adapter.kernels != "plain":
+        assert calibration_path(tmp_path, fast.adapter) != calibration_path(tmp_path, plain.adapter)
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gemma3-sdpa"])
+def test_beam_search_on_fast_kernels_equals_stock_transformers(name):
+    from helpers import drain, hf_beam
+
+    from triedec.beam import BeamOptions
+
+    stock, fast = MODELS[name](), MODELS[name]()
+    adapter = ModelAdapter(fast, "auto")
+    decoder = method("beam").build(method("beam").make_options({"num_beams": 4}), tiny_info())
+    for prompt in random_prompts(seed=5, count=4):
+        tokens, _ = drain(decoder.decode(adapter, prompt, StopRule(20, frozenset([EOS]))))
+        assert tokens == hf_beam(stock, prompt, BeamOptions(num_beams=4), 20, EOS)[0][0]
