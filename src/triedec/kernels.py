@@ -8,8 +8,8 @@ blocked layout ("pre-packed") streams them faster at every batch size and is nea
 16 rows (``benchmarks/verifier-cpu``). :class:`PackedLinear` is an ``nn.Linear`` whose weight is
 stored that way; :func:`pack_linears` swaps every ``nn.Linear`` of a model for one.
 
-Pure torch (nothing here knows transformers). Outputs equal ``nn.Linear``'s up to fp32 rounding
-(~1e-6 relative), as between any two fp32 GEMM kernels.
+Pure torch (nothing here knows transformers). Outputs equal ``nn.Linear``'s up to fp32 rounding,
+as between any two fp32 GEMM kernels (summation order differs).
 """
 
 from __future__ import annotations
