@@ -99,6 +99,13 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1
     code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show")
     assert code == 0 and "chosen**" in out
+    code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show", "--json")
+    curve = json.loads(out)
+    assert code == 0 and {"1", "2", "4", "8", "16", "32", "64"} <= set(curve["forward_ms"])
+    assert set(curve["hf_forward_ms"]) == {"1", "16"} and all(v > 0 for v in curve["hf_forward_ms"].values())
+    assert curve["ratio_to_hf1"]["1"] == pytest.approx(curve["forward_ms"]["1"] / curve["hf_forward_ms"]["1"],
+                                                       rel=0.01)
+    assert curve["kernels"] and 0 <= curve["chosen"]["recycling_nodes"] <= 80
 
     state = tmp_path / "warm.safetensors"
     argv = ["generate", "--model", str(tiny_model_dir), "--method", "recycling", "--max-new-tokens", "10",
