@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -98,7 +99,7 @@ class LM:
         if not needs:
             return info
         cal = self.calibration(needs)
-        return ModelInfo(info.vocab_size, info.device, info.model_id, cal.cost, cal.profiles())
+        return dataclasses.replace(info, cost=cal.cost, profiles=cal.profiles())
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -158,8 +159,8 @@ class LM:
         :class:`~triedec.methods.Outcome` (stats, and beam search's ranked sequences);
         :meth:`generate` collects it for you. All input is validated before anything runs.
         """
-        decoder = self.decoder(method, **options)
         prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
+        decoder = self.decoder(method, **options)  # after the cheap checks: building may measure the device
         return decoder.decode(self.adapter, prompt_ids, rule, documents)
 
     def generate(
