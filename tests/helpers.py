@@ -49,6 +49,19 @@ def tiny_gemma3(vocab: int = TINY_VOCAB, seed: int = 0, attn: str = "sdpa", wind
     return Gemma3ForCausalLM(cfg).eval()
 
 
+def peaked(model: Any, scale: float = 20.0) -> Any:
+    """``model`` with its LM head scaled up: next-token distributions concentrate on a few tokens
+    (mean top probability ~0.5 for the tiny Llama), as a trained model's do, so that sampled drafts
+    get accepted and sampling tests have a distribution worth comparing."""
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        if head is not model.get_input_embeddings().weight:
+            head.mul_(scale)
+        else:  # tied: scale the head only, through a copy
+            model.lm_head.weight = torch.nn.Parameter(head * scale)
+    return model
+
+
 MODELS = {
     "llama-sdpa": lambda: tiny_llama(attn="sdpa"),
     "llama-eager": lambda: tiny_llama(attn="eager"),
@@ -104,6 +117,36 @@ def tiny_info(vocab: int = TINY_VOCAB, cost: CostModel | None = None, profile: R
 
 
 # ---- references and decoding --------------------------------------------------------------------
+
+
+def chi_square_same(a: Sequence[object], b: Sequence[object], min_expected: float = 5.0) -> tuple[float, float]:
+    """Two-sample chi-square test that samples ``a`` and ``b`` come from one distribution:
+    (statistic, p-value). Categories with fewer than ``min_expected`` expected counts in either
+    sample are pooled into one."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    na, nb = len(a), len(b)
+    rare: tuple[float, float] = (0.0, 0.0)
+    cells = []
+    for key in set(ca) | set(cb):
+        total = ca[key] + cb[key]
+        if min(total * na, total * nb) / (na + nb) < min_expected:
+            rare = (rare[0] + ca[key], rare[1] + cb[key])
+        else:
+            cells.append((ca[key], cb[key]))
+    if sum(rare) * min(na, nb) / (na + nb) >= min_expected:
+        cells.append(rare)
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = max(len(cells) - 1, 1)
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, p
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos=EOS) -> list[int]:

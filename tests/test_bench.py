@@ -22,8 +22,10 @@ class CorruptingRunner:
         self.label = label
         self.inner = TriedecRunner(lm, label, "pld", {})
 
-    def run(self, prompt, max_new_tokens):
-        rec = self.inner.run(prompt, max_new_tokens)
+    comparable = True
+
+    def run(self, prompt, max_new_tokens, seed=None):
+        rec = self.inner.run(prompt, max_new_tokens, seed)
         tokens = list(rec.tokens)
         tokens[len(tokens) // 2] = (tokens[len(tokens) // 2] + 1) % 1000
         return RunRecord(tokens, rec.seconds, rec.steps, rec.computed_tokens, rec.kv_bytes)
@@ -85,6 +87,33 @@ def row(method, category, new_tokens, seconds, steps, identical=True, computed=N
     return {"method": method, "category": category, "new_tokens": new_tokens, "seconds": seconds, "steps": steps,
             "computed_tokens": steps if computed is None else computed, "identical_to_reference": identical,
             "peak_mem_mb": 1.0, "kv_mb": 0.5}
+
+
+def test_sampled_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts):
+    """--temperature: hf-sample is the speed baseline, triedec's ar (added) the token reference;
+    every triedec method equals ar at the same seed, transformers' runs are not compared; a wrong
+    method is still caught."""
+    out = tmp_path / "sampled"
+    code = main(["bench", "--model", str(tiny_model_dir), "--dataset", str(two_prompts), "--methods",
+                 "hf-pld,pld,ngram-trie,lookahead,corrupt", "--max-new-tokens", "12", "--temperature", "0.8",
+                 "--top-p", "0.9", "--seed", "4", "--out", str(out), "--no-progress"],
+                extra_runners={"corrupt": CorruptingRunner})
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["reference"] == "hf-sample" and results["token_reference"] == "ar"
+    assert results["sampling"]["temperature"] == 0.8 and results["sampling"]["seed"] == 4
+    assert list(results["methods"]) == ["hf-sample", "ar", "hf-pld", "pld", "ngram-trie", "lookahead", "corrupt"]
+    assert sorted({s["seed"] for s in results["samples"]}) == [4, 5, 6]
+    for name in ("ar", "pld", "ngram-trie", "lookahead"):
+        o = results["methods"][name]["overall"]
+        assert o["mismatches"] == 0 and o["compared"] == 3 and o["speedup"] is not None
+    for name in ("hf-sample", "hf-pld"):
+        o = results["methods"][name]["overall"]
+        assert o["compared"] == 0 and o["mismatches"] == 0
+    assert results["methods"]["hf-sample"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert results["methods"]["corrupt"]["overall"]["wrong"]
+    md = (out / "results.md").read_text()
+    assert "sampling (temperature 0.8, top_p 0.9" in md and "| — |" in md
 
 
 def test_speedup_arithmetic_on_hand_made_timings():
@@ -156,6 +185,10 @@ def test_spec_bench_sample_is_fixed_and_covers_categories():
         (["--per-category", "0"], "per-category"),
         (["--repeats", "0"], "repeats"),
         (["--max-new-tokens", "-1"], "max-new-tokens"),
+        (["--temperature", "0.7", "--methods", "hf-greedy,pld"], "the baseline is hf-sample"),
+        (["--methods", "hf-sample,pld"], "the baseline is hf-greedy"),
+        (["--temperature", "-0.7"], "temperature"),
+        (["--temperature", "0.7", "--methods", "hf-beam,beam"], "beam search does not sample"),
     ],
 )
 def test_bench_bad_input(tmp_path, tiny_model_dir, capsys, argv, message):

@@ -82,6 +82,13 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
         (["generate", "--attn", "flash_attention_2", "hi"], "flash-attention"),
         (["generate", "--threads", "0", "hi"], "threads"),
         (["generate", "   "], "empty"),
+        (["generate", "--temperature", "-1", "hi"], "temperature must be >= 0"),
+        (["generate", "--top-p", "0", "hi"], "top_p must lie in (0, 1]"),
+        (["generate", "--top-k", "-2", "hi"], "top_k must be an integer >= 0"),
+        (["generate", "--min-p", "1.5", "hi"], "min_p"),
+        (["generate", "--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0"),
+        (["generate", "--seed", "-1", "--temperature", "0.5", "hi"], "seed must be an integer"),
+        (["generate", "--method", "beam", "--temperature", "0.5", "hi"], "beam search does not sample"),
     ],
 )
 def test_cli_errors_are_clear(capsys, tiny_model_dir, argv, message):
@@ -132,3 +139,28 @@ def test_generate_ngram_trie_and_lookahead(capsys, tiny_model_dir):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "pld", "--verify", "trie",
                            "Hi")
     assert code == 2 and "option of method 'lookahead'" in err
+
+
+def test_generate_sampling_is_reproducible_across_methods(capsys, tiny_model_dir):
+    """--temperature/--top-p/--seed: the same seed gives the same tokens with every method; the
+    seed is reported; without --seed one is drawn and reported."""
+    base = ["generate", "--model", str(tiny_model_dir), "--max-new-tokens", "16", "--json", "--temperature", "0.8",
+            "--top-p", "0.95", "--top-k", "40", "--min-p", "0.01", "--repetition-penalty", "1.1"]
+    outs = {}
+    for method in ("ar", "pld", "ngram-trie", "lookahead", "recycling"):
+        extra = ["--recycling-nodes", "8"] if method == "recycling" else []
+        code, out, _ = run_cli(capsys, *base, "--method", method, "--seed", "5", *extra, "Tell me a story")
+        assert code == 0
+        data = json.loads(out)
+        assert data["stats"]["seed"] == 5
+        outs[method] = data["token_ids"]
+    assert all(v == outs["ar"] for v in outs.values())
+    code, out, _ = run_cli(capsys, *base, "--method", "pld", "Tell me a story")
+    drawn = json.loads(out)["stats"]["seed"]
+    assert isinstance(drawn, int)
+    code, out, _ = run_cli(capsys, *base, "--method", "ar", "--seed", str(drawn), "Tell me a story")
+    assert json.loads(out)["token_ids"] == json.loads(run_cli(capsys, *base, "--method", "ar", "--seed", str(drawn),
+                                                              "Tell me a story")[1])["token_ids"]
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--max-new-tokens", "8",
+                           "--temperature", "0.7", "--seed", "3", "--method", "pld", "Hello")
+    assert code == 0 and "seed 3" in out

@@ -166,7 +166,7 @@ def test_lookahead_equals_transformers_greedy(name):
     model = MODELS[name]()
     info = tiny_info()
     settings = [{"verify": "independent"}, {}, {"window": 2, "ngram": 2}, {"window": 6, "ngram": 5, "guesses": 7},
-                {"budget": 3, "depth": 1}, {"verify": "independent", "window": 3, "ngram": 4, "seed": 3}]
+                {"budget": 3, "depth": 1}, {"verify": "independent", "window": 3, "ngram": 4, "window_seed": 3}]
     computed = {"independent": 0, "trie": 0}
     accepted = 0
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 40, count=10)):

@@ -75,7 +75,7 @@ def test_trie_merges_shared_prefixes():
 
 @pytest.mark.parametrize(
     "bad", [{"window": 1}, {"ngram": 1}, {"guesses": 0}, {"budget": 0}, {"verify": "both"}, {"depth": -1},
-            {"window": 2.0}, {"seed": "x"}, {"size": 3}]
+            {"window": 2.0}, {"window_seed": "x"}, {"size": 3}]
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):

@@ -13,6 +13,7 @@ from typing import Any
 
 from triedec.errors import TriedecError
 from triedec.methods import method, methods
+from triedec.sampling import Sampling
 
 DEFAULT_THREADS = 2
 
@@ -67,6 +68,27 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "grouped-query sdpa under tree masks); plain: stock transformers")
 
 
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (transformers' names; greedy by default)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy; > 0 samples")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the top tokens up to this mass "
+                                                                 "(default 1 = off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability "
+                                                                 "(default 0 = off)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on tokens already in "
+                                                                              "the prefix (default 1 = off)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="sampling seed: the same seed gives the same text with every method "
+                            "(generate: drawn and reported if absent; bench: default 0, prompt k uses seed + k)")
+
+
+def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as ``LM.generate`` keyword arguments."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty, "seed": args.seed}
+
+
 def load_model(args: argparse.Namespace) -> Any:
     """The :class:`~triedec.lm.LM` the model flags name, with torch's CPU threads set first."""
     import torch
@@ -95,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true",
                      help="tokenize the prompt as plain text instead of applying the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+    _add_sampling_args(gen)
     _add_model_args(gen)
     _add_method_options(gen)
 
@@ -112,9 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(cal)
 
     bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
-    bench.add_argument("--methods", default="hf-greedy,hf-pld,ar,pld",
-                       help="comma-separated: hf-greedy, hf-pld, or triedec methods, each optionally "
-                            "with inline options as name:key=value:key=value (default %(default)s)")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
+                            "methods, each optionally with inline options as name:key=value:key=value "
+                            "(default hf-greedy,hf-pld,ar,pld; sampling: hf-sample,hf-pld,ar,pld)")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench, humaneval, mbpp or a path to a .jsonl file (fields prompt or turns)")
     bench.add_argument("--per-category", type=int, default=None,
@@ -127,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--beams", default="3,8,15",
                        help="beam widths for --methods hf-beam,beam (beam-search benchmark; default %(default)s)")
+    _add_sampling_args(bench)
     _add_model_args(bench)
     _add_method_options(bench)
     return parser
@@ -203,13 +228,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise TriedecError("the prompt is empty")
     options = method_options(args, args.method)
+    sampling = sampling_args(args)
+    Sampling(**sampling)  # bad values fail before the model loads
     lm = load_model(args)
     lm.decoder(args.method, **options)  # build (and validate) the method before any output
     chat = not args.raw and lm.has_chat_template
     printer = _StreamPrinter(lm.tokenizer) if not args.json else None
     result = lm.generate(
         prompt, args.method, max_new_tokens=args.max_new_tokens, stop=args.stop, chat=chat,
-        on_tokens=printer, **options,
+        on_tokens=printer, **sampling, **options,
     )
     stats = result.stats
     sequences = [{"text": lm.decode_result(h.token_ids), "token_ids": list(h.token_ids), "score": h.score}
@@ -259,7 +286,11 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     from triedec.bench.harness import BenchConfig
     from triedec.bench.run import run_entries
 
-    config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup)
+    sampling = Sampling(**sampling_args(args))
+    if not sampling.greedy and sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=0)
+    config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+                         sampling=sampling)
     if args.per_category is not None and args.per_category < 1:
         raise TriedecError(f"--per-category must be a positive integer, got {args.per_category}")
     categories = args.categories.split(",") if args.categories else None
@@ -272,8 +303,9 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
         def progress(total: int) -> Any:
             return tqdm(total=total, unit="run", file=sys.stderr, dynamic_ncols=True)
 
+    entries = args.methods or ("hf-greedy" if sampling.greedy else "hf-sample") + ",hf-pld,ar,pld"
     _, text = run_entries(
-        lm, args.methods.split(","), args.beams, dataset=args.dataset, out=Path(args.out),
+        lm, entries.split(","), args.beams, dataset=args.dataset, out=Path(args.out),
         per_category=args.per_category, categories=categories, config=config, model_name=_model_name(args),
         option_defaults=given_options(args), extra_runners=extra_runners, progress=progress,
     )

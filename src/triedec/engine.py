@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from triedec.accept import Acceptance, accept_greedy
+from triedec.accept import GREEDY, Acceptance, AcceptanceRule
 from triedec.adapter import ModelAdapter
 from triedec.drafters.base import Drafter, DrafterSession, Verified
 from triedec.errors import TriedecError, positive_int
@@ -118,16 +118,19 @@ class DecodeStats(Stats):
     * ``accepted_per_step``: tokens kept at each step;
     * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
       accepted at least d draft tokens;
-    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`).
+    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`);
+    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens.
     """
 
     mean_accepted: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
     acceptance_by_depth: list[float] = field(default_factory=list)
     drafter: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
 
     def _steps_text(self) -> str:
-        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step"
+        seed = "" if self.seed is None else f", seed {self.seed}"
+        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step{seed}"
 
 
 MAX_TREE_NODES = 256
@@ -140,9 +143,11 @@ def speculative_decode(
     prompt: Sequence[int],
     stop: StopRule,
     documents: Sequence[Sequence[int]] = (),
+    rule: AcceptanceRule = GREEDY,
 ) -> Generator[list[int], None, DecodeStats]:
-    """Greedy decoding of ``prompt`` with drafts from ``drafter``; exactly equal to greedy
-    autoregressive decoding.
+    """Decoding of ``prompt`` with drafts from ``drafter``, each step's tokens chosen by ``rule``
+    (greedy by default, or sampling: :mod:`triedec.accept`); exactly equal to autoregressive
+    decoding with the same rule, whatever the drafts.
 
     Yields the newly committed tokens after prefill and after every step; returns the stats.
     Per-request drafting state lives in the session ``drafter.begin`` returns; the drafter's
@@ -151,7 +156,7 @@ def speculative_decode(
     prompt = [int(t) for t in prompt]
     session = drafter.begin(prompt, documents)
     try:
-        return (yield from _decode(adapter, session, drafter.prefill_logits, prompt, stop))
+        return (yield from _decode(adapter, session, drafter.prefill_logits, prompt, stop, rule))
     finally:
         session.end()
 
@@ -165,14 +170,15 @@ def prefill(adapter: ModelAdapter, cache: KVCache, prompt: Sequence[int], keep_l
 
 
 def _decode(
-    adapter: ModelAdapter, session: DrafterSession, prefill_logits: int, prompt: list[int], stop: StopRule
+    adapter: ModelAdapter, session: DrafterSession, prefill_logits: int, prompt: list[int], stop: StopRule,
+    rule: AcceptanceRule,
 ) -> Generator[list[int], None, DecodeStats]:
     start = time.perf_counter()
     cache = adapter.new_cache(len(prompt) + stop.max_new_tokens + MAX_TREE_NODES)
 
     # Prefill: the prompt's KV, and the first new token from its last logits.
     logits = prefill(adapter, cache, prompt, keep_last=prefill_logits)
-    first = int(logits[-1].argmax())
+    first = rule.accept(TokenTree.root_only(prompt[-1]), logits[-1:], prompt, 0).tokens[0]
     if prefill_logits > 0:  # the prompt's tail, seen as a fully accepted chain
         tail = prompt[-len(logits) :]
         chain = TokenTree(tuple(tail), tuple(range(-1, len(tail) - 1)))
@@ -196,7 +202,7 @@ def _decode(
             cache, torch.tensor(tree.tokens), tree.positions(cache.length)[0], tree.visibility(cache.length)
         )
         # accept
-        acceptance = accept_greedy(tree, logits.argmax(dim=-1).tolist())
+        acceptance = rule.accept(tree, logits, context, len(generated))
         session.observe(Verified(tree, logits, acceptance))
         new, reason = stop.cut(generated, acceptance.tokens)
         # commit: the root and the accepted drafts that precede the newest kept token
@@ -216,5 +222,6 @@ def _decode(
     stats.mean_accepted = (len(generated) - 1) / stats.steps if stats.steps else 0.0
     stats.acceptance_by_depth = [accepted_at[d] / reached[d] for d in range(1, len(reached)) if reached[d]]
     stats.drafter = session.stats()
+    stats.seed = rule.seed
     return stats
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from triedec.errors import TriedecError, positive_int
 from triedec.methods import Decoder, Outcome
 from triedec.methods import method as find_method
 from triedec.models import cache_root, load_hf
+from triedec.sampling import Sampling
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 
@@ -150,6 +152,12 @@ class LM:
         stop_token_ids: Sequence[int] | None = None,
         context: Sequence[str | Sequence[int]] = (),
         chat: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
         **options: object,
     ) -> Generator[list[int], None, Outcome]:
         """Yield new token ids as they are accepted (several per step when drafts are accepted;
@@ -157,11 +165,13 @@ class LM:
 
         The generator's return value (``StopIteration.value``) is an
         :class:`~triedec.methods.Outcome` (stats, and beam search's ranked sequences);
-        :meth:`generate` collects it for you. All input is validated before anything runs.
+        :meth:`generate` collects it for you. All input is validated before anything runs. The
+        sampling parameters are :meth:`generate`'s.
         """
         prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
+        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         decoder = self.decoder(method, **options)  # after the cheap checks: building may measure the device
-        return decoder.decode(self.adapter, prompt_ids, rule, documents)
+        return decoder.decode(self.adapter, prompt_ids, rule, documents, sampling)
 
     def generate(
         self,
@@ -174,6 +184,12 @@ class LM:
         context: Sequence[str | Sequence[int]] = (),
         chat: bool = False,
         on_tokens: Callable[[list[int]], None] | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
         **options: object,
     ) -> GenerationResult:
         """Generation with ``method`` (``triedec methods`` lists them and their options): a
@@ -186,10 +202,18 @@ class LM:
         ``stop_token_ids`` end generation like EOS does (the stopping token is kept, nothing
         after it). ``context`` holds extra documents that context-based drafters may draft from.
         ``on_tokens`` is called with each batch of newly accepted token ids.
+
+        Sampling (:class:`~triedec.sampling.Sampling`; transformers' names and meanings):
+        ``temperature`` > 0 samples (0, the default, is greedy), filtered by ``top_k``, ``top_p``
+        and ``min_p``, with ``repetition_penalty`` over each token's own prefix. The token at output
+        position i is drawn with a uniform number that depends only on ``(seed, i)``, so every
+        method returns ``ar``'s tokens for the same ``seed``, and a rerun reproduces them. Without
+        a ``seed`` one is drawn and reported in ``stats.seed``.
         """
         steps = self.stream(
             prompt, method, max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
-            context=context, chat=chat, **options,
+            context=context, chat=chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, **options,
         )
         tokens: list[int] = []
         while True:
@@ -259,6 +283,15 @@ class LM:
                                        "load it with triedec.load(...) or kernels='plain'")
                 self._reference = self._reference_loader()
             return self._reference
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, min_p: float, repetition_penalty: float,
+              seed: int | None) -> Sampling:
+    """The validated sampling parameters; a sampling request without a seed gets a fresh one."""
+    sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+    if not sampling.greedy and seed is None:
+        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+    return sampling
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -13,12 +13,14 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.beam import METHOD as BEAM
 from triedec.beam import BeamOptions, Hypothesis, beam_search
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, drafter_specs
 from triedec.engine import Stats, StopRule, speculative_decode
 from triedec.errors import TriedecError
+from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 
 @dataclass(frozen=True)
@@ -33,32 +35,41 @@ class Outcome:
 class Decoder(Protocol):
     """A built method. ``decode`` validates its arguments before returning the generator, which
     yields new token ids as they are committed and returns an :class:`Outcome`. A decoder is
-    shared by every request of its (method, options); per-request state lives inside ``decode``."""
+    shared by every request of its (method, options); per-request state lives inside ``decode``.
+    ``sampling`` says how tokens are chosen (greedy by default; sampling needs its seed set)."""
 
     def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = ()) -> Generator[list[int], None, Outcome]: ...
+               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
+               ) -> Generator[list[int], None, Outcome]: ...
 
 
 class SpeculativeDecoder:
-    """A drafter run by the propose -> verify -> accept -> commit loop."""
+    """A drafter run by the propose -> verify -> accept -> commit loop, greedy or sampling."""
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
 
     def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = ()) -> Generator[list[int], None, Outcome]:
-        return _outcome(speculative_decode(adapter, self.drafter, prompt, stop, documents))
+               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
+               ) -> Generator[list[int], None, Outcome]:
+        rule = acceptance_rule(sampling)
+        return _outcome(speculative_decode(adapter, self.drafter, prompt, stop, documents, rule))
 
 
 class BeamSearchDecoder:
-    """Trie beam search with fixed :class:`~triedec.beam.BeamOptions`."""
+    """Trie beam search with fixed :class:`~triedec.beam.BeamOptions`. It applies no logits
+    processors, so it refuses sampling and the repetition penalty."""
 
     def __init__(self, options: BeamOptions, model: ModelInfo) -> None:
         del model
         self.options = options
 
     def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = ()) -> Generator[list[int], None, Outcome]:
+               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
+               ) -> Generator[list[int], None, Outcome]:
+        if not sampling.plain:
+            raise TriedecError("beam search does not sample and applies no repetition penalty: use temperature=0 "
+                               "and repetition_penalty=1 with method 'beam'")
         return _ranked(beam_search(adapter, prompt, self.options, stop, documents))
 
 

@@ -47,10 +47,12 @@ SANDBOX_TIMEOUT_S = 10.0
 class HFBeamRunner:
     """Stock transformers ``generate(num_beams=b, do_sample=False)``: the best hypothesis."""
 
+    comparable = True
+
     def __init__(self, lm: LM, num_beams: int) -> None:
         self.lm, self.num_beams, self.label = lm, num_beams, BASELINE
 
-    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
+    def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
         done = hf_generate(self.lm, prompt, max_new_tokens, do_sample=False, num_beams=self.num_beams,
                            output_scores=True)
         out = done.output

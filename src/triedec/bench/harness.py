@@ -6,10 +6,16 @@ Protocol (one process, one loaded model):
   methods rotates with each repeat so that no method always runs first;
 * ``repeats`` rotations per prompt; a sample's time is the median of its repeats;
 * wall clock with ``time.perf_counter`` (plus ``torch.cuda.synchronize`` on GPU);
-* every method's tokens are compared with the reference (``hf-greedy``) for the same prompt; a
-  mismatch is counted, and a method with mismatches is reported as wrong, never as fast; each
-  mismatch records its first differing position and stock transformers' top-2 logit gap there
-  (``first_mismatch``), so a near-tie broken by another fp32 kernel can be told from a bug.
+* speed is compared with the first method, the stock transformers baseline (``hf-greedy``; with
+  sampling, ``hf-sample``);
+* every method's tokens are compared with the token reference for the same prompt: ``hf-greedy``,
+  or with sampling triedec's ``ar`` at the same seed (sampled text depends only on the seed, so any
+  difference is a bug; transformers' own sampled runs draw from torch's RNG and are not compared);
+  a mismatch is counted, and a method with mismatches is reported as wrong, never as fast; each
+  greedy mismatch records its first differing position and stock transformers' top-2 logit gap
+  there (``first_mismatch``), so a near-tie broken by another fp32 kernel can be told from a bug;
+* with sampling, prompt k (counted from 0 over the run) is sampled with seed ``seed + k`` by every
+  method, transformers' baselines included (``torch.manual_seed``).
 
 Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``tokens_per_s``: mean over samples of new tokens / seconds;
@@ -47,8 +53,15 @@ import torch
 from triedec.bench.datasets import Question
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
+from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 REFERENCE = "hf-greedy"
+"""The speed and token reference of a greedy run."""
+SAMPLED_REFERENCE = "hf-sample"
+"""The speed reference of a sampled run (transformers' ``generate(do_sample=True)``)."""
+OWN_BASELINE = "ar"
+"""triedec's own plain decoding: ``speedup_vs_ar`` is what the draft trees add on top of it, and
+with sampling its tokens are the reference every method must equal."""
 
 
 @dataclass(frozen=True)
@@ -65,11 +78,14 @@ class RunRecord:
 
 
 class Runner(Protocol):
-    """A benchmarked method: ``run`` generates greedily from prompt token ids."""
+    """A benchmarked method: ``run`` generates from prompt token ids, greedily or sampling with
+    ``seed`` (None when greedy). ``comparable``: whether its tokens are checked against the token
+    reference (transformers' own sampling is not: it draws from torch's RNG)."""
 
     label: str
+    comparable: bool
 
-    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord: ...
+    def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord: ...
 
 
 class _ForwardCounter:
@@ -124,28 +140,47 @@ def hf_generate(lm: LM, prompt: list[int], max_new_tokens: int, **kwargs: Any) -
     return HFGenerated(out, seconds, counter.calls, counter.tokens, kv_bytes)
 
 
+def hf_sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
+    """``generate`` arguments that decode as ``sampling`` does (every filter given explicitly, so
+    nothing comes from the model's generation config)."""
+    if sampling.greedy:
+        return {"do_sample": False, "repetition_penalty": sampling.repetition_penalty}
+    return {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+            "min_p": sampling.min_p or None, "repetition_penalty": sampling.repetition_penalty}
+
+
 class HFRunner:
-    """Stock transformers ``generate(do_sample=False, **extra)``: greedy, or its prompt lookup."""
+    """Stock transformers ``generate``, greedy or sampling as ``sampling`` says (``hf-greedy``,
+    ``hf-sample``), or with its prompt lookup (``extra``: ``prompt_lookup_num_tokens``). Sampling
+    seeds torch's global RNG with the run's seed first."""
 
-    def __init__(self, lm: LM, label: str, **extra: Any) -> None:
-        self.lm, self.label, self.extra = lm, label, extra
+    def __init__(self, lm: LM, label: str, sampling: Sampling = GREEDY_SAMPLING, **extra: Any) -> None:
+        self.lm, self.label, self.sampling, self.extra = lm, label, sampling, extra
+        self.comparable = sampling.greedy
 
-    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
-        done = hf_generate(self.lm, prompt, max_new_tokens, do_sample=False, **self.extra)
+    def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
+        if not self.sampling.greedy:
+            torch.manual_seed(seed or 0)
+        done = hf_generate(self.lm, prompt, max_new_tokens, **hf_sampling_kwargs(self.sampling), **self.extra)
         tokens = done.output.sequences[0, len(prompt) :].tolist()
         return RunRecord(tokens, done.seconds, done.forward_calls - 1, done.forward_tokens - len(prompt), done.kv_bytes)
 
 
 class TriedecRunner:
-    """A triedec method with fixed options, through the public API (``LM.generate``)."""
+    """A triedec method with fixed options, through the public API (``LM.generate``), greedy or
+    sampling as ``sampling`` says (its seed replaced by each run's)."""
 
-    def __init__(self, lm: LM, label: str, method: str, options: dict[str, Any]) -> None:
-        self.lm, self.label, self.method, self.options = lm, label, method, options
+    comparable = True
+
+    def __init__(self, lm: LM, label: str, method: str, options: dict[str, Any],
+                 sampling: Sampling = GREEDY_SAMPLING) -> None:
+        self.lm, self.label, self.method, self.options, self.sampling = lm, label, method, options, sampling
         lm.decoder(method, **options)  # validate and build now, before anything is timed
 
-    def run(self, prompt: list[int], max_new_tokens: int) -> RunRecord:
+    def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
+        sampling = {**self.sampling.as_dict(), "seed": seed}
         start = time.perf_counter()
-        out = self.lm.generate(prompt, self.method, max_new_tokens=max_new_tokens, **self.options)
+        out = self.lm.generate(prompt, self.method, max_new_tokens=max_new_tokens, **sampling, **self.options)
         self.lm.adapter.synchronize()
         seconds = time.perf_counter() - start
         s = out.stats
@@ -167,14 +202,15 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: torch.device) -> RunRecord:
-    """Run once and record the peak memory increase over the run (GPU: allocated; CPU: RSS,
-    with the kernel's peak-RSS counter reset before the run)."""
+def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: torch.device,
+             seed: int | None = None) -> RunRecord:
+    """Run once (with ``seed`` when sampling) and record the peak memory increase over the run
+    (GPU: allocated; CPU: RSS, with the kernel's peak-RSS counter reset before the run)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        rec = runner.run(prompt, max_new_tokens)
+        rec = runner.run(prompt, max_new_tokens, seed)
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
         try:
@@ -183,7 +219,7 @@ def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: tor
             base = _rss_kib("VmRSS")
         except OSError:
             base = None
-        rec = runner.run(prompt, max_new_tokens)
+        rec = runner.run(prompt, max_new_tokens, seed)
         peak = 0 if base is None else (_rss_kib("VmHWM") - base) * 1024
     return replace(rec, peak_mem_bytes=max(0, peak))
 
@@ -193,15 +229,33 @@ def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: tor
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """The run's protocol values; ``sampling`` (greedy by default) applies to every method, and a
+    sampled run starts from ``sampling.seed`` (0 if None)."""
+
     max_new_tokens: int = 256
     repeats: int = 1
     warmup: int = 1
+    sampling: Sampling = GREEDY_SAMPLING
 
     def __post_init__(self) -> None:
         positive_int("--max-new-tokens", self.max_new_tokens)
         positive_int("--repeats", self.repeats)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise TriedecError(f"--warmup must be a non-negative integer, got {self.warmup!r}")
+        if not isinstance(self.sampling, Sampling):
+            raise TriedecError("sampling must be a triedec Sampling")
+
+    @property
+    def speed_reference(self) -> str:
+        return REFERENCE if self.sampling.greedy else SAMPLED_REFERENCE
+
+    @property
+    def token_reference(self) -> str:
+        return REFERENCE if self.sampling.greedy else OWN_BASELINE
+
+    def seed(self, index: int) -> int | None:
+        """The seed of the run's ``index``-th prompt (None when greedy)."""
+        return None if self.sampling.greedy else (self.sampling.seed or 0) + index
 
 
 def run_benchmark(
@@ -211,13 +265,16 @@ def run_benchmark(
     config: BenchConfig,
     progress: Callable[[int], Any] | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Run the protocol; return ``(samples, skipped)``. ``runners[0]`` must be the reference.
+    """Run the protocol; return ``(samples, skipped)``. ``runners[0]`` must be the speed reference
+    and the token reference must be among them (:class:`BenchConfig`).
 
     ``progress(total)`` may return an object with ``update(n)`` and ``set_description(s)``.
     """
-    if not runners or runners[0].label != REFERENCE:
-        raise TriedecError(f"the first method must be the reference {REFERENCE!r}")
+    if not runners or runners[0].label != config.speed_reference:
+        raise TriedecError(f"the first method must be the reference {config.speed_reference!r}")
     labels = [r.label for r in runners]
+    if config.token_reference not in labels:
+        raise TriedecError(f"the token reference {config.token_reference!r} must be among the methods")
     if len(set(labels)) != len(labels):
         raise TriedecError(f"methods listed twice: {labels}")
     chat = lm.has_chat_template
@@ -228,14 +285,17 @@ def run_benchmark(
         warm = lm.encode(_messages([], questions[0].turns[0], chat))
         for _ in range(config.warmup):
             for runner in runners:
-                runner.run(warm, min(config.max_new_tokens, 32))
+                runner.run(warm, min(config.max_new_tokens, 32), config.seed(0))
 
     samples: list[dict] = []
     skipped: list[dict] = []
+    count = 0
     for q in questions:
         history: list[dict[str, str]] = []
         for turn_index, turn in enumerate(q.turns):
             prompt = lm.encode(_messages(history, turn, chat))
+            seed = config.seed(count)
+            count += 1
             if lm.max_context is not None and len(prompt) + config.max_new_tokens > lm.max_context:
                 skipped.append({"id": q.id, "turn": turn_index, "prompt_tokens": len(prompt), "why": "context"})
                 if bar:
@@ -247,15 +307,18 @@ def run_benchmark(
                 for runner in runners[shift:] + runners[:shift]:
                     if bar:
                         bar.set_description(f"{q.category} {q.id} {runner.label}")
-                    records[runner.label].append(measured(runner, prompt, config.max_new_tokens, lm.device))
+                    records[runner.label].append(measured(runner, prompt, config.max_new_tokens, lm.device, seed))
                     if bar:
                         bar.update(1)
-            reference = records[REFERENCE][0].tokens
-            for label, recs in records.items():
+            reference = records[config.token_reference][0].tokens
+            for runner in runners:
+                label, recs = runner.label, records[runner.label]
                 first = recs[0]
-                differing = next((r.tokens for r in recs if r.tokens != reference), None)
-                diagnosis = {} if differing is None else {"first_mismatch": first_mismatch(lm, prompt, reference,
-                                                                                            differing)}
+                identical = all(r.tokens == reference for r in recs) if runner.comparable else None
+                differing = next((r.tokens for r in recs if r.tokens != reference), None) if identical is False \
+                    else None
+                diagnosis = {} if differing is None else {
+                    "first_mismatch": first_mismatch(lm, prompt, reference, differing, config.sampling.greedy)}
                 samples.append({
                     "id": q.id if len(q.turns) == 1 else f"{q.id}-turn{turn_index + 1}",
                     "category": q.category,
@@ -265,7 +328,8 @@ def run_benchmark(
                     "seconds_all": [r.seconds for r in recs],
                     "steps": first.steps,
                     "computed_tokens": first.computed_tokens,
-                    "identical_to_reference": all(r.tokens == reference for r in recs),
+                    "identical_to_reference": identical,
+                    "seed": seed,
                     "repeated_4grams": repeated_ngram_share(first.tokens),
                     "prompt_tokens": len(prompt),
                     "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
@@ -293,15 +357,18 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
     return repeated / len(grams) if grams else 0.0
 
 
-def first_mismatch(lm: LM, prompt: list[int], reference: list[int], tokens: list[int]) -> dict[str, Any]:
-    """Where ``tokens`` first leave ``reference`` and by how much stock transformers preferred its
-    token there: the gap between the top two logits of the unmodified model at that position. A
-    gap near fp32 rounding (~1e-4) is a near-tie that another kernel may break either way; a large
-    gap is a bug."""
+def first_mismatch(lm: LM, prompt: list[int], reference: list[int], tokens: list[int],
+                   greedy: bool = True) -> dict[str, Any]:
+    """Where ``tokens`` first leave ``reference`` and, for greedy runs, by how much stock
+    transformers preferred its token there: the gap between the top two logits of the unmodified
+    model at that position. A gap near fp32 rounding (~1e-4) is a near-tie that another kernel may
+    break either way; a large gap is a bug. (Sampled runs: position and tokens only.)"""
     i = next((j for j, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b),
              min(len(reference), len(tokens)))
     out: dict[str, Any] = {"position": i, "reference_token": reference[i] if i < len(reference) else None,
                            "token": tokens[i] if i < len(tokens) else None}
+    if not greedy:
+        return out
     model = lm.reference_model()
     with torch.inference_mode():
         ids = torch.tensor([[*prompt, *reference[:i]]], device=lm.device)
@@ -330,7 +397,8 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
         "new_tokens": new,
         "computed_tokens": sum(r["computed_tokens"] for r in rows),
         "computed_per_token": sum(r["computed_tokens"] for r in rows) / new if new else 0.0,
-        "mismatches": sum(not r["identical_to_reference"] for r in rows),
+        "mismatches": sum(r["identical_to_reference"] is False for r in rows),
+        "compared": sum(r["identical_to_reference"] is not None for r in rows),
         "peak_mem_mb": max((r["peak_mem_mb"] for r in rows), default=0.0),
         "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
         "repeated_4grams": statistics.fmean(r.get("repeated_4grams", 0.0) for r in rows) if rows else 0.0,
@@ -350,23 +418,19 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
     return out
 
 
-OWN_BASELINE = "ar"
-"""triedec's own plain decoding: ``speedup_vs_ar`` is what the draft trees add on top of it."""
-
-
-def summarize(samples: Sequence[dict]) -> dict[str, dict[str, Any]]:
+def summarize(samples: Sequence[dict], reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
     """Per-method metrics, ``{"overall": {...}, "by_category": {cat: {...}}}``, with speedups
-    against the reference on the same samples (``speedup``) and, when ``ar`` ran, against it
-    (``speedup_vs_ar``)."""
+    against the speed ``reference`` on the same samples (``speedup``) and, when ``ar`` ran, against
+    it (``speedup_vs_ar``)."""
     methods = list(dict.fromkeys(r["method"] for r in samples))
     categories = list(dict.fromkeys(r["category"] for r in samples))
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         mine = [r for r in samples if r["method"] == m]
-        groups = {"overall": (mine, [r for r in samples if r["method"] == REFERENCE])}
+        groups = {"overall": (mine, [r for r in samples if r["method"] == reference])}
         for c in categories:
             groups[c] = ([r for r in mine if r["category"] == c],
-                         [r for r in samples if r["method"] == REFERENCE and r["category"] == c])
+                         [r for r in samples if r["method"] == reference and r["category"] == c])
         result: dict[str, Any] = {"by_category": {}}
         for name, (rows, ref_rows) in groups.items():
             if not rows:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from triedec.bench.harness import REFERENCE
+from triedec.sampling import Sampling
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -49,8 +50,19 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _sampling_text(results: dict[str, Any]) -> str:
+    sampling = Sampling(**results.get("sampling", {}))
+    if sampling.greedy:
+        return "greedy decoding"
+    given = {k: v for k, v in sampling.as_dict().items() if k != "seed" and v != getattr(Sampling(), k)}
+    return ("sampling (" + ", ".join(f"{k} {v:g}" for k, v in given.items())
+            + f"; prompt k sampled with seed {sampling.seed or 0} + k by every method)")
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
+    reference = results.get("reference", REFERENCE)
+    token_reference = results.get("token_reference", REFERENCE)
     lines = [
         f"# triedec bench: {results['dataset']}",
         "",
@@ -61,9 +73,13 @@ def markdown(results: dict[str, Any]) -> str:
         + (f" ({m['gpu']})" if "gpu" in m else ""),
         f"- versions: torch {m['torch']}, transformers {m['transformers']}, triedec {m['triedec']}, "
         f"Python {m['python']}; triedec kernels: {results.get('kernels', 'plain')}; baselines: stock transformers",
-        f"- speedup = mean tokens/s of the method / mean tokens/s of `{REFERENCE}` on the same prompts "
+        f"- decoding: {_sampling_text(results)}",
+        f"- speedup = mean tokens/s of the method / mean tokens/s of `{reference}` on the same prompts "
         "(Spec-Bench's definition); vs triedec ar = the same against triedec's own `ar`; MAT = tokens per "
-        "decoding step; computed/token = tokens through the model (prompt excluded) per generated token.",
+        "decoding step; computed/token = tokens through the model (prompt excluded) per generated token; "
+        f"mismatches = prompts whose tokens differ from `{token_reference}`'s"
+        + (" (— = not compared: transformers' sampling draws from torch's RNG, not from the seed's positions)"
+           if token_reference != reference else "") + ".",
         "",
         "| method | tokens/s | speedup | vs triedec ar | MAT | steps | computed/token | mismatches | peak mem MB "
         "| KV MB |",
@@ -75,10 +91,11 @@ def markdown(results: dict[str, Any]) -> str:
         vs_ar = "—" if o.get("speedup_vs_ar") is None else f"{_fmt(o['speedup_vs_ar'])}x"
         lines.append(
             f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {speed} | {vs_ar} | {_fmt(o['mean_accepted'])} | "
-            f"{o['steps']} | {_fmt(o['computed_per_token'])} | {o['mismatches']} | {_fmt(o['peak_mem_mb'], 0)} | "
+            f"{o['steps']} | {_fmt(o['computed_per_token'])} | {o['mismatches'] if o.get('compared', 1) else '—'} | "
+            f"{_fmt(o['peak_mem_mb'], 0)} | "
             f"{_fmt(o['kv_mb'], 1)} |"
         )
-    ref = results["methods"].get(REFERENCE)
+    ref = results["methods"].get(token_reference)
     if ref:
         cats = ref["by_category"]
         lines += ["", "How repetitive the outputs are: the mean share of each output's 4-grams that already occurred "
@@ -88,13 +105,15 @@ def markdown(results: dict[str, Any]) -> str:
                   + " | ".join(_fmt(c.get("repeated_4grams")) for c in cats.values()) + " |"]
     mismatched = [s for s in results.get("samples", []) if s.get("first_mismatch")]
     if mismatched:
-        lines += ["", "Mismatches: where each first differs from the reference, and stock transformers' top-2 logit "
-                  "gap there (~1e-4 or less: a near-tie that another fp32 kernel may break either way):", "",
-                  "| method | prompt | position | reference token | token | top-2 gap |", "|---|---|---|---|---|---|"]
+        lines += ["", "Mismatches: where each first differs from the reference, and (greedy runs) stock transformers' "
+                  "top-2 logit gap there (~1e-4 or less: a near-tie that another fp32 kernel may break either way):",
+                  "", "| method | prompt | position | reference token | token | top-2 gap |",
+                  "|---|---|---|---|---|---|"]
         for smp in mismatched:
             fm = smp["first_mismatch"]
+            gap = f"{fm['top2_gap']:.2e}" if "top2_gap" in fm else "—"
             lines.append(f"| {smp['method']} | {smp['id']} | {fm['position']} | {fm['reference_token']} | "
-                         f"{fm['token']} | {fm['top2_gap']:.2e} |")
+                         f"{fm['token']} | {gap} |")
     split = {name: res["overall"] for name, res in results["methods"].items() if "verify_per_token" in res["overall"]}
     if split:
         lines += ["", "Lookahead's computed tokens split (per generated token): all = the table's computed/token; "
@@ -155,7 +174,7 @@ def plots(results: dict[str, Any], samples: Sequence[dict], out: Path) -> list[P
                label=name + (" (WRONG)" if wrong else ""), hatch="xx" if wrong else None)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(categories))], categories, rotation=20)
-    ax.set_ylabel(f"speedup vs {REFERENCE}")
+    ax.set_ylabel(f"speedup vs {results.get('reference', REFERENCE)}")
     ax.set_title("Speedup per category")
     ax.legend(fontsize=8)
     files.append(_save(fig, out / "speedup_by_category.png"))

@@ -1,7 +1,8 @@
 """Entry points of ``triedec bench``: method entries, and the two protocols.
 
 An entry is ``name[:key=value[:key=value...]]``: a triedec method with inline options, or a stock
-transformers baseline (``hf-greedy``, ``hf-pld[:num_tokens=N]``, ``hf-beam``). Each entry has an
+transformers baseline (``hf-greedy``, ``hf-sample`` (sampling runs), ``hf-pld[:num_tokens=N]``
+(greedy or sampling, as the run), ``hf-beam``). Each entry has an
 exactness contract (:attr:`triedec.methods.Method.equals`): the entries of one run must share it,
 and it picks the protocol -- the Spec-Bench-style greedy benchmark (:mod:`~triedec.bench.harness`,
 reference ``hf-greedy``) or the beam-search benchmark (:mod:`~triedec.bench.beam`, widths from
@@ -18,15 +19,26 @@ from typing import Any
 
 from triedec.bench.beam import beam_markdown, parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
 from triedec.bench.datasets import load_questions, select
-from triedec.bench.harness import REFERENCE, BenchConfig, HFRunner, Runner, TriedecRunner, run_benchmark, summarize
+from triedec.bench.harness import (
+    REFERENCE,
+    SAMPLED_REFERENCE,
+    BenchConfig,
+    HFRunner,
+    Runner,
+    TriedecRunner,
+    run_benchmark,
+    summarize,
+)
 from triedec.bench.report import machine_info, write_outputs
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
 from triedec.methods import BEAM_SEARCH, GREEDY, method
+from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 HF_PLD_DEFAULT_TOKENS = 10
-HF_BASELINES = {"hf-greedy": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH}
-"""Stock transformers baselines and the decoding each one is."""
+HF_BASELINES = {"hf-greedy": GREEDY, "hf-sample": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH}
+"""Stock transformers baselines and the protocol each one runs in (``hf-sample`` and every triedec
+drafter run in the speculative protocol, greedy or sampling)."""
 
 ProgressFactory = Callable[[int], Any]
 
@@ -58,16 +70,22 @@ def make_runner(
     entry: str,
     defaults: Mapping[str, Mapping[str, str]],
     extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
+    sampling: Sampling = GREEDY_SAMPLING,
 ) -> Runner:
-    """A greedy-benchmark runner for one entry; ``defaults`` are ``--METHOD-OPTION`` texts per
-    method, overridden by the entry's inline options (both read by the one option parser)."""
+    """A runner of the speculative protocol for one entry; ``defaults`` are ``--METHOD-OPTION``
+    texts per method, overridden by the entry's inline options (both read by the one option
+    parser). Every runner decodes as ``sampling`` says."""
     name, inline = parse_method_entry(entry)
     if extra_runners and name in extra_runners:
         return extra_runners[name](lm, entry)
-    if name == "hf-greedy":
+    if name in (REFERENCE, SAMPLED_REFERENCE):
         if inline:
-            raise TriedecError("hf-greedy takes no options")
-        return HFRunner(lm, entry)
+            raise TriedecError(f"{name} takes no options")
+        if (name == SAMPLED_REFERENCE) == sampling.greedy:
+            wanted = REFERENCE if sampling.greedy else SAMPLED_REFERENCE
+            raise TriedecError(f"{REFERENCE} decodes greedily and {SAMPLED_REFERENCE} samples: with --temperature "
+                               f"{sampling.temperature:g} the baseline is {wanted}")
+        return HFRunner(lm, entry, sampling)
     if name == "hf-pld":
         unknown = set(inline) - {"num_tokens"}
         if unknown:
@@ -77,13 +95,13 @@ def make_runner(
             positive_int("num_tokens", n)
         except (ValueError, TriedecError) as exc:
             raise TriedecError(f"{entry}: num_tokens must be a positive integer") from exc
-        return HFRunner(lm, entry, prompt_lookup_num_tokens=n)
+        return HFRunner(lm, entry, sampling, prompt_lookup_num_tokens=n)
     found = method(name)
     try:
         options = found.spec.parse_options({**defaults.get(name, {}), **inline})
     except TriedecError as exc:
         raise TriedecError(f"{entry}: {exc}") from exc
-    return TriedecRunner(lm, entry, name, options)
+    return TriedecRunner(lm, entry, name, options, sampling)
 
 
 def _check_contracts(entries: Sequence[str], want: str, extra: Mapping[str, object] | None = None) -> None:
@@ -108,20 +126,24 @@ def bench(
     progress: ProgressFactory | None = None,
     command: str | None = None,
 ) -> dict[str, Any]:
-    """The greedy benchmark: run it and write ``results.json``, ``results.md`` and plots into ``out``.
+    """The speculative-decoding benchmark, greedy or sampling (``config.sampling``): run it and
+    write ``results.json``, ``results.md`` and plots into ``out``.
 
-    The reference ``hf-greedy`` is always run first (added if missing).
+    The speed reference (``hf-greedy``; sampling: ``hf-sample``) always runs first and the token
+    reference (``hf-greedy``; sampling: triedec's ``ar``) always runs (each added if missing).
     """
     config = config or BenchConfig()
     entries = [m.strip() for m in methods if m.strip()]
     if not entries:
         raise TriedecError("no methods given")
-    if REFERENCE in entries:
-        entries.remove(REFERENCE)
-    entries.insert(0, REFERENCE)
+    if config.speed_reference in entries:
+        entries.remove(config.speed_reference)
+    entries.insert(0, config.speed_reference)
+    if config.token_reference not in entries:
+        entries.insert(1, config.token_reference)
     _check_contracts(entries, GREEDY, extra_runners)
     questions = select(load_questions(dataset), per_category, categories)
-    runners = [make_runner(lm, e, option_defaults or {}, extra_runners) for e in entries]
+    runners = [make_runner(lm, e, option_defaults or {}, extra_runners, config.sampling) for e in entries]
     samples, skipped = run_benchmark(lm, runners, questions, config, progress)
     results: dict[str, Any] = {
         "machine": machine_info(lm.device),
@@ -131,11 +153,14 @@ def bench(
         "max_new_tokens": config.max_new_tokens,
         "repeats": config.repeats,
         "warmup": config.warmup,
+        "sampling": config.sampling.as_dict(),
+        "reference": config.speed_reference,
+        "token_reference": config.token_reference,
         "per_category": per_category,
         "questions": len(questions),
         "turns": len({(s["id"], s["category"]) for s in samples}),
         "command": command or _command(),
-        "methods": summarize(samples),
+        "methods": summarize(samples, config.speed_reference),
         "samples": samples,
         "skipped": skipped,
     }
@@ -185,6 +210,9 @@ def run_entries(lm: LM, methods: Sequence[str], beams: str, **kwargs: Any) -> tu
         if kwargs.pop("option_defaults", None):
             raise TriedecError("--METHOD-OPTION flags do not apply to the beam-search benchmark")
         config = kwargs.pop("config")
+        if not config.sampling.plain:
+            raise TriedecError("beam search does not sample: run the beam-search benchmark without --temperature "
+                               "and --repetition-penalty")
         kwargs.pop("extra_runners", None)
         results = bench_beams(lm, methods=entries, beams=beams, max_new_tokens=config.max_new_tokens,
                               warmup=config.warmup, **kwargs)

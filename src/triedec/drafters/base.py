@@ -219,6 +219,11 @@ class MethodSpec:
 _REGISTRY: dict[str, MethodSpec] = {}
 RESERVED = frozenset({"beam"})
 """Method names taken by loops other than the speculative one (see :mod:`triedec.methods`)."""
+GENERATION_ARGUMENTS = frozenset({
+    "prompt", "method", "max_new_tokens", "stop", "stop_token_ids", "context", "chat", "on_tokens",
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+})
+"""Keyword arguments of ``LM.generate`` itself: no method option may take one of these names."""
 
 
 def register(name: str, options: type, description: str,
@@ -229,6 +234,9 @@ def register(name: str, options: type, description: str,
     def wrap(factory: Callable) -> Callable:
         if name in _REGISTRY or name in RESERVED:
             raise TriedecError(f"method {name!r} is already registered")
+        clash = sorted(GENERATION_ARGUMENTS & {f.name for f in dataclasses.fields(options)})
+        if clash:
+            raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments; rename them")
         extra = {} if needs is None else {"needs": needs}
         _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra)
         return factory

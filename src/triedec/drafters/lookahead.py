@@ -52,8 +52,8 @@ class LookaheadOptions:
     """trie mode: most verification nodes per step (B)"""
     depth: int = 0
     """trie mode: deepest verified level (D); 0 = N - 1"""
-    seed: int = 0
-    """seed of the window's initial guesses (drawn from the prompt)"""
+    window_seed: int = 0
+    """seed of the window's initial guesses (drawn from the prompt); not the sampling seed"""
 
     CLI_ALIASES: ClassVar[dict[str, str]] = {"verify": "--verify"}
     """short command-line flags besides ``--lookahead-OPTION``"""
@@ -69,8 +69,8 @@ class LookaheadOptions:
             raise TriedecError(f"depth must be an integer >= 0 (0 = ngram - 1), got {self.depth!r}")
         if self.verify not in VERIFY_MODES:
             raise TriedecError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TriedecError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.window_seed, bool) or not isinstance(self.window_seed, int):
+            raise TriedecError(f"window_seed must be an integer, got {self.window_seed!r}")
 
 
 class NgramPool:
@@ -140,7 +140,7 @@ class LookaheadSession(BaseSession):
         self.options = options
         self.levels = options.ngram - 1
         self.depth = options.depth or self.levels
-        rng = np.random.default_rng(options.seed)
+        rng = np.random.default_rng(options.window_seed)
         source = np.asarray(prompt, dtype=np.int64)
         picks = rng.integers(0, len(source), size=(self.levels, options.window))
         self.window: list[list[int]] = source[picks].tolist()
