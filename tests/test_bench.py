@@ -112,6 +112,8 @@ def test_sampled_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts):
         assert o["compared"] == 0 and o["mismatches"] == 0
     assert results["methods"]["hf-sample"]["overall"]["speedup"] == pytest.approx(1.0)
     assert results["methods"]["corrupt"]["overall"]["wrong"]
+    wrong = [smp["first_mismatch"] for smp in results["samples"] if smp["method"] == "corrupt"]
+    assert wrong and all(0 <= fm["cdf_margin"] <= 1 for fm in wrong if fm["reference_token"] is not None)
     md = (out / "results.md").read_text()
     assert "sampling (temperature 0.8, top_p 0.9" in md and "| — |" in md
 

@@ -53,7 +53,7 @@ import torch
 from triedec.bench.datasets import Question
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
-from triedec.sampling import GREEDY_SAMPLING, Sampling
+from triedec.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
 
 REFERENCE = "hf-greedy"
 """The speed and token reference of a greedy run."""
@@ -318,7 +318,7 @@ def run_benchmark(
                 differing = next((r.tokens for r in recs if r.tokens != reference), None) if identical is False \
                     else None
                 diagnosis = {} if differing is None else {
-                    "first_mismatch": first_mismatch(lm, prompt, reference, differing, config.sampling.greedy)}
+                    "first_mismatch": first_mismatch(lm, prompt, reference, differing, config.sampling, seed)}
                 samples.append({
                     "id": q.id if len(q.turns) == 1 else f"{q.id}-turn{turn_index + 1}",
                     "category": q.category,
@@ -358,22 +358,35 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
 
 
 def first_mismatch(lm: LM, prompt: list[int], reference: list[int], tokens: list[int],
-                   greedy: bool = True) -> dict[str, Any]:
-    """Where ``tokens`` first leave ``reference`` and, for greedy runs, by how much stock
-    transformers preferred its token there: the gap between the top two logits of the unmodified
-    model at that position. A gap near fp32 rounding (~1e-4) is a near-tie that another kernel may
-    break either way; a large gap is a bug. (Sampled runs: position and tokens only.)"""
+                   sampling: Sampling = GREEDY_SAMPLING, seed: int | None = None) -> dict[str, Any]:
+    """Where ``tokens`` first leave ``reference``, and how close the decision there was under stock
+    transformers' logits (the unmodified model) at that position:
+
+    * greedy: ``top2_gap``, the gap between the top two logits; a gap near fp32 rounding (~1e-4)
+      is a near-tie that another kernel may break either way; a large gap is a bug;
+    * sampling: ``cdf_margin``, the distance from the draw's uniform number (scaled to the total
+      mass) to the nearest edge of the reference token's interval of the processed CDF; a margin
+      near fp32 noise (~1e-5 or less) is a draw that another batch shape may put on the other side
+      of the boundary; a large margin is a bug."""
     i = next((j for j, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b),
              min(len(reference), len(tokens)))
     out: dict[str, Any] = {"position": i, "reference_token": reference[i] if i < len(reference) else None,
                            "token": tokens[i] if i < len(tokens) else None}
-    if not greedy:
-        return out
     model = lm.reference_model()
     with torch.inference_mode():
         ids = torch.tensor([[*prompt, *reference[:i]]], device=lm.device)
-        top = model(input_ids=ids).logits[0, -1].float().topk(2).values
-    out["top2_gap"] = float(top[0] - top[1])
+        logits = model(input_ids=ids).logits[0, -1].float()
+    if sampling.greedy:
+        top = logits.topk(2).values
+        out["top2_gap"] = float(top[0] - top[1])
+        return out
+    if i < len(reference) and seed is not None:
+        row = process(logits.cpu(), seen_tokens([*prompt, *reference[:i]]), sampling)
+        cdf = torch.cumsum(torch.softmax(row.double(), dim=-1), dim=-1)
+        target = uniform(seed, i) * float(cdf[-1])
+        token = reference[i]
+        low = float(cdf[token - 1]) if token else 0.0
+        out["cdf_margin"] = min(abs(target - low), abs(float(cdf[token]) - target))
     return out
 
 
