@@ -37,6 +37,12 @@ def tiny_lm(tiny_model_dir):
         ("hi", {"stop_token_ids": [-1]}, "stop token"),
         ("hi", {"max_new_tokens": 600}, "context"),
         ("word " * 600, {"max_new_tokens": 1}, "context"),
+        ([{"role": "user"}], {}, "'content' must be a string, got missing"),
+        ([{"role": 3, "content": "hi"}], {}, "'role' must be a string, got a int"),
+        ([{"role": "user", "content": None}], {}, "'content' must be a string"),
+        ("hi", {"context": "some text"}, "context must be a list of documents"),
+        ("hi", {"context": [3.5]}, "context document"),
+        ("hi", {"context": [[10**9]]}, "context document"),
     ],
 )
 def test_generate_refuses_bad_input(tiny_lm, prompt, kwargs, message):

@@ -89,6 +89,11 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
         (["generate", "--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0"),
         (["generate", "--seed", "-1", "--temperature", "0.5", "hi"], "seed must be an integer"),
         (["generate", "--method", "beam", "--temperature", "0.5", "hi"], "beam search does not sample"),
+        (["serve", "--port", "0"], "--port"),
+        (["serve", "--method", "nope"], "unknown method"),
+        (["serve", "--max-running", "0"], "max_running"),
+        (["serve", "--max-queue", "-1"], "max_queue"),
+        (["serve", "--method", "ar", "--pld-num-tokens", "3"], "option of method 'pld'"),
     ],
 )
 def test_cli_errors_are_clear(capsys, tiny_model_dir, argv, message):

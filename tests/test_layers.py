@@ -9,8 +9,8 @@ from pathlib import Path
 import triedec
 
 PACKAGE = Path(triedec.__file__).parent
-CORE = ("tree", "accept", "kvcache", "costmodel", "errors", "adapter", "engine", "drafters")
-SHELLS = ("lm", "cli", "bench", "calibration", "methods")
+CORE = ("tree", "sampling", "accept", "kvcache", "costmodel", "errors", "adapter", "engine", "drafters")
+SHELLS = ("lm", "cli", "bench", "calibration", "methods", "server", "dropin")
 
 
 def module_name(path: Path) -> str:

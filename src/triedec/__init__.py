@@ -9,10 +9,12 @@
 from triedec.beam import BeamOptions, BeamStats, Hypothesis
 from triedec.costmodel import CostModel
 from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
+from triedec.dropin import custom_generate
 from triedec.engine import DecodeStats, Stats, StopRule, speculative_decode
 from triedec.errors import TriedecError
 from triedec.lm import LM, GenerationResult, load
 from triedec.methods import Method, Outcome, method, methods
+from triedec.sampling import Sampling
 from triedec.tree import TokenTree
 
 __version__ = "0.1.0"
@@ -32,12 +34,14 @@ __all__ = [
     "Method",
     "ModelInfo",
     "Outcome",
+    "Sampling",
     "Stats",
     "StopRule",
     "TokenTree",
     "TriedecError",
     "Verified",
     "__version__",
+    "custom_generate",
     "load",
     "method",
     "methods",

@@ -154,6 +154,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
     _add_model_args(bench)
     _add_method_options(bench)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
+                                       "streaming, /v1/models, /health, /metrics)")
+    srv.add_argument("--method", default="pld", help="default decoding method (a request may name another in its "
+                                                     "extra body; default pld)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send and /v1/models lists (default: the model's directory name, or "
+                          "SmolLM2-135M-Instruct for the embedded default)")
+    srv.add_argument("--max-running", type=int, default=8, help="requests advanced together (default %(default)s)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait; one more gets 503 (default %(default)s)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    srv.add_argument("--max-tokens", type=int, default=256,
+                     help="max_tokens when a request gives none (default %(default)s)")
+    srv.add_argument("--drain-seconds", type=float, default=30.0,
+                     help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
+    _add_model_args(srv)
+    _add_method_options(srv)
     return parser
 
 
@@ -281,6 +301,21 @@ class _StreamPrinter:
             self._show(final_text)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from triedec.server import ServerConfig, serve
+
+    if not 0 < args.port < 65536:
+        raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
+    options = method_options(args, args.method)
+    name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
+    config = ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
+                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds)
+    lm = load_model(args)
+    serve(lm, config, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None = None) -> int:
     from triedec.bench.datasets import load_questions, select
     from triedec.bench.harness import BenchConfig
@@ -326,6 +361,8 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
             return cmd_bench(args, extra_runners)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_generate(args)
     except TriedecError as exc:
         print(f"triedec: error: {exc}", file=sys.stderr)

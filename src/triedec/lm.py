@@ -117,6 +117,11 @@ class LM:
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
+            for i, message in enumerate(prompt):
+                for key in ("role", "content"):
+                    if not isinstance(message.get(key), str):
+                        got = "missing" if key not in message else f"a {type(message[key]).__name__}"
+                        raise TriedecError(f"chat message {i}: {key!r} must be a string, got {got}")
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -260,10 +265,19 @@ class LM:
             stop_strings=_stop_strings(stop),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        documents = [
-            self.tokenizer(d, add_special_tokens=False)["input_ids"] if isinstance(d, str) else list(d)
-            for d in context
-        ]
+        if isinstance(context, str | bytes) or not isinstance(context, Sequence):
+            raise TriedecError("context must be a list of documents (strings or token-id lists), not a "
+                               f"{type(context).__name__}; wrap a single document as [text]")
+        documents = []
+        for d in context:
+            if isinstance(d, str):
+                documents.append(self.tokenizer(d, add_special_tokens=False)["input_ids"])
+            elif isinstance(d, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t < self.adapter.vocab_size for t in d):
+                documents.append(list(d))
+            else:
+                raise TriedecError(f"each context document must be a string or a list of token ids in "
+                                   f"[0, {self.adapter.vocab_size}), got {type(d).__name__}")
         return prompt_ids, rule, documents
 
     @property

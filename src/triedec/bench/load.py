@@ -1,0 +1,115 @@
+"""A bounded load test of a running ``triedec serve`` over loopback, with the ``openai`` client.
+
+:func:`run_load` sends a fixed list of requests, ``concurrency`` at a time, streaming or not as
+each says, and records every response's text, finish reason, tokens and latency (request start to
+the last byte). :func:`summarize_load` turns that into requests/s, p50/p95 latency and tokens/s in
+total. The request loop is bounded in count and time, and it talks only to the URL it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """One request: ``messages`` (chat) or ``prompt`` (completions), ``max_tokens``, ``stream`` and
+    the extra body (``method``, ``method_options``, sampling)."""
+
+    max_tokens: int
+    messages: Sequence[dict[str, str]] | None = None
+    prompt: str | None = None
+    stream: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadResponse:
+    text: str
+    finish_reason: str | None
+    completion_tokens: int
+    seconds: float
+    chunks: int
+
+
+async def _one(client: Any, model: str, req: LoadRequest) -> LoadResponse:
+    start = time.perf_counter()
+    extra = dict(req.extra)
+    if req.messages is not None:
+        if req.stream:
+            parts, reason, chunks, tokens = [], None, 0, 0
+            stream = await client.chat.completions.create(
+                model=model, messages=list(req.messages), max_tokens=req.max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra)
+            async for chunk in stream:
+                chunks += 1
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    parts.append(choice.delta.content or "")
+                    reason = choice.finish_reason or reason
+            return LoadResponse("".join(parts), reason, tokens, time.perf_counter() - start, chunks)
+        out = await client.chat.completions.create(model=model, messages=list(req.messages),
+                                                   max_tokens=req.max_tokens, extra_body=extra)
+        return LoadResponse(out.choices[0].message.content or "", out.choices[0].finish_reason,
+                            out.usage.completion_tokens, time.perf_counter() - start, 1)
+    if req.stream:
+        parts, reason, chunks, tokens = [], None, 0, 0
+        stream = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=extra)
+        async for chunk in stream:
+            chunks += 1
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                parts.append(choice.text or "")
+                reason = choice.finish_reason or reason
+        return LoadResponse("".join(parts), reason, tokens, time.perf_counter() - start, chunks)
+    out = await client.completions.create(model=model, prompt=req.prompt, max_tokens=req.max_tokens,
+                                          extra_body=extra)
+    return LoadResponse(out.choices[0].text, out.choices[0].finish_reason, out.usage.completion_tokens,
+                        time.perf_counter() - start, 1)
+
+
+async def _load(base_url: str, model: str, requests: Sequence[LoadRequest], concurrency: int,
+                timeout: float) -> tuple[list[LoadResponse], float]:
+    from openai import AsyncOpenAI
+
+    gate = asyncio.Semaphore(concurrency)
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0) as client:
+
+        async def limited(req: LoadRequest) -> LoadResponse:
+            async with gate:
+                return await _one(client, model, req)
+
+        start = time.perf_counter()
+        done = await asyncio.wait_for(asyncio.gather(*(limited(r) for r in requests)), timeout)
+        return list(done), time.perf_counter() - start
+
+
+def run_load(base_url: str, model: str, requests: Sequence[LoadRequest], concurrency: int,
+             timeout: float = 600.0) -> tuple[list[LoadResponse], float]:
+    """Send ``requests``, ``concurrency`` at a time, to the server at ``base_url`` (``.../v1``);
+    every response in request order, and the wall time of the whole run. Gives up after
+    ``timeout`` seconds."""
+    return asyncio.run(_load(base_url, model, requests, concurrency, timeout))
+
+
+def summarize_load(responses: Sequence[LoadResponse], seconds: float) -> dict[str, float]:
+    """requests/s, p50/p95 latency (s), tokens/s in total."""
+    latencies = sorted(r.seconds for r in responses)
+    tokens = sum(r.completion_tokens for r in responses)
+
+    def pct(q: float) -> float:
+        return statistics.quantiles(latencies, n=100, method="inclusive")[int(q) - 1] if len(latencies) > 1 \
+            else latencies[0]
+
+    return {"requests": len(responses), "seconds": seconds, "requests_per_s": len(responses) / seconds,
+            "p50_latency_s": pct(50), "p95_latency_s": pct(95), "completion_tokens": tokens,
+            "tokens_per_s": tokens / seconds}
