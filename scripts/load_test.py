@@ -8,18 +8,13 @@ uvicorn server on a loopback port. Writes ``results.json`` and ``results.md`` in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import torch
-import uvicorn
 
 import triedec
-from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
 from triedec.bench.report import machine_info
 from triedec.server import ServerConfig, create_app
 
@@ -43,23 +38,6 @@ def requests(count: int, max_tokens: int) -> list[LoadRequest]:
     return out
 
 
-@contextlib.contextmanager
-def serving(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(60)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/server-load-cpu")
@@ -72,7 +50,8 @@ def main() -> None:
     lm = triedec.load()
     config = ServerConfig(model_name="SmolLM2-135M-Instruct", method="pld", max_running=args.concurrency)
     batch = requests(args.requests, args.max_tokens)
-    with serving(create_app(lm, config)) as url:
+    with serving(create_app(lm, config)) as base:
+        url = f"{base}/v1"
         run_load(url, config.model_name, requests(6, 16), concurrency=6)  # warm-up: builds every method
         together, seconds = run_load(url, config.model_name, batch, concurrency=args.concurrency)
         alone, alone_seconds = run_load(url, config.model_name, batch, concurrency=1)

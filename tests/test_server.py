@@ -20,11 +20,10 @@ import httpx
 import openai
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 
 import triedec
-from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
 from triedec.server import ServerConfig, TextStream, create_app
 
 MODEL = "tiny"
@@ -36,24 +35,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running(app):
-    """A real uvicorn server for ``app`` on a free loopback port, in a thread; its base URL."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def lm(tiny_model_dir):
     return triedec.load(tiny_model_dir)
@@ -61,7 +42,7 @@ def lm(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def base(lm):
-    with running(create_app(lm, ServerConfig(model_name=MODEL, method="pld"))) as url:
+    with serving(create_app(lm, ServerConfig(model_name=MODEL, method="pld"))) as url:
         yield url
 
 
@@ -229,7 +210,7 @@ def test_a_full_queue_answers_503(lm):
     """One running, none waiting: of eight simultaneous requests some run, the rest get 503 at once."""
     app = create_app(lm, ServerConfig(model_name=MODEL, method="ar", max_running=1, max_queue=0))
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400}
-    with running(app) as url:
+    with serving(app) as url:
         barrier = threading.Barrier(8)
         codes: list[tuple[int, dict]] = []
 

@@ -9,11 +9,38 @@ total. The request loop is bounded in count and time, and it talks only to the U
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import statistics
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@contextlib.contextmanager
+def serving(app: Any, timeout: float = 60.0) -> Iterator[str]:
+    """Run ``app`` on a real uvicorn server on a free loopback port, in a thread, for the duration
+    of the block; yields its base URL (``http://127.0.0.1:PORT``)."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
 
 
 @dataclass(frozen=True)
