@@ -35,6 +35,8 @@ def test_pld_equals_ar_equals_transformers(default_lm, hf_truth, index):
     assert pld.token_ids == truth
     trie_options = ({"sized": False}, {"sized": False, "update": True}, {"sized": False, "n": 6, "prefix": 2})
     assert default_lm.generate(prompt, "ngram-trie", max_new_tokens=40, **trie_options[index % 3]).token_ids == truth
+    if index % 2 == 0:  # auto, its store filling up across the prompts
+        assert default_lm.generate(prompt, "auto", max_new_tokens=40).token_ids == truth
     assert pld.stats.new_tokens == len(truth)
     assert pld.text == default_lm.tokenizer.decode(truth, skip_special_tokens=True)
 

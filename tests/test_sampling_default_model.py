@@ -17,7 +17,7 @@ SETTINGS = [
     {"temperature": 0.7, "min_p": 0.05, "top_p": 0.95},
 ]
 METHODS = [("pld", {}), ("pld", {"min_expected": 0.0}), ("ngram-trie", {}), ("recycling", {}),
-           ("recycling", {"nodes": 24}), ("lookahead", {}), ("lookahead", {"verify": "independent"})]
+           ("recycling", {"nodes": 24}), ("lookahead", {}), ("lookahead", {"verify": "independent"}), ("auto", {})]
 PROMPT_INDEXES = [2, 6, 12, 17, 19, 20]
 
 

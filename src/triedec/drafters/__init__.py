@@ -3,7 +3,7 @@
 Importing this package registers every built-in drafter.
 """
 
-from triedec.drafters import autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
+from triedec.drafters import auto, autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
 from triedec.drafters.base import (
     NEEDS_COST,
     BaseDrafter,
@@ -27,6 +27,7 @@ __all__ = [
     "MethodSpec",
     "ModelInfo",
     "Verified",
+    "auto",
     "autoregressive",
     "drafter_spec",
     "drafter_specs",

@@ -1,0 +1,378 @@
+"""Method ``auto``: every drafting source merged into one device-sized trie, with a memory of past
+answers.
+
+Each step collects candidate continuations of the last token from three sources:
+
+* ``context`` -- an :class:`~triedec.drafters.ngram_trie.NgramTrie` over this request's documents,
+  prompt and output so far (the most frequent continuations of the longest matched suffix; a
+  node's base chance is the share of the matched occurrences that continue that way);
+* ``store`` -- the :class:`OutputStore`, a bounded cross-request memory of earlier outputs of this
+  loaded model: the continuations after the most recent occurrences of the context's last three
+  tokens (base chance 1);
+* ``recycling`` -- Token Recycling's adjacency matrix (the model's own top-k after each token,
+  from every verified position): ranks 0-3 after the root, 0-1 after those, 0 after the best
+  (base chance 1 / (1 + rank)).
+
+Candidates are merged into one trie (a path proposed by several sources is one node). Each node
+is scored by the measured acceptance of the sources that proposed it: per (source, depth, hot),
+where hot means the previous step accepted a draft, a moving average of how often a tried node
+(one whose parent was accepted) was accepted. A node's chance given its parent is
+``1 - prod_s (1 - base_s * rate_s)`` over its sources (merged evidence), and its chance to be
+accepted is that times its parent's. Nodes are ranked by that chance and the drafter sends the
+count with the most expected tokens per second under the device's cost curve
+(:func:`~triedec.costmodel.best_count`): nothing where nothing pays. A (source, depth, hot) whose
+nodes were not sent drifts back toward its prior, so it is tried again later.
+
+**State.** Per request (the session): the context trie and the output so far. Shared (the
+drafter, under its lock): the matrix, the rates, the store; the store receives each request's
+output when the request ends and, with ``store=PATH``, is loaded at start (refused if it comes
+from another model or is corrupt) and saved atomically after every request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from triedec.costmodel import best_count
+from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.ngram_trie import NgramTrie
+from triedec.drafters.recycling import AdjacencyMatrix
+from triedec.errors import TriedecError, positive_int
+from triedec.tree import TokenTree
+
+METHOD = "auto"
+SOURCES = ("context", "store", "recycling")
+STORE_FORMAT = "triedec-output-store-v1"
+KEY = 3
+"""the store is indexed by the last KEY tokens"""
+PER_KEY = 4
+"""occurrences kept per key in the store (the most recent)"""
+RECYCLING_RANKS = (4, 2, 1)
+"""candidates taken from the matrix at depths 1, 2, 3 (the latter two under the best parent only)"""
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    max_nodes: int = 64
+    """most candidate nodes ranked per step (before sizing)"""
+    depth: int = 8
+    """deepest continuation taken from the context and the store"""
+    n: int = 8
+    """the context trie's window (as ngram-trie's n)"""
+    store_tokens: int = 200_000
+    """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
+    store: str = ""
+    """file the store is loaded from (if it exists) and saved to after every request"""
+    k: int = 8
+    """candidates per row of the recycling matrix"""
+    sized: bool = True
+    """size each tree by the device's cost curve (False: send every ranked node)"""
+
+    def __post_init__(self) -> None:
+        for name in ("max_nodes", "depth", "store_tokens", "k"):
+            positive_int(name, getattr(self, name))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 2:
+            raise TriedecError(f"n must be an integer >= 2, got {self.n!r}")
+        if not isinstance(self.store, str):
+            raise TriedecError(f"store must be a file path, got {self.store!r}")
+        if not isinstance(self.sized, bool):
+            raise TriedecError(f"sized must be true or false, got {self.sized!r}")
+
+
+class OutputStore:
+    """Earlier outputs (token sequences), oldest first, at most ``capacity`` tokens in all, indexed
+    by every run of :data:`KEY` tokens -> the most recent :data:`PER_KEY` places it was followed.
+    Not thread-safe by itself: the drafter locks around it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.docs: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self.tokens = 0
+        self._next = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        doc = tuple(int(t) for t in tokens)
+        if len(doc) <= KEY or len(doc) > self.capacity:
+            return
+        doc_id, self._next = self._next, self._next + 1
+        self.docs[doc_id] = doc
+        self.tokens += len(doc)
+        for end in range(KEY, len(doc)):
+            places = self.index.setdefault(doc[end - KEY : end], [])
+            places.append((doc_id, end))
+            if len(places) > PER_KEY:
+                del places[0]
+        while self.tokens > self.capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        doc_id, doc = self.docs.popitem(last=False)
+        self.tokens -= len(doc)
+        for end in range(KEY, len(doc)):
+            key = doc[end - KEY : end]
+            places = [p for p in self.index.get(key, ()) if p[0] != doc_id]
+            if places:
+                self.index[key] = places
+            else:
+                self.index.pop(key, None)
+
+    def continuations(self, context: Sequence[int], depth: int, count: int = 2) -> list[tuple[int, ...]]:
+        """Up to ``count`` distinct continuations (``depth`` tokens at most) of the most recent
+        places where the context's last :data:`KEY` tokens occurred."""
+        if len(context) < KEY:
+            return []
+        found: list[tuple[int, ...]] = []
+        for doc_id, end in reversed(self.index.get(tuple(int(t) for t in context[-KEY:]), ())):
+            cont = self.docs[doc_id][end : end + depth]
+            if cont and cont not in found:
+                found.append(cont)
+            if len(found) >= count:
+                break
+        return found
+
+    # ---- persistence --------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str], model_id: str) -> None:
+        """Write the outputs to ``path`` (safetensors, replaced atomically), tagged with the model."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        docs = list(self.docs.values())
+        flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
+        lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
+        meta = {"format": STORE_FORMAT, "model_id": model_id}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"tokens": flat, "lengths": lengths}, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def load(self, path: str | os.PathLike[str], model_id: str, vocab_size: int) -> None:
+        """Add the outputs saved in ``path``; refuse a file from another model and a corrupt one
+        with a clear error (the store is then unchanged)."""
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise TriedecError(f"output store {path} is not a readable store file: {exc}") from exc
+        if meta.get("format") != STORE_FORMAT:
+            raise TriedecError(f"output store {path} is not a triedec output store (format {meta.get('format')!r})")
+        if meta.get("model_id") != model_id:
+            raise TriedecError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
+        flat, lengths = tensors.get("tokens"), tensors.get("lengths")
+        if (flat is None or lengths is None or flat.dim() != 1 or lengths.dim() != 1
+                or bool((lengths < 0).any()) or int(lengths.sum()) != flat.numel()
+                or bool(((flat < 0) | (flat >= vocab_size)).any())):
+            raise TriedecError(f"output store {path} is corrupt (bad tensors)")
+        for doc in torch.split(flat, lengths.tolist()):
+            self.add(doc.tolist())
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: tuple[int, ...]
+    base: dict[str, float]
+
+
+def _needs(options: AutoOptions) -> frozenset[str]:
+    return frozenset({NEEDS_COST}) if options.sized else frozenset()
+
+
+@register(METHOD, AutoOptions, "every source (context, a store of earlier outputs, the recycling matrix) merged "
+          "into one trie, scored by measured acceptance and sized for the device", needs=_needs)
+class AutoDrafter:
+    """Shared across requests, under ``lock``: the recycling matrix, the acceptance rates per
+    (source, depth, hot), the output store and the per-source counters."""
+
+    PRIOR: ClassVar[dict[str, float]] = {"context": 0.6, "store": 0.6, "recycling": 0.3}
+    """initial acceptance rate of a tried node, per source"""
+    EMA = 0.1
+    RELAX = 0.01
+
+    prefill_logits = 0
+
+    def __init__(self, options: AutoOptions, model: ModelInfo) -> None:
+        self.options = options
+        self.cost = model.cost if options.sized else None
+        self.model_id, self.vocab_size = model.model_id, model.vocab_size
+        self.lock = threading.Lock()
+        self.matrix = AdjacencyMatrix(model.vocab_size, min(options.k, model.vocab_size), model.device)
+        self.store = OutputStore(options.store_tokens)
+        self._rates: dict[tuple[str, int, bool], float] = {}
+        self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
+        if options.store and Path(options.store).exists():
+            self.store.load(options.store, self.model_id, self.vocab_size)
+
+    def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> AutoSession:
+        return AutoSession(self, prompt, documents)
+
+    def rate(self, source: str, depth: int, hot: bool) -> float:
+        return self._rates.get((source, min(depth, self.options.depth), hot), self.PRIOR[source])
+
+    def learn(self, outcomes: Sequence[tuple[tuple[str, ...], int, bool]], hot: bool, verified: Verified,
+              skipped: set[tuple[str, int, bool]]) -> None:
+        """Record each tried node's outcome (its sources, depth, accepted) and recycle the logits."""
+        with self.lock:
+            self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+            for sources, depth, accepted in outcomes:
+                for s in sources:
+                    key = (s, min(depth, self.options.depth), hot)
+                    old = self._rates.get(key, self.PRIOR[s])
+                    self._rates[key] = old + self.EMA * (float(accepted) - old)
+                    self.counters[s]["accepted"] += int(accepted)
+                    self.counters[s]["contributed"] += float(accepted) / len(sources)
+            for key in skipped:
+                old = self._rates.get(key, self.PRIOR[key[0]])
+                self._rates[key] = old + self.RELAX * (self.PRIOR[key[0]] - old)
+
+    def count_proposed(self, sent: Sequence[tuple[str, ...]]) -> None:
+        with self.lock:
+            for sources in sent:
+                for s in sources:
+                    self.counters[s]["proposed"] += 1
+
+    def remember(self, output: Sequence[int]) -> None:
+        """Add a finished request's output to the store (and save it, if configured)."""
+        with self.lock:
+            self.store.add(output)
+            if self.options.store:
+                self.store.save(self.options.store, self.model_id)
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            out = {f"{s}_{k}": float(v) for s, c in self.counters.items() for k, v in c.items()}
+            out["store_tokens"] = float(self.store.tokens)
+            out["store_outputs"] = float(len(self.store.docs))
+            return out
+
+
+class AutoSession(BaseSession):
+    def __init__(self, drafter: AutoDrafter, prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> None:
+        self.drafter = drafter
+        options = drafter.options
+        self.trie = NgramTrie(options.n, min(3, options.n - 1))
+        for doc in documents:
+            self.trie.add(doc)
+        self.stream = self.trie.add(prompt)
+        self.fed = len(prompt)
+        self.prompt_len = len(prompt)
+        self.context: Sequence[int] = prompt  # the last proposal's context
+        self.last: tuple[int, ...] = ()  # the tokens the last step emitted after it
+        self.hot = False
+        self._sent: list[tuple[str, ...]] = []  # sources of each sent node, in tree order (root: ())
+        self._skipped: set[tuple[str, int, bool]] = set()
+
+    # ---- propose ------------------------------------------------------------------------------
+
+    def _candidates(self, context: Sequence[int]) -> dict[tuple[int, ...], _Node]:
+        d, o = self.drafter, self.drafter.options
+        nodes: dict[tuple[int, ...], _Node] = {}
+
+        def offer(path: tuple[int, ...], source: str, base: float) -> None:
+            for i in range(1, len(path) + 1):
+                node = nodes.setdefault(path[:i], _Node(path[i - 1], path[: i - 1], {}))
+                if i == len(path):
+                    node.base[source] = max(node.base.get(source, 0.0), base)
+
+        # context: the trie's most frequent continuations of the longest matched suffix
+        matched, _ = self.trie.match(context)
+        if matched:
+            trie, where = self.trie, {matched: ()}
+            for v in trie.top(matched, o.max_nodes):
+                path = (*where[trie.parent[v]], trie.token[v])
+                where[v] = path
+                if len(path) <= o.depth:
+                    offer(path, "context", trie.freq[v] / trie.freq[trie.parent[v]])
+        with d.lock:
+            # store: continuations of the last KEY tokens in earlier outputs
+            for cont in d.store.continuations(context, o.depth):
+                for i in range(1, len(cont) + 1):
+                    offer(cont[:i], "store", 1.0)
+            # recycling: the matrix's candidates after the root, and after the best of those
+            frontier: list[tuple[int, ...]] = [()]
+            for width in RECYCLING_RANKS:
+                nxt = []
+                for path in frontier:
+                    token = path[-1] if path else int(context[-1])
+                    if not bool(d.matrix.filled[token]):
+                        continue
+                    row = d.matrix.table[token, : min(width, d.matrix.k)].tolist()
+                    for rank, cand in enumerate(row):
+                        offer((*path, int(cand)), "recycling", 1.0 / (1 + rank))
+                        nxt.append((*path, int(cand)))
+                frontier = nxt[:1]
+        return nodes
+
+    def propose(self, context: Sequence[int]) -> TokenTree:
+        d, o = self.drafter, self.drafter.options
+        if len(context) > self.fed:
+            self.trie.add(context[self.fed :], self.stream)
+            self.fed = len(context)
+        nodes = self._candidates(context)
+        chance: dict[tuple[int, ...], float] = {(): 1.0}
+        for path in sorted(nodes, key=len):  # parents first
+            node = nodes[path]
+            miss = 1.0
+            for s, base in node.base.items():
+                miss *= 1.0 - min(1.0, base * d.rate(s, len(path), self.hot))
+            chance[path] = chance[node.parent] * (1.0 - miss) if node.base else 0.0
+        ranked = heapq.nlargest(o.max_nodes, (p for p in nodes if chance[p] > 0), key=lambda p: (chance[p], -len(p)))
+        ranked.sort(key=lambda p: (-chance[p], len(p)))  # a child never precedes its parent
+        keep = best_count([chance[p] for p in ranked], d.cost) if d.cost is not None else len(ranked)
+        sent, self._skipped = ranked[:keep], set()
+        for p in ranked[keep:]:
+            for s in nodes[p].base:
+                self._skipped.add((s, min(len(p), o.depth), self.hot))
+        index = {(): 0}
+        tokens, parents, self._sent = [int(context[-1])], [-1], [()]
+        for p in sent:
+            if p[:-1] not in index:  # its parent was cut: so is it
+                continue
+            index[p] = len(tokens)
+            tokens.append(p[-1])
+            parents.append(index[p[:-1]])
+            self._sent.append(tuple(sorted(nodes[p].base)))
+        d.count_proposed(self._sent)
+        self.context = context
+        return TokenTree(tuple(tokens), tuple(parents))
+
+    # ---- observe ------------------------------------------------------------------------------
+
+    def observe(self, verified: Verified) -> None:
+        tree, path = verified.tree, verified.acceptance.path
+        on_path = set(path)
+        outcomes = []
+        if len(self._sent) == tree.size:  # not cut by the engine
+            for i in range(1, tree.size):
+                if tree.parents[i] in on_path:  # tried: its parent was accepted
+                    outcomes.append((self._sent[i], tree.depths[i], i in on_path))
+        self.drafter.learn(outcomes, self.hot, verified, self._skipped)
+        self.hot = len(path) > 1
+        self.last = verified.acceptance.tokens
+        self._sent, self._skipped = [], set()
+
+    def end(self) -> None:
+        """The request's output (as far as this session saw it) goes into the store."""
+        self.drafter.remember([*self.context[self.prompt_len :], *self.last])
+
+    def stats(self) -> dict[str, float]:
+        return self.drafter.stats()

@@ -1,0 +1,153 @@
+"""Method ``auto``: exact (greedy against transformers, sampled against ``ar``) on tiny models
+with every source in play, the cross-request output store (bounds, eviction, persistence,
+refusals), concurrency, and its per-source counters."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from helpers import EOS, MODELS, drain, fake_cost, hf_greedy, peaked, run, tiny_info, tiny_llama
+from helpers import random_prompts as prompts
+
+from triedec.accept import acceptance_rule
+from triedec.adapter import ModelAdapter
+from triedec.costmodel import CostModel
+from triedec.drafters import drafter_spec
+from triedec.drafters.auto import KEY, PER_KEY, SOURCES, OutputStore
+from triedec.engine import StopRule, speculative_decode
+from triedec.errors import TriedecError
+from triedec.sampling import Sampling
+
+
+def build(options: dict, info):
+    spec = drafter_spec("auto")
+    return spec.factory(spec.make_options(options), info)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_equals_transformers_greedy(name):
+    """Flat and steep cost curves and unsized; each prompt asked twice, so the second pass drafts
+    from the store of earlier outputs too."""
+    model = MODELS[name]()
+    steep = CostModel({t: 0.05 * t for t in (1, 2, 4, 8, 16, 32, 64, 81)})
+    drafters = [build({}, tiny_info(cost=fake_cost())), build({}, tiny_info(cost=steep)),
+                build({"sized": False, "max_nodes": 20}, tiny_info())]
+    batch = prompts(seed=list(MODELS).index(name) + 60, count=8)
+    accepted = 0
+    for i, prompt in enumerate(batch + batch):
+        truth = hf_greedy(model, prompt, 40)
+        documents = [truth[5:25]] if i % 4 == 0 else []
+        for drafter in drafters:
+            got, stats = run(model, drafter, prompt, 40, documents=documents)
+            assert got == truth, f"auto differs on prompt {i}"
+            accepted += sum(n - 1 for n in stats.accepted_per_step)
+    assert accepted > 100
+    counters = drafters[0].stats()
+    assert all(counters[f"{s}_proposed"] > 0 for s in SOURCES)
+    assert counters["store_outputs"] > 0
+
+
+def test_auto_sampled_equals_ar():
+    model = peaked(tiny_llama(seed=3))
+    adapter = ModelAdapter(model)
+    info = tiny_info(cost=fake_cost())
+    drafter, ar = build({}, info), drafter_spec("ar").factory(drafter_spec("ar").make_options({}), info)
+    rule = StopRule(30, frozenset([EOS]))
+    for i, prompt in enumerate(prompts(seed=5, count=6) * 2):
+        sampling = Sampling(temperature=[0.3, 0.7, 1.0][i % 3], top_p=0.95, seed=i)
+        truth, _ = drain(speculative_decode(adapter, ar, prompt, rule, (), acceptance_rule(sampling)))
+        got, _ = drain(speculative_decode(adapter, drafter, prompt, rule, (), acceptance_rule(sampling)))
+        assert got == truth
+
+
+def test_concurrent_requests_get_their_solo_outputs():
+    model = tiny_llama(seed=3)
+    drafter = build({}, tiny_info(cost=fake_cost()))
+    batch = prompts(seed=9, count=6)
+    solo = [hf_greedy(model, p, 30) for p in batch]
+    got: dict[int, list[int]] = {}
+
+    def work(i):
+        got[i] = run(model, drafter, batch[i], 30)[0]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batch))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(len(batch))] == solo
+
+
+def test_store_keeps_recent_continuations_within_its_bound():
+    store = OutputStore(capacity=30)
+    store.add([1, 2, 3, 4, 5, 6])
+    store.add([9, 1, 2, 3, 7, 8])
+    assert store.continuations([0, 1, 2, 3], depth=3) == [(7, 8), (4, 5, 6)]  # most recent first
+    assert store.continuations([1, 2], depth=3) == []  # shorter than the key
+    for i in range(10):
+        store.add([100 + i, 1, 2, 3, 50 + i, 60 + i])
+    assert store.tokens <= 30 and len(store.docs) == 5
+    assert all(p[0] in store.docs for places in store.index.values() for p in places)  # evicted ones left the index
+    assert all(len(places) <= PER_KEY for places in store.index.values())
+    assert store.continuations([1, 2, 3], depth=1) == [(59,), (58,)]
+    store.add([1, 2])  # too short to index
+    store.add(list(range(40)))  # longer than the whole store: not kept
+    assert store.tokens <= 30 and len(store.docs) == 5
+    assert KEY == 3
+
+
+def test_store_persists_atomically_and_refuses_other_models_and_corrupt_files(tmp_path):
+    path = tmp_path / "store.safetensors"
+    store = OutputStore(1000)
+    store.add([5, 6, 7, 8, 9])
+    store.add([1, 2, 3, 4])
+    store.save(path, "model-a")
+    assert not list(tmp_path.glob("*.tmp"))
+    again = OutputStore(1000)
+    again.load(path, "model-a", vocab_size=48)
+    assert list(again.docs.values()) == [(5, 6, 7, 8, 9), (1, 2, 3, 4)]
+    assert again.continuations([5, 6, 7], 4) == [(8, 9)]
+    with pytest.raises(TriedecError, match="another model"):
+        OutputStore(1000).load(path, "model-b", vocab_size=48)
+    with pytest.raises(TriedecError, match="corrupt"):
+        OutputStore(1000).load(path, "model-a", vocab_size=6)  # token ids beyond the vocabulary
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(TriedecError, match="not a readable store"):
+        OutputStore(1000).load(bad, "model-a", vocab_size=48)
+
+
+def test_store_option_carries_outputs_across_drafters(tmp_path):
+    """store=PATH: saved after every request, loaded by the next drafter (another process, say);
+    the second drafter drafts the first one's answer from the store at once."""
+    model = tiny_llama(seed=3)
+    path = tmp_path / "auto-store.safetensors"
+    info = tiny_info(cost=fake_cost())
+    prompt = prompts(seed=3, count=1)[0]
+    first, _ = run(model, build({"store": str(path)}, info), prompt, 40, eos=-1)
+    assert path.exists()
+    second = build({"store": str(path)}, info)
+    assert second.stats()["store_outputs"] == 1
+    got, stats = run(model, second, prompt, 40, eos=-1)
+    assert got == first
+    assert stats.drafter["store_accepted"] > 10
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"max_nodes": 0}, "max_nodes"), ({"n": 1}, "n must be"), ({"store_tokens": -1}, "store_tokens"),
+    ({"store": 3}, "store must be"), ({"sized": "yes"}, "sized"), ({"depth": 0}, "depth"),
+])
+def test_bad_options(bad, message):
+    with pytest.raises(TriedecError, match=message):
+        build(bad, tiny_info())
+
+
+def test_unsized_auto_sends_every_ranked_node_and_sized_can_send_none():
+    model = tiny_llama(seed=3)
+    prompt = [5, 9, 13, 5, 9, 13, 5, 9]
+    expensive = CostModel({1: 0.01, 2: 1.0, 81: 2.0})  # any draft costs 100 steps: never worth it
+    _, stats = run(model, build({}, tiny_info(cost=expensive)), prompt, 20)
+    assert stats.computed_tokens == stats.steps  # root-only trees
+    _, stats = run(model, build({"sized": False}, tiny_info()), prompt, 20)
+    assert stats.computed_tokens > stats.steps
