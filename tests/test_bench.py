@@ -140,6 +140,30 @@ def test_speedup_arithmetic_on_hand_made_timings():
     assert res["bad"]["by_category"]["y"]["speedup"] is None
 
 
+def test_by_pass_metrics_for_a_repeated_workload():
+    samples = [
+        row("hf-greedy", "1:x", 100, 10.0, 99), row("hf-greedy", "2:x", 100, 10.0, 99),  # 10 tok/s both
+        row("auto", "1:x", 100, 5.0, 50), row("auto", "2:x", 100, 2.0, 20),              # 20 then 50
+    ]
+    res = summarize(samples)
+    by_pass = res["auto"]["by_pass"]
+    assert by_pass["1"]["speedup"] == pytest.approx(2.0) and by_pass["2"]["speedup"] == pytest.approx(5.0)
+    assert set(res["auto"]["by_category"]) == {"1:x", "2:x"}
+    assert "by_pass" not in summarize([row("hf-greedy", "x", 10, 1.0, 9)])["hf-greedy"]
+
+
+def test_repeated_workload_asks_the_same_questions_twice():
+    qs = select(load_questions("repeated"), per_category=2)
+    first = [q for q in qs if q.category.startswith("1:")]
+    second = [q for q in qs if q.category.startswith("2:")]
+    assert len(first) == len(second) == 14
+    for a, b in zip(first, second, strict=True):
+        assert a.category[2:] == b.category[2:] and b.id.startswith(a.id)
+        assert a.turns[0] in b.turns[0] or a.category == "1:humaneval"
+    code = [q for q in second if q.category == "2:humaneval"]
+    assert all("_v2(" in q.turns[0] for q in code)
+
+
 def test_repeated_ngram_share():
     from triedec.bench.harness import repeated_ngram_share
 

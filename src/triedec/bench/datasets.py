@@ -1,4 +1,5 @@
-"""Benchmark questions: Spec-Bench, HumanEval, MBPP (shipped in the package), or a user's JSONL.
+"""Benchmark questions: Spec-Bench, HumanEval, MBPP (shipped in the package), ``repeated`` (a
+workload asked twice, built from the first two), or a user's JSONL.
 
 Files are found in the installed package (``triedec/bench/data``); if that copy is missing, in
 ``../shared/data`` next to the current directory (the project's shared folder, a documented
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from triedec.errors import TriedecError, positive_int
 
-DATASETS = ("spec-bench", "humaneval", "mbpp")
+DATASETS = ("spec-bench", "humaneval", "mbpp", "repeated")
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
 _FILES = {
     "spec-bench": "spec_bench_question.jsonl",
@@ -88,6 +89,38 @@ def _mbpp(rows: Iterable[dict]) -> list[Question]:
     ]
 
 
+REPHRASINGS = (
+    "I asked this before; please answer it again. ",
+    "Here is the same request in other words. ",
+    "One more time, please: ",
+    "Could you help me with the following? ",
+)
+"""How the second pass of ``repeated`` rephrases a question's instruction (by question order)."""
+
+
+def _repeated() -> list[Question]:
+    """A workload that repeats itself, for methods with a memory across requests: pass 1 is
+    Spec-Bench plus HumanEval (categories ``1:<category>``); pass 2 (``2:<category>``) asks the same
+    Spec-Bench questions again with a rephrased instruction (the first turn prefixed with one of
+    :data:`REPHRASINGS`) and the same HumanEval problems as similar functions (the function renamed
+    and the instruction reworded). Every pass keeps the file order, so ``--per-category`` picks the
+    same questions in both passes."""
+    spec = _spec_bench(_read_jsonl(data_path(_FILES["spec-bench"])))
+    code = _read_jsonl(data_path(_FILES["humaneval"]))
+    first = [Question(q.id, f"1:{q.category}", q.turns) for q in spec]
+    first += [Question(q.id, "1:humaneval", q.turns) for q in _humaneval(code)]
+    second = [Question(f"{q.id}-again", f"2:{q.category}", (REPHRASINGS[i % len(REPHRASINGS)] + q.turns[0],
+                                                            *q.turns[1:]))
+              for i, q in enumerate(spec)]
+    for r in code:
+        name = r["entry_point"]
+        prompt = r["prompt"].replace(name, f"{name}_v2")
+        second.append(Question(f"{r['task_id']}-similar", "2:humaneval",
+                               (f"Write this Python function; answer with the complete function in a Python code "
+                                f"block.\n\n```python\n{prompt}```",)))
+    return first + second
+
+
 def _user_jsonl(rows: Sequence[dict], path: Path) -> list[Question]:
     out = []
     for i, r in enumerate(rows):
@@ -104,6 +137,8 @@ def _user_jsonl(rows: Sequence[dict], path: Path) -> list[Question]:
 def load_questions(dataset: str) -> list[Question]:
     """All questions of a named dataset or of a JSONL file path (fields ``prompt`` or ``turns``,
     optional ``id`` and ``category``)."""
+    if dataset == "repeated":
+        return _repeated()
     if dataset in _FILES:
         rows = _read_jsonl(data_path(_FILES[dataset]))
         return {"spec-bench": _spec_bench, "humaneval": _humaneval, "mbpp": _mbpp}[dataset](rows)

@@ -434,34 +434,43 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
 def summarize(samples: Sequence[dict], reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
     """Per-method metrics, ``{"overall": {...}, "by_category": {cat: {...}}}``, with speedups
     against the speed ``reference`` on the same samples (``speedup``) and, when ``ar`` ran, against
-    it (``speedup_vs_ar``)."""
+    it (``speedup_vs_ar``). When every category is named ``PASS:CATEGORY`` (the ``repeated``
+    workload), ``by_pass`` holds the same metrics per pass."""
     methods = list(dict.fromkeys(r["method"] for r in samples))
     categories = list(dict.fromkeys(r["category"] for r in samples))
+    passes = list(dict.fromkeys(c.split(":", 1)[0] for c in categories)) \
+        if categories and all(":" in c for c in categories) else []
+
+    def group(kind: str, name: str) -> Callable[[dict], bool]:
+        if kind == "overall":
+            return lambda r: True
+        if kind == "by_category":
+            return lambda r: r["category"] == name
+        return lambda r: r["category"].split(":", 1)[0] == name
+
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
-        mine = [r for r in samples if r["method"] == m]
-        groups = {"overall": (mine, [r for r in samples if r["method"] == reference])}
-        for c in categories:
-            groups[c] = ([r for r in mine if r["category"] == c],
-                         [r for r in samples if r["method"] == reference and r["category"] == c])
-        result: dict[str, Any] = {"by_category": {}}
-        for name, (rows, ref_rows) in groups.items():
+        result: dict[str, Any] = {"by_category": {}, **({"by_pass": {}} if passes else {})}
+        wanted = [("overall", "overall"), *(("by_category", c) for c in categories), *(("by_pass", p) for p in passes)]
+        for kind, name in wanted:
+            keep = group(kind, name)
+            rows = [r for r in samples if r["method"] == m and keep(r)]
             if not rows:
                 continue
+            ref_rows = [r for r in samples if r["method"] == reference and keep(r)]
             metrics = _metrics(rows)
             ref_speed = _metrics(ref_rows)["tokens_per_s"] if ref_rows else 0.0
             ratio = metrics["tokens_per_s"] / ref_speed if ref_speed else None
             metrics["speedup_if_correct"] = ratio
             metrics["speedup"] = ratio if metrics["mismatches"] == 0 else None
             metrics["wrong"] = metrics["mismatches"] > 0
-            own = [r for r in samples if r["method"] == OWN_BASELINE and (name == "overall" or r["category"] == name)]
+            own = [r for r in samples if r["method"] == OWN_BASELINE and keep(r)]
             own_speed = _metrics(own)["tokens_per_s"] if own else 0.0
             metrics["speedup_vs_ar"] = metrics["tokens_per_s"] / own_speed if own_speed and not metrics["wrong"] \
                 else None
-            if name == "overall":
+            if kind == "overall":
                 result["overall"] = metrics
             else:
-                result["by_category"][name] = metrics
+                result[kind][name] = metrics
         out[m] = result
     return out
-

@@ -132,6 +132,24 @@ def markdown(results: dict[str, Any]) -> str:
             cm = res["by_category"].get(c)
             cells.append("" if cm is None else ("WRONG" if cm["wrong"] else f"{_fmt(cm['speedup'])}x"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    passes = list(dict.fromkeys(p for r in results["methods"].values() for p in r.get("by_pass", {})))
+    if passes:
+        lines += ["", "By pass (the same questions asked again in pass 2, rephrased): tokens/s and speedup over "
+                  f"`{reference}`; the last column is the method's pass-{passes[-1]} tokens/s over its pass-"
+                  f"{passes[0]} tokens/s:", "",
+                  "| method | " + " | ".join(f"pass {p} tokens/s | pass {p} speedup" for p in passes)
+                  + " | last / first pass |", "|---|" + "---|---|" * len(passes) + "---|"]
+        for name, res in results["methods"].items():
+            by = res.get("by_pass", {})
+            cells = []
+            for p in passes:
+                o = by.get(p)
+                cells += ["", ""] if o is None else [_fmt(o["tokens_per_s"], 1),
+                                                     "WRONG" if o["wrong"] else f"{_fmt(o['speedup'])}x"]
+            first, last = by.get(passes[0]), by.get(passes[-1])
+            gain = f"{last['tokens_per_s'] / first['tokens_per_s']:.2f}x" if first and last and \
+                first["tokens_per_s"] else "—"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {gain} |")
     deep = {name: res["overall"] for name, res in results["methods"].items()
             if any(x > 0 for x in res["overall"].get("acceptance_by_depth", []))}
     if deep:
