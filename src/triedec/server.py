@@ -266,6 +266,33 @@ class CompletionRequest(_Generation):
     suffix: str | None = None
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What one endpoint's responses look like: its metrics label, id prefix, object names, and
+    whether a choice carries a chat message (a ``delta`` when streaming) or plain ``text``."""
+
+    endpoint: str
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            out["text"] = text or ""
+        elif not streaming:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["delta"] = {"role": "assistant", "content": ""} if first else ({} if text is None else
+                                                                              {"content": text})
+        return {**out, "finish_reason": reason, "logprobs": None}
+
+
+CHAT_SHAPE = _Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+COMPLETION_SHAPE = _Shape("completions", "cmpl", "text_completion", "text_completion", chat=False)
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
@@ -510,76 +537,51 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     def _sse(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
+    async def respond(request: Request, req: _Generation, prompt: Any, shape: _Shape) -> Any:
+        """Start the request, then answer in ``shape``: a stream of chunks or one response."""
+        started = await start(request, req, prompt, shape.chat, shape.endpoint)
+        if isinstance(started, JSONResponse):
+            return started
+        job, prepared = started
+        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+
+        def envelope(kind: str) -> dict[str, Any]:
+            return {"id": rid, "object": kind, "created": int(time.time()), "model": config.model_name}
+
+        if req.stream:
+            def chunk(delta: str | None, reason: str | None, first: bool = False,
+                      usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
+                out = envelope(shape.chunk_object)
+                if usage is not None:
+                    out["choices"], out["usage"] = [], usage
+                else:
+                    out["choices"] = [shape.choice(delta, reason, streaming=True, first=first)]
+                if ext is not None:
+                    out["triedec"] = ext
+                return out
+
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(stream(job, prepared, shape.endpoint, chunk, include),
+                                     media_type="text/event-stream")
+
+        def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
+            return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
+                    "usage": use, "triedec": ext}
+
+        return await complete(request, job, prepared, shape.endpoint, make)
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request, req: ChatRequest) -> Any:
         if not req.messages:
             return _error(400, "messages must not be empty", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        started = await start(request, req, messages, True, "chat")
-        if isinstance(started, JSONResponse):
-            return started
-        job, prepared = started
-        rid, model = f"chatcmpl-{uuid.uuid4().hex}", config.model_name
-
-        if req.stream:
-            def chunk(delta: str | None, reason: str | None, first: bool = False,
-                      usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
-                out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()),
-                                       "model": model}
-                if usage is not None:
-                    out["choices"], out["usage"] = [], usage
-                else:
-                    d = {"role": "assistant", "content": ""} if first else ({} if delta is None else
-                                                                               {"content": delta})
-                    out["choices"] = [{"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}]
-                if ext is not None:
-                    out["triedec"] = ext
-                return out
-
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, prepared, "chat", chunk, include), media_type="text/event-stream")
-
-        def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
-            return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "finish_reason": reason, "logprobs": None}],
-                    "usage": use, "triedec": ext}
-
-        return await complete(request, job, prepared, "chat", make)
+        return await respond(request, req, messages, CHAT_SHAPE)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, req: CompletionRequest) -> Any:
         if not req.prompt:
             return _error(400, "prompt must not be empty", param="prompt")
-        started = await start(request, req, req.prompt, False, "completions")
-        if isinstance(started, JSONResponse):
-            return started
-        job, prepared = started
-        rid, model = f"cmpl-{uuid.uuid4().hex}", config.model_name
-
-        if req.stream:
-            def chunk(delta: str | None, reason: str | None, first: bool = False,
-                      usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
-                out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                                       "model": model}
-                if usage is not None:
-                    out["choices"], out["usage"] = [], usage
-                else:
-                    out["choices"] = [{"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}]
-                if ext is not None:
-                    out["triedec"] = ext
-                return out
-
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(stream(job, prepared, "completions", chunk, include),
-                                     media_type="text/event-stream")
-
-        def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
-            return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}],
-                    "usage": use, "triedec": ext}
-
-        return await complete(request, job, prepared, "completions", make)
+        return await respond(request, req, req.prompt, COMPLETION_SHAPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
