@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,13 +41,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from triedec.costmodel import best_count
 from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
+from triedec.drafters.state import load_state, save_state
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -147,34 +145,15 @@ class OutputStore:
 
     def save(self, path: str | os.PathLike[str], model_id: str) -> None:
         """Write the outputs to ``path`` (safetensors, replaced atomically), tagged with the model."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         docs = list(self.docs.values())
         flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
         lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
-        meta = {"format": STORE_FORMAT, "model_id": model_id}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"tokens": flat, "lengths": lengths}, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_state(path, {"tokens": flat, "lengths": lengths}, {"format": STORE_FORMAT, "model_id": model_id})
 
     def load(self, path: str | os.PathLike[str], model_id: str, vocab_size: int) -> None:
         """Add the outputs saved in ``path``; refuse a file from another model and a corrupt one
         with a clear error (the store is then unchanged)."""
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise TriedecError(f"output store {path} is not a readable store file: {exc}") from exc
-        if meta.get("format") != STORE_FORMAT:
-            raise TriedecError(f"output store {path} is not a triedec output store (format {meta.get('format')!r})")
+        meta, tensors = load_state(path, "output store", "store", STORE_FORMAT)
         if meta.get("model_id") != model_id:
             raise TriedecError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
         flat, lengths = tensors.get("tokens"), tensors.get("lengths")

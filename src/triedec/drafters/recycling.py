@@ -27,7 +27,6 @@ from __future__ import annotations
 import heapq
 import math
 import os
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,11 +35,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from triedec.costmodel import CostModel
 from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.state import load_state, save_state
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -247,33 +245,13 @@ class AdjacencyMatrix:
 
     def save(self, path: str | os.PathLike[str], model_id: str) -> None:
         """Write the matrix to ``path`` (safetensors, replaced atomically), tagged with the model."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": STATE_FORMAT, "model_id": model_id, "vocab_size": str(self.vocab_size), "k": str(self.k)}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"table": self.table.cpu(), "filled": self.filled.cpu()}, tmp, metadata=meta)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        save_state(path, {"table": self.table, "filled": self.filled}, meta)
 
     def load(self, path: str | os.PathLike[str], model_id: str) -> None:
         """Replace the matrix with the one saved in ``path``; refuse a file from another model,
         vocabulary or k, and a corrupt one, with a clear error (the matrix is then unchanged)."""
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise TriedecError(f"recycling state {path} is not a readable state file: {exc}") from exc
-        if meta.get("format") != STATE_FORMAT:
-            raise TriedecError(
-                f"recycling state {path} is not a triedec recycling state (format {meta.get('format')!r})"
-            )
+        meta, tensors = load_state(path, "recycling state", "state", STATE_FORMAT)
         if meta.get("vocab_size") != str(self.vocab_size) or meta.get("k") != str(self.k):
             raise TriedecError(
                 f"recycling state {path} is for vocabulary {meta.get('vocab_size')} and k={meta.get('k')}; "
