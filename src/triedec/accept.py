@@ -82,16 +82,19 @@ class AcceptanceRule(Protocol):
 
 
 class _PerNode:
-    """What each reached node needs, computed once: its row of logits on the CPU and the token
-    ids of its own prefix (context + its ancestors' drafts)."""
+    """What each reached node needs: its row of logits on the CPU and, when a repetition penalty
+    applies (``penalized``), the token ids of its own prefix (context + its ancestors' drafts);
+    without one, no prefix is built (an empty one penalizes nothing)."""
 
-    def __init__(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int]) -> None:
-        self.tree, self.logits, self.context = tree, logits, context
+    def __init__(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], penalized: bool) -> None:
+        self.tree, self.logits, self.context, self.penalized = tree, logits, context, penalized
 
     def row(self, node: int) -> torch.Tensor:
         return self.logits[node].detach().to("cpu")
 
     def seen(self, node: int) -> torch.Tensor:
+        if not self.penalized:
+            return seen_tokens(())
         ancestors = self.tree.ancestry[node].nonzero().flatten().tolist()[1:]  # the root is context[-1]
         return seen_tokens(self.context, [self.tree.tokens[a] for a in ancestors])
 
@@ -119,7 +122,7 @@ class GreedyRule:
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
         if self.repetition_penalty == 1.0:
             return accept_greedy(tree, logits.argmax(dim=-1).tolist())
-        nodes = _PerNode(tree, logits, context)
+        nodes = _PerNode(tree, logits, context, penalized=True)
         return walk(tree, _memo(lambda i: int(penalize(nodes.row(i), nodes.seen(i), self.repetition_penalty).argmax())))
 
 
@@ -132,7 +135,7 @@ class SamplingRule:
     seed: int
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        nodes = _PerNode(tree, logits, context)
+        nodes = _PerNode(tree, logits, context, penalized=self.sampling.repetition_penalty != 1.0)
         depths = tree.depths
 
         def choose(i: int) -> int:
