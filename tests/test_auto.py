@@ -14,7 +14,7 @@ from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
 from triedec.drafters import drafter_spec
-from triedec.drafters.auto import KEY, PER_KEY, SOURCES, OutputStore
+from triedec.drafters.auto import KEY, PER_KEY, SOURCES, AutoDrafter, OutputStore, _Node
 from triedec.engine import StopRule, speculative_decode
 from triedec.errors import TriedecError
 from triedec.sampling import Sampling
@@ -83,14 +83,16 @@ def test_store_keeps_recent_continuations_within_its_bound():
     store = OutputStore(capacity=30)
     store.add([1, 2, 3, 4, 5, 6])
     store.add([9, 1, 2, 3, 7, 8])
-    assert store.continuations([0, 1, 2, 3], depth=3) == [(7, 8), (4, 5, 6)]  # most recent first
+    assert store.continuations([0, 1, 2, 3], depth=3) == [((7, 8), 3), ((4, 5, 6), 3)]  # most recent first
+    assert store.continuations([9, 1, 2, 3], depth=3) == [((7, 8), 4), ((4, 5, 6), 3)]  # longest match first
+    assert store.continuations([0, 1, 2, 3], depth=3, count=1) == [((7, 8), 3)]
     assert store.continuations([1, 2], depth=3) == []  # shorter than the key
     for i in range(10):
         store.add([100 + i, 1, 2, 3, 50 + i, 60 + i])
     assert store.tokens <= 30 and len(store.docs) == 5
     assert all(p[0] in store.docs for places in store.index.values() for p in places)  # evicted ones left the index
     assert all(len(places) <= PER_KEY for places in store.index.values())
-    assert store.continuations([1, 2, 3], depth=1) == [(59,), (58,)]
+    assert store.continuations([1, 2, 3], depth=1) == [((59,), 3), ((58,), 3)]
     store.add([1, 2])  # too short to index
     store.add(list(range(40)))  # longer than the whole store: not kept
     assert store.tokens <= 30 and len(store.docs) == 5
@@ -107,7 +109,7 @@ def test_store_persists_atomically_and_refuses_other_models_and_corrupt_files(tm
     again = OutputStore(1000)
     again.load(path, "model-a", vocab_size=48)
     assert list(again.docs.values()) == [(5, 6, 7, 8, 9), (1, 2, 3, 4)]
-    assert again.continuations([5, 6, 7], 4) == [(8, 9)]
+    assert again.continuations([5, 6, 7], 4) == [((8, 9), 3)]
     with pytest.raises(TriedecError, match="another model"):
         OutputStore(1000).load(path, "model-b", vocab_size=48)
     with pytest.raises(TriedecError, match="corrupt"):
@@ -151,3 +153,45 @@ def test_unsized_auto_sends_every_ranked_node_and_sized_can_send_none():
     assert stats.computed_tokens == stats.steps  # root-only trees
     _, stats = run(model, build({"sized": False}, tiny_info()), prompt, 20)
     assert stats.computed_tokens > stats.steps
+
+
+def test_chances_merge_evidence_and_siblings_share_one_parent():
+    """A node proposed by two kinds combines their evidence; children whose chances given the
+    parent add up to more than 1 are scaled down together (at most one child is accepted)."""
+    drafter = build({}, tiny_info())
+    session = drafter.begin([1, 2, 3])
+    ctx, store, rec = AutoDrafter.PRIOR["context"], AutoDrafter.PRIOR["store"], AutoDrafter.PRIOR["recycling"]
+    nodes = {
+        (5,): _Node(5, (), {("context", 3): 1.0}),
+        (6,): _Node(6, (), {("store", 8): 1.0, ("recycling", 0): 1.0}),
+        (5, 7): _Node(7, (5,), {("context", 3): 0.5}),
+    }
+    chance = session.score(nodes)
+    merged = 1 - (1 - store) * (1 - rec)
+    total = ctx + merged
+    assert total > 1
+    assert chance[(5,)] == pytest.approx(ctx / total)
+    assert chance[(6,)] == pytest.approx(merged / total)
+    assert chance[(5,)] + chance[(6,)] == pytest.approx(1.0)
+    assert chance[(5, 7)] == pytest.approx(chance[(5,)] * 0.5 * ctx)  # alone: not scaled
+
+
+def test_rates_are_calibrated_per_unit_of_base_and_skipped_keys_relax_to_the_prior():
+    """Nodes of base 0.5 accepted half the time: base * rate -> 0.5 (rate -> 1), so the chance
+    estimate matches what was measured whatever the base; a key that stops being sent drifts back."""
+    drafter = build({}, tiny_info())
+    kind = ("context", 2)
+    for i in range(400):
+        drafter.learn([({kind: 0.5}, 1, i % 2 == 0)], hot=False, skipped=set())
+    key = AutoDrafter.key(kind, 1, False)
+    assert 0.5 * drafter.rate(key) == pytest.approx(0.5, abs=0.08)
+    assert drafter.rate(AutoDrafter.key(kind, 1, True)) == AutoDrafter.PRIOR["context"]  # hot is apart
+    assert AutoDrafter.key(kind, 30, False) == AutoDrafter.key(kind, 4, False)  # deep nodes share a key
+    for _ in range(400):
+        drafter.learn([({kind: 1.0}, 1, False)], hot=False, skipped=set())
+    low = drafter.rate(key)
+    assert low < 0.05
+    for _ in range(300):
+        drafter.learn([], hot=False, skipped={key})
+    assert low < drafter.rate(key) < AutoDrafter.PRIOR["context"]
+    assert drafter.stats()["context_accepted"] == 200

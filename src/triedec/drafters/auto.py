@@ -5,23 +5,26 @@ Each step collects candidate continuations of the last token from three sources:
 
 * ``context`` -- an :class:`~triedec.drafters.ngram_trie.NgramTrie` over this request's documents,
   prompt and output so far (the most frequent continuations of the longest matched suffix; a
-  node's base chance is the share of the matched occurrences that continue that way);
+  node's base chance is the share of its parent's occurrences that continue that way);
 * ``store`` -- the :class:`OutputStore`, a bounded cross-request memory of earlier outputs of this
-  loaded model: the continuations after the most recent occurrences of the context's last three
-  tokens (base chance 1);
+  loaded model: the continuations after the places where the context's last three tokens occurred,
+  longest match first (base chance 1);
 * ``recycling`` -- Token Recycling's adjacency matrix (the model's own top-k after each token,
   from every verified position): ranks 0-3 after the root, 0-1 after those, 0 after the best
-  (base chance 1 / (1 + rank)).
+  (base chance 1).
 
 Candidates are merged into one trie (a path proposed by several sources is one node). Each node
-is scored by the measured acceptance of the sources that proposed it: per (source, depth, hot),
-where hot means the previous step accepted a draft, a moving average of how often a tried node
-(one whose parent was accepted) was accepted. A node's chance given its parent is
-``1 - prod_s (1 - base_s * rate_s)`` over its sources (merged evidence), and its chance to be
-accepted is that times its parent's. Nodes are ranked by that chance and the drafter sends the
-count with the most expected tokens per second under the device's cost curve
-(:func:`~triedec.costmodel.best_count`): nothing where nothing pays. A (source, depth, hot) whose
-nodes were not sent drifts back toward its prior, so it is tried again later.
+is scored by the measured acceptance of the *kinds* that proposed it: a kind is a source with its
+detail (the context's matched suffix length, the store's match length, the recycling rank), and
+acceptance is measured per (kind, depth, hot), where hot means the previous step accepted a draft:
+two moving averages over tried nodes (those whose parent was accepted), of accepted and of base,
+whose ratio is the rate, so that ``base * rate`` estimates a node's chance given its parent
+whatever its base. Given its parent, a node's chance is ``1 - prod (1 - base * rate)`` over its
+kinds (merged evidence); siblings whose chances add up to more than 1 are scaled down together
+(at most one child is accepted); its chance to be accepted is that times its parent's. Nodes are
+ranked by that chance and the drafter sends the count with the most expected tokens per second
+under the device's cost curve (:func:`~triedec.costmodel.best_count`): nothing where nothing pays.
+A key whose nodes were not sent drifts back toward its prior, so it is tried again later.
 
 **State.** Per request (the session): the context trie and the output so far. Shared (the
 drafter, under its lock): the matrix, the rates, the store; the store receives each request's
@@ -57,6 +60,10 @@ KEY = 3
 """the store is indexed by the last KEY tokens"""
 PER_KEY = 4
 """occurrences kept per key in the store (the most recent)"""
+LONGEST_MATCH = 8
+"""store matches are told apart (ranked, and their acceptance measured) up to this length"""
+DEPTH_KEYS = 4
+"""acceptance is measured per depth 1 .. DEPTH_KEYS - 1, and for all deeper nodes together"""
 RECYCLING_RANKS = (4, 2, 1)
 """candidates taken from the matrix at depths 1, 2, 3 (the latter two under the best parent only)"""
 
@@ -65,9 +72,9 @@ RECYCLING_RANKS = (4, 2, 1)
 class AutoOptions:
     max_nodes: int = 64
     """most candidate nodes ranked per step (before sizing)"""
-    depth: int = 8
+    depth: int = 12
     """deepest continuation taken from the context and the store"""
-    n: int = 8
+    n: int = 13
     """the context trie's window (as ngram-trie's n)"""
     store_tokens: int = 200_000
     """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
@@ -127,16 +134,24 @@ class OutputStore:
             else:
                 self.index.pop(key, None)
 
-    def continuations(self, context: Sequence[int], depth: int, count: int = 2) -> list[tuple[int, ...]]:
-        """Up to ``count`` distinct continuations (``depth`` tokens at most) of the most recent
-        places where the context's last :data:`KEY` tokens occurred."""
+    def continuations(self, context: Sequence[int], depth: int, count: int = 2) -> list[tuple[tuple[int, ...], int]]:
+        """Up to ``count`` distinct continuations (``depth`` tokens at most) of the places where
+        the context's last :data:`KEY` tokens occurred, each with its match length (how many of
+        the context's last tokens, at most :data:`LONGEST_MATCH`, precede it there): longest match
+        first, then most recent."""
         if len(context) < KEY:
             return []
-        found: list[tuple[int, ...]] = []
-        for doc_id, end in reversed(self.index.get(tuple(int(t) for t in context[-KEY:]), ())):
-            cont = self.docs[doc_id][end : end + depth]
-            if cont and cont not in found:
-                found.append(cont)
+        tail = [int(t) for t in context[-LONGEST_MATCH:]]
+        places = []
+        for doc_id, end in reversed(self.index.get(tuple(tail[-KEY:]), ())):
+            doc, m = self.docs[doc_id], KEY
+            while m < len(tail) and m < end and doc[end - m - 1] == tail[-m - 1]:
+                m += 1
+            places.append((-m, len(places), doc[end : end + depth]))
+        found: list[tuple[tuple[int, ...], int]] = []
+        for m, _, cont in sorted(places):
+            if cont and all(cont != c for c, _ in found):
+                found.append((cont, -m))
             if len(found) >= count:
                 break
         return found
@@ -165,11 +180,18 @@ class OutputStore:
             self.add(doc.tolist())
 
 
+Kind = tuple[str, int]
+"""(source, detail): the context's matched suffix length, the store's match length (at most
+:data:`LONGEST_MATCH`), or the recycling candidate's rank in its row"""
+Key = tuple[Kind, int, bool]
+"""what acceptance is measured per: (kind, depth (capped at :data:`DEPTH_KEYS`), hot)"""
+
+
 @dataclass
 class _Node:
     token: int
     parent: tuple[int, ...]
-    base: dict[str, float]
+    base: dict[Kind, float]
 
 
 def _needs(options: AutoOptions) -> frozenset[str]:
@@ -180,12 +202,14 @@ def _needs(options: AutoOptions) -> frozenset[str]:
           "into one trie, scored by measured acceptance and sized for the device", needs=_needs)
 class AutoDrafter:
     """Shared across requests, under ``lock``: the recycling matrix, the acceptance rates per
-    (source, depth, hot), the output store and the per-source counters."""
+    :data:`Key`, the output store and the per-source counters."""
 
-    PRIOR: ClassVar[dict[str, float]] = {"context": 0.6, "store": 0.6, "recycling": 0.3}
+    PRIOR: ClassVar[dict[str, float]] = {"context": 0.8, "store": 0.6, "recycling": 0.3}
     """initial acceptance rate of a tried node, per source"""
     EMA = 0.1
+    """weight of a new tried node in the two moving averages behind a rate"""
     RELAX = 0.01
+    """how far a skipped key's averages move back toward the prior per step it was skipped"""
 
     prefill_logits = 0
 
@@ -196,7 +220,9 @@ class AutoDrafter:
         self.lock = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, min(options.k, model.vocab_size), model.device)
         self.store = OutputStore(options.store_tokens)
-        self._rates: dict[tuple[str, int, bool], float] = {}
+        # Key -> moving averages of [accepted, base] over tried nodes: rate = accepted / base, so
+        # that base * rate estimates a node's chance given its parent whatever its base
+        self._averages: dict[Key, list[float]] = {}
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
         if options.store and Path(options.store).exists():
             self.store.load(options.store, self.model_id, self.vocab_size)
@@ -204,30 +230,41 @@ class AutoDrafter:
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> AutoSession:
         return AutoSession(self, prompt, documents)
 
-    def rate(self, source: str, depth: int, hot: bool) -> float:
-        return self._rates.get((source, min(depth, self.options.depth), hot), self.PRIOR[source])
+    @staticmethod
+    def key(kind: Kind, depth: int, hot: bool) -> Key:
+        return kind, min(depth, DEPTH_KEYS), hot
 
-    def learn(self, outcomes: Sequence[tuple[tuple[str, ...], int, bool]], hot: bool, verified: Verified,
-              skipped: set[tuple[str, int, bool]]) -> None:
-        """Record each tried node's outcome (its sources, depth, accepted) and recycle the logits."""
+    def rate(self, key: Key) -> float:
+        """Estimated chance, per unit of base, that a node of ``key`` is accepted given its parent
+        was. Read without the lock: a racing update only makes it a step stale."""
+        accepted, base = self._averages.get(key, (self.PRIOR[key[0][0]], 1.0))
+        return accepted / base
+
+    def learn(self, outcomes: Sequence[tuple[dict[Kind, float], int, bool]], hot: bool, skipped: set[Key],
+              verified: Verified | None = None) -> None:
+        """Record each tried node's outcome (its kinds with their bases, depth, accepted), relax
+        the skipped keys toward their prior, and recycle the verified logits (if given)."""
         with self.lock:
-            self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
-            for sources, depth, accepted in outcomes:
-                for s in sources:
-                    key = (s, min(depth, self.options.depth), hot)
-                    old = self._rates.get(key, self.PRIOR[s])
-                    self._rates[key] = old + self.EMA * (float(accepted) - old)
-                    self.counters[s]["accepted"] += int(accepted)
-                    self.counters[s]["contributed"] += float(accepted) / len(sources)
+            if verified is not None:
+                self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+            for kinds, depth, accepted in outcomes:
+                for kind, base in kinds.items():
+                    avg = self._averages.setdefault(self.key(kind, depth, hot), [self.PRIOR[kind[0]], 1.0])
+                    avg[0] += self.EMA * (float(accepted) - avg[0])
+                    avg[1] += self.EMA * (base - avg[1])
+                    counter = self.counters[kind[0]]
+                    counter["accepted"] += int(accepted)
+                    counter["contributed"] += float(accepted) / len(kinds)
             for key in skipped:
-                old = self._rates.get(key, self.PRIOR[key[0]])
-                self._rates[key] = old + self.RELAX * (self.PRIOR[key[0]] - old)
+                avg = self._averages.setdefault(key, [self.PRIOR[key[0][0]], 1.0])
+                avg[0] += self.RELAX * (self.PRIOR[key[0][0]] - avg[0])
+                avg[1] += self.RELAX * (1.0 - avg[1])
 
-    def count_proposed(self, sent: Sequence[tuple[str, ...]]) -> None:
+    def count_proposed(self, sent: Sequence[dict[Kind, float]]) -> None:
         with self.lock:
-            for sources in sent:
-                for s in sources:
-                    self.counters[s]["proposed"] += 1
+            for kinds in sent:
+                for kind in kinds:
+                    self.counters[kind[0]]["proposed"] += 1
 
     def remember(self, output: Sequence[int]) -> None:
         """Add a finished request's output to the store (and save it, if configured)."""
@@ -257,8 +294,8 @@ class AutoSession(BaseSession):
         self.context: Sequence[int] = prompt  # the last proposal's context
         self.last: tuple[int, ...] = ()  # the tokens the last step emitted after it
         self.hot = False
-        self._sent: list[tuple[str, ...]] = []  # sources of each sent node, in tree order (root: ())
-        self._skipped: set[tuple[str, int, bool]] = set()
+        self._sent: list[dict[Kind, float]] = []  # kinds and bases of each sent node, in tree order
+        self._skipped: set[Key] = set()
 
     # ---- propose ------------------------------------------------------------------------------
 
@@ -266,26 +303,27 @@ class AutoSession(BaseSession):
         d, o = self.drafter, self.drafter.options
         nodes: dict[tuple[int, ...], _Node] = {}
 
-        def offer(path: tuple[int, ...], source: str, base: float) -> None:
+        def offer(path: tuple[int, ...], kind: Kind, base: float) -> None:
             for i in range(1, len(path) + 1):
                 node = nodes.setdefault(path[:i], _Node(path[i - 1], path[: i - 1], {}))
                 if i == len(path):
-                    node.base[source] = max(node.base.get(source, 0.0), base)
+                    node.base[kind] = max(node.base.get(kind, 0.0), base)
 
-        # context: the trie's most frequent continuations of the longest matched suffix
-        matched, _ = self.trie.match(context)
+        # context: the trie's most frequent continuations of the longest matched suffix (base:
+        # the share of the parent's occurrences that continue this way)
+        matched, m = self.trie.match(context)
         if matched:
             trie, where = self.trie, {matched: ()}
             for v in trie.top(matched, o.max_nodes):
                 path = (*where[trie.parent[v]], trie.token[v])
                 where[v] = path
                 if len(path) <= o.depth:
-                    offer(path, "context", trie.freq[v] / trie.freq[trie.parent[v]])
+                    offer(path, ("context", m), trie.freq[v] / trie.freq[trie.parent[v]])
         with d.lock:
-            # store: continuations of the last KEY tokens in earlier outputs
-            for cont in d.store.continuations(context, o.depth):
+            # store: continuations of the last KEY tokens in earlier outputs, longest match first
+            for cont, length in d.store.continuations(context, o.depth):
                 for i in range(1, len(cont) + 1):
-                    offer(cont[:i], "store", 1.0)
+                    offer(cont[:i], ("store", length), 1.0)
             # recycling: the matrix's candidates after the root, and after the best of those
             frontier: list[tuple[int, ...]] = [()]
             for width in RECYCLING_RANKS:
@@ -296,10 +334,30 @@ class AutoSession(BaseSession):
                         continue
                     row = d.matrix.table[token, : min(width, d.matrix.k)].tolist()
                     for rank, cand in enumerate(row):
-                        offer((*path, int(cand)), "recycling", 1.0 / (1 + rank))
+                        offer((*path, int(cand)), ("recycling", rank), 1.0)
                         nxt.append((*path, int(cand)))
                 frontier = nxt[:1]
         return nodes
+
+    def score(self, nodes: dict[tuple[int, ...], _Node]) -> dict[tuple[int, ...], float]:
+        """Each candidate's chance to be accepted (the root's is 1): given its parent,
+        ``1 - prod (1 - base * rate)`` over the kinds that proposed it; siblings' chances scaled
+        down together where they add up to more than 1 (at most one child is accepted); times
+        the parent's chance."""
+        d = self.drafter
+        given: dict[tuple[int, ...], float] = {}  # chance given the parent was accepted
+        siblings: dict[tuple[int, ...], float] = {}  # a parent's children's chances added up
+        for path, node in nodes.items():
+            miss = 1.0
+            for kind, base in node.base.items():
+                miss *= 1.0 - min(1.0, base * d.rate(d.key(kind, len(path), self.hot)))
+            given[path] = 1.0 - miss
+            siblings[node.parent] = siblings.get(node.parent, 0.0) + given[path]
+        chance: dict[tuple[int, ...], float] = {(): 1.0}
+        for path in sorted(nodes, key=len):  # parents first; at most one child is accepted
+            parent = nodes[path].parent
+            chance[path] = chance[parent] * given[path] / max(1.0, siblings[parent])
+        return chance
 
     def propose(self, context: Sequence[int]) -> TokenTree:
         d, o = self.drafter, self.drafter.options
@@ -307,29 +365,23 @@ class AutoSession(BaseSession):
             self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
         nodes = self._candidates(context)
-        chance: dict[tuple[int, ...], float] = {(): 1.0}
-        for path in sorted(nodes, key=len):  # parents first
-            node = nodes[path]
-            miss = 1.0
-            for s, base in node.base.items():
-                miss *= 1.0 - min(1.0, base * d.rate(s, len(path), self.hot))
-            chance[path] = chance[node.parent] * (1.0 - miss) if node.base else 0.0
+        chance = self.score(nodes)
         ranked = heapq.nlargest(o.max_nodes, (p for p in nodes if chance[p] > 0), key=lambda p: (chance[p], -len(p)))
         ranked.sort(key=lambda p: (-chance[p], len(p)))  # a child never precedes its parent
         keep = best_count([chance[p] for p in ranked], d.cost) if d.cost is not None else len(ranked)
         sent, self._skipped = ranked[:keep], set()
         for p in ranked[keep:]:
-            for s in nodes[p].base:
-                self._skipped.add((s, min(len(p), o.depth), self.hot))
+            for kind in nodes[p].base:
+                self._skipped.add(d.key(kind, len(p), self.hot))
         index = {(): 0}
-        tokens, parents, self._sent = [int(context[-1])], [-1], [()]
+        tokens, parents, self._sent = [int(context[-1])], [-1], [{}]
         for p in sent:
             if p[:-1] not in index:  # its parent was cut: so is it
                 continue
             index[p] = len(tokens)
             tokens.append(p[-1])
             parents.append(index[p[:-1]])
-            self._sent.append(tuple(sorted(nodes[p].base)))
+            self._sent.append(nodes[p].base)
         d.count_proposed(self._sent)
         self.context = context
         return TokenTree(tuple(tokens), tuple(parents))
@@ -344,7 +396,7 @@ class AutoSession(BaseSession):
             for i in range(1, tree.size):
                 if tree.parents[i] in on_path:  # tried: its parent was accepted
                     outcomes.append((self._sent[i], tree.depths[i], i in on_path))
-        self.drafter.learn(outcomes, self.hot, verified, self._skipped)
+        self.drafter.learn(outcomes, self.hot, self._skipped, verified)
         self.hot = len(path) > 1
         self.last = verified.acceptance.tokens
         self._sent, self._skipped = [], set()
