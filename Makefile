@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/triedec generate --method pld --max-new-tokens 128 "$(PROMPT)"
+	$(VENV)/bin/triedec generate --max-new-tokens 128 "$(PROMPT)"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts

@@ -85,6 +85,12 @@ def test_non_causal_models_are_refused(tmp_path):
         triedec.load(t5)
 
 
+def test_default_method_is_auto_and_gives_ar_tokens(tiny_lm):
+    out = tiny_lm.generate("one two three one two three", max_new_tokens=20)
+    assert "store_outputs" in out.stats.drafter  # auto's counters
+    assert out.token_ids == tiny_lm.generate("one two three one two three", "ar", max_new_tokens=20).token_ids
+
+
 def test_tiny_model_directory_loads_and_matches_transformers(tiny_lm):
     out = tiny_lm.generate("hello there", "pld", max_new_tokens=20)
     ids = tiny_lm.encode("hello there")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from triedec.cli import main
+from triedec.cli import build_parser, main
 
 
 def run_cli(capsys, *argv, stdin=None, monkeypatch=None):
@@ -28,6 +28,17 @@ def test_generate_json(capsys, tiny_model_dir):
     assert len(data["token_ids"]) == data["stats"]["new_tokens"] <= 12
     for key in ("new_tokens", "steps", "mean_accepted", "computed_tokens", "seconds", "tokens_per_s"):
         assert key in data["stats"]
+
+
+def test_generate_and_serve_default_to_auto(capsys, tiny_model_dir):
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--max-new-tokens", "12", "--json", "Hi")
+    assert code == 0
+    default = json.loads(out)
+    assert default["method"] == "auto"
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar",
+                           "--max-new-tokens", "12", "--json", "Hi")
+    assert json.loads(out)["token_ids"] == default["token_ids"]
+    assert build_parser().parse_args(["serve"]).method == "auto"
 
 
 def test_generate_streams_text_and_stats_from_stdin(capsys, monkeypatch, tiny_model_dir):
@@ -76,7 +87,7 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
     "argv,message",
     [
         (["generate", "--method", "nope", "hi"], "unknown method"),
-        (["generate", "--pld-max-ngram", "0", "hi"], "max_ngram must be a positive integer"),
+        (["generate", "--method", "pld", "--pld-max-ngram", "0", "hi"], "max_ngram must be a positive integer"),
         (["generate", "--method", "ar", "--pld-num-tokens", "3", "hi"], "option of method 'pld'"),
         (["generate", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
         (["generate", "--attn", "flash_attention_2", "hi"], "flash-attention"),

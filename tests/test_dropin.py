@@ -33,13 +33,16 @@ def generate(model, prompt, **kwargs):
 
 
 @pytest.mark.parametrize("method,options", [("pld", {"min_expected": 0.0}), ("ar", {}), ("lookahead", {}),
-                                            ("ngram-trie", {"sized": False}), ("recycling", {"nodes": 80})])
+                                            ("ngram-trie", {"sized": False}), ("recycling", {"nodes": 80}),
+                                            ("auto", {"sized": False}), (None, {})])
 def test_same_tensor_and_tokens_as_greedy_generate(method, options):
+    """None: the default method (auto, sized by the device's measured cost curve)."""
     model = tiny_llama(seed=3)
+    chosen = {} if method is None else {"method": method, "method_options": options}
     for prompt in prompts(seed=21, count=6):
         want = generate(model, prompt, do_sample=False, max_new_tokens=24, eos_token_id=EOS)
         got = generate(model, prompt, do_sample=False, max_new_tokens=24, eos_token_id=EOS,
-                       custom_generate=triedec.custom_generate, method=method, method_options=options)
+                       custom_generate=triedec.custom_generate, **chosen)
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got, want)
         assert got[0, len(prompt):].tolist() == hf_greedy(model, prompt, 24)

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
-    gen.add_argument("--method", default="pld", help="decoding method (default pld; see `triedec methods`)")
+    gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true",
@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
                                        "streaming, /v1/models, /health, /metrics)")
-    srv.add_argument("--method", default="pld", help="default decoding method (a request may name another in its "
-                                                     "extra body; default pld)")
+    srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
+                                                     "extra body; default auto)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     srv.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     srv.add_argument("--model-name", default=None,

@@ -55,7 +55,7 @@ def custom_generate(
     generation_config: Any,
     synced_gpus: bool = False,
     streamer: Any = None,
-    method: str = "pld",
+    method: str = "auto",
     method_options: Mapping[str, object] | None = None,
     triedec_streamer: Any = None,
     **model_kwargs: Any,

@@ -150,7 +150,7 @@ class LM:
     def stream(
         self,
         prompt: Prompt,
-        method: str = "ar",
+        method: str = "auto",
         *,
         max_new_tokens: int = 256,
         stop: str | Sequence[str] | None = None,
@@ -181,7 +181,7 @@ class LM:
     def generate(
         self,
         prompt: Prompt,
-        method: str = "ar",
+        method: str = "auto",
         *,
         max_new_tokens: int = 256,
         stop: str | Sequence[str] | None = None,

@@ -57,7 +57,7 @@ class ServerConfig:
     """What the server runs: the default ``method`` and its ``method_options`` (a request may name
     others), the model id clients use (``model_name``), and its limits."""
 
-    method: str = "pld"
+    method: str = "auto"
     method_options: Mapping[str, object] = field(default_factory=dict)
     model_name: str = "triedec"
     max_running: int = 8
