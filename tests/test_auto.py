@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from helpers import EOS, MODELS, drain, fake_cost, hf_greedy, peaked, run, tiny_info, tiny_llama
 from helpers import random_prompts as prompts
 
@@ -14,7 +15,8 @@ from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
 from triedec.drafters import drafter_spec
-from triedec.drafters.auto import KEY, PER_KEY, SOURCES, AutoDrafter, OutputStore, _Node
+from triedec.drafters.auto import KEYS, LEAD, PER_KEY, SOURCES, STORE_FORMAT, AutoDrafter, OutputStore, _Node
+from triedec.drafters.state import save_state
 from triedec.engine import StopRule, speculative_decode
 from triedec.errors import TriedecError
 from triedec.sampling import Sampling
@@ -96,7 +98,24 @@ def test_store_keeps_recent_continuations_within_its_bound():
     store.add([1, 2])  # too short to index
     store.add(list(range(40)))  # longer than the whole store: not kept
     assert store.tokens <= 30 and len(store.docs) == 5
-    assert KEY == 3
+    assert min(KEYS) == 3
+
+
+def test_store_finds_an_answer_from_its_first_token_when_its_question_comes_again():
+    """Each output is kept after the end of its prompt (its lead): the same question asked again
+    (rephrased at its start) matches the whole lead, so its earlier answer is drafted from the
+    first token, even after many newer outputs crowded the short key."""
+    store = OutputStore(10_000)
+    template = [90, 91, 92]  # the chat template's "assistant" header ends every prompt
+    question = list(range(100, 140))
+    store.add([7, 8, 9, 10], lead=[1, 2, *question, *template])
+    for i in range(2 * PER_KEY):  # other questions: the template key now points elsewhere
+        store.add([50 + i, 60 + i, 70 + i], lead=[200 + i, 201 + i, *template])
+    assert all(len(doc) <= LEAD + 4 for doc, _ in store.docs.values())  # only the prompt's end is kept
+    found = store.continuations([5, 5, *question, *template], depth=4)
+    assert found[0] == ((7, 8, 9, 10), LEAD)  # whole lead matched: longest first
+    assert store.continuations([*question, *template, 7, 8], depth=2)[0] == ((9, 10), LEAD)
+    assert store.continuations([3, 3, 3, *template], depth=1)[0][1] == 3  # only the template: a short match
 
 
 def test_store_persists_atomically_and_refuses_other_models_and_corrupt_files(tmp_path):
@@ -108,8 +127,20 @@ def test_store_persists_atomically_and_refuses_other_models_and_corrupt_files(tm
     assert not list(tmp_path.glob("*.tmp"))
     again = OutputStore(1000)
     again.load(path, "model-a", vocab_size=48)
-    assert list(again.docs.values()) == [(5, 6, 7, 8, 9), (1, 2, 3, 4)]
+    assert list(again.docs.values()) == [((5, 6, 7, 8, 9), 0), ((1, 2, 3, 4), 0)]
     assert again.continuations([5, 6, 7], 4) == [((8, 9), 3)]
+    leads = OutputStore(1000)
+    leads.add([20, 21, 22], lead=[30, 31, 32, 33])
+    leads.save(path, "model-a")
+    again = OutputStore(1000)
+    again.load(path, "model-a", vocab_size=48)
+    assert list(again.docs.values()) == [((30, 31, 32, 33, 20, 21, 22), 4)]
+    assert again.continuations([32, 33], 2) == [] and again.continuations([31, 32, 33], 2) == [((20, 21), 3)]
+    save_state(path, {"tokens": torch.tensor([5, 6, 7, 8]), "lengths": torch.tensor([4])},  # no leads: an older file
+               {"format": STORE_FORMAT, "model_id": "model-a"})
+    again = OutputStore(1000)
+    again.load(path, "model-a", vocab_size=48)
+    assert list(again.docs.values()) == [((5, 6, 7, 8), 0)]
     with pytest.raises(TriedecError, match="another model"):
         OutputStore(1000).load(path, "model-b", vocab_size=48)
     with pytest.raises(TriedecError, match="corrupt"):

@@ -7,15 +7,16 @@ Each step collects candidate continuations of the last token from three sources:
   prompt and output so far (the most frequent continuations of the longest matched suffix; a
   node's base chance is the share of its parent's occurrences that continue that way);
 * ``store`` -- the :class:`OutputStore`, a bounded cross-request memory of earlier outputs of this
-  loaded model: the continuations after the places where the context's last three tokens occurred,
-  longest match first (base chance 1);
+  loaded model, each after the end of its prompt: the continuations after the places where the
+  context's last 3 or 8 tokens occurred, longest match first (base chance 1), so that a question
+  asked again is drafted from its earlier answer from the first token;
 * ``recycling`` -- Token Recycling's adjacency matrix (the model's own top-k after each token,
   from every verified position): ranks 0-3 after the root, 0-1 after those, 0 after the best
   (base chance 1).
 
 Candidates are merged into one trie (a path proposed by several sources is one node). Each node
 is scored by the measured acceptance of the *kinds* that proposed it: a kind is a source with its
-detail (the context's matched suffix length, the store's match length, the recycling rank), and
+detail (the context's matched suffix length, the store's match class, the recycling rank), and
 acceptance is measured per (kind, depth, hot), where hot means the previous step accepted a draft:
 two moving averages over tried nodes (those whose parent was accepted), of accepted and of base,
 whose ratio is the rate, so that ``base * rate`` estimates a node's chance given its parent
@@ -56,12 +57,16 @@ from triedec.tree import TokenTree
 METHOD = "auto"
 SOURCES = ("context", "store", "recycling")
 STORE_FORMAT = "triedec-output-store-v1"
-KEY = 3
-"""the store is indexed by the last KEY tokens"""
+KEYS = (3, 8)
+"""the store is indexed by the last 3 and by the last 8 tokens (a long repeat stays findable after
+its short key has been followed by newer outputs)"""
 PER_KEY = 4
 """occurrences kept per key in the store (the most recent)"""
-LONGEST_MATCH = 8
-"""store matches are told apart (ranked, and their acceptance measured) up to this length"""
+LEAD = 16
+"""prompt tokens kept before each output: the end of the question it answered, so that an answer
+is found again from its first token when a question is asked again"""
+LONGEST_MATCH = 16
+"""store matches are measured up to this length"""
 DEPTH_KEYS = 4
 """acceptance is measured per depth 1 .. DEPTH_KEYS - 1, and for all deeper nodes together"""
 RECYCLING_RANKS = (4, 2, 1)
@@ -97,26 +102,37 @@ class AutoOptions:
 
 
 class OutputStore:
-    """Earlier outputs (token sequences), oldest first, at most ``capacity`` tokens in all, indexed
-    by every run of :data:`KEY` tokens -> the most recent :data:`PER_KEY` places it was followed.
-    Not thread-safe by itself: the drafter locks around it."""
+    """Earlier outputs, oldest first, each after the last :data:`LEAD` tokens of its prompt (its
+    *lead*), at most ``capacity`` tokens in all (leads included). Indexed by every run of each
+    length in :data:`KEYS` that is followed by an output token -> the most recent :data:`PER_KEY`
+    places. Not thread-safe by itself: the drafter locks around it."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.docs: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.docs: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()  # id -> (lead + output, lead length)
         self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self.tokens = 0
         self._next = 0
 
-    def add(self, tokens: Sequence[int]) -> None:
-        doc = tuple(int(t) for t in tokens)
-        if len(doc) <= KEY or len(doc) > self.capacity:
+    @staticmethod
+    def _keys(doc: tuple[int, ...], start: int) -> list[tuple[int, tuple[int, ...]]]:
+        """``(end, key)`` for every indexed run of ``doc``: a key of each length ending at an
+        output position (``end >= start``)."""
+        return [(end, doc[end - n : end]) for n in KEYS for end in range(max(n, start), len(doc))]
+
+    def add(self, output: Sequence[int], lead: Sequence[int] = ()) -> None:
+        """Keep ``output`` after the last :data:`LEAD` tokens of ``lead`` (its prompt); evict the
+        oldest outputs beyond the bound. An output too short to index, or longer than the whole
+        store, is not kept."""
+        head = tuple(int(t) for t in lead)[-LEAD:] if LEAD else ()
+        doc = head + tuple(int(t) for t in output)
+        if len(doc) <= min(KEYS) or len(doc) == len(head) or len(doc) > self.capacity:
             return
         doc_id, self._next = self._next, self._next + 1
-        self.docs[doc_id] = doc
+        self.docs[doc_id] = (doc, len(head))
         self.tokens += len(doc)
-        for end in range(KEY, len(doc)):
-            places = self.index.setdefault(doc[end - KEY : end], [])
+        for end, key in self._keys(doc, len(head)):
+            places = self.index.setdefault(key, [])
             places.append((doc_id, end))
             if len(places) > PER_KEY:
                 del places[0]
@@ -124,10 +140,9 @@ class OutputStore:
             self._evict()
 
     def _evict(self) -> None:
-        doc_id, doc = self.docs.popitem(last=False)
+        doc_id, (doc, start) = self.docs.popitem(last=False)
         self.tokens -= len(doc)
-        for end in range(KEY, len(doc)):
-            key = doc[end - KEY : end]
+        for _, key in self._keys(doc, start):
             places = [p for p in self.index.get(key, ()) if p[0] != doc_id]
             if places:
                 self.index[key] = places
@@ -136,18 +151,23 @@ class OutputStore:
 
     def continuations(self, context: Sequence[int], depth: int, count: int = 2) -> list[tuple[tuple[int, ...], int]]:
         """Up to ``count`` distinct continuations (``depth`` tokens at most) of the places where
-        the context's last :data:`KEY` tokens occurred, each with its match length (how many of
-        the context's last tokens, at most :data:`LONGEST_MATCH`, precede it there): longest match
-        first, then most recent."""
-        if len(context) < KEY:
-            return []
+        the context's last tokens (each length of :data:`KEYS`) occurred, each with its match
+        length (how many of the context's last tokens, at most :data:`LONGEST_MATCH`, precede it
+        there): longest match first, then most recent."""
         tail = [int(t) for t in context[-LONGEST_MATCH:]]
+        seen: set[tuple[int, int]] = set()
         places = []
-        for doc_id, end in reversed(self.index.get(tuple(tail[-KEY:]), ())):
-            doc, m = self.docs[doc_id], KEY
-            while m < len(tail) and m < end and doc[end - m - 1] == tail[-m - 1]:
-                m += 1
-            places.append((-m, len(places), doc[end : end + depth]))
+        for n in sorted(KEYS, reverse=True):
+            if len(tail) < n:
+                continue
+            for doc_id, end in reversed(self.index.get(tuple(tail[-n:]), ())):
+                if (doc_id, end) in seen:
+                    continue
+                seen.add((doc_id, end))
+                doc, m = self.docs[doc_id][0], n
+                while m < len(tail) and m < end and doc[end - m - 1] == tail[-m - 1]:
+                    m += 1
+                places.append((-m, len(places), doc[end : end + depth]))
         found: list[tuple[tuple[int, ...], int]] = []
         for m, _, cont in sorted(places):
             if cont and all(cont != c for c, _ in found):
@@ -159,11 +179,14 @@ class OutputStore:
     # ---- persistence --------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str], model_id: str) -> None:
-        """Write the outputs to ``path`` (safetensors, replaced atomically), tagged with the model."""
+        """Write the outputs with their leads to ``path`` (safetensors, replaced atomically),
+        tagged with the model."""
         docs = list(self.docs.values())
-        flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
-        lengths = torch.tensor([len(d) for d in docs], dtype=torch.long)
-        save_state(path, {"tokens": flat, "lengths": lengths}, {"format": STORE_FORMAT, "model_id": model_id})
+        flat = torch.tensor([t for d, _ in docs for t in d], dtype=torch.long)
+        lengths = torch.tensor([len(d) for d, _ in docs], dtype=torch.long)
+        starts = torch.tensor([start for _, start in docs], dtype=torch.long)
+        save_state(path, {"tokens": flat, "lengths": lengths, "starts": starts},
+                   {"format": STORE_FORMAT, "model_id": model_id})
 
     def load(self, path: str | os.PathLike[str], model_id: str, vocab_size: int) -> None:
         """Add the outputs saved in ``path``; refuse a file from another model and a corrupt one
@@ -172,12 +195,14 @@ class OutputStore:
         if meta.get("model_id") != model_id:
             raise TriedecError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
         flat, lengths = tensors.get("tokens"), tensors.get("lengths")
-        if (flat is None or lengths is None or flat.dim() != 1 or lengths.dim() != 1
+        starts = tensors.get("starts", torch.zeros_like(lengths) if lengths is not None else None)  # older files
+        if (flat is None or lengths is None or flat.dim() != 1 or lengths.dim() != 1 or starts.shape != lengths.shape
                 or bool((lengths < 0).any()) or int(lengths.sum()) != flat.numel()
+                or bool(((starts < 0) | (starts > lengths)).any())
                 or bool(((flat < 0) | (flat >= vocab_size)).any())):
             raise TriedecError(f"output store {path} is corrupt (bad tensors)")
-        for doc in torch.split(flat, lengths.tolist()):
-            self.add(doc.tolist())
+        for doc, start in zip(torch.split(flat, lengths.tolist()), starts.tolist(), strict=True):
+            self.add(doc[start:].tolist(), doc[:start].tolist())
 
 
 Kind = tuple[str, int]
@@ -192,6 +217,12 @@ class _Node:
     token: int
     parent: tuple[int, ...]
     base: dict[Kind, float]
+
+
+def _match_class(length: int) -> int:
+    """The store kind's detail: match lengths 3-7 apart, 8-15 together, and LONGEST_MATCH (the
+    question's end and more, as when a question is asked again)."""
+    return length if length < 8 else 8 if length < LONGEST_MATCH else LONGEST_MATCH
 
 
 def _needs(options: AutoOptions) -> frozenset[str]:
@@ -266,10 +297,11 @@ class AutoDrafter:
                 for kind in kinds:
                     self.counters[kind[0]]["proposed"] += 1
 
-    def remember(self, output: Sequence[int]) -> None:
-        """Add a finished request's output to the store (and save it, if configured)."""
+    def remember(self, output: Sequence[int], lead: Sequence[int]) -> None:
+        """Add a finished request's output, after the end of its prompt, to the store (and save
+        it, if configured)."""
         with self.lock:
-            self.store.add(output)
+            self.store.add(output, lead)
             if self.options.store:
                 self.store.save(self.options.store, self.model_id)
 
@@ -320,10 +352,10 @@ class AutoSession(BaseSession):
                 if len(path) <= o.depth:
                     offer(path, ("context", m), trie.freq[v] / trie.freq[trie.parent[v]])
         with d.lock:
-            # store: continuations of the last KEY tokens in earlier outputs, longest match first
+            # store: continuations of the context's last tokens in earlier outputs, longest match first
             for cont, length in d.store.continuations(context, o.depth):
                 for i in range(1, len(cont) + 1):
-                    offer(cont[:i], ("store", length), 1.0)
+                    offer(cont[:i], ("store", _match_class(length)), 1.0)
             # recycling: the matrix's candidates after the root, and after the best of those
             frontier: list[tuple[int, ...]] = [()]
             for width in RECYCLING_RANKS:
@@ -403,7 +435,7 @@ class AutoSession(BaseSession):
 
     def end(self) -> None:
         """The request's output (as far as this session saw it) goes into the store."""
-        self.drafter.remember([*self.context[self.prompt_len :], *self.last])
+        self.drafter.remember([*self.context[self.prompt_len :], *self.last], self.context[: self.prompt_len])
 
     def stats(self) -> dict[str, float]:
         return self.drafter.stats()
