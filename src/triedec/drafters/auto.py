@@ -124,7 +124,7 @@ class OutputStore:
         """Keep ``output`` after the last :data:`LEAD` tokens of ``lead`` (its prompt); evict the
         oldest outputs beyond the bound. An output too short to index, or longer than the whole
         store, is not kept."""
-        head = tuple(int(t) for t in lead)[-LEAD:] if LEAD else ()
+        head = tuple(int(t) for t in lead)[-LEAD:]
         doc = head + tuple(int(t) for t in output)
         if len(doc) <= min(KEYS) or len(doc) == len(head) or len(doc) > self.capacity:
             return
@@ -206,8 +206,8 @@ class OutputStore:
 
 
 Kind = tuple[str, int]
-"""(source, detail): the context's matched suffix length, the store's match length (at most
-:data:`LONGEST_MATCH`), or the recycling candidate's rank in its row"""
+"""(source, detail): the context's matched suffix length, the store's match class
+(:func:`_match_class`), or the recycling candidate's rank in its row"""
 Key = tuple[Kind, int, bool]
 """what acceptance is measured per: (kind, depth (capped at :data:`DEPTH_KEYS`), hot)"""
 
