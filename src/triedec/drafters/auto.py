@@ -48,6 +48,7 @@ import torch
 
 from triedec.costmodel import best_count
 from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.estimate import MovingRatio
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
 from triedec.drafters.state import load_state, save_state
@@ -251,9 +252,9 @@ class AutoDrafter:
         self.lock = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, min(options.k, model.vocab_size), model.device)
         self.store = OutputStore(options.store_tokens)
-        # Key -> moving averages of [accepted, base] over tried nodes: rate = accepted / base, so
-        # that base * rate estimates a node's chance given its parent whatever its base
-        self._averages: dict[Key, list[float]] = {}
+        # Key -> accepted over base of tried nodes, so that base * rate estimates a node's chance
+        # given its parent whatever its base
+        self._rates: dict[Key, MovingRatio] = {}
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
         if options.store and Path(options.store).exists():
             self.store.load(options.store, self.model_id, self.vocab_size)
@@ -268,8 +269,14 @@ class AutoDrafter:
     def rate(self, key: Key) -> float:
         """Estimated chance, per unit of base, that a node of ``key`` is accepted given its parent
         was. Read without the lock: a racing update only makes it a step stale."""
-        accepted, base = self._averages.get(key, (self.PRIOR[key[0][0]], 1.0))
-        return accepted / base
+        found = self._rates.get(key)
+        return self.PRIOR[key[0][0]] if found is None else found.value
+
+    def _ratio(self, key: Key) -> MovingRatio:
+        """The rate of ``key`` (created at its source's prior), to update under the lock."""
+        if key not in self._rates:
+            self._rates[key] = MovingRatio(self.PRIOR[key[0][0]])
+        return self._rates[key]
 
     def learn(self, outcomes: Sequence[tuple[dict[Kind, float], int, bool]], hot: bool, skipped: set[Key],
               verified: Verified | None = None) -> None:
@@ -280,16 +287,12 @@ class AutoDrafter:
                 self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
             for kinds, depth, accepted in outcomes:
                 for kind, base in kinds.items():
-                    avg = self._averages.setdefault(self.key(kind, depth, hot), [self.PRIOR[kind[0]], 1.0])
-                    avg[0] += self.EMA * (float(accepted) - avg[0])
-                    avg[1] += self.EMA * (base - avg[1])
+                    self._ratio(self.key(kind, depth, hot)).update(float(accepted), base, self.EMA)
                     counter = self.counters[kind[0]]
                     counter["accepted"] += int(accepted)
                     counter["contributed"] += float(accepted) / len(kinds)
             for key in skipped:
-                avg = self._averages.setdefault(key, [self.PRIOR[key[0][0]], 1.0])
-                avg[0] += self.RELAX * (self.PRIOR[key[0][0]] - avg[0])
-                avg[1] += self.RELAX * (1.0 - avg[1])
+                self._ratio(key).relax(self.RELAX)
 
     def count_proposed(self, sent: Sequence[dict[Kind, float]]) -> None:
         with self.lock:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from triedec.costmodel import best_count
 from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.estimate import MovingRatio
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -184,30 +185,28 @@ class NgramTrieDrafter:
         self.options = options
         self.cost = model.cost if options.sized else None
         self.lock = threading.Lock()
-        # (match length, hot) -> [moving averages of accepted and of tried draft tokens per drafted step]
-        self._agreement: dict[tuple[int, bool], list[float]] = {}
+        # (match length, hot) -> accepted over tried draft tokens per drafted step
+        self._agreement: dict[tuple[int, bool], MovingRatio] = {}
 
     def rho(self, m: int, hot: bool = False) -> float:
         """Estimated chance that the model agrees with a drafted token after a length-``m`` match,
         when the previous step accepted a draft (``hot``) or not."""
-        accepted, tried = self._agreement.get((m, hot), (self.PRIOR_RHO, 1.0))
-        return accepted / tried
+        found = self._agreement.get((m, hot))
+        return self.PRIOR_RHO if found is None else found.value
 
-    def _averages(self, key: tuple[int, bool]) -> list[float]:
-        """The two moving averages of ``key`` (created at the prior: rho = PRIOR_RHO), to update."""
-        return self._agreement.setdefault(key, [self.PRIOR_RHO, 1.0])
+    def _ratio(self, key: tuple[int, bool]) -> MovingRatio:
+        """The agreement of ``key`` (created at the prior, PRIOR_RHO), to update."""
+        if key not in self._agreement:
+            self._agreement[key] = MovingRatio(self.PRIOR_RHO)
+        return self._agreement[key]
 
     def relax(self, key: tuple[int, bool]) -> None:
         with self.lock:
-            avg = self._averages(key)
-            avg[0] += self.RELAX * (self.PRIOR_RHO - avg[0])
-            avg[1] += self.RELAX * (1.0 - avg[1])
+            self._ratio(key).relax(self.RELAX)
 
     def learn(self, key: tuple[int, bool], accepted: int, tried: int) -> None:
         with self.lock:
-            avg = self._averages(key)
-            avg[0] += self.EMA * (accepted - avg[0])
-            avg[1] += self.EMA * (tried - avg[1])
+            self._ratio(key).update(accepted, tried, self.EMA)
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _NgramTrieSession:
         return _NgramTrieSession(self, prompt, documents)
