@@ -64,7 +64,7 @@ def test_stop_string_inside_an_accepted_draft(default_lm):
             torch.tensor([ids]), do_sample=False, max_new_tokens=40, stop_strings=[stop],
             tokenizer=default_lm.tokenizer, attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )[0, len(ids):].tolist()
-    for method in ("ar", "pld"):
+    for method in ("ar", "pld", "auto"):
         out = default_lm.generate(prompt, method, max_new_tokens=40, stop=stop)
         assert out.token_ids == ref
         assert out.stats.stop_reason == "stop_string"
