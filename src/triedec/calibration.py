@@ -242,8 +242,8 @@ def measure_end_to_end(lm: Target, prompts: Sequence[str], cost: CostModel, prof
             if i:
                 seconds[name] += time.perf_counter() - start
                 tokens += n if name == "ar" else 0
-    return {"tokens": tokens, "ar_seconds": round(seconds["ar"], 3),
-            "recycling_seconds": round(seconds[RECYCLING], 3),
+    return {"tokens": tokens, "ar_seconds": round(seconds["ar"], 6),
+            "recycling_seconds": round(seconds[RECYCLING], 6),
             "speedup": round(seconds["ar"] / seconds[RECYCLING], 4)}
 
 
