@@ -13,10 +13,13 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from triedec.adapter import ModelAdapter
+from triedec.allocate import allocate
 from triedec.costmodel import CostModel
-from triedec.drafters import ModelInfo
+from triedec.drafters import ModelInfo, Verified
 from triedec.drafters.recycling import PAPER_TEMPLATE, RecyclingProfile, best_nodes
-from triedec.engine import StopRule, speculative_decode
+from triedec.engine import Batch, BatchLimits, run_alone, speculative_decode
+from triedec.request import StopRule
+from triedec.sampling import GREEDY_SAMPLING, Sampling
 from triedec.tree import TokenTree
 
 TINY_VOCAB = 48
@@ -195,10 +198,40 @@ def drain(gen: Generator[list[int], None, Any]) -> tuple[list[int], Any]:
             return tokens, done.value
 
 
-def run(model, drafter, prompt, max_new_tokens, eos=EOS, documents=()):
-    """Decode ``prompt`` with ``drafter`` on ``model``: (tokens, stats)."""
+def alone(adapter, decoder, prompt, stop, documents=(), sampling: Sampling = GREEDY_SAMPLING, cost=None):
+    """One request of a built method decoded alone (an engine batch of its own): (tokens, outcome)."""
+    return drain(run_alone(adapter, decoder.start(prompt, stop, documents, sampling), cost))
+
+
+def together(adapter, runs, cost=None, limits: BatchLimits | None = None, arrivals=None, cancel=None):
+    """Several runs decoded by one engine batch (one forward per step for all of them): run i is
+    submitted before step ``arrivals[i]`` (default 0) and, if ``cancel`` maps it to a step, cancelled
+    before that step. Each run's (tokens, outcome or None if cancelled), and the batch's step count."""
+    batch = Batch(adapter, cost, limits)
+    arrivals = arrivals or [0] * len(runs)
+    cancel = cancel or {}
+    tokens: list[list[int]] = [[] for _ in runs]
+    pending = sorted(range(len(runs)), key=lambda i: arrivals[i])
+    step = 0
+    while pending or not batch.idle:
+        while pending and arrivals[pending[0]] <= step:
+            batch.submit(runs[pending.pop(0)])
+        for i, when in cancel.items():
+            if when == step:
+                batch.cancel(runs[i])
+        batch.step()
+        for i, r in enumerate(runs):
+            tokens[i] += r.take()
+        step += 1
+    batch.close()
+    return [(t, None if i in cancel else r.outcome) for i, (t, r) in enumerate(zip(tokens, runs, strict=True))], step
+
+
+def run(model, drafter, prompt, max_new_tokens, eos=EOS, documents=(), cost=None):
+    """Decode ``prompt`` alone with ``drafter`` on ``model``, drafts sized under ``cost``:
+    (tokens, stats)."""
     return drain(speculative_decode(ModelAdapter(model), drafter, prompt,
-                                    StopRule(max_new_tokens, frozenset([eos])), documents))
+                                    StopRule(max_new_tokens, frozenset([eos])), documents, cost=cost))
 
 
 def random_prompts(seed: int, count: int, vocab: int = TINY_VOCAB) -> list[list[int]]:
@@ -241,6 +274,18 @@ def fake_profile(nodes: int | None = None, rates: Sequence[float] | None = None)
 
 
 # ---- tree utilities -----------------------------------------------------------------------------
+
+
+def sized(draft, cost) -> TokenTree:
+    """The part of ``draft`` the engine verifies when its request runs alone under ``cost``."""
+    return draft.tree.truncated(allocate([draft.chances], [draft.required], cost)[0])
+
+
+def verified_part(draft, cost, logits, acceptance) -> Verified:
+    """What the engine tells the drafter after verifying the part of ``draft`` that pays alone."""
+    tree = sized(draft, cost)
+    return Verified(tree, logits[: tree.size], acceptance, tuple(range(tree.size)), draft.size)
+
 
 
 def path_to(tree: TokenTree, node: int) -> tuple[int, ...]:

@@ -33,19 +33,19 @@ def test_auto_equals_transformers_greedy(name):
     from the store of earlier outputs too."""
     model = MODELS[name]()
     steep = CostModel({t: 0.05 * t for t in (1, 2, 4, 8, 16, 32, 64, 81)})
-    drafters = [build({}, tiny_info(cost=fake_cost())), build({}, tiny_info(cost=steep)),
-                build({"sized": False, "max_nodes": 20}, tiny_info())]
+    drafters = [(build({}, tiny_info(cost=fake_cost())), fake_cost()), (build({}, tiny_info(cost=steep)), steep),
+                (build({"sized": False, "max_nodes": 20}, tiny_info()), steep)]
     batch = prompts(seed=list(MODELS).index(name) + 60, count=8)
     accepted = 0
     for i, prompt in enumerate(batch + batch):
         truth = hf_greedy(model, prompt, 40)
         documents = [truth[5:25]] if i % 4 == 0 else []
-        for drafter in drafters:
-            got, stats = run(model, drafter, prompt, 40, documents=documents)
+        for drafter, cost in drafters:
+            got, stats = run(model, drafter, prompt, 40, documents=documents, cost=cost)
             assert got == truth, f"auto differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
     assert accepted > 100
-    counters = drafters[0].stats()
+    counters = drafters[0][0].stats()
     assert all(counters[f"{s}_proposed"] > 0 for s in SOURCES)
     assert counters["store_outputs"] > 0
 
@@ -59,7 +59,7 @@ def test_auto_sampled_equals_ar():
     for i, prompt in enumerate(prompts(seed=5, count=6) * 2):
         sampling = Sampling(temperature=[0.3, 0.7, 1.0][i % 3], top_p=0.95, seed=i)
         truth, _ = drain(speculative_decode(adapter, ar, prompt, rule, (), acceptance_rule(sampling)))
-        got, _ = drain(speculative_decode(adapter, drafter, prompt, rule, (), acceptance_rule(sampling)))
+        got, _ = drain(speculative_decode(adapter, drafter, prompt, rule, (), acceptance_rule(sampling), info.cost))
         assert got == truth
 
 
@@ -71,7 +71,7 @@ def test_concurrent_requests_get_their_solo_outputs():
     got: dict[int, list[int]] = {}
 
     def work(i):
-        got[i] = run(model, drafter, batch[i], 30)[0]
+        got[i] = run(model, drafter, batch[i], 30, cost=fake_cost())[0]
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batch))]
     for t in threads:
@@ -152,7 +152,8 @@ def test_store_persists_atomically_and_refuses_other_models_and_corrupt_files(tm
 
 
 def test_store_option_carries_outputs_across_drafters(tmp_path):
-    """store=PATH: saved after every request, loaded by the next drafter (another process, say);
+    """store=PATH: written when the request's batch goes idle, loaded by the next drafter (another
+    process, say);
     the second drafter drafts the first one's answer from the store at once."""
     model = tiny_llama(seed=3)
     path = tmp_path / "auto-store.safetensors"
@@ -180,10 +181,10 @@ def test_unsized_auto_sends_every_ranked_node_and_sized_can_send_none():
     model = tiny_llama(seed=3)
     prompt = [5, 9, 13, 5, 9, 13, 5, 9]
     expensive = CostModel({1: 0.01, 2: 1.0, 81: 2.0})  # any draft costs 100 steps: never worth it
-    _, stats = run(model, build({}, tiny_info(cost=expensive)), prompt, 20)
+    _, stats = run(model, build({}, tiny_info(cost=expensive)), prompt, 20, cost=expensive)
     assert stats.computed_tokens == stats.steps  # root-only trees
-    _, stats = run(model, build({"sized": False}, tiny_info()), prompt, 20)
-    assert stats.computed_tokens > stats.steps
+    _, stats = run(model, build({"sized": False}, tiny_info()), prompt, 20, cost=expensive)
+    assert stats.computed_tokens > stats.steps  # sent whole, whatever the cost
 
 
 def test_chances_merge_evidence_and_siblings_share_one_parent():

@@ -1,5 +1,6 @@
 """The cost model (pure), the calibration file, and the measurements on a tiny model: what is
-measured, when, and that a recycling tree size is kept only if it really beats ``ar``."""
+measured, when, that profiles are measured generically, and that a recycling tree size is kept
+only if it really beats ``ar``."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import dataclasses
 import json
 
 import pytest
+import torch
 from helpers import fake_cost, monotone_rates
 
 import triedec
 from triedec import calibration
-from triedec.calibration import Calibration, load_or_calibrate
-from triedec.costmodel import CostModel, best_count
+from triedec.calibration import Bench, Calibration, load_or_calibrate
+from triedec.costmodel import CostModel
+from triedec.drafters import base as drafter_base
+from triedec.drafters import recycling
 from triedec.drafters.recycling import RecyclingProfile, best_nodes
 from triedec.errors import TriedecError
 
@@ -44,12 +48,24 @@ def test_cost_model_round_trips_through_a_dict():
         CostModel.from_dict({"nope": 1})
 
 
-def test_best_count_keeps_nodes_while_they_pay():
-    cost = CostModel({1: 0.1, 2: 0.2, 3: 0.21, 4: 0.4})
-    assert best_count([0.9, 0.9, 0.9], cost) == 2  # 2.8 tokens in 0.21 s beats 1.9 in 0.2 and 1 in 0.1
-    assert best_count([0.5, 0.1, 0.1], cost) == 0  # 1.5 tokens in 0.2 s is slower than a plain step
-    assert best_count([0.5, 0.1, 0.0], None) == 2  # a flat curve: every node with a chance
-    assert best_count([], cost) == 0
+def test_cost_surface_interpolates_requests_tokens_and_context():
+    cost = CostModel({1: 0.1, 16: 0.2}, 256, {}, {2: {2: 0.12, 32: 0.3}, 8: {8: 0.2, 64: 0.6}}, 1e-5)
+    assert cost.seconds(1) == 0.1 and cost.seconds(16) == 0.2  # one request: the curve
+    assert cost.seconds(2, requests=2) == pytest.approx(0.12)
+    assert cost.seconds(17, requests=2) == pytest.approx(0.21)  # halfway along the 2-request row
+    # between 2 and 8 requests: linear in requests at the same token count
+    assert cost.seconds(32, requests=5) == pytest.approx(0.3 + (0.2 + (0.6 - 0.2) * 24 / 56 - 0.3) * 3 / 6)
+    assert cost.seconds(64, requests=16) >= cost.seconds(64, requests=8)  # beyond the last row: never cheaper
+    assert cost.seconds(8, requests=8, context=8 * 256 + 1000) == pytest.approx(0.2 + 0.01)  # 1,000 more tokens
+    assert cost.seconds(8, requests=8, context=0) >= 0.1  # a shorter context saves at most half
+    with pytest.raises(TriedecError):
+        cost.seconds(1, requests=0)
+    with pytest.raises(TriedecError):
+        CostModel({1: 0.1}, batch_seconds={1: {1: 0.1}})  # the 1-request curve is forward_seconds
+    with pytest.raises(TriedecError):
+        CostModel({1: 0.1}, context_seconds=-1.0)
+    again = CostModel.from_dict(json.loads(json.dumps(cost.as_dict())))
+    assert again == cost and again.seconds(17, requests=3) == cost.seconds(17, requests=3)
 
 
 # ---- the calibration file ------------------------------------------------------------------------
@@ -57,12 +73,13 @@ def test_best_count_keeps_nodes_while_they_pay():
 
 def test_calibration_json_round_trip_and_validation():
     profile = RecyclingProfile(tuple(monotone_rates()), 12, {"predicted_nodes": 12})
-    cal = Calibration("m", "cpu-2threads-float32", "torch.float32", fake_cost(), profile, {"seconds_taken": 1.0})
+    cal = Calibration("m", "cpu-2threads-float32", "torch.float32", fake_cost(), {"recycling": profile},
+                      {"seconds_taken": 1.0})
     again = Calibration.from_json(cal.to_json())
-    assert again == cal and again.profiles() == {"recycling": profile}
-    cost_only = dataclasses.replace(cal, recycling=None)
-    assert Calibration.from_json(cost_only.to_json()).profiles() == {}
-    for text in ("{}", "not json", json.dumps({"format": "triedec-calibration-1"})):
+    assert again == cal and dict(again.profiles) == {"recycling": profile}
+    cost_only = dataclasses.replace(cal, profiles={})
+    assert dict(Calibration.from_json(cost_only.to_json()).profiles) == {}
+    for text in ("{}", "not json", json.dumps({"format": "triedec-calibration-2"})):
         with pytest.raises(TriedecError):
             Calibration.from_json(text)
 
@@ -75,13 +92,26 @@ def tiny_lm(tiny_model_dir, tmp_path):
     return triedec.load(tiny_model_dir, cache_dir=tmp_path)
 
 
+REAL_COST_MODEL = calibration.measure_cost_model
+
+
+def small_cost_model(lm, repeats=1):
+    return REAL_COST_MODEL(lm, sizes=(1, 2, 9), batch=((2, (1, 2)),), context_tokens=16,
+                                          long_context=40, repeats=1)
+
+
 def test_only_what_a_method_needs_is_measured_and_it_is_cached(tiny_lm, monkeypatch):
     measured = []
-    real_cost, real_profile = calibration.measure_cost_model, calibration.measure_recycling_profile
     monkeypatch.setattr(calibration, "measure_cost_model",
-                        lambda lm, repeats: measured.append("cost") or real_cost(lm, sizes=(1, 2, 9), repeats=1))
-    monkeypatch.setattr(calibration, "measure_recycling_profile",
-                        lambda lm, cost, prompts, n: measured.append("recycling") or real_profile(lm, cost, 2, 4))
+                        lambda lm, repeats: measured.append("cost") or small_cost_model(lm))
+    spec = drafter_base._REGISTRY["recycling"]
+
+    def profile(bench):
+        measured.append("recycling")
+        return recycling.measure_profile(Bench(bench.lm, bench.info.cost, 2, 4))
+
+    monkeypatch.setitem(drafter_base._REGISTRY, "recycling",
+                        dataclasses.replace(spec, profile=dataclasses.replace(spec.profile, measure=profile)))
     tiny_lm.generate("hi", "ar", max_new_tokens=2)
     tiny_lm.generate("hi", "ngram-trie", max_new_tokens=2, sized=False)
     tiny_lm.generate("hi", "recycling", max_new_tokens=2, nodes=80)
@@ -91,7 +121,7 @@ def test_only_what_a_method_needs_is_measured_and_it_is_cached(tiny_lm, monkeypa
     tiny_lm.generate("hi", "recycling", max_new_tokens=2)  # the profile is added to the same file
     assert measured == ["cost", "recycling"]
     files = list((tiny_lm.cache_dir / "calibration").glob("*.json"))
-    assert len(files) == 1 and Calibration.from_json(files[0].read_text()).recycling is not None
+    assert len(files) == 1 and "recycling" in Calibration.from_json(files[0].read_text()).profiles
     again = triedec.load(tiny_lm.model.name_or_path, cache_dir=tiny_lm.cache_dir)
     again.generate("hi", "recycling", max_new_tokens=2)
     assert measured == ["cost", "recycling"]  # read from the cache, not measured again
@@ -108,44 +138,56 @@ def test_a_stale_calibration_file_is_measured_again(tiny_lm, monkeypatch):
         load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"warp"}))
 
 
-def test_the_cost_curve_is_measured_per_tree_size(tiny_lm):
-    cost = calibration.measure_cost_model(tiny_lm, sizes=(1, 2, 17), context_tokens=32, repeats=2)
+def test_the_cost_model_is_measured_per_tree_size_and_request_count(tiny_lm):
+    cost = calibration.measure_cost_model(tiny_lm, sizes=(1, 2, 17), batch=((2, (1, 4)), (3, (2,))),
+                                          context_tokens=32, long_context=100, repeats=2)
     assert set(cost.forward_seconds) == {1, 2, 17} and all(s > 0 for s in cost.forward_seconds.values())
-    assert cost.context_tokens == 32 and cost.details["repeats"] == 2
+    assert {b: set(row) for b, row in cost.batch_seconds.items()} == {2: {2, 8}, 3: {6}}
+    assert cost.context_tokens == 32 and cost.details["repeats"] == 2 and cost.context_seconds >= 0
     with pytest.raises(TriedecError, match="cost sizes"):
-        calibration.measure_cost_model(tiny_lm, sizes=(0,), repeats=1)
+        calibration.measure_cost_model(tiny_lm, sizes=(0,), batch=(), repeats=1)
 
 
 CURVE = CostModel({1: 0.1, 2: 0.1, 4: 0.1, 9: 0.12, 81: 0.5})
 
 
+class FakeBench:
+    """A calibration bench whose prompts are never decoded (the measurements are replaced)."""
+
+    def __init__(self, cost):
+        self.info = triedec.ModelInfo(48, torch.device("cpu"), "m", cost)
+        self.prompt_count, self.max_new_tokens = 3, 8
+
+    def prompts(self, count):
+        return [[1, 2, 3]] * count
+
+
 @pytest.mark.parametrize(("speedup", "kept"), [(1.2, True), (1.02, False), (0.8, False)])
 def test_the_predicted_size_is_kept_only_if_it_really_beats_ar(monkeypatch, speedup, kept):
     """The prediction (cost curve x node rates) is checked end to end; below the margin, 0 nodes."""
-    monkeypatch.setattr(calibration, "calibration_prompts", lambda n: ["a"] * n)
-    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
+    monkeypatch.setattr(recycling, "measure_rates", lambda bench, prompts, n: tuple(monotone_rates()))
     checked = []
 
-    def end_to_end(lm, texts, cost, profile, n):
+    def end_to_end(bench, prompts, profile, n):
         checked.append(profile.nodes)
         return {"speedup": speedup}
 
-    monkeypatch.setattr(calibration, "measure_end_to_end", end_to_end)
-    profile = calibration.measure_recycling_profile(None, CURVE, prompts=3, max_new_tokens=8)
+    monkeypatch.setattr(recycling, "measure_end_to_end", end_to_end)
+    profile = recycling.measure_profile(FakeBench(CURVE))
     predicted = best_nodes(monotone_rates(), CURVE)
     assert predicted > 0 and checked == [predicted]
     assert profile.details["predicted_nodes"] == predicted
     assert profile.nodes == (predicted if kept else 0)
     with pytest.raises(TriedecError, match="margin"):
-        calibration.measure_recycling_profile(None, CURVE, margin=1.5)
+        recycling.measure_profile(FakeBench(CURVE), margin=1.5)
 
 
 def test_the_end_to_end_check_runs_for_real(monkeypatch, tiny_lm):
     """Whatever the device measures, a predicted size above 0 goes through the real end-to-end
     check (ar against recycling on real prompts); the rates are forced so that the prediction is
     above 0 on any machine."""
-    monkeypatch.setattr(calibration, "measure_recycling_rates", lambda lm, texts, n: tuple(monotone_rates()))
-    profile = calibration.measure_recycling_profile(tiny_lm, CURVE, prompts=3, max_new_tokens=8)
+    monkeypatch.setattr(recycling, "measure_rates", lambda bench, prompts, n: tuple(monotone_rates()))
+    profile = recycling.measure_profile(Bench(tiny_lm, CURVE, 3, 8))
     check = profile.details["end_to_end"]
     assert profile.details["predicted_nodes"] == best_nodes(monotone_rates(), CURVE) > 0
     assert 0 < check["tokens"] <= 2 * 8

@@ -128,13 +128,14 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     assert set(curve["hf_forward_ms"]) == {"1", "16"} and all(v > 0 for v in curve["hf_forward_ms"].values())
     assert curve["ratio_to_hf1"]["1"] == pytest.approx(curve["forward_ms"]["1"] / curve["hf_forward_ms"]["1"],
                                                        rel=0.01)
-    assert curve["kernels"] and 0 <= curve["chosen"]["recycling_nodes"] <= 80
+    assert curve["kernels"] and 0 <= curve["profiles"]["recycling"]["nodes"] <= 80
+    assert {"2", "16"} <= set(curve["batch_forward_ms"]) and curve["context_ms_per_1k_tokens"] >= 0
 
     state = tmp_path / "warm.safetensors"
     argv = ["generate", "--model", str(tiny_model_dir), "--method", "recycling", "--max-new-tokens", "10",
             "--recycling-state", str(state), "--json", "Hello there"]
     code, out, _ = run_cli(capsys, *argv)
-    assert code == 0 and state.is_file()
+    assert code == 0 and state.is_file()  # written when the request's batch went idle
     first = json.loads(out)
     assert 0 < first["stats"]["drafter"]["matrix_rows_filled"] < 1
     code, out, _ = run_cli(capsys, *argv)  # starts from the saved matrix

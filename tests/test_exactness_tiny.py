@@ -11,7 +11,7 @@ from helpers import (
     EOS,
     MODELS,
     TINY_VOCAB,
-    drain,
+    alone,
     fake_cost,
     fake_profile,
     hf_greedy,
@@ -19,14 +19,15 @@ from helpers import (
     tiny_gemma3,
     tiny_info,
     tiny_llama,
+    together,
 )
 from helpers import random_prompts as prompts
 
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
 from triedec.drafters import BaseDrafter, drafter_spec
-from triedec.engine import StopRule
 from triedec.methods import method
+from triedec.request import StopRule
 from triedec.tree import TokenTree
 
 
@@ -69,10 +70,10 @@ def test_registered_methods_equal_transformers_greedy(name):
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 100, count=12)):
         new = [24, 40][i % 2]
         truth = hf_greedy(model, prompt, new)
-        ar, stats = run(model, build("ar", {}, info), prompt, new)
+        ar, stats = run(model, build("ar", {}, info), prompt, new, cost=info.cost)
         assert ar == truth, f"ar differs on prompt {i}"
         assert stats.steps == len(truth) - 1 and stats.computed_tokens == stats.steps
-        pld, _ = run(model, build("pld", pld_variants[i % len(pld_variants)], info), prompt, new)
+        pld, _ = run(model, build("pld", pld_variants[i % len(pld_variants)], info), prompt, new, cost=info.cost)
         assert pld == truth, f"pld differs on prompt {i}"
 
 
@@ -132,7 +133,7 @@ def test_recycling_equals_transformers_greedy(name):
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 1, count=14)):
         truth = hf_greedy(model, prompt, 40)
         for setting, drafter in zip(settings, drafters, strict=True):
-            got, stats = run(model, drafter, prompt, 40)
+            got, stats = run(model, drafter, prompt, 40, cost=info.cost)
             assert got == truth, f"recycling {setting} differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
     assert accepted > 100  # drafts were accepted, so verification was exercised
@@ -153,8 +154,8 @@ def test_ngram_trie_equals_transformers_greedy(name):
     for i, prompt in enumerate(prompts(seed=list(MODELS).index(name) + 20, count=12)):
         truth = hf_greedy(model, prompt, 40)
         documents = [truth[5:30]] if i % 3 == 0 else []  # a document that holds part of the answer
-        for (setting, _), drafter in zip(settings, drafters, strict=True):
-            got, stats = run(model, drafter, prompt, 40, documents=documents)
+        for (setting, cost), drafter in zip(settings, drafters, strict=True):
+            got, stats = run(model, drafter, prompt, 40, documents=documents, cost=cost)
             assert got == truth, f"ngram-trie {setting} differs on prompt {i}"
             accepted += sum(n - 1 for n in stats.accepted_per_step)
     assert accepted > 100
@@ -186,21 +187,6 @@ def test_lookahead_equals_transformers_greedy(name):
 # ---- concurrency: per-request state never leaks between overlapping requests -------------------
 
 
-def interleave(streams: list) -> list[tuple[list[int], object]]:
-    """Advance several decoding generators one step each in turn until all are done: each one's
-    (tokens, outcome)."""
-    outs: list = [([], None) for _ in streams]
-    live = dict(enumerate(streams))
-    while live:
-        for i, gen in list(live.items()):
-            try:
-                outs[i][0].extend(next(gen))
-            except StopIteration as done:
-                outs[i] = (outs[i][0], done.value)
-                del live[i]
-    return outs
-
-
 def footprint(outcome) -> object:
     """What a request's own state decides besides its tokens: how many tokens each step accepted
     (drafts are a function of the request alone with these options), or beam search's ranking."""
@@ -214,11 +200,11 @@ REQUEST_ONLY = {"ar": {}, "pld": {"min_expected": 0.0}, "ngram-trie": {"sized": 
 
 
 @pytest.mark.parametrize("name", [*REQUEST_ONLY, "recycling"])
-def test_interleaved_streams_of_one_method_equal_their_solo_outputs(name):
-    """Two (and four) requests of the same method and options, advanced step by step in turn on
-    one shared decoder, each return exactly what they return alone: the same tokens and, where
-    drafts depend only on the request, the same steps. (Recycling's matrix is shared by design:
-    its drafts may differ, its tokens may not.)"""
+def test_requests_of_one_method_in_one_batch_equal_their_solo_outputs(name):
+    """Two (and four) requests of the same method and options, decoded together by one engine
+    batch on one shared decoder, each return exactly what they return alone: the same tokens and,
+    where drafts depend only on the request, the same steps. (Recycling's matrix is shared by
+    design: its drafts may differ, its tokens may not.)"""
     model = tiny_llama(seed=3)
     adapter = ModelAdapter(model)
     found = method(name)
@@ -226,15 +212,16 @@ def test_interleaved_streams_of_one_method_equal_their_solo_outputs(name):
     info = tiny_info(cost=fake_cost())
     rule = StopRule(30, frozenset([EOS]))
     batch = prompts(seed=77, count=4)
-    solo = [drain(found.build(found.make_options(options), info).decode(adapter, p, rule)) for p in batch]
+    solo = [alone(adapter, found.build(found.make_options(options), info), p, rule) for p in batch]
     if name not in ("ar", "beam"):  # drafts were accepted, so the step structure is worth comparing
         assert any(max(footprint(o)[0]) > 1 for _, o in solo)
     for group in (batch[:2], batch):
         decoder = found.build(found.make_options(options), info)
-        together = interleave([decoder.decode(adapter, p, rule) for p in group])
-        assert [t for t, _ in together] == [t for t, _ in solo[: len(group)]]
+        runs = [decoder.start(p, rule) for p in group]
+        outs, _ = together(adapter, runs, arrivals=[0, 3, 1, 5][: len(group)])
+        assert [t for t, _ in outs] == [t for t, _ in solo[: len(group)]]
         if name in REQUEST_ONLY:
-            assert [footprint(o) for _, o in together] == [footprint(o) for _, o in solo[: len(group)]]
+            assert [footprint(o) for _, o in outs] == [footprint(o) for _, o in solo[: len(group)]]
 
 
 def test_threads_sharing_one_lm_get_their_solo_outputs(tiny_model_dir):

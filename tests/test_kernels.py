@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EOS, MODELS, fake_cost, hf_greedy, random_prompts, tiny_gemma3, tiny_info, tiny_llama
+from helpers import EOS, MODELS, alone, fake_cost, hf_greedy, random_prompts, tiny_gemma3, tiny_info, tiny_llama
 from torch import nn
 
 import triedec
 from triedec.adapter import GQA_SDPA, ModelAdapter, _gqa_sdpa
-from triedec.engine import StopRule
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.methods import method
+from triedec.request import StopRule
 
 needs_onednn = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
                                   reason="this torch build has no oneDNN linear ops")
@@ -85,9 +85,7 @@ def test_every_method_on_fast_kernels_equals_stock_transformers(name):
     for i, prompt in enumerate(random_prompts(seed=list(FAST).index(name) + 200, count=8)):
         truth = hf_greedy(stock, prompt, 30)
         for n, decoder in decoders.items():
-            tokens: list[int] = []
-            for new in decoder.decode(adapter, prompt, rule):
-                tokens += new
+            tokens, _ = alone(adapter, decoder, prompt, rule)
             assert tokens == truth, f"{n} differs on prompt {i}"
 
 
@@ -130,7 +128,7 @@ def test_the_calibration_is_kept_per_kernel_choice(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "gemma3-sdpa"])
 def test_beam_search_on_fast_kernels_equals_stock_transformers(name):
-    from helpers import drain, hf_beam
+    from helpers import hf_beam
 
     from triedec.beam import BeamOptions
 
@@ -138,5 +136,5 @@ def test_beam_search_on_fast_kernels_equals_stock_transformers(name):
     adapter = ModelAdapter(fast, "auto")
     decoder = method("beam").build(method("beam").make_options({"num_beams": 4}), tiny_info())
     for prompt in random_prompts(seed=5, count=4):
-        tokens, _ = drain(decoder.decode(adapter, prompt, StopRule(20, frozenset([EOS]))))
+        tokens, _ = alone(adapter, decoder, prompt, StopRule(20, frozenset([EOS])))
         assert tokens == hf_beam(stock, prompt, BeamOptions(num_beams=4), 20, EOS)[0][0]

@@ -21,7 +21,9 @@ INFO = ModelInfo(50, torch.device("cpu"))
 def test_lookahead_branch_is_a_tree_with_positions_of_the_jacobi_window():
     d = LookaheadDrafter(LookaheadOptions(window=3, ngram=4), INFO).begin([5, 6, 7, 8])
     d.window = [[10, 11, 12], [20, 21, 22], [30, 31, 32]]  # [level][column]
-    tree = d.propose([1, 2, 9])
+    draft = d.propose([1, 2, 9])
+    tree = draft.tree
+    assert draft.required == tree.size  # a fixed structure: verified whole
     assert tree.size == 1 + 3 * 3  # root + W * (N - 1), nothing in the pool yet
     depth = {tok: tree.depths[i] for i, tok in enumerate(tree.tokens)}
     for level, row in enumerate(d.window):
@@ -36,15 +38,18 @@ def test_lookahead_branch_is_a_tree_with_positions_of_the_jacobi_window():
 def test_jacobi_update_fills_the_pool_and_shifts_the_window():
     d = LookaheadDrafter(LookaheadOptions(window=2, ngram=3, guesses=2), INFO).begin([5, 6])
     d.window = [[10, 11], [20, 21]]
-    tree = d.propose([9])
+    tree = d.propose([9]).tree
     logits = torch.zeros(tree.size, 50)
     logits[d._tops[0], 40] = 1.0  # the model's next guess for column 0 ...
     logits[d._tops[1], 41] = 1.0  # ... and column 1
     d.observe(Verified(tree, logits, Acceptance((0,), (0,))))
     assert d.pool.candidates(10) == [(20, 40)] and d.pool.candidates(11) == [(21, 41)]
     assert d.window == [[20, 21], [40, 41]]
-    tree = d.propose([10])  # the root 10 now has a verified candidate
-    assert tree.size == 1 + 4 + 2
+    draft = d.propose([10])  # the root 10 now has a verified candidate
+    assert draft.size == 1 + 4 + 2
+    cut = Verified(draft.tree.truncated(3), logits[:3], Acceptance((0,), (0,)), (0, 1, 2), draft.size)
+    d.observe(cut)  # a cut tree (near max_new_tokens) teaches nothing
+    assert d.window == [[20, 21], [40, 41]]
 
 
 def test_pool_keeps_the_most_recent_g_per_key():

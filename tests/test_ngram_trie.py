@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import fake_cost
+from helpers import fake_cost, sized, verified_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo, drafter_spec
-from triedec.drafters.base import Verified
 from triedec.drafters.ngram_trie import NgramTrie, NgramTrieDrafter, NgramTrieOptions
 from triedec.errors import TriedecError
 
@@ -112,11 +111,15 @@ def info(cost):
 def test_drafter_proposes_the_matched_continuations_as_a_tree():
     drafter = NgramTrieDrafter(NgramTrieOptions(n=4, prefix=2, sized=False, num_draft=4), info(fake_cost()))
     d = drafter.begin([1, 2, 3, 9, 1, 2, 4, 9], documents=[[8, 8, 8]])
-    tree = d.propose([5, 1, 2])
+    draft = d.propose([5, 1, 2])
+    tree = draft.tree
     assert tree.root == 2 and sorted(tree.tokens[1:]) == [3, 4, 9, 9]
     assert {tree.tokens[i] for i in range(1, tree.size) if tree.parents[i] == 0} == {3, 4}
+    assert draft.required == draft.size  # sized=False: sent whole
+    assert list(draft.chances[1:]) == sorted(draft.chances[1:], reverse=True)  # best first
     assert d.propose([5, 6, 7]).size == 1  # no match: nothing drafted
     assert d.propose([8, 8]).size > 1  # from the document
+    assert d.propose([5, 1, 2], max_nodes=3).size == 3  # never more than the engine asks for
 
 
 def test_sizing_drafts_only_what_the_cost_curve_pays_for():
@@ -125,7 +128,7 @@ def test_sizing_drafts_only_what_the_cost_curve_pays_for():
     prompt = [1, 2, 3, 4] * 5
     for cost, expect_drafts in ((flat, True), (steep, False), (None, True)):  # None: size as for a flat curve
         d = NgramTrieDrafter(NgramTrieOptions(), info(cost)).begin(prompt)
-        assert (d.propose([*prompt, 1]).size > 1) == expect_drafts
+        assert (sized(d.propose([*prompt, 1]), cost).size > 1) == expect_drafts
     assert drafter_spec("ngram-trie").needs(NgramTrieOptions()) == {"cost"}
     assert drafter_spec("ngram-trie").needs(NgramTrieOptions(sized=False)) == frozenset()
 
@@ -134,29 +137,34 @@ def test_agreement_rate_learns_per_match_length_and_is_probed_again():
     """rho falls when drafts are rejected (per matched suffix length, and per whether the last
     step accepted drafts), the sized drafter then stops drafting, and skipped steps move rho back
     toward the prior until it drafts again."""
-    shared = NgramTrieDrafter(NgramTrieOptions(prefix=2), info(CostModel({1: 0.1, 2: 0.15, 81: 0.3})))
+    cost = CostModel({1: 0.1, 2: 0.15, 81: 0.3})
+    shared = NgramTrieDrafter(NgramTrieOptions(prefix=2), info(cost))
     d = shared.begin([1, 2, 3] * 6)
     assert shared.rho(2) == shared.PRIOR_RHO
+    logits = torch.zeros(64, 50)
+
+    def step(context, acceptance):
+        found = verified_part(d.propose(context), cost, logits, acceptance)
+        d.observe(found)
+        return found.tree
+
     failures = 0
-    while (tree := d.propose([1, 2, 3, 1, 2])).size > 1:
-        d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))  # nothing accepted
+    while step([1, 2, 3, 1, 2], Acceptance((0,), (7,))).size > 1:  # nothing accepted
         failures += 1
         assert failures < 20
     low = shared.rho(2)
     assert failures >= 2 and low < 0.5 and shared.rho(1) == shared.PRIOR_RHO  # only the length that failed
     skipped = 1
-    while d.propose([1, 2, 3, 1, 2]).size == 1:
+    while sized(draft := d.propose([1, 2, 3, 1, 2]), cost).size == 1:
+        d.observe(verified_part(draft, cost, logits, Acceptance((0,), (7,))))  # not verified: relaxes
         skipped += 1
         assert skipped < 500
     assert skipped > 5 and shared.rho(2) > low  # probed again, after a while
     before = shared.rho(2)
-    tree = d.propose([1, 2, 3, 1, 2])
-    d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0, 1, 2), (3, 1, 5))))
+    d.observe(verified_part(draft, None, logits, Acceptance((0, 1, 2), (3, 1, 5))))
     assert shared.rho(2) > before and shared.rho(2, hot=True) == shared.PRIOR_RHO  # 2 accepted, 1 rejected
     assert "rho_m2" in shared.stats()
-    tree = d.propose([1, 2, 3, 1, 2, 3, 1])  # after a step that accepted drafts: the "hot" rate
-    assert tree.size > 1
-    d.observe(Verified(tree, torch.zeros(tree.size, 50), Acceptance((0,), (7,))))
+    assert step([1, 2, 3, 1, 2, 3, 1], Acceptance((0,), (7,))).size > 1  # after a step that accepted drafts
     assert shared.rho(2, hot=True) < shared.PRIOR_RHO and "rho_m2_hot" in shared.stats()
 
 

@@ -120,7 +120,7 @@ def test_fresh_drafter_proposes_nothing_and_grows_only_from_written_rows():
     logits = torch.zeros(1, 50)
     logits[0, torch.arange(10, 18)] = torch.arange(8, 0, -1).float()  # row 3 -> 10..17
     d.observe(verified(TokenTree.root_only(3), logits))
-    tree = d.propose([1, 2, 3])
+    tree = d.propose([1, 2, 3]).tree
     assert tree.tokens == (3, *range(10, 18)) and tree.max_depth == 1  # rows 10..17 are cold
 
 
@@ -132,7 +132,9 @@ def test_every_proposed_node_comes_from_a_written_row(seed, nodes):
     d.matrix.table = torch.randint(30, (30, 8), generator=g)
     d.matrix.filled = torch.rand(30, generator=g) < 0.6
     root = int(torch.randint(30, (1,), generator=g))
-    tree = d.begin([root]).propose([root])
+    draft = d.begin([root]).propose([root])
+    tree = draft.tree
+    assert draft.required == tree.size  # nodes=N: sent whole
     table, filled = d.matrix.table, d.matrix.filled
     for i in range(1, tree.size):
         parent_token = tree.tokens[tree.parents[i]]
@@ -147,7 +149,7 @@ def test_drafter_counts_proposed_and_accepted_template_nodes():
     logits = torch.zeros(1, 50)
     logits[0, torch.arange(10, 18)] = torch.arange(8, 0, -1).float()
     s.observe(verified(TokenTree.root_only(3), logits))
-    tree = s.propose([3])
+    tree = s.propose([3]).tree
     s.observe(verified(tree, torch.zeros(tree.size, 50), path=(0, 2)))  # accepts rank 1 = token 11
     assert d.node_proposed[:8].tolist() == [1] * 8 and d.node_proposed[8:].sum() == 0
     assert d.node_accepted.tolist() == [0, 1] + [0] * 78
@@ -155,10 +157,16 @@ def test_drafter_counts_proposed_and_accepted_template_nodes():
 
 
 def test_tree_size_comes_from_the_profile():
-    assert RecyclingDrafter(RecyclingOptions(), info(nodes=12)).template.size == 12
+    sized_by_profile = RecyclingDrafter(RecyclingOptions(), info(nodes=12))
+    assert sized_by_profile.template.size == 12
+    s = sized_by_profile.begin([3])
+    s.observe(verified(TokenTree((3,), (-1,)), torch.randn(1, 50)))
+    draft = s.propose([1, 3])
+    assert draft.required == 1 and 1 < draft.size <= 13  # offered best first, with the calibrated rates
+    assert list(draft.chances[1:]) == sorted(draft.chances[1:], reverse=True)
     plain = RecyclingDrafter(RecyclingOptions(), info(nodes=0)).begin([3])  # drafting does not pay here
     plain.observe(verified(TokenTree((3,), (-1,)), torch.randn(1, 50)))
-    assert plain.propose([1, 3]) == TokenTree((3,), (-1,))
+    assert plain.propose([1, 3]).tree == TokenTree((3,), (-1,))
     rates = monotone_rates()
     d = RecyclingDrafter(RecyclingOptions(nodes=20), info())
     assert d.template == PAPER_TEMPLATE.top(20, rates)
@@ -192,8 +200,10 @@ def warmed(vocab: int = 50, model_id: str = "m1", state: str = "") -> RecyclingD
 def test_state_round_trip(tmp_path):
     path = tmp_path / "state" / "recycling.safetensors"
     d = warmed(state=str(path))
-    assert not path.exists()  # saved when a request ends
     d.begin([5]).end()
+    assert not path.exists()  # written when the engine persists (idle, every few requests, shutdown)
+    d.persist()
+    assert path.stat().st_mode & 0o777 == 0o600
     loaded = RecyclingDrafter(RecyclingOptions(nodes=80, state=str(path)), info(50))
     assert torch.equal(loaded.matrix.table, d.matrix.table)
     assert torch.equal(loaded.matrix.filled, d.matrix.filled)

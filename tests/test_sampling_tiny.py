@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import (
     EOS,
+    alone,
     chi_square_same,
     drain,
     fake_cost,
@@ -18,15 +19,17 @@ from helpers import (
     tiny_gemma3,
     tiny_info,
     tiny_llama,
+    together,
 )
 from helpers import random_prompts as prompts
 
 from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.drafters import BaseDrafter, drafter_spec
-from triedec.engine import StopRule, speculative_decode
+from triedec.engine import speculative_decode
 from triedec.errors import TriedecError
 from triedec.methods import method
+from triedec.request import StopRule
 from triedec.sampling import Sampling
 from triedec.tree import TokenTree
 
@@ -49,9 +52,9 @@ def build(name: str, options: dict, info):
     return spec.factory(spec.make_options(options), info)
 
 
-def sample(adapter, drafter, prompt, sampling, max_new_tokens=30, eos=-1, documents=()):
+def sample(adapter, drafter, prompt, sampling, max_new_tokens=30, eos=-1, documents=(), cost=None):
     rule = StopRule(max_new_tokens, frozenset([eos]))
-    return drain(speculative_decode(adapter, drafter, prompt, rule, documents, acceptance_rule(sampling)))
+    return drain(speculative_decode(adapter, drafter, prompt, rule, documents, acceptance_rule(sampling), cost))
 
 
 class SampledOracle(BaseDrafter):
@@ -90,7 +93,7 @@ def test_every_method_returns_ar_sampled_tokens(model_name):
             truth, _ = sample(adapter, build("ar", {}, info), prompt, sampling)
             assert truth == sample(adapter, build("ar", {}, info), prompt, sampling)[0], "a rerun differs"
             for name, options, drafter in drafters:
-                got, stats = sample(adapter, drafter, prompt, sampling)
+                got, stats = sample(adapter, drafter, prompt, sampling, cost=info.cost)
                 assert got == truth, f"{name} {options} differs: prompt {i}, {sampling}"
                 accepted += sum(n - 1 for n in stats.accepted_per_step)
                 assert stats.seed == seed
@@ -134,9 +137,9 @@ def test_stops_inside_accepted_sampled_drafts():
         assert stats.stop_reason == "length"
 
 
-def test_interleaved_sampled_streams_equal_their_solo_outputs():
-    """Per-request state: four sampled requests with different seeds, advanced in turn on one shared
-    decoder, return what they return alone."""
+def test_sampled_requests_in_one_batch_equal_their_solo_outputs():
+    """Per-request state: four sampled requests with different seeds, decoded together by one
+    engine batch on one shared decoder, return what they return alone."""
     model = peaked(tiny_llama(seed=3))
     adapter = ModelAdapter(model)
     found = method("pld")
@@ -144,17 +147,10 @@ def test_interleaved_sampled_streams_equal_their_solo_outputs():
     rule = StopRule(25, frozenset([EOS]))
     batch = prompts(seed=77, count=4)
     settings = [Sampling(temperature=0.8, seed=s) for s in range(4)]
-    solo = [drain(decoder.decode(adapter, p, rule, (), s))[0] for p, s in zip(batch, settings, strict=True)]
-    streams = [decoder.decode(adapter, p, rule, (), s) for p, s in zip(batch, settings, strict=True)]
-    outs: list[list[int]] = [[] for _ in streams]
-    live = dict(enumerate(streams))
-    while live:
-        for i, gen in list(live.items()):
-            try:
-                outs[i] += next(gen)
-            except StopIteration:
-                del live[i]
-    assert outs == solo
+    solo = [alone(adapter, decoder, p, rule, (), s)[0] for p, s in zip(batch, settings, strict=True)]
+    runs = [decoder.start(p, rule, (), s) for p, s in zip(batch, settings, strict=True)]
+    outs, _ = together(adapter, runs, arrivals=[0, 2, 2, 7])
+    assert [t for t, _ in outs] == solo
 
 
 # ---- distribution: triedec's sampled ar vs transformers' generate(do_sample=True) -------------

@@ -346,25 +346,29 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_recycling_state(tmp_p
             proc.kill()
 
 
-def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_close():
-    """A request whose client left is closed at the scheduler's next turn (its generator's finally
-    runs: the drafting session ends); close() cancels whatever still runs."""
+def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_close(lm):
+    """A request whose client left is closed at the scheduler's next step boundary (its loop's
+    finally runs: the drafting session ends); close() cancels whatever still runs."""
     import asyncio
 
+    from triedec.engine import BatchLimits, SoloRun
     from triedec.server import Job, Scheduler
 
     ended = {"a": threading.Event(), "b": threading.Event()}
 
     def endless(name):
-        try:
-            while True:
-                yield [1]
-        finally:
-            ended[name].set()
+        def loop(adapter):
+            try:
+                while True:
+                    yield [1]
+            finally:
+                ended[name].set()
+
+        return SoloRun(loop, kv_tokens=1)
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        scheduler = Scheduler(max_running=4, max_queue=0)
+        scheduler = Scheduler(lm, BatchLimits(max_running=4), max_queue=0)
         a, b = Job(endless("a"), loop), Job(endless("b"), loop)
         scheduler.submit(a)
         scheduler.submit(b)

@@ -1,53 +1,81 @@
 """The only module that knows transformers internals.
 
-:class:`ModelAdapter` runs one forward of arbitrary tokens (a draft tree, a prompt, the newest
-beam leaves) on top of a :class:`~triedec.kvcache.KVCache`, with an explicit visibility matrix and
-explicit position ids, and returns logits for every token. What to keep afterwards is the caller's
-business (``KVCache.commit`` / ``KVCache.select``).
+:class:`ModelAdapter` runs **one forward over many requests**: each :class:`ForwardItem` is one
+request's new tokens (a draft tree, a prompt chunk, beam leaves) on top of its own
+:class:`~triedec.kvcache.KVCache`, with an explicit visibility matrix and explicit position ids.
+The items' tokens are laid out as one flattened row, so every linear layer streams the weights
+once for all of them; attention is computed per item, over that item's own cache only, so its work
+grows with each request's own context, never with (all tokens) x (all contexts). Logits come back
+per item. What to keep afterwards is the caller's business (``KVCache.commit`` / ``select``).
+
+How, on stock transformers models (documented extension points only):
+* a ``transformers.Cache`` whose layers write each item's new K/V into its own preallocated store;
+* an attention function registered with ``AttentionInterface`` (a *dispatcher*): given the batch
+  (passed as the ``triedec_batch`` keyword, which transformers hands to attention functions), it
+  calls the model's own attention function once per item, on the item's slice of the queries, its
+  cache and its mask; without it (a plain ``model.generate``) it is exactly the model's own
+  function, with transformers' own masks (the dispatcher is registered with the base function's
+  mask builder). Outside triedec's forwards the model therefore behaves exactly as before;
+* a 4D placeholder mask, which transformers passes through untouched (the dispatcher builds each
+  item's mask itself).
 
 Quirks handled here (checked on transformers 5.x):
-* a 4D float mask ``[1, 1, q, k]`` is used as-is by ``sdpa`` and ``eager``; a bool mask is silently
-  wrong with ``eager``, so masks are always additive float (0 / dtype minimum);
+* masks are additive float (0 / dtype minimum): a bool mask is silently wrong with ``eager``;
 * flash-attention kernels ignore custom masks: refused;
-* models with sliding-window layers take a ``{layer_type: mask}`` dict; the window is applied from
-  each slot's recorded position id, so it is right for trees and trie-shaped beam caches alike;
+* sliding-window layers (Gemma 3): each layer type gets its own mask, the window applied from each
+  slot's recorded position id, so it is right for trees and trie-shaped beam caches alike;
 * default position ids would be ``arange + cache length`` (wrong for tree tokens): always passed;
-* the KV cache is a ``transformers.Cache`` whose layers write into our preallocated buffers;
+* one query that sees its whole cache gets no mask at all, so sdpa takes its grouped-query path;
 * under a tree mask, stock ``sdpa`` copies the grouped K/V once per query head (``repeat_kv``,
-  ~1 ms per layer on a 512-token cache here); the ``triedec_sdpa`` attention function registered
-  below (``AttentionInterface``, a documented extension point) lets torch's sdpa read the groups in
-  place (``enable_gqa``) and is otherwise the stock function.
+  ~1 ms per layer on a 512-token cache here); with ``kernels="auto"`` the base function is
+  ``_gqa_sdpa``, which lets torch's sdpa read the groups in place (``enable_gqa``) and is
+  otherwise the stock function.
+
+**Batch invariance.** A row's result never depends on the other items of the forward when every
+op computes it the same way whatever the number of rows: per-item attention does so by
+construction, and oneDNN's pre-packed linears (:mod:`triedec.kernels`) were measured to give
+bit-identical rows for 1 to 700 rows on this CPU (MKL's ``nn.Linear`` does not: its small-batch
+paths sum in another order). ``tests/test_batching.py`` checks the logits bit for bit.
 
 **Kernels.** ``ModelAdapter(model, kernels="auto")`` speeds the model up in place where the
-technique applies: oneDNN pre-packed linears (:mod:`triedec.kernels`; CPU, fp32) and
-``triedec_sdpa`` (models on ``sdpa``). ``kernels="plain"`` leaves the model untouched. Either way
-:attr:`ModelAdapter.kernels` names what the model runs, and the stats and calibration record it.
+technique applies: oneDNN pre-packed linears (CPU, fp32) and grouped-query sdpa under tree masks.
+``kernels="plain"`` keeps stock transformers' kernels. Either way :attr:`ModelAdapter.kernels`
+names what the model runs, and the stats and calibration record it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.kvcache import KVCache
-from triedec.tree import additive_mask
 
-GQA_SDPA = "triedec_sdpa"
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
 KERNELS = ("auto", "plain")
+GQA_SDPA = "triedec_sdpa"
+"""the dispatcher over grouped-query sdpa (``kernels="auto"``)"""
+STOCK_SDPA = "triedec_stock_sdpa"
+"""the dispatcher over transformers' own sdpa (``kernels="plain"``)"""
+EAGER = "triedec_eager"
+"""the dispatcher over the model's own eager attention"""
+BATCH_KEYWORD = "triedec_batch"
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
 
 def _gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -65,22 +93,59 @@ def _gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GQA_SDPA, _gqa_sdpa)
-AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
+_EAGER_BY_CLASS: dict[type, AttentionFn] = {}
+
+
+def _model_eager(module: nn.Module) -> AttentionFn:
+    """The eager attention function of ``module``'s own modeling file (models define their own:
+    Gemma's soft-capping, for example)."""
+    found = _EAGER_BY_CLASS.get(type(module))
+    if found is None:
+        found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if found is None:
+            raise TriedecError(f"{type(module).__name__}: no eager_attention_forward in its modeling file; "
+                               "load the model with attn_implementation='sdpa'")
+        _EAGER_BY_CLASS[type(module)] = found
+    return found
+
+
+_BASES: dict[str, Callable[[nn.Module], AttentionFn]] = {
+    GQA_SDPA: lambda module: _gqa_sdpa,
+    STOCK_SDPA: lambda module: sdpa_attention_forward,
+    EAGER: _model_eager,
+}
+
+
+def _dispatch(name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The registered attention function ``name``: the base function, called once per item of a
+    triedec batch (:class:`_Batch`), or as is outside triedec's forwards."""
+    base = _BASES[name](module)
+    batch = kwargs.pop(BATCH_KEYWORD, None)
+    if batch is None:
+        return base(module, query, key, value, attention_mask, **kwargs)
+    return batch.attend(module, query, base, kwargs)
+
+
+for _name, _mask in ((GQA_SDPA, sdpa_mask), (STOCK_SDPA, sdpa_mask), (EAGER, eager_mask)):
+    AttentionInterface.register(_name, partial(_dispatch, _name))
+    AttentionMaskInterface.register(_name, _mask)
 
 
 def apply_kernels(model: PreTrainedModel, kernels: str) -> None:
-    """Speed ``model`` up in place (``"auto"``: what applies on its device and dtype) or leave it
-    (``"plain"``). See the module doc."""
+    """Speed ``model`` up in place (``"auto"``: what applies on its device and dtype) or keep its
+    kernels (``"plain"``); either way route its attention through triedec's dispatcher (see the
+    module doc), which is the model's own function outside triedec's forwards."""
     if kernels not in KERNELS:
         raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "plain":
-        return
     param = next(model.parameters())
-    if packing_available(param.device, param.dtype):
+    if kernels == "auto" and packing_available(param.device, param.dtype):
         pack_linears(model)
-    if getattr(model.config, "_attn_implementation", None) == "sdpa":
-        model.set_attn_implementation(GQA_SDPA)
+    attn = model.config._attn_implementation
+    if attn in ("sdpa", STOCK_SDPA, GQA_SDPA):
+        model.set_attn_implementation(GQA_SDPA if kernels == "auto" else STOCK_SDPA)
+    elif attn == "eager":
+        model.set_attn_implementation(EAGER)
 
 
 def describe_kernels(model: PreTrainedModel) -> str:
@@ -93,40 +158,97 @@ def describe_kernels(model: PreTrainedModel) -> str:
     return "+".join(used) or "plain"
 
 
-class _SlotLayer(CacheLayerMixin):
-    """One layer of a transformers ``Cache`` backed by a :class:`KVCache`."""
+@dataclass(frozen=True)
+class ForwardItem:
+    """One request's part of a forward.
+
+    ``tokens [T]`` at ``positions [T]`` go on top of ``cache`` (their K/V land in T pending slots).
+    ``visible`` (bool) is ``[T, T]``: which of the new tokens each one attends to, every committed
+    slot being visible (a draft tree's ancestry, a prompt chunk's causal triangle); or
+    ``[T, cache.length + T]``: every slot spelled out (beam search's trie). ``keep``: how many of the
+    last rows' logits to return (``-1``: all T)."""
+
+    cache: KVCache
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+    keep: int = -1
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def rows(self) -> int:
+        """Rows of logits returned."""
+        return self.size if self.keep < 0 else min(self.keep, self.size)
+
+
+class _Batch:
+    """The items of one forward: each item's bounds in the flattened row and its masks per layer
+    type. Handed to the dispatcher as the ``triedec_batch`` keyword."""
+
+    def __init__(self, items: Sequence[ForwardItem], masks: list[dict[str, torch.Tensor | None]],
+                 kinds: tuple[str, ...]) -> None:
+        self.items, self.masks, self.kinds = items, masks, kinds
+        self.bounds = []
+        start = 0
+        for item in items:
+            self.bounds.append((start, start + item.size))
+            start += item.size
+
+    def attend(self, module: nn.Module, query: torch.Tensor, base: AttentionFn,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+        """Attention of every item over its own cache: ``query [1, heads, N, dim]`` ->
+        ``[1, N, heads, dim]``."""
+        layer = module.layer_idx
+        kind = self.kinds[layer]
+        outs = []
+        for item, (start, stop), masks in zip(self.items, self.bounds, self.masks, strict=True):
+            keys, values = item.cache.view(layer)
+            out, _ = base(module, query[:, :, start:stop], keys, values, masks[kind], **kwargs)
+            outs.append(out)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+class _BatchLayer(CacheLayerMixin):
+    """One layer of a transformers ``Cache`` that writes each item's new K/V into its own store."""
 
     is_sliding = False
 
-    def __init__(self, store: KVCache, index: int) -> None:
+    def __init__(self, batch: _Batch, index: int) -> None:
         super().__init__()
-        self.store, self.index = store, index
+        self.batch, self.index = batch, index
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Buffers are allocated by the store on first write."""
+        """Buffers are allocated by each store on first write."""
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.write(self.index, key_states, value_states)
+        for item, (start, stop) in zip(self.batch.items, self.batch.bounds, strict=True):
+            item.cache.write(self.index, key_states[:, :, start:stop], value_states[:, :, start:stop])
+        return key_states, value_states  # the dispatcher reads each item's own store
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.store.length + query_length, 0
+        return query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.length
+        return 0
 
     def get_max_length(self) -> int:
-        return self.store.capacity
+        return -1
 
 
 @dataclass(frozen=True)
 class AttentionLayout:
     """Which mask each layer needs: ``windows`` maps a layer type to its sliding window (None =
-    full attention). ``per_type`` says whether the model takes a ``{layer_type: mask}`` dict."""
+    full attention); ``kinds[i]`` is layer i's type; ``per_type`` says whether the model takes a
+    ``{layer_type: mask}`` dict."""
 
     windows: dict[str, int | None]
+    kinds: tuple[str, ...]
     per_type: bool
 
     @property
@@ -134,13 +256,14 @@ class AttentionLayout:
         return all(w is None for w in self.windows.values())
 
     @classmethod
-    def from_config(cls, config: object) -> AttentionLayout:
+    def from_config(cls, config: Any) -> AttentionLayout:
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
+        layers = int(config.num_hidden_layers)
         layer_types = getattr(config, "layer_types", None)
         if not layer_types:
-            return cls({_FULL: window}, per_type=False)
+            return cls({_FULL: window}, (_FULL,) * layers, per_type=False)
         kinds = set(layer_types)
         unknown = kinds - {_FULL, _SLIDING}
         if unknown:
@@ -149,19 +272,22 @@ class AttentionLayout:
         if _SLIDING in kinds and not window:
             raise TriedecError("config has sliding_attention layers but no sliding_window")
         windows = {k: (window if k == _SLIDING else None) for k in kinds}
-        return cls(windows, per_type=len(kinds) > 1)
+        return cls(windows, tuple(layer_types[:layers]), per_type=len(kinds) > 1)
 
 
 class ModelAdapter:
-    """Tree-masked forwards of a Hugging Face causal LM on a preallocated KV cache.
+    """Forwards of a Hugging Face causal LM over many requests' trees, each on its own
+    preallocated KV cache.
 
-    The adapter never mutates the model; it mutates only the :class:`KVCache` passed to it.
+    Construction routes the model's attention through triedec's dispatcher (and, with
+    ``kernels="auto"``, swaps in faster kernels); forwards then mutate only the :class:`KVCache`
+    objects passed in.
     """
 
     def __init__(self, model: PreTrainedModel, kernels: str = "plain") -> None:
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
-        if attn not in (*SUPPORTED_ATTENTION, GQA_SDPA):
+        if attn not in (*SUPPORTED_ATTENTION, *_BASES):
             hint = " (flash-attention ignores custom tree masks)" if "flash" in attn else ""
             raise TriedecError(
                 f"attention implementation {attn!r} is not supported{hint}; use one of {SUPPORTED_ATTENTION}"
@@ -170,7 +296,8 @@ class ModelAdapter:
             raise TriedecError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
         self.model = model
         self.config = config
-        self.layout = AttentionLayout.from_config(config.get_text_config())
+        text = config.get_text_config()
+        self.layout = AttentionLayout.from_config(text)
         head = model.get_output_embeddings()
         self.vocab_size = int(head.out_features if isinstance(head, PackedLinear) else head.weight.shape[0])
         self.device = next(model.parameters()).device
@@ -179,7 +306,8 @@ class ModelAdapter:
         apply_kernels(model, kernels)
         self.kernels = describe_kernels(model)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
-        self._sdpa = config._attn_implementation in ("sdpa", GQA_SDPA)
+        self._minimum = torch.finfo(self.dtype).min
+        self._placeholder = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
 
     @cached_property
     def model_id(self) -> str:
@@ -193,6 +321,14 @@ class ModelAdapter:
         digest.update((emb.detach()[rows] > 0).cpu().numpy().tobytes())
         return digest.hexdigest()[:16]
 
+    @cached_property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes in a cache (every layer)."""
+        text = self.config.get_text_config()
+        heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        return 2 * self._num_layers() * heads * dim * torch.tensor([], dtype=self.dtype).element_size()
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
 
@@ -201,30 +337,93 @@ class ModelAdapter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _masks(self, cache: KVCache, visible: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive masks ``[1, 1, T, length + T]`` per layer type, the window applied by position."""
-        kpos = cache.positions()
-        qpos = kpos[cache.length :]
-        masks = {}
-        for kind, window in self.layout.windows.items():
-            vis = visible if window is None else visible & ((qpos[:, None] - kpos[None, :]) < window)
-            masks[kind] = additive_mask(vis.to(self.device), self.dtype)
-        return masks if self.layout.per_type else next(iter(masks.values()))
+    # ---- forwards -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, cache: KVCache, tokens: torch.Tensor, keep_last: int = 1) -> torch.Tensor:
-        """Causal forward of ``tokens [T]`` at positions ``0..T-1`` on an empty ``cache``.
+    def forward_batch(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One forward over every item (see :class:`ForwardItem`): their tokens as one row, each
+        item attending to its own cache. The new K/V land in each cache's pending slots (commit or
+        drop them afterwards). Returns each item's float logits ``[item.rows, vocab]``."""
+        if not items:
+            raise TriedecError("a forward needs at least one item")
+        if len({id(item.cache) for item in items}) != len(items):
+            raise TriedecError("each item of a forward needs a cache of its own")
+        masks = []
+        for item in items:
+            n = item.size
+            if n < 1 or item.positions.shape != (n,) or item.visible.dim() != 2 or item.visible.shape[0] != n \
+                    or item.visible.shape[1] not in (n, item.cache.length + n):
+                raise TriedecError(f"a forward item of {n} tokens needs positions [{n}] and visibility [{n}, {n}] "
+                                   f"or [{n}, {item.cache.length + n}]; got {list(item.positions.shape)} and "
+                                   f"{list(item.visible.shape)}")
+        for item in items:
+            item.cache.stage(item.positions)
+        for item in items:
+            masks.append(self._masks(item))
+        batch = _Batch(items, masks, self.layout.kinds)
+        tokens = torch.cat([item.tokens.reshape(-1) for item in items]).to(self.device)
+        positions = torch.cat([item.positions.reshape(-1) for item in items]).to(self.device)
+        rows = [(stop - item.rows, stop) for item, (_, stop) in zip(items, batch.bounds, strict=True)]
+        keep = torch.cat([torch.arange(a, b) for a, b in rows])
+        kwargs: dict[str, Any] = {}
+        everything = keep.numel() == tokens.numel()
+        if not everything and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep.to(self.device)  # the LM head runs on these rows only
+        placeholder = {k: self._placeholder for k in self.layout.windows} if self.layout.per_type \
+            else self._placeholder
+        out = self.model(
+            input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
+            past_key_values=Cache(layers=[_BatchLayer(batch, i) for i in range(self._num_layers())]),
+            use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs,
+        )
+        logits = out.logits[0]
+        if not everything and not self._takes_logits_to_keep:
+            logits = logits[keep.to(logits.device)]
+        logits = logits.float()
+        found, at = [], 0
+        for a, b in rows:
+            found.append(logits[at : at + b - a])
+            at += b - a
+        return found
 
-        transformers builds the (causal, sliding-window) masks itself here; the T slots are left
-        pending. Returns the logits of the last ``keep_last`` tokens: ``[min(keep_last, T), vocab]``.
-        """
+    def _masks(self, item: ForwardItem) -> dict[str, torch.Tensor | None]:
+        """Additive masks ``[1, 1, T, length + T]`` per layer type (None: one query that sees its
+        whole cache needs none); the window applied by position. ``item.cache`` is staged."""
+        cache, n = item.cache, item.size
+        length = cache.length
+        explicit = item.visible.shape[1] != n or length == 0
+        out: dict[str, torch.Tensor | None] = {}
+        for kind, window in self.layout.windows.items():
+            if window is None:
+                if n == 1 and bool(item.visible.all()):
+                    out[kind] = None
+                    continue
+                mask = torch.zeros((n, length + n), dtype=self.dtype)
+                (mask if explicit else mask[:, length:]).masked_fill_(~item.visible, self._minimum)
+            else:
+                kpos = cache.positions()
+                visible = item.visible if explicit else torch.cat(
+                    [torch.ones((n, length), dtype=torch.bool), item.visible], dim=1)
+                visible = visible & ((kpos[length:, None] - kpos[None, :]) < window)
+                if n == 1 and bool(visible.all()):
+                    out[kind] = None
+                    continue
+                mask = torch.zeros((n, length + n), dtype=self.dtype)
+                mask.masked_fill_(~visible, self._minimum)
+            out[kind] = mask[None, None].to(self.device)
+        return out
+
+    def prefill(self, cache: KVCache, tokens: torch.Tensor, keep_last: int = 1) -> torch.Tensor:
+        """Causal forward of ``tokens [T]`` at positions ``0..T-1`` on an empty ``cache``; the T
+        slots are left pending. Returns the logits of the last ``keep_last`` tokens:
+        ``[min(keep_last, T), vocab]``."""
         if cache.length or cache.pending:
             raise TriedecError("prefill needs an empty cache")
-        positions = torch.arange(tokens.numel())
-        cache.stage(positions)
-        return self._run(tokens, positions, cache, None, max(1, min(keep_last, tokens.numel())))
+        n = tokens.numel()
+        causal = torch.ones((n, n), dtype=torch.bool).tril_()
+        item = ForwardItem(cache, tokens, torch.arange(n), causal, max(1, min(keep_last, n)))
+        return self.forward_batch([item])[0]
 
-    @torch.inference_mode()
     def forward(
         self,
         cache: KVCache,
@@ -233,47 +432,10 @@ class ModelAdapter:
         visible: torch.Tensor,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """Run ``tokens [T]`` at ``positions [T]`` on top of ``cache``.
-
-        ``visible [T, cache.length + T]`` (bool) says which committed slots and which of the new
-        tokens each new token attends to. The new K/V land in T pending slots of ``cache``; commit
-        or drop them afterwards. Returns float logits ``[T, vocab]`` (``[1, vocab]`` for the last
-        token only if ``last_only``).
-        """
-        n = tokens.numel()
-        if visible.shape != (n, cache.length + n):
-            raise TriedecError(f"visibility must be [{n}, {cache.length + n}], got {list(visible.shape)}")
-        cache.stage(positions)
-        # One query that sees every slot, without sliding windows: no mask at all, which lets sdpa
-        # use its grouped-query kernel instead of copying K/V per head (what transformers' own
-        # decode step does).
-        plain = n == 1 and self._sdpa and self.layout.no_windows and bool(visible.all())
-        masks = None if plain else self._masks(cache, visible)
-        return self._run(tokens, positions, cache, masks, 1 if last_only else n)
-
-    def _run(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        masks: torch.Tensor | dict[str, torch.Tensor] | None,
-        keep_last: int,
-    ) -> torch.Tensor:
-        """The model call; ``cache`` has the T pending slots staged. Logits ``[keep_last, vocab]``."""
-        hf_cache = Cache(layers=[_SlotLayer(cache, i) for i in range(self._num_layers())])
-        kwargs = {}
-        if keep_last < tokens.numel() and self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = keep_last  # the LM head runs on these positions only
-        out = self.model(
-            input_ids=tokens.to(self.device)[None],
-            position_ids=positions.to(self.device)[None],
-            attention_mask=masks,
-            past_key_values=hf_cache,
-            use_cache=True,
-            **kwargs,
-        )
-        logits = out.logits[0]
-        return logits[-keep_last:].float()
+        """Run ``tokens [T]`` at ``positions [T]`` on top of ``cache`` alone (a one-item
+        :meth:`forward_batch`); ``visible`` as :class:`ForwardItem`'s. Returns float logits
+        ``[T, vocab]`` (``[1, vocab]`` for the last token only if ``last_only``)."""
+        return self.forward_batch([ForwardItem(cache, tokens, positions, visible, 1 if last_only else -1)])[0]
 
     def _num_layers(self) -> int:
         return int(self.config.get_text_config().num_hidden_layers)

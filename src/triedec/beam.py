@@ -26,8 +26,8 @@ from typing import ClassVar
 import torch
 
 from triedec.adapter import ModelAdapter
-from triedec.engine import Stats, StopRule, prefill
 from triedec.errors import TriedecError, positive_int
+from triedec.request import Stats, StopRule
 
 METHOD = "beam"
 DEFAULT_GC_EVERY = 5
@@ -279,14 +279,19 @@ def beam_search(
     stats. Stops at EOS / stop tokens (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop
     strings and context documents are refused here, before anything runs.
     """
+    return _search(adapter, check_request(prompt, stop, documents), options, stop)
+
+
+def check_request(prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = ()) -> list[int]:
+    """The prompt's token ids, or a clear error for what beam search cannot honour."""
     if stop.stop_strings:
         raise TriedecError("stop strings are not supported with beam search (stop_token_ids are)")
     if documents:
         raise TriedecError("context documents are for drafting methods, not beam search")
-    prompt = [int(t) for t in prompt]
-    if not prompt:
+    ids = [int(t) for t in prompt]
+    if not ids:
         raise TriedecError("the prompt is empty (no tokens)")
-    return _search(adapter, prompt, options, stop)
+    return ids
 
 
 def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
@@ -296,7 +301,8 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
     scorer = BeamScorer(options, len(prompt), stop.max_new_tokens, stop.eos_token_ids)
     trie = _TrieKV(adapter, len(prompt), b, options.gc_every)
 
-    logits = prefill(adapter, trie.cache, prompt)  # [1, vocab]
+    logits = adapter.prefill(trie.cache, torch.tensor(prompt))  # [1, vocab]
+    trie.cache.commit(range(len(prompt)))
     stats = BeamStats(num_beams=b, prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     log_probs = torch.log_softmax(logits, dim=-1).expand(b, -1)  # every beam starts at the prompt
     streamed: tuple[int, ...] = ()

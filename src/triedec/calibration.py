@@ -1,23 +1,18 @@
-"""Device calibration: what a verification forward costs here, and how big Token Recycling's tree
-should be. A top-layer module: it measures through an :class:`~triedec.lm.LM`; the values it
-produces (:class:`~triedec.costmodel.CostModel`,
-:class:`~triedec.drafters.recycling.RecyclingProfile`) are pure and reach drafters through
-``ModelInfo``. Results are cached as JSON per model + device + dtype (+ CPU threads) under the
-triedec cache directory.
+"""Device calibration: what a forward costs here, and the profiles methods declare. A top-layer
+module: it measures through an :class:`~triedec.lm.LM`; the values it produces
+(:class:`~triedec.costmodel.CostModel`, each method's profile) are pure and reach the engine and
+the drafters through ``ModelInfo``. Results are cached as JSON per model + device + dtype (+ CPU
+threads + kernels) under the triedec cache directory.
 
-* **cost curve** (:func:`measure_cost_model`, a few seconds to a minute) -- median seconds of one
-  forward of T tree tokens on a 512-token cache, including the top-k over its logits that Token
-  Recycling does after every step, for the sizes in :data:`TREE_SIZES`;
-* **recycling profile** (:func:`measure_recycling_profile`, a minute or two) -- for each node of
-  the paper's 80-node tree, the share of steps in which it was accepted, measured by decoding
-  calibration prompts (``calibration_prompts.json``: Spec-Bench prompts never in the benchmark's
-  sample) with the full tree,
-  after one warm-up prompt. For each measured size N the N most accepted nodes are kept; expected
-  tokens per step = 1 + the sum of their rates; the N with the most expected tokens per second is
-  the candidate. The prediction is optimistic (rates measured with the full tree overstate what
-  a small tree's matrix learns; per-step overheads are not in the curve), so the candidate is
-  decoded against ``ar`` on the same prompts and kept only if it is at least
-  :data:`END_TO_END_MARGIN` faster, else 0 draft nodes are chosen.
+* **cost model** (:func:`measure_cost_model`, under a minute) -- median seconds of one forward of
+  T tree tokens of one request (the sizes in :data:`TREE_SIZES`), of forwards that carry B
+  requests with t tokens each (:data:`BATCH_GRID`), each request on a ``context_tokens`` cache,
+  and the extra cost of a longer context. Sizes are interleaved across repeats so that machine
+  noise spreads evenly;
+* **profiles** -- a method that needs one declares it (``register(..., profile=ProfileSpec)``,
+  ``needs`` naming the method): calibration hands its ``measure`` a :class:`Bench` (calibration
+  prompts, never benchmark prompts; a way to decode them with a drafter) and stores what it returns
+  with ``dump``. Token Recycling's tree profile is one (:mod:`triedec.drafters.recycling`).
 
 Methods say what they need (``MethodSpec.needs``); the :class:`~triedec.lm.LM` loads or measures
 exactly that before it builds them.
@@ -30,28 +25,32 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from triedec.adapter import ModelAdapter
+from triedec.adapter import ForwardItem, ModelAdapter
 from triedec.costmodel import CostModel
-from triedec.drafters import ModelInfo, drafter_spec
-from triedec.drafters.recycling import METHOD as RECYCLING
-from triedec.drafters.recycling import PAPER_TEMPLATE, RecyclingDrafter, RecyclingOptions, RecyclingProfile, best_nodes
-from triedec.engine import StopRule, speculative_decode
+from triedec.drafters import Drafter, ModelInfo
+from triedec.drafters.base import NEEDS_COST, profile_specs
+from triedec.engine import run_alone
 from triedec.errors import TriedecError, positive_int
+from triedec.request import Request, StopRule
 from triedec.tree import TokenTree
 
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81)
-"""Tree sizes (tokens, the root included) whose verification cost is measured; 81 = the paper's
-whole Token Recycling tree."""
-END_TO_END_MARGIN = 0.05
-"""A predicted recycling tree size is kept only if real decoding with it beats ``ar`` by this share."""
-CALIBRATION_FORMAT = "triedec-calibration-2"
+"""Tree sizes (tokens, the root included) of one request whose forward cost is measured (81: the
+Token Recycling paper's whole tree)."""
+BATCH_GRID = ((2, (1, 2, 4, 8)), (4, (1, 2, 4, 8)), (8, (1, 2, 4, 8)), (16, (1, 2, 4, 8)))
+"""(requests, tokens per request) of the batched forwards whose cost is measured."""
+CONTEXT_TOKENS = 256
+"""Tokens in each request's cache while the cost model is measured."""
+LONG_CONTEXT = 2048
+"""A second cache length, for the cost of each extra context token."""
+CALIBRATION_FORMAT = "triedec-calibration-3"
 PROMPTS_FILE = Path(__file__).with_name("calibration_prompts.json")
 
 log = logging.getLogger("triedec")
@@ -73,25 +72,20 @@ class Target(Protocol):
 
 @dataclass(frozen=True)
 class Calibration:
-    """One model on one device: its cost curve and, once measured, its recycling profile."""
+    """One model on one device: its cost model and the method profiles measured so far."""
 
     model_id: str
     device: str
     dtype: str
     cost: CostModel
-    recycling: RecyclingProfile | None = None
+    profiles: Mapping[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
 
-    def profiles(self) -> dict[str, Any]:
-        """The method-specific profiles measured so far, by method name (``ModelInfo.profiles``)."""
-        return {} if self.recycling is None else {RECYCLING: self.recycling}
-
     def to_json(self) -> str:
+        specs = profile_specs()
         data = {"format": CALIBRATION_FORMAT, "model_id": self.model_id, "device": self.device, "dtype": self.dtype,
-                "cost": self.cost.as_dict(), "details": self.details}
-        if self.recycling is not None:
-            data["recycling"] = {"rates": list(self.recycling.rates), "nodes": self.recycling.nodes,
-                                 "details": self.recycling.details}
+                "cost": self.cost.as_dict(), "details": self.details,
+                "profiles": {name: specs[name].dump(p) for name, p in self.profiles.items()}}
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -100,17 +94,17 @@ class Calibration:
             data = json.loads(text)
             if data.get("format") != CALIBRATION_FORMAT:
                 raise TriedecError(f"not a {CALIBRATION_FORMAT} file (format {data.get('format')!r})")
-            rec = data.get("recycling")
-            profile = None if rec is None else RecyclingProfile(tuple(rec["rates"]), rec["nodes"],
-                                                                rec.get("details", {}))
-            return cls(data["model_id"], data["device"], data["dtype"], CostModel.from_dict(data["cost"]), profile,
+            specs = profile_specs()
+            profiles = {name: specs[name].load(value) for name, value in data.get("profiles", {}).items()
+                        if name in specs}
+            return cls(data["model_id"], data["device"], data["dtype"], CostModel.from_dict(data["cost"]), profiles,
                        data.get("details", {}))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise TriedecError(f"unreadable calibration: {exc!r}") from exc
 
 
 def device_key(adapter: ModelAdapter) -> str:
-    """What a cost curve depends on besides the model: device (name), dtype, CPU threads, kernels."""
+    """What a cost model depends on besides the model: device (name), dtype, CPU threads, kernels."""
     device = adapter.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
     key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
@@ -121,41 +115,72 @@ def calibration_path(cache_dir: Path, adapter: ModelAdapter) -> Path:
     return cache_dir / "calibration" / f"{adapter.model_id}-{device_key(adapter)}.json"
 
 
-# ---- measurement ------------------------------------------------------------------------------
+# ---- the cost model -----------------------------------------------------------------------------
 
 
-def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES, context_tokens: int = 512,
+MAX_SIZE = 256
+
+
+def _tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
+    """A random tree of ``size`` nodes: four children per node, breadth first (draft trees are
+    wide near the root; a forward's cost hardly depends on the shape)."""
+    if not 1 <= size <= MAX_SIZE:
+        raise TriedecError(f"cost sizes must lie in [1, {MAX_SIZE}], got {size}")
+    parents = (-1, *((i - 1) // 4 for i in range(1, size)))
+    return TokenTree(tuple(torch.randint(vocab, (size,), generator=gen).tolist()), parents)
+
+
+def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
+                       batch: Sequence[tuple[int, Sequence[int]]] = BATCH_GRID,
+                       context_tokens: int = CONTEXT_TOKENS, long_context: int = LONG_CONTEXT,
                        repeats: int = 5, k: int = 8) -> CostModel:
-    """Median seconds of a forward of T tree tokens (shaped like the paper's tree cut to T nodes,
-    random tokens) on a ``context_tokens`` cache, plus the top-k of its logits; sizes are
-    interleaved across repeats so that machine noise spreads evenly."""
+    """Median seconds of forwards (module doc), each followed by the top-k of its logits that
+    Token Recycling and auto do after every step. One request's cache is prefilled once; the other
+    requests' caches and the long one are copies of it (what a forward costs does not depend on
+    the values in the cache)."""
     positive_int("repeats", repeats)
     adapter = lm.adapter
     gen = torch.Generator().manual_seed(0)
-    cache = adapter.new_cache(context_tokens + max(sizes))
-    adapter.prefill(cache, torch.randint(adapter.vocab_size, (context_tokens,), generator=gen))
-    cache.commit(range(context_tokens))
-    parents_all = (-1, *PAPER_TEMPLATE.parents)  # breadth-first: any prefix is a tree
-    trees = {}
+    width = max([1, *(b for b, _ in batch)])
+    room = context_tokens + max([*sizes, *(t for _, ts in batch for t in ts)])
+    first = adapter.new_cache(max(room, long_context + 1))
+    adapter.prefill(first, torch.randint(adapter.vocab_size, (context_tokens,), generator=gen))
+    first.commit(range(context_tokens))
+    caches = [first, *(first.clone() for _ in range(width - 1))]
+    long = first.clone()
+    long.extend_to(long_context)
+    points: dict[tuple[int, int], list[TokenTree]] = {}
     for t in sizes:
-        if not 1 <= t <= len(parents_all):
-            raise TriedecError(f"cost sizes must lie in [1, {len(parents_all)}], got {t}")
-        tokens = torch.randint(adapter.vocab_size, (t,), generator=gen).tolist()
-        trees[t] = TokenTree(tuple(tokens), parents_all[:t])
-    times: dict[int, list[float]] = {t: [] for t in sizes}
+        points[(1, t)] = [_tree(t, gen, adapter.vocab_size)]
+    for b, per_request in batch:
+        for t in per_request:
+            points[(b, b * t)] = [_tree(t, gen, adapter.vocab_size) for _ in range(b)]
+    times: dict[tuple[int, int] | str, list[float]] = {key: [] for key in points}
+    times["long"] = []
     for round_ in range(repeats + 1):  # round 0 warms up
-        for t, tree in trees.items():
+        for key, trees in [*points.items(), ("long", [_tree(1, gen, adapter.vocab_size)])]:
+            targets = [long] if key == "long" else caches[: len(trees)]
+            items = [ForwardItem(c, torch.tensor(tree.tokens), tree.positions(c.length)[0], tree.ancestry)
+                     for c, tree in zip(targets, trees, strict=True)]
             start = time.perf_counter()
-            logits = adapter.forward(cache, torch.tensor(tree.tokens), tree.positions(cache.length)[0],
-                                     tree.visibility(cache.length))
-            logits.topk(k, dim=-1)
+            for logits in adapter.forward_batch(items):
+                logits.topk(k, dim=-1)
             adapter.synchronize()
             if round_:
-                times[t].append(time.perf_counter() - start)
-            cache.commit([])
-    seconds = {t: statistics.median(v) for t, v in times.items()}
-    return CostModel(seconds, context_tokens, {"repeats": repeats, "torch": torch.__version__,
-                                               "threads": torch.get_num_threads(), "kernels": adapter.kernels})
+                times[key].append(time.perf_counter() - start)
+            for c in targets:
+                c.commit([])
+    median = {key: statistics.median(v) for key, v in times.items()}
+    forward = {t: median[(1, t)] for t in sizes}
+    rows: dict[int, dict[int, float]] = {}
+    for b, per_request in batch:
+        rows[b] = {b * t: median[(b, b * t)] for t in per_request}
+    one = median.get((1, 1), min(forward.values()))
+    per_token = max(0.0, (median["long"] - one) / max(1, long_context - context_tokens))
+    return CostModel(forward, context_tokens, {"repeats": repeats, "torch": torch.__version__,
+                                               "threads": torch.get_num_threads(), "kernels": adapter.kernels,
+                                               "long_context": long_context},
+                     rows, per_token)
 
 
 def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] = (1, 16),
@@ -186,6 +211,9 @@ def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] 
     return {t: statistics.median(v) for t, v in times.items()}
 
 
+# ---- profiles -----------------------------------------------------------------------------------
+
+
 def calibration_prompts(n: int) -> list[str]:
     """The first ``n`` calibration prompts (``calibration_prompts.json`` beside this module:
     Spec-Bench first turns, one per category in turn, never in the benchmark's sample)."""
@@ -195,89 +223,36 @@ def calibration_prompts(n: int) -> list[str]:
     return prompts[:n]
 
 
-def _plain_info(adapter: ModelAdapter) -> ModelInfo:
-    return ModelInfo(adapter.vocab_size, adapter.device, adapter.model_id)
+class Bench:
+    """What a profile's ``measure`` gets (:class:`~triedec.drafters.base.CalibrationBench`): the
+    model's info with the cost model, calibration prompts and greedy decoding of one prompt alone
+    with a drafter, drafts sized under that cost model."""
+
+    def __init__(self, lm: Target, cost: CostModel, prompt_count: int, max_new_tokens: int) -> None:
+        self.lm = lm
+        adapter = lm.adapter
+        self.info = ModelInfo(adapter.vocab_size, adapter.device, adapter.model_id, cost)
+        self.prompt_count, self.max_new_tokens = prompt_count, max_new_tokens
+
+    def prompts(self, count: int) -> list[list[int]]:
+        return [self.lm.encode(p, chat=self.lm.has_chat_template) for p in calibration_prompts(count)]
+
+    def decode(self, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int) -> int:
+        stop = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=self.lm.eos_token_ids)
+        run = Request(drafter, prompt, stop)
+        return sum(len(new) for new in run_alone(self.lm.adapter, run, self.info.cost))
 
 
-def _decode_all(lm: Target, drafter: Any, ids: Sequence[int], rule: StopRule) -> int:
-    return sum(len(new) for new in speculative_decode(lm.adapter, drafter, ids, rule))
-
-
-def measure_recycling_rates(lm: Target, prompts: Sequence[str], max_new_tokens: int = 96) -> tuple[float, ...]:
-    """Per node of the paper's tree, the share of decoding steps in which it was accepted, over
-    ``prompts[1:]`` (``prompts[0]`` warms the adjacency matrix up). A fresh drafter is used."""
-    if len(prompts) < 2:
-        raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
-    drafter = RecyclingDrafter(RecyclingOptions(nodes=PAPER_TEMPLATE.size), _plain_info(lm.adapter))
-    rule = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=lm.eos_token_ids)
-    for i, prompt in enumerate(prompts):
-        if i == 1:
-            drafter.node_accepted[:] = 0
-            drafter.steps = 0
-        _decode_all(lm, drafter, lm.encode(prompt, chat=lm.has_chat_template), rule)
-    return tuple((drafter.node_accepted / max(drafter.steps, 1)).tolist())
-
-
-def measure_end_to_end(lm: Target, prompts: Sequence[str], cost: CostModel, profile: RecyclingProfile,
-                       max_new_tokens: int = 96) -> dict[str, float]:
-    """Decode ``prompts[1:]`` with ``ar`` and with recycling at ``profile.nodes`` (fresh drafters,
-    warmed up on ``prompts[0]``), alternating per prompt; total seconds of each and the speedup of
-    recycling over ``ar``. Both emit the same tokens (greedy is exact)."""
-    if len(prompts) < 2:
-        raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
-    info = replace(_plain_info(lm.adapter), cost=cost, profiles={RECYCLING: profile})
-    drafters = {}
-    for name in ("ar", RECYCLING):
-        spec = drafter_spec(name)
-        assert spec is not None
-        drafters[name] = spec.factory(spec.make_options({}), info)
-    rule = StopRule(max_new_tokens=max_new_tokens, eos_token_ids=lm.eos_token_ids)
-    seconds = {name: 0.0 for name in drafters}
-    tokens = 0
-    for i, prompt in enumerate(prompts):
-        ids = lm.encode(prompt, chat=lm.has_chat_template)
-        for name, drafter in drafters.items():
-            start = time.perf_counter()
-            n = _decode_all(lm, drafter, ids, rule)
-            if i:
-                seconds[name] += time.perf_counter() - start
-                tokens += n if name == "ar" else 0
-    return {"tokens": tokens, "ar_seconds": round(seconds["ar"], 6),
-            "recycling_seconds": round(seconds[RECYCLING], 6),
-            "speedup": round(seconds["ar"] / seconds[RECYCLING], 4)}
-
-
-def measure_recycling_profile(lm: Target, cost: CostModel, prompts: int = 6, max_new_tokens: int = 96,
-                              margin: float = END_TO_END_MARGIN) -> RecyclingProfile:
-    """Node rates, the predicted tree size under ``cost``, and the end-to-end check (module doc)."""
-    positive_int("prompts", prompts)
-    positive_int("max_new_tokens", max_new_tokens)
-    if not 0 <= margin < 1:
-        raise TriedecError(f"margin must be in [0, 1), got {margin!r}")
-    started = time.perf_counter()
-    texts = calibration_prompts(max(prompts, 2))
-    rates = measure_recycling_rates(lm, texts, max_new_tokens)
-    predicted = best_nodes(rates, cost)
-    details: dict[str, Any] = {"prompts": prompts, "max_new_tokens": max_new_tokens, "predicted_nodes": predicted,
-                               "margin": margin}
-    chosen = predicted
-    if predicted > 0:
-        check = measure_end_to_end(lm, texts, cost, RecyclingProfile(rates, predicted), max_new_tokens)
-        details["end_to_end"] = check
-        if check["speedup"] < 1 + margin:
-            chosen = 0
-    details["seconds_taken"] = round(time.perf_counter() - started, 1)
-    return RecyclingProfile(rates, chosen, details)
-
-
-def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = frozenset({"cost"}), force: bool = False,
-                      *, prompts: int = 6, max_new_tokens: int = 96, repeats: int = 5) -> Calibration:
+def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = frozenset({NEEDS_COST}),
+                      force: bool = False, *, prompts: int = 6, max_new_tokens: int = 96,
+                      repeats: int = 5) -> Calibration:
     """The cached calibration of ``lm`` on its device, with at least the parts in ``needs``
-    (``"cost"``, ``"recycling"``); the missing parts (all of them if ``force``) are measured and
+    (``"cost"``, and profile names); the missing parts (all of them if ``force``) are measured and
     the file is rewritten atomically. A file from an older triedec version is measured anew. A
     forced calibration also times stock transformers' forward of 1 and 16 tokens on the same cache
-    (``details["reference_forward_seconds"]``), next to triedec's curve."""
-    unknown = set(needs) - {"cost", RECYCLING}
+    (``details["reference_forward_seconds"]``), next to triedec's."""
+    specs = profile_specs()
+    unknown = set(needs) - {NEEDS_COST} - set(specs)
     if unknown:
         raise TriedecError(f"nothing to calibrate for {sorted(unknown)}")
     path = calibration_path(cache_dir, lm.adapter)
@@ -287,23 +262,28 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
             cached = Calibration.from_json(path.read_text())
         except TriedecError as exc:
             log.info("ignoring the cached calibration %s (%s); measuring again", path, exc)
-    if cached is not None and (RECYCLING not in needs or cached.recycling is not None):
+    missing = sorted(set(needs) - {NEEDS_COST} - set(cached.profiles if cached else ()))
+    if force:
+        missing = sorted(specs)
+    if cached is not None and not missing:
         return cached
     started = time.perf_counter()
     if cached is None:
-        log.info("measuring this device's cost curve (once; cached in %s)", path)
+        log.info("measuring this device's cost model (once; cached in %s)", path)
         key = (lm.adapter.model_id, device_key(lm.adapter), str(lm.adapter.dtype))
         cached = Calibration(*key, measure_cost_model(lm, repeats=repeats))
         if force:
             reference = measure_reference_forward(lm.reference_model(), lm.adapter.vocab_size, repeats=repeats)
             cached = replace(cached, details={"reference_forward_seconds": {str(t): v for t, v in reference.items()}})
-    if RECYCLING in needs:
-        log.info("measuring Token Recycling's node acceptance on this device (once; a minute or two)")
-        cached = replace(cached, recycling=measure_recycling_profile(lm, cached.cost, prompts, max_new_tokens))
-    cached = replace(cached, details={**cached.details, "seconds_taken": round(time.perf_counter() - started, 1)})
+    bench = Bench(lm, cached.cost, prompts, max_new_tokens)
+    profiles = dict(cached.profiles)
+    for name in missing:
+        log.info("measuring %s's profile on this device (once; a minute or two)", name)
+        profiles[name] = specs[name].measure(bench)
+    cached = replace(cached, profiles=profiles,
+                     details={**cached.details, "seconds_taken": round(time.perf_counter() - started, 1)})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(cached.to_json())
     os.replace(tmp, path)
     return cached
-

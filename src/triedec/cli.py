@@ -151,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--beams", default="3,8,15",
                        help="beam widths for --methods hf-beam,beam (beam-search benchmark; default %(default)s)")
+    bench.add_argument("--serving", action="store_true",
+                       help="serving mode: total tokens/s and p50/p95 latency against concurrency through a real "
+                            "server (fresh per phase), with the openai client; --methods are triedec methods "
+                            "(default auto,ar), --max-new-tokens is each request's max_tokens")
+    bench.add_argument("--concurrency", default="1,2,4,8,16",
+                       help="serving mode: concurrencies to load the server with (default %(default)s)")
+    bench.add_argument("--batch-sizes", default="1,4,8,16",
+                       help="serving mode: request counts for lm.generate_batch vs transformers' generate_batch "
+                            "(default %(default)s; 'none' skips)")
     _add_sampling_args(bench)
     _add_model_args(bench)
     _add_method_options(bench)
@@ -164,9 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model-name", default=None,
                      help="the model id clients send and /v1/models lists (default: the model's directory name, or "
                           "SmolLM2-135M-Instruct for the embedded default)")
-    srv.add_argument("--max-running", type=int, default=8, help="requests advanced together (default %(default)s)")
+    srv.add_argument("--max-running", type=int, default=16,
+                     help="requests decoded together, one forward per step for all (default %(default)s)")
     srv.add_argument("--max-queue", type=int, default=64,
                      help="requests that may wait; one more gets 503 (default %(default)s)")
+    srv.add_argument("--max-tokens-per-forward", type=int, default=512,
+                     help="tokens one forward carries at most: draft nodes and prompt chunks (default %(default)s)")
+    srv.add_argument("--max-prefill-tokens", type=int, default=256,
+                     help="prompt tokens per forward beside the running requests, in 128-token chunks "
+                          "(default %(default)s)")
+    srv.add_argument("--max-kv-mib", type=int, default=4096,
+                     help="KV cache memory the running requests may reserve, MiB (default %(default)s; 0 = no cap)")
+    srv.add_argument("--persist-every", type=int, default=16,
+                     help="finished requests between writes of learned-state files; they are also written when "
+                          "idle and at shutdown (default %(default)s)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     srv.add_argument("--max-tokens", type=int, default=256,
                      help="max_tokens when a request gives none (default %(default)s)")
@@ -188,7 +208,7 @@ def cmd_methods() -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from triedec.calibration import calibration_path
-    from triedec.drafters.recycling import expected_speeds
+    from triedec.drafters.base import profile_specs
 
     for flag in ("prompts", "max_new_tokens", "repeats"):
         if getattr(args, flag) < 1:
@@ -196,48 +216,47 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.prompts < 2:
         raise TriedecError("--prompts must be at least 2 (the first one warms up)")
     lm = load_model(args)
+    specs = profile_specs()
     if args.show:
-        cal = lm.calibration()
+        cal = lm.calibration(frozenset({"cost", *specs}))
     else:
         cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    profile = cal.recycling
-    assert profile is not None
     path = calibration_path(lm.cache_dir, lm.adapter)
+    cost = cal.cost
+    reference = cal.details.get("reference_forward_seconds", {})
     if args.json:
-        reference = cal.details.get("reference_forward_seconds", {})
         print(json.dumps({
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
-            "context_tokens": cal.cost.context_tokens,
-            "forward_ms": {str(t): round(s * 1000, 2) for t, s in cal.cost.forward_seconds.items()},
+            "context_tokens": cost.context_tokens,
+            "forward_ms": {str(t): round(s * 1000, 2) for t, s in cost.forward_seconds.items()},
+            "batch_forward_ms": {str(b): {str(t): round(s * 1000, 2) for t, s in row.items()}
+                                 for b, row in cost.batch_seconds.items()},
+            "context_ms_per_1k_tokens": round(cost.context_seconds * 1e6, 3),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
-            "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cal.cost.forward_seconds.items()}
+            "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cost.forward_seconds.items()}
             if "1" in reference else {},
-            "chosen": {"recycling_nodes": profile.nodes, "recycling_predicted_nodes": profile.details.get(
-                "predicted_nodes"), "pld_break_even_21_tokens": round(cal.cost.break_even(21), 3)},
+            "profiles": {name: specs[name].dump(p) for name, p in cal.profiles.items()},
             "file": str(path),
         }, indent=1))
         return 0
-    print(f"device {cal.device}; model {cal.model_id}; a {cal.cost.context_tokens}-token cache")
-    print("| draft nodes | ms per forward | x a 1-token forward | recycling: expected tokens/step "
-          "| expected tokens/s |")
-    print("|---|---|---|---|---|")
-    predicted = profile.details.get("predicted_nodes", profile.nodes)
-    for row in expected_speeds(profile.rates, cal.cost):
-        marks = [m for m, n in (("predicted", predicted), ("chosen", profile.nodes)) if row["nodes"] == n]
-        mark = f" **{', '.join(marks)}**" if marks else ""
-        print(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {cal.cost.ratio(row['nodes'] + 1):.2f} "
-              f"| {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f}{mark} |")
-    reference = cal.details.get("reference_forward_seconds", {})
+    print(f"device {cal.device}; model {cal.model_id}; each request on a {cost.context_tokens}-token cache")
+    print("| forward of | ms | x one request's 1-token forward |")
+    print("|---|---|---|")
+    one = cost.seconds(1)
+    for t, s in cost.forward_seconds.items():
+        print(f"| 1 request, {t} tokens | {s * 1000:.0f} | {s / one:.2f} |")
+    for b, row in cost.batch_seconds.items():
+        for t, s in row.items():
+            print(f"| {b} requests, {t} tokens | {s * 1000:.0f} | {s / one:.2f} |")
+    print(f"each token of context beyond {cost.context_tokens} adds {cost.context_seconds * 1e6:.2f} ms per 1,000 "
+          "tokens to a forward")
     if reference:
-        print("stock transformers' own forward on the same cache: "
+        print("stock transformers' own forward on a 512-token cache: "
               + ", ".join(f"{t} token(s) {v * 1000:.0f} ms" for t, v in reference.items())
               + f"; triedec's kernels: {lm.adapter.kernels}")
-    check = profile.details.get("end_to_end")
-    if check:
-        print(f"end-to-end check of {predicted} nodes on the calibration prompts: {check['speedup']:.2f}x ar "
-              f"(kept if >= {1 + profile.details.get('margin', 0):.2f}x)")
-    print(f"recycling verifies {profile.nodes} draft nodes per step on this device "
-          f"(saved in {path})")
+    for name, profile in cal.profiles.items():
+        print("\n".join(specs[name].describe(profile, cost)))
+    print(f"saved in {path}")
     return 0
 
 
@@ -253,7 +272,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     lm = load_model(args)
     lm.decoder(args.method, **options)  # build (and validate) the method before any output
     chat = not args.raw and lm.has_chat_template
-    printer = _StreamPrinter(lm.tokenizer) if not args.json else None
+    printer = _StreamPrinter(lm.tokenizer, args.stop or ()) if not args.json else None
     result = lm.generate(
         prompt, args.method, max_new_tokens=args.max_new_tokens, stop=args.stop, chat=chat,
         on_tokens=printer, **sampling, **options,
@@ -266,7 +285,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({**out, "sequences": sequences} if sequences else out, indent=2))
         return 0
     assert printer is not None
-    printer.finish(result.text)
+    printer.finish()
     for i, seq in enumerate(sequences[1:], start=2):
         print(f"\n--- hypothesis {i} (score {seq['score']:.4f}) ---\n{seq['text']}")
     best = f" | best score {sequences[0]['score']:.4f}" if sequences else ""
@@ -275,30 +294,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _StreamPrinter:
-    """Prints text as tokens arrive (holding back incomplete UTF-8 characters)."""
+    """Prints text as tokens arrive (a :class:`~triedec.text.TextStream`: incomplete characters
+    are held back, and the text ends right after a stop string, as the library's does)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.shown = ""
+    def __init__(self, tokenizer: Any, stops: Sequence[str]) -> None:
+        from triedec.text import TextStream
+
+        self.text = TextStream(tokenizer, stops, keep_stop=True)
 
     def __call__(self, new: list[int]) -> None:
-        self.tokens += new
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self._show(text)
+        sys.stdout.write(self.text.add(new))
+        sys.stdout.flush()
 
-    def _show(self, text: str) -> None:
-        if text.startswith(self.shown):
-            sys.stdout.write(text[len(self.shown) :])
-            sys.stdout.flush()
-            self.shown = text
-
-    def finish(self, final_text: str) -> None:
-        """Print whatever is left of the final text (it may be cut at a stop string)."""
-        if final_text.startswith(self.shown):
-            self._show(final_text)
+    def finish(self) -> None:
+        sys.stdout.write(self.text.finish())
+        sys.stdout.flush()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -308,11 +318,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
     options = method_options(args, args.method)
     name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
+    if args.max_kv_mib < 0:
+        raise TriedecError(f"--max-kv-mib must be >= 0, got {args.max_kv_mib}")
     config = ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
-                          max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                          max_queue=args.max_queue, max_tokens_per_forward=args.max_tokens_per_forward,
+                          max_prefill_tokens=args.max_prefill_tokens,
+                          max_kv_bytes=args.max_kv_mib << 20 if args.max_kv_mib else None,
+                          persist_every=args.persist_every, max_body_bytes=args.max_body_bytes,
                           default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds)
     lm = load_model(args)
     serve(lm, config, host=args.host, port=args.port)
+    return 0
+
+
+def cmd_serving(args: argparse.Namespace) -> int:
+    from triedec.bench.datasets import load_questions, select
+    from triedec.bench.report import machine_info, source_commit
+    from triedec.bench.serving import ServingConfig, parse_counts, run_serving, serving_markdown, serving_plot
+
+    if not Sampling(**sampling_args(args)).plain:
+        raise TriedecError("the serving benchmark is greedy: run it without --temperature and --repetition-penalty")
+    methods = [m.strip() for m in (args.methods or "auto,ar").split(",") if m.strip()]
+    for m in methods:
+        method(m)  # an unknown name fails before the model loads
+    sizes = () if args.batch_sizes.strip().lower() == "none" else parse_counts(args.batch_sizes, "--batch-sizes")
+    config = ServingConfig(parse_counts(args.concurrency, "--concurrency"), args.max_new_tokens, sizes)
+    categories = args.categories.split(",") if args.categories else None
+    questions = select(load_questions(args.dataset), args.per_category, categories)
+    lm = load_model(args)
+    results = run_serving(lm, methods, questions, config, _model_name(args),
+                          progress=None if args.no_progress else lambda text: print(f"triedec: {text}",
+                                                                                    file=sys.stderr))
+    results = {"machine": machine_info(lm.device), "commit": source_commit(), "dataset": args.dataset,
+               "per_category": args.per_category, "command": "triedec " + " ".join(sys.argv[1:]), **results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = serving_markdown(results)
+    (out / "results.md").write_text(text + "\n![tokens/s and latency against concurrency](serving.png)\n")
+    serving_plot(results, out)
+    print(text)
+    print(f"results written to {args.out}/")
     return 0
 
 
@@ -320,6 +366,9 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     from triedec.bench.datasets import load_questions, select
     from triedec.bench.harness import BenchConfig
     from triedec.bench.run import run_entries
+
+    if args.serving:
+        return cmd_serving(args)
 
     sampling = Sampling(**sampling_args(args))
     if not sampling.greedy and sampling.seed is None:

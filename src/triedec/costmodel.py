@@ -1,11 +1,14 @@
-"""What one verification forward costs on a device: a small pure value, measured elsewhere.
+"""What one forward costs on a device: a small pure value, measured elsewhere.
 
 A speculative step that verifies T tree tokens pays off only if it yields more tokens than
-``seconds(T) / seconds(1)``. On a 2-core CPU an 81-token forward costs several 1-token forwards,
-on a GPU about one. :class:`CostModel` holds the measured curve (median seconds of a forward of T
-tree tokens on a cache of ``context_tokens``) and derives what sizing drafters need from it.
-Measuring it needs a model, so it lives in :mod:`triedec.calibration`; drafters receive the value
-through :class:`~triedec.drafters.ModelInfo` (``None`` there means "size as for a flat curve").
+``seconds(T) / seconds(1)``; a forward that carries B requests' trees at once streams the weights
+once for all of them, so its cost depends on the tokens it carries and on how many requests they
+belong to. :class:`CostModel` holds the measured surface and interpolates it: median seconds of a
+forward of N tokens in all, for B requests whose caches each hold ``context_tokens`` tokens, plus
+``context_seconds`` per token of context beyond that (attention reads each request's cache).
+Measuring it needs a model, so it lives in :mod:`triedec.calibration`; the engine's allocator
+(:mod:`triedec.allocate`) and drafters receive the value (``None`` means "size as for a flat
+curve": every verified token free).
 
 Imports nothing from triedec but :mod:`triedec.errors`.
 """
@@ -17,85 +20,127 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from triedec.errors import TriedecError
+
+
+def _curve(seconds: Mapping[Any, Any], what: str) -> dict[int, float]:
+    try:
+        curve = {int(t): float(s) for t, s in seconds.items()}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise TriedecError(f"cost model: {what} must map token counts to seconds ({exc})") from exc
+    if not curve or any(t < 1 or not (s > 0 and math.isfinite(s)) for t, s in curve.items()):
+        raise TriedecError(f"cost model: {what}: forward costs must be positive and finite, for sizes >= 1 token")
+    return dict(sorted(curve.items()))
+
+
+def _envelope(curve: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Sizes and the curve made non-decreasing (a bigger forward never counts as cheaper; the raw
+    curve is noisy)."""
+    sizes = np.array(list(curve), dtype=np.float64)
+    return sizes, np.maximum.accumulate(np.array(list(curve.values()), dtype=np.float64))
+
+
+def _interpolate(sizes: np.ndarray, envelope: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Linear between measured sizes, flat below the first, extrapolated from the last two."""
+    out = np.interp(tokens, sizes, envelope)
+    if len(sizes) > 1:
+        slope = (envelope[-1] - envelope[-2]) / (sizes[-1] - sizes[-2])
+        beyond = tokens > sizes[-1]
+        out[beyond] = envelope[-1] + slope * (tokens[beyond] - sizes[-1])
+    return out
 
 
 @dataclass(frozen=True)
 class CostModel:
     """``forward_seconds[T]``: median seconds of one forward of T tree tokens (T >= 1, the root
-    included) on a ``context_tokens`` cache. ``details``: free-form notes on how it was measured
-    (kept in the calibration file, not used for sizing)."""
+    included) of one request on a ``context_tokens`` cache. ``batch_seconds[B][N]``: of one
+    forward carrying B >= 2 requests (each on a ``context_tokens`` cache) and N tokens in all.
+    ``context_seconds``: the extra seconds per forward of each token of context beyond that.
+    ``details``: free-form notes on how it was measured (kept in the calibration file, not used
+    for sizing)."""
 
     forward_seconds: Mapping[int, float]
     context_tokens: int = 512
     details: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    batch_seconds: Mapping[int, Mapping[int, float]] = field(default_factory=dict)
+    context_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        try:
-            seconds = {int(t): float(s) for t, s in self.forward_seconds.items()}
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise TriedecError(f"cost model: forward_seconds must map token counts to seconds ({exc})") from exc
-        if not seconds or any(t < 1 or not (s > 0 and math.isfinite(s)) for t, s in seconds.items()):
-            raise TriedecError("cost model: forward costs must be positive and finite, for sizes >= 1 token")
+        object.__setattr__(self, "forward_seconds", _curve(self.forward_seconds, "forward_seconds"))
         if isinstance(self.context_tokens, bool) or not isinstance(self.context_tokens, int) or self.context_tokens < 0:
             raise TriedecError(f"cost model: context_tokens must be an integer >= 0, got {self.context_tokens!r}")
-        object.__setattr__(self, "forward_seconds", dict(sorted(seconds.items())))
+        try:
+            rows = {int(b): _curve(row, f"batch_seconds[{b}]") for b, row in self.batch_seconds.items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise TriedecError(f"cost model: batch_seconds must map request counts to curves ({exc})") from exc
+        if any(b < 2 for b in rows):
+            raise TriedecError("cost model: batch_seconds holds forwards of 2 or more requests")
+        object.__setattr__(self, "batch_seconds", dict(sorted(rows.items())))
+        if not (isinstance(self.context_seconds, int | float) and math.isfinite(self.context_seconds)
+                and self.context_seconds >= 0):
+            raise TriedecError(f"cost model: context_seconds must be a finite number >= 0, "
+                               f"got {self.context_seconds!r}")
         object.__setattr__(self, "details", dict(self.details))
+        rows_by_b = {1: _envelope(self.forward_seconds), **{b: _envelope(r) for b, r in self.batch_seconds.items()}}
+        object.__setattr__(self, "_rows", rows_by_b)
 
-    def seconds(self, tokens: int) -> float:
-        """Estimated seconds of a forward of ``tokens`` tree tokens: the measured curve made
-        non-decreasing (a bigger tree never counts as cheaper; the raw curve is noisy), linearly
-        interpolated between measured sizes and extrapolated from the last two beyond them."""
-        if tokens < 1:
-            raise TriedecError(f"a forward needs at least 1 token, got {tokens}")
-        sizes = list(self.forward_seconds)
-        envelope, top = [], 0.0
-        for t in sizes:
-            top = max(top, self.forward_seconds[t])
-            envelope.append(top)
-        if tokens <= sizes[0]:
-            return envelope[0]
-        for i in range(1, len(sizes)):
-            if tokens <= sizes[i]:
-                t0, t1, c0, c1 = sizes[i - 1], sizes[i], envelope[i - 1], envelope[i]
-                return c0 + (c1 - c0) * (tokens - t0) / (t1 - t0)
-        if len(sizes) == 1:
-            return envelope[0]
-        slope = (envelope[-1] - envelope[-2]) / (sizes[-1] - sizes[-2])
-        return envelope[-1] + slope * (tokens - sizes[-1])
+    def seconds(self, tokens: int, requests: int = 1, context: int | None = None) -> float:
+        """Estimated seconds of a forward of ``tokens`` tokens in all, for ``requests`` requests
+        whose caches hold ``context`` tokens in all (None: ``context_tokens`` each). See
+        :meth:`seconds_many`."""
+        return float(self.seconds_many(np.array([tokens]), requests, context)[0])
+
+    def seconds_many(self, tokens: np.ndarray, requests: int = 1, context: int | None = None) -> np.ndarray:
+        """:meth:`seconds` for an array of token counts. Within a measured request count, linear
+        in tokens on the non-decreasing envelope; between request counts, linear in requests;
+        beyond the largest, extrapolated from the last two; then the context term."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        if tokens.size and tokens.min() < 1:
+            raise TriedecError(f"a forward needs at least 1 token, got {int(tokens.min())}")
+        if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+            raise TriedecError(f"a forward serves at least 1 request, got {requests!r}")
+        rows: dict[int, tuple[np.ndarray, np.ndarray]] = self._rows  # type: ignore[attr-defined]
+        counts = list(rows)
+        if requests in rows:
+            out = _interpolate(*rows[requests], tokens)
+        else:
+            below = [b for b in counts if b < requests]
+            above = [b for b in counts if b > requests]
+            if above:
+                lo, hi = below[-1], above[0]
+            elif len(counts) > 1:
+                lo, hi = counts[-2], counts[-1]
+            else:
+                lo = hi = counts[0]
+            a, b = _interpolate(*rows[lo], tokens), _interpolate(*rows[hi], tokens)
+            out = a if hi == lo else a + (b - a) * (requests - lo) / (hi - lo)
+            out = np.maximum(out, _interpolate(*rows[below[-1]], tokens))  # more requests never cost less
+        if context is not None and self.context_seconds:
+            floor = 0.5 * out
+            out = np.maximum(floor, out + self.context_seconds * (context - requests * self.context_tokens))
+        return out
 
     def ratio(self, tokens: int) -> float:
-        """Cost of a ``tokens``-token forward in 1-token forwards (>= 1)."""
+        """Cost of one request's ``tokens``-token forward in 1-token forwards (>= 1)."""
         return self.seconds(tokens) / self.seconds(1)
 
     def break_even(self, tokens: int) -> float:
-        """Accepted draft tokens per step that a ``tokens``-token tree needs to be as fast as a
-        plain step: ``ratio(tokens) - 1`` (a step always yields one token of its own)."""
+        """Accepted draft tokens per step that one request's ``tokens``-token tree needs to be as
+        fast as a plain step: ``ratio(tokens) - 1`` (a step always yields one token of its own)."""
         return self.ratio(tokens) - 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"forward_seconds": {str(t): s for t, s in self.forward_seconds.items()},
-                "context_tokens": self.context_tokens, "details": dict(self.details)}
+                "batch_seconds": {str(b): {str(t): s for t, s in row.items()} for b, row in self.batch_seconds.items()},
+                "context_tokens": self.context_tokens, "context_seconds": self.context_seconds,
+                "details": dict(self.details)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
         try:
-            return cls(data["forward_seconds"], data.get("context_tokens", 512), data.get("details", {}))
+            return cls(data["forward_seconds"], data.get("context_tokens", 512), data.get("details", {}),
+                       data.get("batch_seconds", {}), data.get("context_seconds", 0.0))
         except (KeyError, TypeError, AttributeError) as exc:
             raise TriedecError(f"unreadable cost model: {exc!r}") from exc
-
-
-def best_count(chance: list[float] | tuple[float, ...], cost: CostModel | None) -> int:
-    """How many of a best-first list of draft nodes to verify for the most expected tokens per
-    second: node i is accepted with probability ``chance[i]`` (nodes listed parents first), a step
-    with k nodes yields ``1 + sum(chance[:k])`` tokens in ``cost.seconds(k + 1)``. ``cost`` None
-    (a flat curve) keeps every node with a positive chance."""
-    if cost is None:
-        return max((i + 1 for i, p in enumerate(chance) if p > 0), default=0)
-    best, best_speed, expected = 0, 1.0 / cost.seconds(1), 1.0
-    for k, p in enumerate(chance, start=1):
-        expected += p
-        speed = expected / cost.seconds(k + 1)
-        if speed > best_speed:
-            best, best_speed = k, speed
-    return best

@@ -1,140 +1,282 @@
-"""The one decode loop: propose -> verify -> accept -> commit.
+"""The step loop: one forward for every running request, under one verify budget.
 
-Every speculative method (and ``ar``, whose drafter proposes a root-only tree) runs through
-:func:`speculative_decode`. The loop keeps one invariant: the KV cache holds every committed token
-except the newest one, which is the root of the next draft tree.
+A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's engine core). Each
+:meth:`Batch.step`:
+
+1. **admits** waiting runs at the step boundary, within :class:`BatchLimits` (running requests,
+   KV memory);
+2. **propose**: every decoding request's drafter proposes a scored draft;
+3. **allocate**: :func:`~triedec.allocate.allocate` sizes all drafts together under the device's
+   :class:`~triedec.costmodel.CostModel` (nodes go where they are most likely to be accepted, and
+   only while they pay; the forward's prompt chunks count in its cost);
+4. **verify**: one forward (:meth:`~triedec.adapter.ModelAdapter.forward_batch`) carries every
+   request's tree and up to ``max_prefill_tokens`` of prompt chunks of requests still prefilling;
+5. **accept** and **commit**, per request (:class:`~triedec.request.Request`);
+6. runs with a loop of their own (beam search, :class:`SoloRun`) advance one step each, beside;
+7. finished runs leave at once: their session ends, their KV is freed.
+
+Single-request decoding is the same step with one request (:func:`run_alone`), so ``generate``,
+``stream``, the CLI, ``custom_generate`` and the server share one code path.
+
+**Learned-state files** are written by the drafters' ``persist()`` (a snapshot under the lock,
+written outside it) when the batch goes idle, every ``persist_every`` finished requests, and when
+the batch closes; never on the per-step path.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import torch
-
-from triedec.accept import GREEDY, Acceptance, AcceptanceRule
+from triedec.accept import GREEDY, AcceptanceRule
 from triedec.adapter import ModelAdapter
-from triedec.drafters.base import Drafter, DrafterSession, Verified
+from triedec.allocate import allocate
+from triedec.costmodel import CostModel
+from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
-from triedec.kvcache import KVCache
-from triedec.tree import TokenTree
+from triedec.request import PREFILL_CHUNK, DecodeStats, Outcome, Request, Stats, StopRule
+
+__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "SoloRun", "Stats",
+           "StopRule", "run_alone", "speculative_decode"]
 
 
 @dataclass(frozen=True)
-class StopRule:
-    """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``.
+class BatchLimits:
+    """What one batch may hold and one forward may carry.
 
-    ``decode`` turns token ids into text; it is needed only when ``stop_strings`` are given.
+    * ``max_running``: requests decoded together (more wait for a slot);
+    * ``max_tokens_per_forward``: tokens one forward carries at most: prompt chunks and optional
+      draft nodes stop there (every running request's root and required nodes always go);
+    * ``max_prefill_tokens``: prompt tokens per forward, in whole chunks of
+      :data:`~triedec.request.PREFILL_CHUNK` (at least one chunk, so a prompt always progresses);
+    * ``max_kv_bytes``: KV memory the running requests may reserve (None: no cap); a request that
+      would not fit waits, one that could never fit is refused;
+    * ``persist_every``: finished requests between two writes of learned-state files.
     """
 
-    max_new_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
-    decode: Callable[[Sequence[int]], str] | None = field(default=None, compare=False)
+    max_running: int = 16
+    max_tokens_per_forward: int = 512
+    max_prefill_tokens: int = 2 * PREFILL_CHUNK
+    max_kv_bytes: int | None = None
+    persist_every: int = 16
 
     def __post_init__(self) -> None:
-        positive_int("max_new_tokens", self.max_new_tokens)
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise TriedecError("stop strings must be non-empty strings")
-        if self.stop_strings and self.decode is None:
-            raise TriedecError("stop strings need a decode function")
-
-    def cut(self, generated: Sequence[int], new: Sequence[int]) -> tuple[list[int], str | None]:
-        """The part of ``new`` (appended after ``generated``) to keep, and why generation stops
-        (``"eos"``, ``"stop_string"``, ``"length"``) or None. Nothing past a stop is kept."""
-        kept: list[int] = []
-        for tok in new:
-            kept.append(tok)
-            if tok in self.eos_token_ids:
-                return kept, "eos"
-            if self.stop_strings and self._stop_string_completed([*generated, *kept]):
-                return kept, "stop_string"
-            if len(generated) + len(kept) >= self.max_new_tokens:
-                return kept, "length"
-        return kept, None
-
-    def _stop_string_completed(self, tokens: Sequence[int]) -> bool:
-        # A stop string of k characters spans at most k tokens (plus a few for partial bytes).
-        window = max(len(s) for s in self.stop_strings) + 8
-        text = self.decode(tokens[-window:])  # type: ignore[misc]
-        return any(s in text for s in self.stop_strings)
+        for name in ("max_running", "max_tokens_per_forward", "max_prefill_tokens", "persist_every"):
+            positive_int(name, getattr(self, name))
+        if self.max_kv_bytes is not None:
+            positive_int("max_kv_bytes", self.max_kv_bytes)
 
 
-@dataclass
-class Stats:
-    """Counters every decoding method reports (names match the benchmark's JSON).
+class Run(Protocol):
+    """What a batch runs: a :class:`~triedec.request.Request` (decoded in the shared forward) or a
+    :class:`SoloRun` (a loop of its own). ``start`` when admitted, ``take`` the tokens committed
+    since the last call, ``done``, ``outcome`` once done, ``close`` (idempotent) to end it early or
+    release it; ``kv_tokens`` is the KV it reserves."""
 
-    * ``new_tokens``: tokens returned; ``steps``: forward passes after prefill;
-    * ``computed_tokens``: tokens that went through the model, prompt excluded;
-    * ``seconds``: wall clock from the start of prefill to the last token; ``tokens_per_s``;
-    * ``prompt_tokens``, ``prefill_seconds``, ``stop_reason`` (``eos``, ``stop_string``, ``length``);
-    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
-    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter).
-    """
+    @property
+    def done(self) -> bool: ...
 
-    new_tokens: int = 0
-    steps: int = 0
-    computed_tokens: int = 0
-    seconds: float = 0.0
-    tokens_per_s: float = 0.0
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    stop_reason: str = ""
-    peak_kv_tokens: int = 0
-    kv_bytes: int = 0
-    kernels: str = ""
+    @property
+    def kv_tokens(self) -> int: ...
 
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+    @property
+    def outcome(self) -> Outcome: ...
 
-    def summary(self) -> str:
-        """One line for people: speed, steps, prompt and why generation stopped."""
-        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
-                f" | {self._steps_text()}, {self.computed_tokens} computed"
-                f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
-                f" | stop: {self.stop_reason}")
+    def start(self, adapter: ModelAdapter) -> None: ...
 
-    def _steps_text(self) -> str:
-        return f"{self.steps} steps"
+    def take(self) -> list[int]: ...
 
-    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, kernels: str) -> None:
-        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``)."""
-        self.kernels = kernels
-        self.seconds = time.perf_counter() - start
-        self.new_tokens = new_tokens
-        self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
-        self.stop_reason = reason
-        self.peak_kv_tokens = cache.peak
-        self.kv_bytes = cache.peak * cache.bytes_per_slot()
+    def close(self, reason: str = "cancelled") -> None: ...
 
 
-@dataclass
-class DecodeStats(Stats):
-    """:class:`Stats` of the speculative loop, plus:
+class SoloRun:
+    """A method with a loop of its own (beam search verifies all its beams in one forward
+    already): ``loop(adapter)`` is a generator that yields committed tokens once per step and
+    returns an :class:`~triedec.request.Outcome`. It advances one step per batch step, beside the
+    shared forward."""
 
-    * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
-      ``ar``, higher when drafts are accepted (the papers' MAT);
-    * ``accepted_per_step``: tokens kept at each step;
-    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
-      accepted at least d draft tokens;
-    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`);
-    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens.
-    """
+    def __init__(self, loop: Callable[[ModelAdapter], Generator[list[int], None, Outcome]], kv_tokens: int) -> None:
+        self._loop = loop
+        self._steps: Generator[list[int], None, Outcome] | None = None
+        self._kv_tokens = kv_tokens
+        self._fresh: list[int] = []
+        self._outcome: Outcome | None = None
+        self._closed = False
 
-    mean_accepted: float = 0.0
-    accepted_per_step: list[int] = field(default_factory=list)
-    acceptance_by_depth: list[float] = field(default_factory=list)
-    drafter: dict[str, float] = field(default_factory=dict)
-    seed: int | None = None
+    @property
+    def done(self) -> bool:
+        return self._outcome is not None or self._closed
 
-    def _steps_text(self) -> str:
-        seed = "" if self.seed is None else f", seed {self.seed}"
-        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step{seed}"
+    @property
+    def kv_tokens(self) -> int:
+        return self._kv_tokens
+
+    @property
+    def outcome(self) -> Outcome:
+        if self._outcome is None:
+            raise TriedecError("the run has not finished")
+        return self._outcome
+
+    def start(self, adapter: ModelAdapter) -> None:
+        self._steps = self._loop(adapter)
+
+    def advance(self) -> None:
+        assert self._steps is not None
+        try:
+            self._fresh += next(self._steps)
+        except StopIteration as finished:
+            self._outcome = finished.value
+
+    def take(self) -> list[int]:
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
+    def close(self, reason: str = "cancelled") -> None:
+        self._closed = True
+        if self._steps is not None:
+            self._steps.close()
 
 
-MAX_TREE_NODES = 256
-"""Upper bound on a verified tree's size (root included); larger proposals are truncated."""
+class Batch:
+    """Owns the step loop over its runs (module doc). Used by one thread at a time: the caller
+    of :meth:`step` (``LM.stream``'s generator, ``generate_batch``, the server's scheduler
+    thread). ``cost`` None sizes drafts as for a flat curve (every node with a chance goes)."""
+
+    def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
+                 limits: BatchLimits | None = None) -> None:
+        self.adapter, self.cost = adapter, cost
+        self.limits = limits or BatchLimits()
+        self.waiting: deque[Run] = deque()
+        self.running: list[Run] = []
+        self.last_step: dict[str, float] = {}
+        """what the last step carried: ``requests``, ``tokens``, ``prefill_tokens``,
+        ``draft_nodes`` (verified) and ``proposed_nodes``, ``seconds``"""
+        self._dirty: dict[int, Drafter] = {}
+        self._finished_since_persist = 0
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def kv_bytes(self, run: Run) -> int:
+        return run.kv_tokens * self.adapter.kv_bytes_per_token
+
+    def check(self, run: Run) -> None:
+        """Refuse a run that could never be admitted (more KV than the cap)."""
+        cap = self.limits.max_kv_bytes
+        if cap is not None and self.kv_bytes(run) > cap:
+            raise TriedecError(f"the request needs {self.kv_bytes(run) / 2**20:.0f} MiB of KV cache (prompt + "
+                               f"max_new_tokens), more than this engine's cap of {cap / 2**20:.0f} MiB")
+
+    def submit(self, run: Run) -> None:
+        """Queue ``run``; it joins at the next step boundary with room."""
+        self.check(run)
+        self.waiting.append(run)
+
+    def cancel(self, run: Run) -> None:
+        """End ``run`` now (its session ends, its KV is freed); it emits nothing more."""
+        if run in self.running:
+            self.running.remove(run)
+            self._retire(run, "cancelled")
+        elif run in self.waiting:
+            self.waiting.remove(run)
+            run.close("cancelled")
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting)
+
+    def _admit(self) -> None:
+        cap = self.limits.max_kv_bytes
+        reserved = sum(self.kv_bytes(r) for r in self.running)
+        while self.waiting and len(self.running) < self.limits.max_running:
+            run = self.waiting[0]
+            if cap is not None and self.running and reserved + self.kv_bytes(run) > cap:
+                break
+            self.waiting.popleft()
+            reserved += self.kv_bytes(run)
+            run.start(self.adapter)
+            self.running.append(run)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[Run]:
+        """Advance every running run by one step (module doc); returns the runs that finished
+        during it (already closed: read their ``outcome``)."""
+        started = time.perf_counter()
+        self._admit()
+        requests = [r for r in self.running if isinstance(r, Request)]
+        chunks, budget = [], self.limits.max_prefill_tokens
+        for r in requests:
+            if r.prefilling and (not chunks or r.chunk_tokens <= budget):
+                chunks.append(r)
+                budget -= r.chunk_tokens
+        decoding = [r for r in requests if not r.prefilling and not r.done]
+        drafts = [r.propose() for r in decoding]
+        counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.cost,
+                          fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
+                          context=sum(r.context_tokens for r in (*chunks, *decoding)),
+                          max_tokens=self.limits.max_tokens_per_forward)
+        items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
+        if items:
+            logits = self.adapter.forward_batch(items)
+            for r, rows in zip(chunks, logits, strict=False):
+                r.prefilled(rows)
+            for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
+                r.verified(rows)
+        for run in self.running:
+            if isinstance(run, SoloRun) and not run.done:
+                run.advance()
+        finished = [r for r in self.running if r.done]
+        for run in finished:
+            self.running.remove(run)
+            self._retire(run, "")
+        self.last_step = {"requests": float(len(items)), "tokens": float(sum(i.size for i in items)),
+                          "prefill_tokens": float(sum(i.size for i in items[: len(chunks)])),
+                          "draft_nodes": float(sum(counts) - len(counts)),
+                          "proposed_nodes": float(sum(d.size - 1 for d in drafts)),
+                          "seconds": time.perf_counter() - started}
+        if self.idle or self._finished_since_persist >= self.limits.persist_every:
+            self.persist()
+        return finished
+
+    def _retire(self, run: Run, reason: str) -> None:
+        run.close(reason or "cancelled")
+        drafter = getattr(run, "drafter", None)
+        if drafter is not None:
+            self._dirty[id(drafter)] = drafter
+            self._finished_since_persist += 1
+
+    def persist(self) -> None:
+        """Write the learned state of the drafters that finished requests since the last write."""
+        dirty, self._dirty, self._finished_since_persist = list(self._dirty.values()), {}, 0
+        for drafter in dirty:
+            drafter.persist()
+
+    def close(self) -> None:
+        """Cancel every run and write the learned state (idempotent)."""
+        for run in [*self.running, *self.waiting]:
+            self.cancel(run)
+        self.persist()
+
+
+def run_alone(adapter: ModelAdapter, run: Run, cost: CostModel | None = None,
+              limits: BatchLimits | None = None) -> Generator[list[int], None, Outcome]:
+    """Decode one run in a batch of its own: yields its tokens as they are committed (non-empty
+    lists), returns its :class:`~triedec.request.Outcome`. Closing the generator early ends the
+    run (its session ends; its learned state is written)."""
+    batch = Batch(adapter, cost, limits)
+    batch.submit(run)
+    try:
+        while not run.done:
+            batch.step()
+            fresh = run.take()
+            if fresh:
+                yield fresh
+        return run.outcome
+    finally:
+        batch.close()
 
 
 def speculative_decode(
@@ -144,84 +286,11 @@ def speculative_decode(
     stop: StopRule,
     documents: Sequence[Sequence[int]] = (),
     rule: AcceptanceRule = GREEDY,
-) -> Generator[list[int], None, DecodeStats]:
-    """Decoding of ``prompt`` with drafts from ``drafter``, each step's tokens chosen by ``rule``
-    (greedy by default, or sampling: :mod:`triedec.accept`); exactly equal to autoregressive
-    decoding with the same rule, whatever the drafts.
-
-    Yields the newly committed tokens after prefill and after every step; returns the stats.
-    Per-request drafting state lives in the session ``drafter.begin`` returns; the drafter's
-    shared state changes only through that session (under the drafter's own lock).
-    """
-    prompt = [int(t) for t in prompt]
-    session = drafter.begin(prompt, documents)
-    try:
-        return (yield from _decode(adapter, session, drafter.prefill_logits, prompt, stop, rule))
-    finally:
-        session.end()
-
-
-def prefill(adapter: ModelAdapter, cache: KVCache, prompt: Sequence[int], keep_last: int = 1) -> torch.Tensor:
-    """Run the prompt on the empty ``cache`` and commit it; the logits of its last ``keep_last``
-    positions ``[min(keep_last, len(prompt)), vocab]``."""
-    logits = adapter.prefill(cache, torch.tensor(prompt), keep_last=keep_last)
-    cache.commit(range(len(prompt)))
-    return logits
-
-
-def _decode(
-    adapter: ModelAdapter, session: DrafterSession, prefill_logits: int, prompt: list[int], stop: StopRule,
-    rule: AcceptanceRule,
-) -> Generator[list[int], None, DecodeStats]:
-    start = time.perf_counter()
-    cache = adapter.new_cache(len(prompt) + stop.max_new_tokens + MAX_TREE_NODES)
-
-    # Prefill: the prompt's KV, and the first new token from its last logits.
-    logits = prefill(adapter, cache, prompt, keep_last=prefill_logits)
-    first = rule.accept(TokenTree.root_only(prompt[-1]), logits[-1:], prompt, 0).tokens[0]
-    if prefill_logits > 0:  # the prompt's tail, seen as a fully accepted chain
-        tail = prompt[-len(logits) :]
-        chain = TokenTree(tuple(tail), tuple(range(-1, len(tail) - 1)))
-        session.observe(Verified(chain, logits, Acceptance(tuple(range(len(tail))), (*tail[1:], first))))
-    generated, reason = stop.cut([], [first])
-    adapter.synchronize()
-    stats = DecodeStats(prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
-    yield list(generated)
-    reached = [0] * (MAX_TREE_NODES + 1)  # reached[d]: steps whose tree had depth >= d
-    accepted_at = [0] * (MAX_TREE_NODES + 1)  # accepted_at[d]: steps that accepted >= d drafts
-
-    while reason is None:
-        context = prompt + generated
-        # propose
-        tree = session.propose(context)
-        if tree.root != context[-1]:
-            raise TriedecError(f"drafter session {type(session).__name__} proposed a tree not rooted at the last token")
-        tree = tree.pruned(stop.max_new_tokens - len(generated) - 1).truncated(MAX_TREE_NODES)
-        # verify
-        logits = adapter.forward(
-            cache, torch.tensor(tree.tokens), tree.positions(cache.length)[0], tree.visibility(cache.length)
-        )
-        # accept
-        acceptance = rule.accept(tree, logits, context, len(generated))
-        session.observe(Verified(tree, logits, acceptance))
-        new, reason = stop.cut(generated, acceptance.tokens)
-        # commit: the root and the accepted drafts that precede the newest kept token
-        cache.commit(acceptance.path[: len(new)])
-        generated += new
-        stats.steps += 1
-        stats.computed_tokens += tree.size
-        stats.accepted_per_step.append(len(new))
-        for d in range(1, tree.max_depth + 1):
-            reached[d] += 1
-        for d in range(1, len(acceptance.path)):
-            accepted_at[d] += 1
-        yield new
-
-    adapter.synchronize()
-    stats.finish(start, len(generated), cache, reason, adapter.kernels)
-    stats.mean_accepted = (len(generated) - 1) / stats.steps if stats.steps else 0.0
-    stats.acceptance_by_depth = [accepted_at[d] / reached[d] for d in range(1, len(reached)) if reached[d]]
-    stats.drafter = session.stats()
-    stats.seed = rule.seed
-    return stats
-
+    cost: CostModel | None = None,
+) -> Generator[list[int], None, Any]:
+    """Decoding of ``prompt`` alone with drafts from ``drafter``, each step's tokens chosen by
+    ``rule`` (greedy by default, or sampling: :mod:`triedec.accept`), drafts sized under ``cost``;
+    exactly equal to autoregressive decoding with the same rule, whatever the drafts. Yields the
+    newly committed tokens; returns the :class:`~triedec.request.DecodeStats`."""
+    outcome = yield from run_alone(adapter, Request(drafter, prompt, stop, documents, rule), cost)
+    return outcome.stats

@@ -26,7 +26,7 @@ class KVCache:
     Mutation contract:
     * :meth:`stage` records the positions of the T tokens about to be written (pending slots);
     * :meth:`write` (called once per layer during a forward) stores the pending K/V and returns
-      views over ``[0, length + T)``;
+      views over ``[0, length + T)``; :meth:`view` returns them again;
     * :meth:`commit` keeps a subset of the pending slots, in the given order, right after the
       committed ones; :meth:`select` keeps a subset of the committed slots (compaction);
     * :meth:`reserve` grows the buffers (beam search's trie can outgrow its first estimate).
@@ -72,6 +72,12 @@ class KVCache:
         end = self.length + n
         self.keys[layer][:, :, self.length : end] = keys
         self.values[layer][:, :, self.length : end] = values
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[1, kv_heads, length + pending, head_dim]`` of one layer's committed + pending
+        K and V (what attention reads during a forward, after :meth:`write`)."""
+        end = self.length + self.pending
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     # ---- after the forward --------------------------------------------------------------------
@@ -123,6 +129,29 @@ class KVCache:
         positions[:n] = self._positions[:n]
         self._positions = positions
         self.capacity = capacity
+
+    @torch.inference_mode()
+    def clone(self) -> KVCache:
+        """An independent copy of the committed slots (same capacity)."""
+        other = KVCache(self.capacity)
+        other.length, other.peak = self.length, self.length
+        other.keys = [b.clone() for b in self.keys]
+        other.values = [b.clone() for b in self.values]
+        other._positions = self._positions.clone()
+        return other
+
+    @torch.inference_mode()
+    def extend_to(self, length: int) -> None:
+        """Grow the committed slots to ``length`` by repeating the committed ones (a cache of that
+        length for timing forwards: attention's cost does not depend on the values)."""
+        if not 0 < self.length <= length <= self.capacity:
+            raise TriedecError(f"cannot extend {self.length} committed slots to {length} (capacity {self.capacity})")
+        for buf in (*self.keys, *self.values):
+            for start in range(self.length, length, self.length):
+                n = min(self.length, length - start)
+                buf[:, :, start : start + n] = buf[:, :, :n]
+        self._positions[self.length : length] = torch.arange(self.length, length)
+        self.length = self.peak = length
 
     # ---- views --------------------------------------------------------------------------------
 

@@ -1,10 +1,12 @@
-"""The public API: a loaded model with ``generate`` and ``stream``."""
+"""The public API: a loaded model with ``generate``, ``stream`` and ``generate_batch``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,12 +17,15 @@ import torch
 from triedec.adapter import KERNELS, ModelAdapter
 from triedec.beam import Hypothesis
 from triedec.calibration import Calibration, load_or_calibrate
+from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo
-from triedec.engine import Stats, StopRule
+from triedec.drafters.base import NEEDS_COST
+from triedec.engine import Batch, BatchLimits, Run, run_alone
 from triedec.errors import TriedecError, positive_int
-from triedec.methods import Decoder, Outcome
+from triedec.methods import Decoder
 from triedec.methods import method as find_method
 from triedec.models import cache_root, load_hf
+from triedec.request import Outcome, Stats, StopRule
 from triedec.sampling import Sampling
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
@@ -43,19 +48,22 @@ class LM:
     """A loaded causal LM. ``model`` and ``tokenizer`` are the plain transformers objects.
 
     Each method is built once per options value and kept for the life of this object, so learned
-    drafter state (Token Recycling's matrix, agreement rates) stays warm across requests; all
-    per-request state lives in the generator that :meth:`stream` returns, so overlapping streams
-    (threads, a server) do not disturb each other.
+    drafter state (Token Recycling's matrix, agreement rates, auto's store) stays warm across
+    requests; all per-request state lives in the request that :meth:`start` returns (and that
+    :meth:`stream` decodes), so overlapping streams (threads, a server) do not disturb each other.
+    ``limits`` bound the engine's batches (:class:`~triedec.engine.BatchLimits`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None,
-                 kernels: str = "plain", reference: Callable[[], Any] | None = None) -> None:
+                 kernels: str = "plain", reference: Callable[[], Any] | None = None,
+                 limits: BatchLimits | None = None) -> None:
         """``kernels="auto"`` speeds ``model`` up in place where it applies (see
-        :mod:`triedec.adapter`); the default leaves a model you pass untouched. ``reference``
-        loads a stock copy of the model for :meth:`reference_model` (``triedec.load`` passes one)."""
+        :mod:`triedec.adapter`); the default keeps the model's own kernels. ``reference`` loads a
+        stock copy of the model for :meth:`reference_model` (``triedec.load`` passes one)."""
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model, kernels)
+        self.limits = limits or BatchLimits()
         self._reference_loader = reference
         self._reference: Any = None
         self.cache_dir = cache_root(cache_dir)
@@ -76,13 +84,14 @@ class LM:
 
     # ---- calibration --------------------------------------------------------------------------
 
-    def calibration(self, needs: frozenset[str] = frozenset({"cost", "recycling"})) -> Calibration:
+    def calibration(self, needs: frozenset[str] = frozenset({NEEDS_COST})) -> Calibration:
         """This model's device calibration with at least the parts in ``needs`` (``"cost"``: the
-        cost curve, seconds; ``"recycling"``: Token Recycling's node profile, a minute or two):
-        read from the cache directory, or measured once and cached. See :mod:`triedec.calibration`."""
+        cost model, under a minute; a method's name: its profile, e.g. ``"recycling"``, a minute
+        or two): read from the cache directory, or measured once and cached. See
+        :mod:`triedec.calibration`."""
         with self._lock:
             cal = self._calibration
-            if cal is None or ("recycling" in needs and cal.recycling is None):
+            if cal is None or not set(needs) - {NEEDS_COST} <= set(cal.profiles):
                 self._calibration = load_or_calibrate(self, self.cache_dir, frozenset(needs))
             return self._calibration
 
@@ -90,9 +99,14 @@ class LM:
         """Measure the whole calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and
         cache it. Methods already built keep what they were built with."""
         with self._lock:
-            self._calibration = load_or_calibrate(self, self.cache_dir, frozenset({"cost", "recycling"}), force=True,
+            self._calibration = load_or_calibrate(self, self.cache_dir, frozenset({NEEDS_COST}), force=True,
                                                   **kwargs)
             return self._calibration
+
+    def cost_model(self) -> CostModel | None:
+        """The device's cost model the engine sizes drafts under, once any built method needed it
+        (None before: drafts are then sized as for a flat curve)."""
+        return None if self._calibration is None else self._calibration.cost
 
     def model_info(self, needs: frozenset[str] = frozenset()) -> ModelInfo:
         """What drafters get to know about this model (see :class:`~triedec.drafters.ModelInfo`),
@@ -101,7 +115,15 @@ class LM:
         if not needs:
             return info
         cal = self.calibration(needs)
-        return dataclasses.replace(info, cost=cal.cost, profiles=cal.profiles())
+        return dataclasses.replace(info, cost=cal.cost, profiles=dict(cal.profiles))
+
+    def fresh(self) -> LM:
+        """This model without any learned state: the same weights, tokenizer and calibration, no
+        built methods (a benchmark measures each phase from fresh state this way)."""
+        other = copy.copy(self)
+        other._decoders = {}
+        other._lock = threading.RLock()
+        return other
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -147,7 +169,7 @@ class LM:
                 self._decoders[key] = found.build(opts, self.model_info(found.needs(opts)))
             return self._decoders[key]
 
-    def stream(
+    def start(
         self,
         prompt: Prompt,
         method: str = "auto",
@@ -164,19 +186,27 @@ class LM:
         repetition_penalty: float = 1.0,
         seed: int | None = None,
         **options: object,
-    ) -> Generator[list[int], None, Outcome]:
-        """Yield new token ids as they are accepted (several per step when drafts are accepted;
-        with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
-
-        The generator's return value (``StopIteration.value``) is an
-        :class:`~triedec.methods.Outcome` (stats, and beam search's ranked sequences);
-        :meth:`generate` collects it for you. All input is validated before anything runs. The
-        sampling parameters are :meth:`generate`'s.
-        """
+    ) -> Run:
+        """One request, validated and ready for an engine :class:`~triedec.engine.Batch` (the
+        server's scheduler submits these); :meth:`generate`'s arguments. All input is checked
+        before anything runs; building the method may measure the device first."""
         prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
         sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
         decoder = self.decoder(method, **options)  # after the cheap checks: building may measure the device
-        return decoder.decode(self.adapter, prompt_ids, rule, documents, sampling)
+        return decoder.start(prompt_ids, rule, documents, sampling)
+
+    def stream(self, prompt: Prompt, method: str = "auto", **kwargs: Any) -> Generator[list[int], None, Outcome]:
+        """Yield new token ids as they are accepted (several per step when drafts are accepted;
+        with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
+        Takes :meth:`generate`'s arguments but ``on_tokens``.
+
+        The generator's return value (``StopIteration.value``) is an
+        :class:`~triedec.request.Outcome` (stats, and beam search's ranked sequences);
+        :meth:`generate` collects it for you. All input is validated before anything runs. The
+        request runs alone in an engine batch of its own: the same step as the server's.
+        """
+        run = self.start(prompt, method, **kwargs)
+        return run_alone(self.adapter, run, self.cost_model(), self.limits)
 
     def generate(
         self,
@@ -231,6 +261,50 @@ class LM:
             if on_tokens is not None:
                 on_tokens(new)
         return GenerationResult(self.decode_result(tokens, stop), tokens, outcome.stats, outcome.sequences)
+
+    def generate_batch(self, prompts: Sequence[Prompt], method: str = "auto", *, progress: bool = True,
+                       max_running: int | None = None, **kwargs: Any) -> list[GenerationResult]:
+        """:meth:`generate` for many prompts at once, with the same options for all of them:
+        they are decoded together by one engine batch (one forward per step for all running
+        requests, drafts sized together; at most ``max_running`` at once, default the LM's
+        limits), and returned in input order. Each result equals what :meth:`generate` returns
+        for that prompt alone (greedy: the same tokens; sampling: the same seed gives the same
+        tokens; a sampling request without a seed gets one per prompt). Every prompt is
+        validated before anything runs. ``progress`` shows a progress bar (stderr) of finished
+        requests and tokens."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise TriedecError("generate_batch takes a list of prompts")
+        if "on_tokens" in kwargs:
+            raise TriedecError("generate_batch takes no on_tokens; use stream() for one request")
+        runs = [self.start(p, method, **kwargs) for p in prompts]
+        limits = self.limits if max_running is None else dataclasses.replace(self.limits, max_running=max_running)
+        batch = Batch(self.adapter, self.cost_model(), limits)
+        tokens: list[list[int]] = [[] for _ in runs]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(runs), unit="request", file=sys.stderr, dynamic_ncols=True, desc="generate_batch")
+        try:
+            for run in runs:
+                batch.submit(run)
+            produced = 0
+            while not batch.idle:
+                finished = batch.step()
+                for i, run in enumerate(runs):
+                    fresh = run.take()
+                    tokens[i] += fresh
+                    produced += len(fresh)
+                if bar is not None:
+                    bar.update(len(finished))
+                    bar.set_postfix(tokens=produced, running=len(batch.running), refresh=False)
+        finally:
+            batch.close()
+            if bar is not None:
+                bar.close()
+        stop = kwargs.get("stop")
+        return [GenerationResult(self.decode_result(t, stop), t, run.outcome.stats, run.outcome.sequences)
+                for t, run in zip(tokens, runs, strict=True)]
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""

@@ -1,85 +1,76 @@
 """Every decoding method behind one front door.
 
 A method is a name, a frozen options class, what must be measured before it is built, and a
-builder ``(options, ModelInfo) -> Decoder``. Every registered drafter is a method run by the
-speculative loop (:func:`~triedec.engine.speculative_decode`); ``beam`` is trie beam search
-(:func:`~triedec.beam.beam_search`). Callers (the API, the CLI, the benchmark) look a method up,
-build it once and call ``decoder.decode(...)``; none of them branches on which method it is.
+builder ``(options, ModelInfo) -> Decoder``. Every registered drafter is a method whose requests
+join the engine's shared forward (:class:`~triedec.request.Request`); ``beam`` is trie beam
+search, which verifies all its beams in one forward of its own (:class:`~triedec.engine.SoloRun`,
+run beside the batch). Callers (the API, the CLI, the benchmark, the server) look a method up,
+build it once and call ``decoder.start(...)`` for each request; none of them branches on which
+method it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from triedec.accept import acceptance_rule
-from triedec.adapter import ModelAdapter
 from triedec.beam import METHOD as BEAM
-from triedec.beam import BeamOptions, Hypothesis, beam_search
+from triedec.beam import BeamOptions, beam_search, check_request
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, drafter_specs
-from triedec.engine import Stats, StopRule, speculative_decode
+from triedec.drafters.base import MAX_TREE_NODES
+from triedec.engine import Run, SoloRun
 from triedec.errors import TriedecError
+from triedec.request import Outcome, Request, StopRule
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What a finished decode returns: its stats and, for methods that rank several sequences
-    (beam search), the best ones with their scores, best first."""
-
-    stats: Stats
-    sequences: tuple[Hypothesis, ...] = ()
-
-
 class Decoder(Protocol):
-    """A built method. ``decode`` validates its arguments before returning the generator, which
-    yields new token ids as they are committed and returns an :class:`Outcome`. A decoder is
-    shared by every request of its (method, options); per-request state lives inside ``decode``.
-    ``sampling`` says how tokens are chosen (greedy by default; sampling needs its seed set)."""
+    """A built method. ``start`` validates its arguments and returns the request's
+    :class:`~triedec.engine.Run`, which an engine :class:`~triedec.engine.Batch` decodes; its
+    ``outcome`` is an :class:`~triedec.request.Outcome`. A decoder is shared by every request of its
+    (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
+    (greedy by default; sampling needs its seed set)."""
 
-    def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
-               ) -> Generator[list[int], None, Outcome]: ...
+    def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
+              sampling: Sampling = GREEDY_SAMPLING) -> Run: ...
 
 
 class SpeculativeDecoder:
-    """A drafter run by the propose -> verify -> accept -> commit loop, greedy or sampling."""
+    """A drafter whose requests run the propose -> verify -> accept -> commit step, greedy or
+    sampling, in the engine's shared forward."""
 
     def __init__(self, drafter: Drafter) -> None:
         self.drafter = drafter
 
-    def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
-               ) -> Generator[list[int], None, Outcome]:
-        rule = acceptance_rule(sampling)
-        return _outcome(speculative_decode(adapter, self.drafter, prompt, stop, documents, rule))
+    def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
+              sampling: Sampling = GREEDY_SAMPLING) -> Run:
+        return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling))
 
 
 class BeamSearchDecoder:
-    """Trie beam search with fixed :class:`~triedec.beam.BeamOptions`. It applies no logits
-    processors, so it refuses sampling and the repetition penalty."""
+    """Trie beam search with fixed :class:`~triedec.beam.BeamOptions`, in a loop of its own (all
+    beams in one forward already). It applies no logits processors, so it refuses sampling and the
+    repetition penalty."""
 
     def __init__(self, options: BeamOptions, model: ModelInfo) -> None:
         del model
         self.options = options
 
-    def decode(self, adapter: ModelAdapter, prompt: Sequence[int], stop: StopRule,
-               documents: Sequence[Sequence[int]] = (), sampling: Sampling = GREEDY_SAMPLING,
-               ) -> Generator[list[int], None, Outcome]:
+    def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
+              sampling: Sampling = GREEDY_SAMPLING) -> Run:
         if not sampling.plain:
             raise TriedecError("beam search does not sample and applies no repetition penalty: use temperature=0 "
                                "and repetition_penalty=1 with method 'beam'")
-        return _ranked(beam_search(adapter, prompt, self.options, stop, documents))
+        ids = check_request(prompt, stop, documents)
+        reserve = len(ids) + self.options.num_beams * (stop.max_new_tokens + 1) + MAX_TREE_NODES
 
+        def loop(adapter: Any) -> Any:
+            result = yield from beam_search(adapter, ids, self.options, stop)
+            return Outcome(result.stats, result.hypotheses)
 
-def _outcome(steps: Generator[list[int], None, Stats]) -> Generator[list[int], None, Outcome]:
-    return Outcome((yield from steps))
-
-
-def _ranked(steps: Generator[list[int], None, Any]) -> Generator[list[int], None, Outcome]:
-    result = yield from steps
-    return Outcome(result.stats, result.hypotheses)
+        return SoloRun(loop, reserve)
 
 
 GREEDY = "greedy"

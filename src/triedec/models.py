@@ -9,12 +9,14 @@ loads read that copy in a couple of seconds. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -62,6 +64,22 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     raise TriedecError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own progress bars ("Loading weights", "Writing model shards", ...) off for the
+    block, through its documented switch, and back as they were after it: triedec logs one line
+    per slow step instead."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _gguf_key(path: Path) -> str:
     """A cache key from the file's name, size and a hash of its first and last MiB."""
     digest = hashlib.sha256()
@@ -84,14 +102,15 @@ def converted_gguf_dir(path: Path, cache_dir: str | os.PathLike[str] | None = No
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            # A GGUF-loaded model refuses save_pretrained while it still looks quantized.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process finished first
@@ -148,10 +167,11 @@ def load_hf(
         raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
     _check_causal(config, where)
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            str(source), dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        with quiet_transformers():
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                str(source), dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise TriedecError(f"cannot load {where}: {exc}") from exc
     hf_model.to(device)

@@ -16,6 +16,21 @@ from triedec.bench.harness import REFERENCE
 from triedec.sampling import Sampling
 
 
+def source_commit() -> str:
+    """The git commit triedec runs from (``+dirty`` with uncommitted changes), or ``unknown``."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit}+dirty" if dirty else commit
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     cpu = platform.processor() or "unknown"
     try:

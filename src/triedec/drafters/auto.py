@@ -22,15 +22,17 @@ two moving averages over tried nodes (those whose parent was accepted), of accep
 whose ratio is the rate, so that ``base * rate`` estimates a node's chance given its parent
 whatever its base. Given its parent, a node's chance is ``1 - prod (1 - base * rate)`` over its
 kinds (merged evidence); siblings whose chances add up to more than 1 are scaled down together
-(at most one child is accepted); its chance to be accepted is that times its parent's. Nodes are
-ranked by that chance and the drafter sends the count with the most expected tokens per second
-under the device's cost curve (:func:`~triedec.costmodel.best_count`): nothing where nothing pays.
-A key whose nodes were not sent drifts back toward its prior, so it is tried again later.
+(at most one child is accepted); its chance to be accepted is that times its parent's. The draft
+lists the nodes best first by that chance, and the engine's allocator (:mod:`triedec.allocate`)
+verifies the prefix that pays under the device's cost model, shared with every other running
+request: nothing where nothing pays. A key whose nodes were not verified drifts back toward its
+prior, so it is tried again later. ``sized=False`` sends every ranked node.
 
 **State.** Per request (the session): the context trie and the output so far. Shared (the
 drafter, under its lock): the matrix, the rates, the store; the store receives each request's
 output when the request ends and, with ``store=PATH``, is loaded at start (refused if it comes
-from another model or is corrupt) and saved atomically after every request.
+from another model or is corrupt) and written atomically when the engine persists learned state
+(:meth:`AutoDrafter.persist`: when it goes idle, every few finished requests, at shutdown).
 """
 
 from __future__ import annotations
@@ -46,8 +48,7 @@ from typing import ClassVar
 
 import torch
 
-from triedec.costmodel import best_count
-from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
 from triedec.drafters.estimate import MovingRatio
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
@@ -182,7 +183,11 @@ class OutputStore:
     def save(self, path: str | os.PathLike[str], model_id: str) -> None:
         """Write the outputs with their leads to ``path`` (safetensors, replaced atomically),
         tagged with the model."""
-        docs = list(self.docs.values())
+        self.write(path, model_id, list(self.docs.values()))
+
+    @staticmethod
+    def write(path: str | os.PathLike[str], model_id: str, docs: Sequence[tuple[tuple[int, ...], int]]) -> None:
+        """Write ``docs`` (each lead + output and its lead's length) as a store file."""
         flat = torch.tensor([t for d, _ in docs for t in d], dtype=torch.long)
         lengths = torch.tensor([len(d) for d, _ in docs], dtype=torch.long)
         starts = torch.tensor([start for _, start in docs], dtype=torch.long)
@@ -247,7 +252,6 @@ class AutoDrafter:
 
     def __init__(self, options: AutoOptions, model: ModelInfo) -> None:
         self.options = options
-        self.cost = model.cost if options.sized else None
         self.model_id, self.vocab_size = model.model_id, model.vocab_size
         self.lock = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, min(options.k, model.vocab_size), model.device)
@@ -256,6 +260,8 @@ class AutoDrafter:
         # given its parent whatever its base
         self._rates: dict[Key, MovingRatio] = {}
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
+        self._unsaved = False
+        self._writing = threading.Lock()
         if options.store and Path(options.store).exists():
             self.store.load(options.store, self.model_id, self.vocab_size)
 
@@ -301,12 +307,22 @@ class AutoDrafter:
                     self.counters[kind[0]]["proposed"] += 1
 
     def remember(self, output: Sequence[int], lead: Sequence[int]) -> None:
-        """Add a finished request's output, after the end of its prompt, to the store (and save
-        it, if configured)."""
+        """Add a finished request's output, after the end of its prompt, to the store."""
         with self.lock:
             self.store.add(output, lead)
-            if self.options.store:
-                self.store.save(self.options.store, self.model_id)
+            self._unsaved = True
+
+    def persist(self) -> None:
+        """Write the store to ``store`` (if set and changed): its outputs are copied under the
+        lock, the file is written outside it."""
+        if not self.options.store:
+            return
+        with self._writing:  # writes land in the order their snapshots were taken
+            with self.lock:
+                if not self._unsaved:
+                    return
+                docs, self._unsaved = list(self.store.docs.values()), False
+            OutputStore.write(self.options.store, self.model_id, docs)
 
     def stats(self) -> dict[str, float]:
         with self.lock:
@@ -329,8 +345,8 @@ class AutoSession(BaseSession):
         self.context: Sequence[int] = prompt  # the last proposal's context
         self.last: tuple[int, ...] = ()  # the tokens the last step emitted after it
         self.hot = False
-        self._sent: list[dict[Kind, float]] = []  # kinds and bases of each sent node, in tree order
-        self._skipped: set[Key] = set()
+        self._sent: list[dict[Kind, float]] = []  # kinds and bases of each proposed node, in tree order
+        self._depths: list[int] = []  # depth of each proposed node
 
     # ---- propose ------------------------------------------------------------------------------
 
@@ -394,47 +410,47 @@ class AutoSession(BaseSession):
             chance[path] = chance[parent] * given[path] / max(1.0, siblings[parent])
         return chance
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
-        d, o = self.drafter, self.drafter.options
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
+        o = self.drafter.options
         if len(context) > self.fed:
             self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
         nodes = self._candidates(context)
         chance = self.score(nodes)
-        ranked = heapq.nlargest(o.max_nodes, (p for p in nodes if chance[p] > 0), key=lambda p: (chance[p], -len(p)))
-        ranked.sort(key=lambda p: (-chance[p], len(p)))  # a child never precedes its parent
-        keep = best_count([chance[p] for p in ranked], d.cost) if d.cost is not None else len(ranked)
-        sent, self._skipped = ranked[:keep], set()
-        for p in ranked[keep:]:
-            for kind in nodes[p].base:
-                self._skipped.add(d.key(kind, len(p), self.hot))
+        count = min(o.max_nodes, max_nodes - 1)
+        ranked = heapq.nlargest(count, (p for p in nodes if chance[p] > 0), key=lambda p: (chance[p], -len(p)))
+        ranked.sort(key=lambda p: (-chance[p], len(p)))  # best first; a child never precedes its parent
         index = {(): 0}
-        tokens, parents, self._sent = [int(context[-1])], [-1], [{}]
-        for p in sent:
-            if p[:-1] not in index:  # its parent was cut: so is it
-                continue
+        tokens, parents, chances, self._sent, self._depths = [int(context[-1])], [-1], [1.0], [{}], [0]
+        for p in ranked:
             index[p] = len(tokens)
             tokens.append(p[-1])
             parents.append(index[p[:-1]])
+            chances.append(chance[p])
             self._sent.append(nodes[p].base)
-        d.count_proposed(self._sent)
+            self._depths.append(len(p))
         self.context = context
-        return TokenTree(tuple(tokens), tuple(parents))
+        return Draft.scored(TokenTree(tuple(tokens), tuple(parents)), chances, send_all=not o.sized)
 
     # ---- observe ------------------------------------------------------------------------------
 
     def observe(self, verified: Verified) -> None:
+        """Learn from the verified nodes (tried: their parent was accepted); the proposed nodes
+        the engine did not verify relax their keys toward the prior."""
+        d = self.drafter
         tree, path = verified.tree, verified.acceptance.path
         on_path = set(path)
-        outcomes = []
-        if len(self._sent) == tree.size:  # not cut by the engine
-            for i in range(1, tree.size):
-                if tree.parents[i] in on_path:  # tried: its parent was accepted
-                    outcomes.append((self._sent[i], tree.depths[i], i in on_path))
-        self.drafter.learn(outcomes, self.hot, self._skipped, verified)
+        kinds = [self._sent[verified.index(i)] for i in range(tree.size)] if self._sent else []
+        outcomes = [(kinds[i], tree.depths[i], i in on_path)
+                    for i in range(1, len(kinds)) if tree.parents[i] in on_path]
+        verified_nodes = {verified.index(i) for i in range(tree.size)}
+        skipped = {d.key(kind, self._depths[j], self.hot) for j in range(1, len(self._sent)) if j not in verified_nodes
+                   for kind in self._sent[j]}
+        d.count_proposed(kinds[1:])
+        d.learn(outcomes, self.hot, skipped, verified)
         self.hot = len(path) > 1
         self.last = verified.acceptance.tokens
-        self._sent, self._skipped = [], set()
+        self._sent, self._depths = [], []
 
     def end(self) -> None:
         """The request's output (as far as this session saw it) goes into the store."""

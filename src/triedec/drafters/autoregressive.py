@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from triedec.drafters.base import BaseDrafter, ModelInfo, NoOptions, register
-from triedec.tree import TokenTree
+from triedec.drafters.base import BaseDrafter, Draft, ModelInfo, NoOptions, register
 
 
 @register("ar", NoOptions, "greedy autoregressive decoding (the reference; one token per forward)")
@@ -18,5 +17,5 @@ class Autoregressive(BaseDrafter):
     def __init__(self, options: NoOptions, model: ModelInfo) -> None:
         del options, model
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
-        return TokenTree.root_only(context[-1])
+    def propose(self, context: Sequence[int]) -> Draft:
+        return Draft.root_only(context[-1])

@@ -55,34 +55,117 @@ class ModelInfo:
     profiles: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
+MAX_TREE_NODES = 256
+"""Upper bound on a verified tree's size (root included); the engine cuts larger proposals."""
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal: a tree and each node's estimated chance of being accepted, best first.
+
+    ``tree`` lists its nodes best first (any prefix of a tree's node list is a tree, so the engine
+    can verify any prefix). ``chances[i]`` is the drafter's estimate of the probability that node
+    i is accepted (the root's is 1); the allocator (:mod:`triedec.allocate`) merges every running
+    request's chances and decides how long a prefix of each draft one forward verifies.
+    ``required``: how many leading nodes (root included) are verified whatever the allocator
+    decides: drafters with a fixed tree (lookahead) or a size the user forced (``sized=False``,
+    ``nodes=80``) set it to the whole tree. Frozen and validated on construction."""
+
+    tree: TokenTree
+    chances: tuple[float, ...]
+    required: int = 1
+
+    def __post_init__(self) -> None:
+        chances = tuple(float(c) for c in self.chances)
+        object.__setattr__(self, "chances", chances)
+        if len(chances) != self.tree.size:
+            raise TriedecError(f"a draft of {self.tree.size} nodes needs {self.tree.size} chances, got {len(chances)}")
+        if chances[0] != 1.0 or any(not 0.0 <= c <= 1.0 for c in chances):
+            raise TriedecError("draft chances must lie in [0, 1], the root's being 1")
+        if isinstance(self.required, bool) or not isinstance(self.required, int) \
+                or not 1 <= self.required <= self.tree.size:
+            raise TriedecError(f"required must be an integer in [1, {self.tree.size}], got {self.required!r}")
+
+    @classmethod
+    def root_only(cls, root: int) -> Draft:
+        """Nothing drafted: verifying it is one plain step."""
+        return cls(TokenTree.root_only(root), (1.0,))
+
+    @classmethod
+    def fixed(cls, tree: TokenTree) -> Draft:
+        """A tree verified whole, without estimates (its drafts count as chance 0 when sizing the
+        rest of the forward)."""
+        return cls(tree, (1.0,) + (0.0,) * (tree.size - 1), tree.size)
+
+    @classmethod
+    def scored(cls, tree: TokenTree, chances: Sequence[float], send_all: bool = False) -> Draft:
+        """A tree with estimates; ``send_all`` makes every node required (the user forced it)."""
+        return cls(tree, tuple(chances), tree.size if send_all else 1)
+
+    @property
+    def size(self) -> int:
+        return self.tree.size
+
+    def within(self, max_nodes: int, max_depth: int) -> tuple[Draft, tuple[int, ...]]:
+        """This draft without its nodes deeper than ``max_depth`` and cut to ``max_nodes`` nodes:
+        a smaller draft (still best first) and, for each of its nodes, its index here."""
+        depths = self.tree.depths
+        keep = [i for i in range(self.size) if depths[i] <= max_depth][:max_nodes]
+        if len(keep) == self.size:
+            return self, tuple(keep)
+        index = {old: new for new, old in enumerate(keep)}
+        parents = tuple(-1 if i == 0 else index[self.tree.parents[i]] for i in keep)
+        tree = TokenTree(tuple(self.tree.tokens[i] for i in keep), parents)
+        required = sum(1 for i in keep if i < self.required)
+        return Draft(tree, tuple(self.chances[i] for i in keep), max(1, required)), tuple(keep)
+
+
 @dataclass(frozen=True)
 class Verified:
-    """What the model computed for a proposed tree.
+    """What the model computed for a proposal.
 
-    ``logits``: float ``[tree.size, vocab]``, the model's next-token logits after every node (root
-    and every draft node, accepted or not). ``acceptance``: the accepted path and new tokens.
+    ``tree``: the nodes that were verified, which may be fewer than proposed: the engine keeps a
+    prefix of the draft that the allocator sized (and drops nodes past ``max_new_tokens``).
+    ``kept[i]`` is the proposal index of verified node i; ``proposed`` is the proposal's size
+    (None for both: the whole proposal was verified). ``logits``: float ``[tree.size, vocab]``,
+    the model's next-token logits after every verified node (root and every draft node, accepted
+    or not). ``acceptance``: the accepted path and new tokens.
     """
 
     tree: TokenTree
     logits: torch.Tensor
     acceptance: Acceptance
+    kept: tuple[int, ...] | None = None
+    proposed: int | None = None
+
+    @property
+    def cut(self) -> bool:
+        """Whether fewer nodes were verified than proposed."""
+        return self.proposed is not None and self.tree.size < self.proposed
+
+    def index(self, node: int) -> int:
+        """The proposal index of verified node ``node``."""
+        return node if self.kept is None else self.kept[node]
 
 
 @runtime_checkable
 class DrafterSession(Protocol):
     """One request's drafting state. The engine calls, in this order:
 
-    * if the drafter's ``prefill_logits`` > 0: ``observe`` once with the prompt's last
-      ``prefill_logits`` tokens as a verified chain, with their prefill logits;
-    * per step, ``propose(context)`` -- a tree rooted at ``context[-1]`` (context = prompt +
-      generated) -- then ``observe(verified)`` -- what the model computed for that tree (possibly a
-      pruned prefix of the proposal, near ``max_new_tokens``);
-    * ``end()`` -- the request is over (also when the caller stops early);
+    * if the drafter's ``prefill_logits`` > 0: ``observe`` with the prompt's last
+      ``prefill_logits`` tokens as verified chains with their prefill logits, one per prompt chunk
+      that holds some of them, in order;
+    * per step, ``propose(context, max_nodes)`` -- a :class:`Draft` of at most ``max_nodes`` nodes
+      rooted at ``context[-1]`` (context = prompt + generated), best first -- then
+      ``observe(verified)`` -- what the model computed for the part of it that was verified
+      (:class:`Verified` says which part);
+    * ``end()`` -- the request is over (also when the caller stops early or the request is
+      cancelled);
 
     and ``stats()`` for counters to report. A session is used by one request (one thread) only.
     """
 
-    def propose(self, context: Sequence[int]) -> TokenTree: ...
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft: ...
 
     def observe(self, verified: Verified) -> None: ...
 
@@ -95,17 +178,21 @@ class DrafterSession(Protocol):
 class Drafter(Protocol):
     """Model-free draft proposer shared by many requests: ``begin(prompt, documents)`` starts one
     request and returns its :class:`DrafterSession`; ``prefill_logits`` says how many of the
-    prompt's last positions the session wants to observe with their prefill logits."""
+    prompt's last positions the session wants to observe with their prefill logits; ``persist()``
+    writes the learned state to its file, if one is configured (a snapshot taken under the
+    drafter's lock, written outside it; the engine decides when)."""
 
     prefill_logits: int
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession: ...
 
+    def persist(self) -> None: ...
+
 
 class BaseSession:
     """No-op defaults for the optional parts of :class:`DrafterSession`."""
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
         raise NotImplementedError
 
     def observe(self, verified: Verified) -> None:
@@ -119,22 +206,59 @@ class BaseSession:
 
 
 class _StatelessSession(BaseSession):
-    def __init__(self, propose: Callable[[Sequence[int]], TokenTree]) -> None:
-        self.propose = propose  # type: ignore[method-assign]
+    def __init__(self, propose: Callable[[Sequence[int]], TokenTree | Draft]) -> None:
+        self._propose = propose
+
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
+        found = self._propose(context)
+        return found if isinstance(found, Draft) else Draft.fixed(found)
 
 
 class BaseDrafter:
-    """A drafter without per-request state: subclasses define ``propose(context)`` and ``begin``
-    returns a session that calls it. Drafters with per-request state override ``begin`` to return
-    their own :class:`DrafterSession`."""
+    """A drafter without per-request state: subclasses define ``propose(context)`` (a
+    :class:`Draft`, or a plain tree to be verified whole) and ``begin`` returns a session that
+    calls it. Drafters with per-request state override ``begin`` to return their own
+    :class:`DrafterSession`."""
 
     prefill_logits: int = 0
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession:
         return _StatelessSession(self.propose)
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
+    def propose(self, context: Sequence[int]) -> TokenTree | Draft:
         raise NotImplementedError(f"{type(self).__name__} must define propose() or begin()")
+
+    def persist(self) -> None:
+        """No learned state to write."""
+
+
+# ---- calibration profiles -----------------------------------------------------------------------
+
+
+class CalibrationBench(Protocol):
+    """What a drafter's profile measurement may use (given by :mod:`triedec.calibration`): the
+    model's :class:`ModelInfo` with the device's cost model, calibration prompts (never benchmark
+    prompts) as token ids, and ``decode(drafter, prompt, max_new_tokens)``, which decodes one
+    prompt greedily with ``drafter`` and returns the tokens generated."""
+
+    info: ModelInfo
+
+    def prompts(self, count: int) -> list[list[int]]: ...
+
+    def decode(self, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """A calibrated, method-specific profile a drafter declares (``register(..., profile=...)``):
+    ``measure(bench)`` measures it, ``dump``/``load`` turn it into JSON values and back (``load``
+    raises :class:`~triedec.errors.TriedecError` on bad data), ``describe(profile, cost)`` gives
+    lines for ``triedec calibrate`` to print."""
+
+    measure: Callable[[CalibrationBench], Any]
+    dump: Callable[[Any], dict[str, Any]]
+    load: Callable[[Mapping[str, Any]], Any]
+    describe: Callable[[Any, CostModel], list[str]] = field(default=lambda profile, cost: [])
 
 
 # ---- options ----------------------------------------------------------------------------------
@@ -187,6 +311,8 @@ class MethodSpec:
     factory: Callable[[Any, ModelInfo], Any]
     description: str
     needs: Callable[[Any], frozenset[str]] = field(default=lambda options: frozenset())
+    profile: ProfileSpec | None = None
+    """the calibrated profile this method can need (``needs`` then names the method itself)"""
 
     def option_defaults(self) -> dict[str, object]:
         return {f.name: f.default for f in dataclasses.fields(self.options)}
@@ -227,9 +353,11 @@ GENERATION_ARGUMENTS = frozenset({
 
 
 def register(name: str, options: type, description: str,
-             needs: Callable[[Any], frozenset[str]] | None = None) -> Callable[[Callable], Callable]:
+             needs: Callable[[Any], frozenset[str]] | None = None,
+             profile: ProfileSpec | None = None) -> Callable[[Callable], Callable]:
     """Class/function decorator that registers a drafter factory under ``name``; ``needs``
-    (default: nothing) maps an options value to what must be measured before building it."""
+    (default: nothing) maps an options value to what must be measured before building it
+    (:data:`NEEDS_COST`, or ``name`` itself for the method's own calibrated ``profile``)."""
 
     def wrap(factory: Callable) -> Callable:
         if name in _REGISTRY or name in RESERVED:
@@ -238,7 +366,7 @@ def register(name: str, options: type, description: str,
         if clash:
             raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments; rename them")
         extra = {} if needs is None else {"needs": needs}
-        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra)
+        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra, profile=profile)
         return factory
 
     return wrap
@@ -247,6 +375,11 @@ def register(name: str, options: type, description: str,
 def drafter_spec(name: str) -> MethodSpec | None:
     """The registered drafter ``name``, or None."""
     return _REGISTRY.get(name)
+
+
+def profile_specs() -> dict[str, ProfileSpec]:
+    """Every registered profile by the name of the method that declares it."""
+    return {name: spec.profile for name, spec in sorted(_REGISTRY.items()) if spec.profile is not None}
 
 
 def drafter_specs() -> dict[str, MethodSpec]:

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from triedec.drafters.base import BaseSession, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -132,6 +132,9 @@ class LookaheadDrafter:
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> LookaheadSession:
         return LookaheadSession(self.options, prompt)
 
+    def persist(self) -> None:
+        """No state file."""
+
 
 class LookaheadSession(BaseSession):
     """One request's Jacobi window (``window[level][column]``, level 0 = oldest) and n-gram pool."""
@@ -149,7 +152,9 @@ class LookaheadSession(BaseSession):
         self._proposed: TokenTree | None = None
         self.lookahead_tokens = self.verify_tokens = self.steps = 0
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
+        """The whole structure, verified whole (it has no scores); a tree the engine cuts (near
+        ``max_new_tokens``) teaches nothing."""
         o = self.options
         tokens, parents = [int(context[-1])], [-1]
         level0 = []
@@ -174,10 +179,10 @@ class LookaheadSession(BaseSession):
         self.verify_tokens += len(v_tokens)
         self.steps += 1
         self._proposed = TokenTree(tuple(tokens), tuple(parents))
-        return self._proposed
+        return Draft.fixed(self._proposed)
 
     def observe(self, verified: Verified) -> None:
-        if self._proposed is None or verified.tree != self._proposed:  # cut by the engine near the end
+        if self._proposed is None or verified.cut or verified.tree != self._proposed:
             return
         argmax = verified.logits.argmax(dim=-1).tolist()
         new = [int(argmax[i]) for i in self._tops]

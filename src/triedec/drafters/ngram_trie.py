@@ -26,11 +26,11 @@ and ``rho`` is the running rate at which the model has agreed with drafted token
 time, after matches of the same length and in the same state (whether the previous step accepted
 drafts: copying tends to go on); a ratio of two exponential moving averages, accepted draft tokens
 over tried ones, where a step tries its accepted tokens plus the one it rejected, if any.
-Among the best-first 0..num_draft nodes, the drafter sends the count with the most expected
-tokens per second under the device's measured cost curve (``ModelInfo.cost``, see
-:func:`~triedec.costmodel.best_count`), so it drafts nothing when no draft is worth its
-verification. A match length that is skipped drifts back toward the optimistic prior, so it is
-probed again later (as ``pld`` does).
+The draft lists the num_draft nodes best first with these chances, and the engine's allocator
+(:mod:`triedec.allocate`) verifies the prefix that pays under the device's measured cost model,
+so nothing is drafted when no draft is worth its verification. A match length whose drafts were
+not verified drifts back toward the optimistic prior, so it is probed again later (as ``pld``
+does). ``sized=False`` sends all num_draft nodes.
 
 **State.** The trie belongs to one request (its session). The agreement rates are shared learned
 state: they live as long as the drafter and are updated under its lock.
@@ -44,8 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from triedec.costmodel import best_count
-from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
 from triedec.drafters.estimate import MovingRatio
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
@@ -183,7 +182,6 @@ class NgramTrieDrafter:
 
     def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
         self.options = options
-        self.cost = model.cost if options.sized else None
         self.lock = threading.Lock()
         # (match length, hot) -> accepted over tried draft tokens per drafted step
         self._agreement: dict[tuple[int, bool], MovingRatio] = {}
@@ -211,6 +209,9 @@ class NgramTrieDrafter:
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _NgramTrieSession:
         return _NgramTrieSession(self, prompt, documents)
 
+    def persist(self) -> None:
+        """No state file."""
+
     def stats(self) -> dict[str, float]:
         """The agreement rate per match length."""
         with self.lock:
@@ -232,23 +233,21 @@ class _NgramTrieSession(BaseSession):
         self.drafted: tuple[int, bool] | None = None  # the key of the last proposal if it drafted
         self.build_seconds = time.perf_counter() - start
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
         drafter = self.drafter
         if drafter.options.update and len(context) > self.fed:
             self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
         trie = self.trie
         matched, m = trie.match(context)
-        nodes = trie.top(matched, drafter.options.num_draft) if matched else []
+        nodes = trie.top(matched, min(drafter.options.num_draft, max_nodes - 1)) if matched else []
         key = (m, self.hot)
-        if drafter.cost is not None and nodes:
-            rho, depth = drafter.rho(*key), {matched: 0}
-            for v in nodes:  # parents come before their children
-                depth[v] = depth[trie.parent[v]] + 1
-            chance = [trie.freq[v] / trie.freq[matched] * rho ** depth[v] for v in nodes]
-            nodes = nodes[: best_count(chance, drafter.cost)]
-            if not nodes:
-                drafter.relax(key)
+        rho, depth = drafter.rho(*key), {matched: 0}
+        for v in nodes:  # parents come before their children
+            depth[v] = depth[trie.parent[v]] + 1
+        chance = {v: trie.freq[v] / trie.freq[matched] * rho ** depth[v] for v in nodes}
+        # best first; a child's chance never exceeds its parent's, and the sort is stable
+        nodes.sort(key=lambda v: -chance[v])
         self.drafted = key if nodes else None
         index = {matched: 0}
         tokens, parents = [int(context[-1])], [-1]
@@ -256,14 +255,18 @@ class _NgramTrieSession(BaseSession):
             index[v] = len(tokens)
             tokens.append(trie.token[v])
             parents.append(index[trie.parent[v]])
-        return TokenTree(tuple(tokens), tuple(parents))
+        tree = TokenTree(tuple(tokens), tuple(parents))
+        return Draft.scored(tree, [1.0, *(chance[v] for v in nodes)], send_all=not drafter.options.sized)
 
     def observe(self, verified: Verified) -> None:
         key, self.drafted = self.drafted, None
         path = verified.acceptance.path
         accepted = len(path) - 1
         self.hot = accepted > 0
-        if key is None or verified.tree.size == 1:
+        if key is None:
+            return
+        if verified.tree.size == 1:  # drafts proposed, none worth verifying: probe again later
+            self.drafter.relax(key)
             return
         tried = accepted + (1 if verified.tree.child_lists[path[-1]] else 0)  # the rejected one, if any
         self.drafter.learn(key, accepted, tried)

@@ -6,14 +6,17 @@ followed each occurrence. Up to ``num_matches`` distinct continuations (most rec
 first) are merged into one trie, so a shared prefix is verified once. ``transformers``' own prompt
 lookup keeps only the first match of a single n-gram size.
 
-Drafting is not free: on a CPU, verifying even 2-4 tokens costs about twice a 1-token step, so a
+Drafting is not free: on a CPU, verifying even 2-4 tokens costs more than a 1-token step, so a
 draft that is rarely accepted slows decoding down. The drafter therefore keeps, per matched n-gram
-length, a running mean (EMA) of how many draft tokens were accepted, and drafts only when that mean
-is at least ``min_expected``. By default (``None``) that is the device's break-even for the tree it
-would send, from the measured cost curve: ``cost(tree) / cost(1 token) - 1`` (about 1 on the 2-core
-CPU measured here, about 0 on a GPU); 0 = always draft. A length that is skipped drifts back toward
-the optimistic prior, so it is probed again later. The estimates are shared learned state: they
-live as long as the drafter (one per loaded model and option set), updated under its lock.
+length, the running rate ``rho`` at which the model agreed with drafted tokens (accepted over tried
+draft tokens, a ratio of two moving averages, as ngram-trie does), and scores each node
+``share * rho ** depth``, ``share`` being the fraction of the matches whose continuation passes
+through it. By default (``min_expected=None``) the engine's allocator verifies the prefix of the
+draft that pays under the device's cost model; with ``min_expected`` set, the whole trie is sent
+whenever its expected accepted tokens (the sum of its nodes' scores) reach that number (0 = always
+draft). A length whose drafts were not verified drifts back toward the optimistic prior, so it is
+probed again later. The rates are shared learned state: they live as long as the drafter (one per
+loaded model and option set), updated under its lock.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.estimate import MovingRatio
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -41,8 +45,8 @@ class PromptLookupOptions:
     num_matches: int = 2
     """distinct continuations merged into the draft trie"""
     min_expected: float | None = None
-    """draft only if the running mean of accepted draft tokens for the matched n-gram length is at least
-    this; None (auto) = the device's break-even for the tree, from the measured cost curve"""
+    """send the whole trie whenever its expected accepted draft tokens reach this (0 = always);
+    None (auto) = let the engine's allocator verify the part that pays on this device"""
 
     def __post_init__(self) -> None:
         for name in ("max_ngram", "min_ngram", "num_tokens", "num_matches"):
@@ -91,53 +95,53 @@ def _needs(options: PromptLookupOptions) -> frozenset[str]:
 @register("pld", PromptLookupOptions, "prompt lookup: continuations of suffix n-gram matches, merged into a trie",
           needs=_needs)
 class PromptLookupDrafter:
-    """Shared across requests: ``expected``, the running mean of accepted draft tokens per matched
-    n-gram length (updated under ``lock``). Per request: which length the last proposal drafted."""
+    """Shared across requests: the agreement rate per matched n-gram length (updated under
+    ``lock``). Per request: which length the last proposal drafted."""
 
-    PRIOR = 2.0
-    """optimistic initial estimate of accepted draft tokens, for every n-gram length"""
-    ALPHA = 0.2
-    """EMA weight of a new observation"""
+    PRIOR_RHO = 0.8
+    """optimistic initial agreement rate, for every n-gram length"""
+    EMA = 0.2
+    """weight of a new drafted step in the two moving averages"""
     RELAX = 0.01
-    """how far a skipped length's estimate moves back toward the prior: a length whose drafts keep
+    """how far a skipped length's averages move back toward the prior: a length whose drafts keep
     failing is probed again about once every 15-20 opportunities"""
 
     prefill_logits = 0
 
     def __init__(self, options: PromptLookupOptions, model: ModelInfo) -> None:
         self.options = options
-        self.cost = model.cost
-        self.expected: dict[int, float] = {}  # n-gram length -> running mean of accepted draft tokens
+        self._agreement: dict[int, MovingRatio] = {}  # n-gram length -> accepted over tried draft tokens
         self.lock = threading.Lock()
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _PromptLookupSession:
         """The context is searched afresh every step; documents are not used."""
         return _PromptLookupSession(self)
 
-    def threshold(self, tree: TokenTree) -> float:
-        """Accepted draft tokens a proposal of ``tree`` must expect to be worth verifying."""
-        if self.options.min_expected is not None:
-            return float(self.options.min_expected)
-        return self.cost.break_even(tree.size) if self.cost is not None else 0.0
+    def persist(self) -> None:
+        """No state file."""
 
-    def estimate(self, n: int) -> float:
-        return self.expected.get(n, self.PRIOR)
+    def rho(self, n: int) -> float:
+        found = self._agreement.get(n)
+        return self.PRIOR_RHO if found is None else found.value
+
+    def _ratio(self, n: int) -> MovingRatio:
+        if n not in self._agreement:
+            self._agreement[n] = MovingRatio(self.PRIOR_RHO)
+        return self._agreement[n]
 
     def relax(self, n: int) -> None:
         """A skipped length drifts back toward the prior."""
         with self.lock:
-            estimate = self.estimate(n)
-            self.expected[n] = estimate + self.RELAX * (self.PRIOR - estimate)
+            self._ratio(n).relax(self.RELAX)
 
-    def learn(self, n: int, accepted: int) -> None:
+    def learn(self, n: int, accepted: int, tried: int) -> None:
         with self.lock:
-            estimate = self.estimate(n)
-            self.expected[n] = estimate + self.ALPHA * (accepted - estimate)
+            self._ratio(n).update(accepted, tried, self.EMA)
 
     def stats(self) -> dict[str, float]:
-        """The running mean of accepted draft tokens per matched n-gram length."""
+        """The agreement rate per matched n-gram length."""
         with self.lock:
-            return {f"expected_accepted_n{n}": v for n, v in sorted(self.expected.items())}
+            return {f"rho_n{n}": r.value for n, r in sorted(self._agreement.items())}
 
 
 class _PromptLookupSession(BaseSession):
@@ -145,23 +149,53 @@ class _PromptLookupSession(BaseSession):
         self.drafter = drafter
         self.drafted_n: int | None = None
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
         drafter = self.drafter
         self.drafted_n = None
         matches = find_matches(context, drafter.options)
         if not matches:
-            return TokenTree.root_only(context[-1])
+            return Draft.root_only(context[-1])
         n = matches[0][0]
-        tree = TokenTree.from_sequences(context[-1], [cont for _, cont in matches])
-        if drafter.estimate(n) < drafter.threshold(tree):
+        continuations = [cont for _, cont in matches]
+        tree = TokenTree.from_sequences(context[-1], continuations, max_nodes)
+        rho = drafter.rho(n)
+        passing = [0] * tree.size  # how many continuations pass through each node
+        for cont in continuations:
+            node = 0
+            for tok in cont:
+                node = tree.children[node].get(int(tok), -1)
+                if node < 0:
+                    break
+                passing[node] += 1
+        depths = tree.depths
+        chances = [1.0, *(passing[i] / len(continuations) * rho ** depths[i] for i in range(1, tree.size))]
+        order = sorted(range(1, tree.size), key=lambda i: -chances[i])  # stable: parents first
+        tree, chances = _reordered(tree, [0, *order], chances)
+        minimum = drafter.options.min_expected
+        if minimum is not None and sum(chances[1:]) < minimum:
             drafter.relax(n)
-            return TokenTree.root_only(context[-1])
+            return Draft.root_only(context[-1])
         self.drafted_n = n
-        return tree
+        return Draft.scored(tree, chances, send_all=minimum is not None)
 
     def observe(self, verified: Verified) -> None:
-        if self.drafted_n is not None:
-            self.drafter.learn(self.drafted_n, len(verified.acceptance.path) - 1)
+        n, self.drafted_n = self.drafted_n, None
+        if n is None:
+            return
+        if verified.tree.size == 1:  # nothing was worth verifying: probe again later
+            self.drafter.relax(n)
+            return
+        path = verified.acceptance.path
+        accepted = len(path) - 1
+        tried = accepted + (1 if verified.tree.child_lists[path[-1]] else 0)  # the rejected one, if any
+        self.drafter.learn(n, accepted, tried)
 
     def stats(self) -> dict[str, float]:
         return self.drafter.stats()
+
+
+def _reordered(tree: TokenTree, order: list[int], chances: list[float]) -> tuple[TokenTree, list[float]]:
+    """``tree`` with its nodes listed in ``order`` (parents before children)."""
+    index = {old: new for new, old in enumerate(order)}
+    parents = tuple(-1 if old == 0 else index[tree.parents[old]] for old in order)
+    return TokenTree(tuple(tree.tokens[i] for i in order), parents), [chances[i] for i in order]

@@ -8,36 +8,54 @@ committed token: node ``(r1, ..., rd)`` is the r_d-th candidate after the token 
 
 * **Update** (after every verification): every tree position -- the root and every draft node,
   accepted or not -- writes the top-k of its logits into the row of its token. When a token occurs
-  at several positions, the last one in tree order (breadth-first) wins.
+  at several positions, the last one in tree order wins.
 * **Cold rows** (never written) propose nothing: a node whose parent's row is cold is dropped
   with its subtree, instead of drafting token 0.
 * **Tree size.** :data:`PAPER_TREE` is the paper's 80-node template (sized for an A100). ``nodes=N``
   keeps its N nodes most likely to be accepted, ranked by the acceptance rates of a
-  :class:`RecyclingProfile` (measured by ``triedec calibrate``); ``nodes=0`` (default) takes the N
-  that the calibration found fastest on this device. The profile reaches the drafter through
-  ``ModelInfo.profiles["recycling"]``; the drafter never measures anything.
+  :class:`RecyclingProfile`, and sends them whole; ``nodes=0`` (default) offers, best first, the N
+  nodes the calibration found fastest on this device alone, each with its calibrated acceptance
+  rate as its chance, and the engine's allocator verifies the prefix that pays in each step (all N
+  when alone, fewer under load). The profile is measured by the calibration through this module's
+  :data:`PROFILE` (:func:`measure_profile`) and reaches the drafter through
+  ``ModelInfo.profiles["recycling"]``; the drafter itself never measures anything.
 * **Hot start.** The matrix is shared learned state: it lives as long as the drafter (one per
   loaded model and option set), so later requests start warm, and concurrent requests update it
   under the drafter's lock; ``state=PATH`` also loads it from a file at start (if the file
-  exists) and saves it there after every request.
+  exists) and writes it there when the engine persists learned state (when it goes idle, every
+  few finished requests, and at shutdown).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from triedec.costmodel import CostModel
-from triedec.drafters.base import NEEDS_COST, BaseSession, ModelInfo, Verified, register
+from triedec.drafters.base import (
+    MAX_TREE_NODES,
+    NEEDS_COST,
+    BaseSession,
+    CalibrationBench,
+    Draft,
+    ModelInfo,
+    NoOptions,
+    ProfileSpec,
+    Verified,
+    register,
+)
 from triedec.drafters.state import load_state, save_state
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
@@ -125,6 +143,13 @@ class TreeTemplate:
             raise TriedecError(f"{len(rates)} acceptance rates given for a {self.size}-node template")
         if not 0 <= n <= self.size:
             raise TriedecError(f"cannot keep {n} nodes of a {self.size}-node template")
+        return TreeTemplate(tuple(self.paths[i - 1] for i in sorted(self.ranked(n, rates))))
+
+    def ranked(self, n: int, rates: Sequence[float]) -> list[int]:
+        """The tree indices (root = 0, node i = ``paths[i - 1]``) of :meth:`top`'s ``n`` nodes in
+        the order they were picked: best first, every parent before its children."""
+        if len(rates) != self.size:
+            raise TriedecError(f"{len(rates)} acceptance rates given for a {self.size}-node template")
         children: dict[int, list[int]] = {}
         for i, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(i + 1)
@@ -136,7 +161,7 @@ class TreeTemplate:
             kept.append(node)
             for c in children.get(node, []):
                 heapq.heappush(frontier, (-float(rates[c - 1]), c))
-        return TreeTemplate(tuple(self.paths[i - 1] for i in sorted(kept)))
+        return kept
 
 
 PAPER_TEMPLATE = TreeTemplate(PAPER_TREE)
@@ -238,6 +263,13 @@ class AdjacencyMatrix:
             usable[start:stop] = usable[parents] & self.filled[parent_tokens]
         return tokens.tolist(), usable.tolist()
 
+    def copy(self) -> AdjacencyMatrix:
+        """An independent copy (a snapshot to write while the original keeps learning)."""
+        other = AdjacencyMatrix.__new__(AdjacencyMatrix)
+        other.vocab_size, other.k, other.device = self.vocab_size, self.k, self.device
+        other.table, other.filled = self.table.clone(), self.filled.clone()
+        return other
+
     def filled_share(self) -> float:
         return float(self.filled.float().mean())
 
@@ -310,35 +342,150 @@ class RecyclingOptions:
             raise TriedecError(f"state must be a file path, got {self.state!r}")
 
 
+# ---- calibration: the profile ---------------------------------------------------------------------
+
+END_TO_END_MARGIN = 0.05
+"""A predicted tree size is kept only if real decoding with it beats ``ar`` by this share."""
+
+
+def measure_rates(bench: CalibrationBench, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> tuple[float, ...]:
+    """Per node of the paper's tree, the share of decoding steps in which it was accepted, over
+    ``prompts[1:]`` (``prompts[0]`` warms the adjacency matrix up). A fresh drafter is used."""
+    if len(prompts) < 2:
+        raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
+    plain = dataclasses.replace(bench.info, cost=None, profiles={})
+    drafter = RecyclingDrafter(RecyclingOptions(nodes=PAPER_TEMPLATE.size), plain)
+    for i, ids in enumerate(prompts):
+        if i == 1:
+            drafter.reset_counters()
+        bench.decode(drafter, ids, max_new_tokens)
+    return drafter.rates()
+
+
+def measure_end_to_end(bench: CalibrationBench, prompts: Sequence[Sequence[int]], profile: RecyclingProfile,
+                       max_new_tokens: int) -> dict[str, float]:
+    """Decode ``prompts[1:]`` with ``ar`` and with recycling at ``profile.nodes`` (fresh drafters,
+    warmed up on ``prompts[0]``), alternating per prompt; total seconds of each and the speedup of
+    recycling over ``ar``. Both emit the same tokens (greedy is exact)."""
+    from triedec.drafters.autoregressive import Autoregressive
+
+    if len(prompts) < 2:
+        raise TriedecError("calibration needs at least 2 prompts (the first one warms up)")
+    info = dataclasses.replace(bench.info, profiles={METHOD: profile})
+    drafters = {"ar": Autoregressive(NoOptions(), info), METHOD: RecyclingDrafter(RecyclingOptions(), info)}
+    seconds = dict.fromkeys(drafters, 0.0)
+    tokens = 0
+    for i, ids in enumerate(prompts):
+        for name, drafter in drafters.items():
+            start = time.perf_counter()
+            n = bench.decode(drafter, ids, max_new_tokens)
+            if i:
+                seconds[name] += time.perf_counter() - start
+                tokens += n if name == "ar" else 0
+    return {"tokens": tokens, "ar_seconds": round(seconds["ar"], 6), "recycling_seconds": round(seconds[METHOD], 6),
+            "speedup": round(seconds["ar"] / seconds[METHOD], 4)}
+
+
+def measure_profile(bench: CalibrationBench, margin: float = END_TO_END_MARGIN) -> RecyclingProfile:
+    """Node rates, the tree size predicted under the device's cost model, and the end-to-end check:
+    the prediction is optimistic (rates measured with the full tree overstate what a small tree's
+    matrix learns; per-step overheads are not in the curve), so the predicted size is decoded
+    against ``ar`` on the same calibration prompts and kept only if at least ``margin`` faster,
+    else 0 draft nodes are chosen."""
+    if not 0 <= margin < 1:
+        raise TriedecError(f"margin must be in [0, 1), got {margin!r}")
+    if bench.info.cost is None:
+        raise TriedecError("the recycling profile needs the device's cost model")
+    started = time.perf_counter()
+    prompts = bench.prompts(max(bench.prompt_count, 2))
+    rates = measure_rates(bench, prompts, bench.max_new_tokens)
+    predicted = best_nodes(rates, bench.info.cost)
+    details: dict[str, Any] = {"prompts": len(prompts), "max_new_tokens": bench.max_new_tokens,
+                               "predicted_nodes": predicted, "margin": margin}
+    chosen = predicted
+    if predicted > 0:
+        check = measure_end_to_end(bench, prompts, RecyclingProfile(rates, predicted), bench.max_new_tokens)
+        details["end_to_end"] = check
+        if check["speedup"] < 1 + margin:
+            chosen = 0
+    details["seconds_taken"] = round(time.perf_counter() - started, 1)
+    return RecyclingProfile(rates, chosen, details)
+
+
+def _dump(profile: RecyclingProfile) -> dict[str, Any]:
+    return {"rates": list(profile.rates), "nodes": profile.nodes, "details": profile.details}
+
+
+def _load(data: Mapping[str, Any]) -> RecyclingProfile:
+    try:
+        return RecyclingProfile(tuple(data["rates"]), data["nodes"], dict(data.get("details", {})))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TriedecError(f"unreadable recycling profile: {exc!r}") from exc
+
+
+def _describe(profile: RecyclingProfile, cost: CostModel) -> list[str]:
+    predicted = profile.details.get("predicted_nodes", profile.nodes)
+    lines = ["recycling: | draft nodes | ms per forward | x a 1-token forward | expected tokens/step "
+             "| expected tokens/s |", "|---|---|---|---|---|"]
+    for row in expected_speeds(profile.rates, cost):
+        marks = [m for m, n in (("predicted", predicted), ("chosen", profile.nodes)) if row["nodes"] == n]
+        mark = f" **{', '.join(marks)}**" if marks else ""
+        lines.append(f"| {row['nodes']} | {row['seconds'] * 1000:.0f} | {cost.ratio(row['nodes'] + 1):.2f} "
+                     f"| {row['tokens_per_step']:.2f} | {row['tokens_per_s']:.1f}{mark} |")
+    check = profile.details.get("end_to_end")
+    if check:
+        lines.append(f"end-to-end check of {predicted} nodes on the calibration prompts: {check['speedup']:.2f}x ar "
+                     f"(kept if >= {1 + profile.details.get('margin', 0):.2f}x)")
+    lines.append(f"recycling offers at most {profile.nodes} draft nodes per step on this device")
+    return lines
+
+
+PROFILE = ProfileSpec(measure_profile, _dump, _load, _describe)
+
+
 def _needs(options: RecyclingOptions) -> frozenset[str]:
     full = options.nodes >= PAPER_TEMPLATE.with_max_rank(options.k).size
     return frozenset() if full else frozenset({NEEDS_COST, METHOD})
 
 
 @register(METHOD, RecyclingOptions, "Token Recycling: a tree filled from a matrix of recycled top-k candidates",
-          needs=_needs)
+          needs=_needs, profile=PROFILE)
 class RecyclingDrafter:
     """Shared across requests, updated under ``lock``: the matrix, and the counters ``steps``,
     ``node_proposed`` / ``node_accepted`` (how often each node of the paper's template was
-    proposed and accepted over ``steps`` verified proposals: the calibration ranks nodes by
-    ``node_accepted / steps``). Per request: the template index of each node of the last tree."""
+    proposed and accepted over ``steps`` whole verified proposals: the calibration ranks nodes by
+    ``node_accepted / steps``). Per request: the template index of each node of the last tree.
+
+    Each step's draft lists the template's nodes best first with their calibrated acceptance rates
+    as chances (``nodes=0``: the engine's allocator verifies the prefix that pays, at most the
+    calibrated size); ``nodes=N`` or the whole template are sent whole."""
 
     def __init__(self, options: RecyclingOptions, model: ModelInfo) -> None:
         self.options = options
         self.prefill_logits = options.seed_prefill
         self.model_id = model.model_id
         self.lock = threading.Lock()
+        self._writing = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, options.k, model.device)
         base = PAPER_TEMPLATE.with_max_rank(options.k)
+        rates: list[float] | None = None
         if options.nodes >= base.size:
-            self.template = base
+            self.template, order = base, list(range(base.size + 1))
         else:
             profile = model.profiles.get(METHOD)
             if not isinstance(profile, RecyclingProfile):
                 raise TriedecError("recycling with nodes < the whole template needs the device's recycling profile "
                                    "(run `triedec calibrate`, or pass nodes=80)")
-            nodes = options.nodes or profile.nodes
-            self.template = base if nodes >= base.size else base.top(nodes, profile.rates_for(base))
+            nodes = min(options.nodes or profile.nodes, base.size)
+            base_rates = profile.rates_for(base)
+            picks = base.ranked(nodes, base_rates)
+            self.template = TreeTemplate(tuple(base.paths[i - 1] for i in sorted(picks)))
+            position = {p: i + 1 for i, p in enumerate(self.template.paths)}
+            order = [0, *(position[base.paths[i - 1]] for i in picks)]
+            rates = [1.0, *(base_rates[i - 1] for i in picks)]
+        self.send_all = options.nodes > 0 or rates is None
+        self._order = order  # best-first order of the template's nodes (tree numbering)
+        self._rates = rates
         self._plan = _Plan.of(self.template, model.device)
         # template node (tree numbering) -> index in PAPER_TEMPLATE.paths
         paper_index = {p: i for i, p in enumerate(PAPER_TEMPLATE.paths)}
@@ -353,28 +500,51 @@ class RecyclingDrafter:
         """The matrix is kept (hot start); documents are not used."""
         return _RecyclingSession(self)
 
-    def propose(self, root: int) -> tuple[TokenTree, np.ndarray]:
-        """The template filled from ``root`` (cold rows dropped), and each node's paper index."""
+    def propose(self, root: int, max_nodes: int = MAX_TREE_NODES) -> tuple[Draft, np.ndarray]:
+        """The template filled from ``root``, best first (cold rows dropped, at most
+        ``max_nodes`` nodes), and each node's paper index."""
         tokens, usable = self.matrix.expand(root, self.template, self._plan)
-        keep = [i for i, ok in enumerate(usable) if ok]
+        keep = [i for i in self._order if usable[i]][:max_nodes]
         new_index = {old: new for new, old in enumerate(keep)}
         parents = [-1, *(new_index[self.template.parents[i - 1]] for i in keep[1:])]
-        return TokenTree(tuple(tokens[i] for i in keep), tuple(parents)), self._paper_index[keep]
+        tree = TokenTree(tuple(tokens[i] for i in keep), tuple(parents))
+        if self._rates is None:
+            draft = Draft.fixed(tree)
+        else:
+            where = {node: rank for rank, node in enumerate(self._order)}
+            draft = Draft.scored(tree, [self._rates[where[i]] for i in keep], send_all=self.send_all)
+        return draft, self._paper_index[keep]
 
     def learn(self, verified: Verified, proposed: np.ndarray | None) -> None:
         """Recycle the verified logits into the matrix; count the template nodes proposed and
-        accepted (``proposed``: the paper index of each node of the tree, None for the prefill)."""
+        accepted when the whole proposal was verified (``proposed``: the paper index of each
+        proposed node, None for the prefill)."""
         with self.lock:
             self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
-            if proposed is not None and len(proposed) == verified.tree.size:  # not cut by the engine
+            if proposed is not None and not verified.cut and len(proposed) == verified.tree.size:
                 self.steps += 1
                 self.node_proposed[proposed[1:]] += 1
                 self.node_accepted[proposed[list(verified.acceptance.path[1:])]] += 1
 
-    def save(self) -> None:
-        if self.options.state:
+    def reset_counters(self) -> None:
+        with self.lock:
+            self.node_proposed[:] = 0
+            self.node_accepted[:] = 0
+            self.steps = 0
+
+    def rates(self) -> tuple[float, ...]:
+        """Per node of the paper's template, the share of counted steps that accepted it."""
+        with self.lock:
+            return tuple((self.node_accepted / max(self.steps, 1)).tolist())
+
+    def persist(self) -> None:
+        """Write the matrix to ``state`` (if set): copied under the lock, written outside it."""
+        if not self.options.state:
+            return
+        with self._writing:  # writes land in the order their snapshots were taken
             with self.lock:
-                self.matrix.save(self.options.state, self.model_id)
+                snapshot = self.matrix.copy()
+            snapshot.save(self.options.state, self.model_id)
 
     def stats(self) -> dict[str, float]:
         return {"tree_nodes": float(self.template.size), "matrix_rows_filled": self.matrix.filled_share()}
@@ -383,18 +553,20 @@ class RecyclingDrafter:
 class _RecyclingSession(BaseSession):
     def __init__(self, drafter: RecyclingDrafter) -> None:
         self.drafter = drafter
-        self.proposed: np.ndarray | None = None  # paper index of each node of the last tree
+        self.proposed: np.ndarray | None = None  # paper index of each node of the last draft
 
-    def propose(self, context: Sequence[int]) -> TokenTree:
-        tree, self.proposed = self.drafter.propose(int(context[-1]))
-        return tree
+    def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
+        draft, self.proposed = self.drafter.propose(int(context[-1]), max_nodes)
+        return draft
 
     def observe(self, verified: Verified) -> None:
-        self.drafter.learn(verified, self.proposed)
+        proposed = self.proposed
+        if proposed is not None and verified.kept is not None:
+            proposed = proposed[list(verified.kept)] if verified.cut else proposed
+        self.drafter.learn(verified, proposed)
         self.proposed = None
-
-    def end(self) -> None:
-        self.drafter.save()
 
     def stats(self) -> dict[str, float]:
         return self.drafter.stats()
+
+

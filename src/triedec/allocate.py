@@ -1,0 +1,78 @@
+"""One verify budget per forward: how many nodes of each running request's draft to verify.
+
+Every request in a step brings a :class:`~triedec.drafters.Draft`: a best-first list of nodes,
+each with the drafter's estimate of its chance to be accepted, and a count of nodes it requires.
+A forward's cost depends on the tokens it carries and the requests they belong to
+(:class:`~triedec.costmodel.CostModel`); a step yields, per decoding request, one token of its own
+plus its accepted drafts. So the most tokens per second come from:
+
+* every request's required nodes (its root at least), plus the step's prefill tokens;
+* then the optional nodes of all drafts merged into one list by chance, highest first (a node
+  costs the same marginal forward time whichever request it serves, so the highest chance is the
+  most expected tokens per unit of marginal cost), each draft's nodes taken in its own order so
+  that every request verifies a prefix of its draft, i.e. a tree;
+* cut where the expected tokens per second of the whole step, ``(requests + sum of chances) /
+  seconds(tokens, requests, context)``, is highest: nodes are added while they pay.
+
+At low load this is each drafter's own best tree (for one request it is exactly the old per-
+drafter rule); as requests pile up, the step's fixed cost is shared by more of them, a node's
+marginal cost weighs more against the step's yield, and trees shrink smoothly toward plain batched
+decoding. There is no switch by batch size. Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from triedec.costmodel import CostModel
+from triedec.errors import TriedecError
+
+
+def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: CostModel | None, *,
+             fixed_tokens: int = 0, items: int | None = None, context: int | None = None,
+             max_tokens: int | None = None) -> list[int]:
+    """How many leading nodes of each draft to verify (root included; at least ``required[i]``).
+
+    ``chances[i]``: draft i's per-node chances (``chances[i][0]`` is its root), best first;
+    ``fixed_tokens``: other tokens in the same forward (prompt chunks); ``items``: how many
+    requests the forward carries in all (default: the drafts; prompt chunks count too);
+    ``context``: the tokens in all their caches; ``max_tokens``: most tokens the forward may carry
+    (required nodes always go). ``cost`` None (a flat curve) takes every node with a positive
+    chance."""
+    if len(chances) != len(required):
+        raise TriedecError("allocate needs one required count per draft")
+    counts = [int(r) for r in required]
+    for r, c in zip(counts, chances, strict=True):
+        if not 1 <= r <= len(c):
+            raise TriedecError(f"required must lie in [1, {len(c)}], got {r}")
+    base_tokens = fixed_tokens + sum(counts)
+    room = None if max_tokens is None else max(0, max_tokens - base_tokens)
+    # each draft's optional nodes, made non-increasing (so a global order by chance takes prefixes)
+    owner, value = [], []
+    for i, (r, c) in enumerate(zip(counts, chances, strict=True)):
+        tail = np.minimum.accumulate(np.asarray(c[r:], dtype=np.float64)) if len(c) > r else np.zeros(0)
+        owner.append(np.full(tail.size, i))
+        value.append(tail)
+    if not owner:
+        return counts
+    owners, values = np.concatenate(owner), np.concatenate(value)
+    order = np.lexsort((np.arange(values.size), owners, -values))  # by chance, then draft, then position
+    order = order[values[order] > 0]
+    if room is not None:
+        order = order[:room]
+    if not order.size:
+        return counts
+    if cost is None:
+        take = order.size
+    else:
+        forward_items = len(chances) if items is None else items
+        expected = len(chances) + sum(float(np.sum(c[1:r])) for r, c in zip(counts, chances, strict=True))
+        gains = expected + np.concatenate([[0.0], np.cumsum(values[order])])
+        tokens = base_tokens + np.arange(order.size + 1)
+        speed = gains / cost.seconds_many(tokens, max(1, forward_items), context)
+        take = int(np.argmax(speed))  # the first of equal speeds: fewer nodes
+    for i in owners[order[:take]]:
+        counts[int(i)] += 1
+    return counts

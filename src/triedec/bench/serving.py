@@ -1,0 +1,256 @@
+"""``triedec bench --serving``: total tokens/s and latency against concurrency, through the real
+server, as a user would run it.
+
+Protocol (one process, one loaded model):
+
+* the requests are distinct chat prompts (first turns of the selected questions), the same ones at
+  every concurrency, each asking for ``max_tokens`` tokens, greedy;
+* every (method, concurrency) phase gets a **fresh server over fresh learned state**
+  (:meth:`~triedec.lm.LM.fresh`): a prompt answered in an earlier phase would otherwise be
+  drafted from its own answer by auto's store, which measures replay, not serving. One warm-up
+  request on a prompt outside the sample starts each phase (untimed);
+* the phases run in a seeded random order, so that no method or concurrency always runs first;
+* clients are the ``openai`` client over loopback (:mod:`triedec.bench.load`), ``concurrency``
+  requests in flight at a time; a phase's tokens/s is its completion tokens over its wall time;
+  latency is request start to last byte (p50/p95);
+* ``one at a time`` through the server is compared with in-process ``lm.generate`` on the same
+  requests (fresh state, one at a time), and, with ``batch_sizes``, ``lm.generate_batch`` with
+  stock transformers' own ``generate_batch`` (continuous batching, the unmodified model), same
+  requests, same run;
+* exactness: every response's text is compared with the same method's in-process solo text, and
+  every ``generate_batch`` output's tokens with the solo tokens; a token that differs is reported
+  with its position and stock transformers' top-2 logit gap there (a near-tie another arrangement
+  of the arithmetic may break either way, or a bug).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from triedec.bench.datasets import Question
+from triedec.bench.harness import first_mismatch
+from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
+from triedec.errors import TriedecError, positive_int
+from triedec.lm import LM
+
+WARMUP_PROMPT = "Name three colours of the rainbow."
+"""The untimed request that starts each phase (not in any benchmark sample)."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
+    max_tokens: int = 128
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
+    """request counts for generate_batch vs transformers' generate_batch (empty: skipped)"""
+    seed: int = 0
+    """seeds the order of the phases"""
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies:
+            raise TriedecError("--concurrency needs at least one value")
+        for c in (*self.concurrencies, *self.batch_sizes):
+            positive_int("a concurrency or batch size", c)
+        positive_int("max_tokens", self.max_tokens)
+
+
+def parse_counts(text: str, what: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); clear errors for anything else."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise TriedecError(f"{what} must be comma-separated positive integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise TriedecError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return values
+
+
+def chat_requests(questions: Sequence[Question], max_tokens: int) -> list[LoadRequest]:
+    """One distinct chat request per question (its first turn)."""
+    seen, out = set(), []
+    for q in questions:
+        if q.turns[0] not in seen:
+            seen.add(q.turns[0])
+            out.append(LoadRequest(max_tokens, messages=[{"role": "user", "content": q.turns[0]}]))
+    return out
+
+
+def _solo(lm: LM, method: str, requests: Sequence[LoadRequest]) -> tuple[list[list[int]], list[str], float]:
+    """In-process ``lm.generate``, one at a time, fresh state: token ids, texts, tokens/s in total."""
+    fresh = lm.fresh()
+    fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], method, max_new_tokens=8)
+    ids, texts, seconds = [], [], 0.0
+    for r in requests:
+        start = time.perf_counter()
+        out = fresh.generate(list(r.messages or ()), method, max_new_tokens=r.max_tokens)
+        seconds += time.perf_counter() - start
+        ids.append(out.token_ids)
+        texts.append(out.text)
+    return ids, texts, sum(len(t) for t in ids) / seconds
+
+
+def _mismatches(lm: LM, prompts: Sequence[list[int]], reference: Sequence[list[int]],
+                got: Sequence[list[int]]) -> list[dict[str, Any]]:
+    out = []
+    for i, (prompt, ref, tokens) in enumerate(zip(prompts, reference, got, strict=True)):
+        if ref != tokens:
+            out.append({"request": i, **first_mismatch(lm, prompt, ref, tokens)})
+    return out
+
+
+def _hf_generate_batch(lm: LM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    """Stock transformers' ``generate_batch`` on the unmodified model (greedy): tokens per
+    prompt, in order, and the seconds it took."""
+    from transformers import GenerationConfig
+
+    model = lm.reference_model()
+    eos = sorted(lm.eos_token_ids)
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos or None,
+                              pad_token_id=lm.tokenizer.pad_token_id or (eos[0] if eos else 0))
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config, progress_bar=False)
+    seconds = time.perf_counter() - start
+    by_id = sorted(outputs.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
+    return [list(o.generated_tokens) for o in by_id], seconds
+
+
+def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], config: ServingConfig,
+                model_name: str = "default", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the protocol (module doc); the results as a JSON-able dict."""
+    from triedec.server import ServerConfig, create_app
+
+    requests = chat_requests(questions, config.max_tokens)
+    if len(requests) < max(config.concurrencies):
+        raise TriedecError(f"{len(requests)} distinct requests cannot load a concurrency of "
+                           f"{max(config.concurrencies)}; select more questions")
+    say = progress or (lambda text: None)
+    prompts = [lm.encode(list(r.messages or ()), chat=True) for r in requests]
+    solo = {}
+    for m in methods:
+        say(f"in-process solo: {m}")
+        solo[m] = _solo(lm, m, requests)
+    phases = [(m, c) for m in methods for c in config.concurrencies]
+    random.Random(config.seed).shuffle(phases)
+    rows = []
+    for m, c in phases:
+        say(f"server: {m} at concurrency {c}")
+        server = ServerConfig(method=m, model_name=model_name, max_running=max(config.concurrencies))
+        with serving(create_app(lm.fresh(), server)) as base:
+            url = f"{base}/v1"
+            run_load(url, model_name, [LoadRequest(8, messages=[{"role": "user", "content": WARMUP_PROMPT}])], 1)
+            responses, seconds = run_load(url, model_name, requests, concurrency=c)
+        summary = summarize_load(responses, seconds)
+        same = sum(r.text == t for r, t in zip(responses, solo[m][1], strict=True))
+        rows.append({"method": m, "concurrency": c, **summary, "identical_texts": same,
+                     "latencies_s": [r.seconds for r in responses]})
+    rows.sort(key=lambda r: (methods.index(r["method"]), r["concurrency"]))
+    batches = []
+    for n in config.batch_sizes:
+        if n > len(requests):
+            continue
+        say(f"generate_batch of {n}: triedec and transformers")
+        order = ["triedec", "transformers"]
+        random.Random(config.seed + n).shuffle(order)
+        timed = {}
+        for who in order:
+            if who == "triedec":
+                fresh = lm.fresh()
+                fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], methods[0], max_new_tokens=8)
+                start = time.perf_counter()
+                outs = fresh.generate_batch(prompts[:n], methods[0], max_new_tokens=config.max_tokens, progress=False)
+                timed[who] = ([o.token_ids for o in outs], time.perf_counter() - start)
+            else:
+                timed[who] = _hf_generate_batch(lm, prompts[:n], config.max_tokens)
+        row: dict[str, Any] = {"requests": n, "method": methods[0]}
+        for who, (tokens, seconds) in timed.items():
+            row[f"{who}_tokens_per_s"] = sum(len(t) for t in tokens) / seconds
+            row[f"{who}_seconds"] = seconds
+        row["speedup"] = row["triedec_tokens_per_s"] / row["transformers_tokens_per_s"]
+        row["mismatches_vs_solo"] = _mismatches(lm, prompts[:n], solo[methods[0]][0][:n], timed["triedec"][0])
+        row["transformers_mismatches_vs_solo"] = len(_mismatches(lm, prompts[:n], solo[methods[0]][0][:n],
+                                                                 timed["transformers"][0]))
+        batches.append(row)
+    return {"requests": len(requests), "max_tokens": config.max_tokens, "methods": list(methods),
+            "concurrencies": list(config.concurrencies), "phase_order": [list(p) for p in phases],
+            "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
+            "generate_batch": batches, "kernels": lm.adapter.kernels}
+
+
+def serving_markdown(results: dict[str, Any]) -> str:
+    """The tables of a serving run."""
+    lines = [f"# triedec serve under load ({results['requests']} distinct chat requests, max_tokens "
+             f"{results['max_tokens']}, greedy)", "",
+             f"- machine: {results['machine']['cpu']}, {results['machine']['torch_threads']} torch threads; kernels "
+             f"{results['kernels']}; torch {results['machine']['torch']}, transformers "
+             f"{results['machine']['transformers']}; commit {results.get('commit', '?')}",
+             "- a fresh server over fresh learned state per phase; phases in a seeded random order "
+             f"({', '.join(f'{m}@{c}' for m, c in results['phase_order'])})", "",
+             "| method | concurrency | tokens/s (total) | x one at a time | p50 latency s | p95 latency s "
+             "| identical texts |", "|---|---|---|---|---|---|---|"]
+    alone = {r["method"]: r["tokens_per_s"] for r in results["phases"] if r["concurrency"] == 1}
+    for r in results["phases"]:
+        base = alone.get(r["method"])
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "—"
+        lines.append(f"| {r['method']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio} | "
+                     f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['identical_texts']}/{r['requests']} |")
+    lines += ["", "| method | in-process `lm.generate`, one at a time | through the server, one at a time | ratio |",
+              "|---|---|---|---|"]
+    for m, tps in results["in_process_tokens_per_s"].items():
+        served = alone.get(m)
+        lines.append(f"| {m} | {tps:.1f} | {served:.1f} | {served / tps:.2f}x |" if served else f"| {m} | {tps:.1f} | "
+                     "— | — |")
+    by_c: dict[int, dict[str, float]] = {}
+    for r in results["phases"]:
+        by_c.setdefault(r["concurrency"], {})[r["method"]] = r["tokens_per_s"]
+    if len(results["methods"]) > 1:
+        first, second = results["methods"][:2]
+        lines += ["", f"| concurrency | {first} / {second}, total tokens/s |", "|---|---|"]
+        for c, row in sorted(by_c.items()):
+            if first in row and second in row:
+                lines.append(f"| {c} | {row[first] / row[second]:.2f}x |")
+    if results["generate_batch"]:
+        lines += ["", "| requests | triedec `generate_batch` tokens/s | transformers `generate_batch` tokens/s | "
+                  "speedup | tokens that differ from solo (triedec / transformers) |", "|---|---|---|---|---|"]
+        for r in results["generate_batch"]:
+            differ = f"{len(r['mismatches_vs_solo'])} / {r['transformers_mismatches_vs_solo']}"
+            lines.append(f"| {r['requests']} | {r['triedec_tokens_per_s']:.1f} | "
+                         f"{r['transformers_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {differ} |")
+        for r in results["generate_batch"]:
+            for mm in r["mismatches_vs_solo"]:
+                lines.append(f"- {r['requests']} requests, request {mm['request']}: first differs at token "
+                             f"{mm['position']}, stock top-2 gap {mm.get('top2_gap', float('nan')):.2e}")
+    return "\n".join(lines) + "\n"
+
+
+def serving_plot(results: dict[str, Any], out: Path) -> Path:
+    """Tokens/s and p50/p95 latency against concurrency, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in results["methods"]:
+        rows = [r for r in results["phases"] if r["method"] == m]
+        cs = [r["concurrency"] for r in rows]
+        left.plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=m)
+        right.plot(cs, [r["p50_latency_s"] for r in rows], marker="o", label=f"{m} p50")
+        right.plot(cs, [r["p95_latency_s"] for r in rows], marker="x", linestyle="--", label=f"{m} p95")
+    for ax, label in ((left, "total tokens/s"), (right, "latency, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"triedec serve: {results['requests']} requests x {results['max_tokens']} tokens")
+    fig.tight_layout()
+    path = out / "serving.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+

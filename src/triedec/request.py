@@ -1,0 +1,373 @@
+"""One request's whole state, and its part of a decoding step.
+
+A :class:`Request` holds everything that belongs to one request (vLLM's request state): the
+prompt, the tokens generated so far, its KV cache, its drafter session, its stop rule and
+acceptance rule, its counters. It keeps one invariant: the KV cache holds every committed token
+except the newest one, which is the root of the next draft tree. The engine
+(:mod:`triedec.engine`) drives it through
+
+* **prefill**, in chunks of :data:`PREFILL_CHUNK` tokens (:meth:`Request.prefill_item`,
+  :meth:`Request.prefilled`): the last chunk's logits give the first token;
+* **propose** (:meth:`Request.propose`): the drafter session's :class:`~triedec.drafters.Draft`,
+  cut to what the stop rule still allows;
+* **verify** (:meth:`Request.verify_item`): the prefix of the draft that the allocator sized,
+  as one item of a forward shared with other requests;
+* **accept** and **commit** (:meth:`Request.verified`): the acceptance rule walks the tree, the
+  drafter observes what was verified, the stop rule cuts (even inside an accepted draft) and the
+  cache keeps the accepted path.
+
+Chunk boundaries are fixed multiples of :data:`PREFILL_CHUNK` within the prompt and a request's
+tree never depends on where it sits in a forward, so a request's arithmetic is the same whatever
+else runs beside it (see :mod:`triedec.adapter` on batch invariance).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from triedec.accept import GREEDY, Acceptance, AcceptanceRule
+from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
+from triedec.errors import TriedecError, positive_int
+from triedec.kvcache import KVCache
+from triedec.tree import TokenTree
+
+PREFILL_CHUNK = 128
+"""Prompt tokens per prefill forward: long prompts are prefilled in chunks beside other requests'
+decoding steps (a 128-token chunk costs about what a whole prompt's share does here, ~0.3 s on the
+2-core CPU measured), at fixed offsets so that a prompt's arithmetic never depends on the load."""
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``.
+
+    ``decode`` turns token ids into text; it is needed only when ``stop_strings`` are given.
+    """
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    decode: Callable[[Sequence[int]], str] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        positive_int("max_new_tokens", self.max_new_tokens)
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise TriedecError("stop strings must be non-empty strings")
+        if self.stop_strings and self.decode is None:
+            raise TriedecError("stop strings need a decode function")
+
+    def cut(self, generated: Sequence[int], new: Sequence[int]) -> tuple[list[int], str | None]:
+        """The part of ``new`` (appended after ``generated``) to keep, and why generation stops
+        (``"eos"``, ``"stop_string"``, ``"length"``) or None. Nothing past a stop is kept."""
+        kept: list[int] = []
+        for tok in new:
+            kept.append(tok)
+            if tok in self.eos_token_ids:
+                return kept, "eos"
+            if self.stop_strings and self._stop_string_completed([*generated, *kept]):
+                return kept, "stop_string"
+            if len(generated) + len(kept) >= self.max_new_tokens:
+                return kept, "length"
+        return kept, None
+
+    def _stop_string_completed(self, tokens: Sequence[int]) -> bool:
+        # A stop string of k characters spans at most k tokens (plus a few for partial bytes).
+        window = max(len(s) for s in self.stop_strings) + 8
+        text = self.decode(tokens[-window:])  # type: ignore[misc]
+        return any(s in text for s in self.stop_strings)
+
+
+@dataclass
+class Stats:
+    """Counters every decoding method reports (names match the benchmark's JSON).
+
+    * ``new_tokens``: tokens returned; ``steps``: forwards the request took part in after its
+      prefill; ``computed_tokens``: its tokens that went through the model, prompt excluded;
+    * ``seconds``: wall clock from the start of its prefill to its last token, as the request
+      lived it: when it shares forwards with other requests, each forward's whole duration counts;
+      ``tokens_per_s`` = new tokens / seconds; ``queued_seconds``: waiting before that;
+    * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
+      ``stop_string``, ``length``, ``cancelled``);
+    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
+    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter).
+    """
+
+    new_tokens: int = 0
+    steps: int = 0
+    computed_tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    queued_seconds: float = 0.0
+    stop_reason: str = ""
+    peak_kv_tokens: int = 0
+    kv_bytes: int = 0
+    kernels: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for people: speed, steps, prompt and why generation stopped."""
+        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
+                f" | {self._steps_text()}, {self.computed_tokens} computed"
+                f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
+                f" | stop: {self.stop_reason}")
+
+    def _steps_text(self) -> str:
+        return f"{self.steps} steps"
+
+    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, kernels: str) -> None:
+        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``)."""
+        self.kernels = kernels
+        self.seconds = time.perf_counter() - start
+        self.new_tokens = new_tokens
+        self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
+        self.stop_reason = reason
+        self.peak_kv_tokens = cache.peak
+        self.kv_bytes = cache.peak * cache.bytes_per_slot()
+
+
+@dataclass
+class DecodeStats(Stats):
+    """:class:`Stats` of the speculative loop, plus:
+
+    * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
+      ``ar``, higher when drafts are accepted (the papers' MAT);
+    * ``accepted_per_step``: tokens kept at each step;
+    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
+      accepted at least d draft tokens;
+    * ``proposed_nodes`` / ``verified_nodes``: draft nodes (root excluded) the drafter proposed
+      and the engine verified, summed over steps (the allocator and the length limit cut the rest);
+    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`);
+    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens.
+    """
+
+    mean_accepted: float = 0.0
+    accepted_per_step: list[int] = field(default_factory=list)
+    acceptance_by_depth: list[float] = field(default_factory=list)
+    proposed_nodes: int = 0
+    verified_nodes: int = 0
+    drafter: dict[str, float] = field(default_factory=dict)
+    seed: int | None = None
+
+    def _steps_text(self) -> str:
+        seed = "" if self.seed is None else f", seed {self.seed}"
+        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step{seed}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished request returns: its stats and, for methods that rank several sequences
+    (beam search), the best ones with their scores, best first."""
+
+    stats: Stats
+    sequences: tuple = ()
+
+
+class Request:
+    """One speculative request's whole state (see the module doc). Created by a decoder, started
+    by the engine when admitted (:meth:`start`: the drafter session begins, the KV cache is made),
+    driven one phase at a time, and closed once (:meth:`close`: the session ends, the KV is
+    freed). Used by one thread at a time; shares nothing with other requests but the drafter,
+    whose learned state is updated under the drafter's own lock."""
+
+    def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
+                 documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY) -> None:
+        self.prompt = [int(t) for t in prompt]
+        if not self.prompt:
+            raise TriedecError("the prompt is empty (no tokens)")
+        self.drafter, self.stop, self.documents, self.rule = drafter, stop, documents, rule
+        self.generated: list[int] = []
+        self.reason: str | None = None
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt), seed=rule.seed)
+        self.submitted = time.perf_counter()
+        self.session: DrafterSession | None = None
+        self.cache: KVCache | None = None
+        self._adapter: ModelAdapter | None = None
+        self._started = 0.0
+        self._prefilled = 0
+        self._fresh: list[int] = []
+        self._draft: Draft | None = None
+        self._kept: tuple[int, ...] = ()
+        self._proposed = 0
+        self._tree: TokenTree | None = None
+        self._context: list[int] = []
+        self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
+        self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
+        self._closed = False
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots this request reserves: prompt, output and the largest tree."""
+        return len(self.prompt) + self.stop.max_new_tokens + MAX_TREE_NODES
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self._prefilled < len(self.prompt)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in its cache (what attention reads)."""
+        return 0 if self.cache is None else self.cache.length
+
+    def start(self, adapter: ModelAdapter) -> None:
+        """Admitted: begin the drafting session and make the KV cache."""
+        if self._adapter is not None:
+            raise TriedecError("a request starts once")
+        self._adapter = adapter
+        self._started = time.perf_counter()
+        self.stats.queued_seconds = self._started - self.submitted
+        self.session = self.drafter.begin(self.prompt, self.documents)
+        self.cache = adapter.new_cache(self.kv_tokens)
+
+    def take(self) -> list[int]:
+        """The tokens committed since the last call."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.stats)
+
+    def close(self, reason: str = "cancelled") -> None:
+        """End the request (idempotent): finish its stats (``reason`` if it had not stopped), end
+        the drafting session, free the KV cache."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.reason is None:
+            self.reason = reason
+        try:
+            if self.cache is not None and self._adapter is not None:
+                self._finish()
+        finally:
+            self.cache = None
+            if self.session is not None:
+                self.session.end()
+
+    def _finish(self) -> None:
+        assert self.cache is not None and self._adapter is not None and self.reason is not None
+        self._adapter.synchronize()
+        stats = self.stats
+        stats.finish(self._started, len(self.generated), self.cache, self.reason, self._adapter.kernels)
+        stats.mean_accepted = (len(self.generated) - 1) / stats.steps if stats.steps else 0.0
+        stats.acceptance_by_depth = [a / r for a, r in zip(self._accepted_at[1:], self._reached[1:], strict=True) if r]
+        if self.session is not None:
+            stats.drafter = self.session.stats()
+
+    def _emit(self, new: Sequence[int], reason: str | None) -> None:
+        self.generated += new
+        self._fresh += new
+        self.reason = reason
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def _chunk(self) -> tuple[int, int]:
+        start = self._prefilled
+        return start, min(len(self.prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of the next prefill chunk."""
+        start, stop = self._chunk()
+        return stop - start
+
+    def _observed_rows(self, start: int, stop: int) -> int:
+        """Rows of this chunk whose logits the drafter observes (the prompt's last
+        ``prefill_logits`` positions)."""
+        return max(0, stop - max(start, len(self.prompt) - self.drafter.prefill_logits))
+
+    def prefill_item(self) -> ForwardItem:
+        """The next prompt chunk: a causal chain on top of the committed chunks."""
+        assert self.cache is not None
+        start, stop = self._chunk()
+        n = stop - start
+        keep = max(self._observed_rows(start, stop), 1 if stop == len(self.prompt) else 0)
+        return ForwardItem(self.cache, torch.tensor(self.prompt[start:stop]), torch.arange(start, stop),
+                           torch.ones((n, n), dtype=torch.bool).tril_(), keep)
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """Commit the chunk; the drafter observes the rows it asked for; the last chunk's last
+        logits choose the first token (by the acceptance rule, like any other token)."""
+        assert self.cache is not None and self.session is not None
+        start, stop = self._chunk()
+        self.cache.commit(range(stop - start))
+        self._prefilled = stop
+        final = stop == len(self.prompt)
+        first = None
+        if final:
+            first = self.rule.accept(TokenTree.root_only(self.prompt[-1]), logits[-1:], self.prompt, 0).tokens[0]
+        rows = self._observed_rows(start, stop)
+        if rows:
+            tail = self.prompt[stop - rows : stop]
+            after = first if final else self.prompt[stop]
+            chain = TokenTree(tuple(tail), tuple(range(-1, rows - 1)))
+            self.session.observe(Verified(chain, logits[-rows:], Acceptance(tuple(range(rows)), (*tail[1:], after))))
+        if final:
+            assert first is not None
+            self._emit(*self.stop.cut([], [first]))
+            self._adapter.synchronize()  # type: ignore[union-attr]
+            self.stats.prefill_seconds = time.perf_counter() - self._started
+
+    # ---- propose -> verify -> accept -> commit ------------------------------------------------
+
+    def propose(self) -> Draft:
+        """The drafter's proposal, without nodes past what ``max_new_tokens`` still allows."""
+        assert self.session is not None
+        self._context = self.prompt + self.generated
+        draft = self.session.propose(self._context, MAX_TREE_NODES)
+        if not isinstance(draft, Draft):
+            raise TriedecError(f"drafter session {type(self.session).__name__} returned a "
+                               f"{type(draft).__name__}, not a Draft")
+        if draft.tree.root != self._context[-1]:
+            raise TriedecError(f"drafter session {type(self.session).__name__} proposed a tree not rooted at the "
+                               "last token")
+        self._proposed = draft.size
+        self._draft, self._kept = draft.within(MAX_TREE_NODES, self.stop.max_new_tokens - len(self.generated) - 1)
+        return self._draft
+
+    def verify_item(self, count: int) -> ForwardItem:
+        """The first ``count`` nodes of the proposal (as the allocator sized them) as one item of
+        a forward."""
+        assert self._draft is not None and self.cache is not None
+        tree = self._draft.tree.truncated(count)
+        self._tree, self._kept = tree, self._kept[: tree.size]
+        return ForwardItem(self.cache, torch.tensor(tree.tokens), tree.positions(self.cache.length)[0], tree.ancestry)
+
+    def verified(self, logits: torch.Tensor) -> None:
+        """Accept, tell the drafter what was verified, cut at a stop, commit."""
+        tree, cache, session = self._tree, self.cache, self.session
+        assert tree is not None and cache is not None and session is not None
+        acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
+        session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
+        new, reason = self.stop.cut(self.generated, acceptance.tokens)
+        cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
+        stats = self.stats
+        stats.steps += 1
+        stats.computed_tokens += tree.size
+        stats.proposed_nodes += self._proposed - 1
+        stats.verified_nodes += tree.size - 1
+        stats.accepted_per_step.append(len(new))
+        depth = tree.max_depth
+        while len(self._reached) <= depth:
+            self._reached.append(0)
+            self._accepted_at.append(0)
+        for d in range(1, depth + 1):
+            self._reached[d] += 1
+        for d in range(1, len(acceptance.path)):
+            self._accepted_at[d] += 1
+        self._draft = self._tree = None
+        self._emit(new, reason)

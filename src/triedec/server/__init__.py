@@ -1,0 +1,41 @@
+"""``triedec serve``: an OpenAI-compatible HTTP server over one loaded :class:`~triedec.lm.LM`.
+
+A thin shell (FastAPI + uvicorn + prometheus_client) over the public API:
+
+* ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's request and response shapes,
+  ``stream: true`` as server-sent events in OpenAI's chunk format; triedec's own choices
+  (``method``, ``method_options``, ``top_k``, ``min_p``, ``repetition_penalty``) come in the extra
+  body, and every response carries triedec's stats in the ``triedec`` extension field.
+* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format: requests, tokens,
+  speed, queue depth, and per step the requests and tokens each forward carried, the budget used,
+  draft nodes verified, time queued).
+
+**Batching.** Each request is one engine run (:meth:`LM.start`: its own KV cache, drafting session,
+stop and acceptance rules). One scheduler thread (:mod:`triedec.server.scheduler`) owns the
+engine's step loop: every step, one forward carries every running request's draft tree, sized
+together under one verify budget (:mod:`triedec.allocate`), plus chunks of newly arrived prompts;
+beam searches run beside it, in loops of their own. At most ``max_running`` requests run at once
+(and ``max_kv_bytes`` of KV), ``max_queue`` more wait; past that a request gets 503. A request whose
+client disconnects leaves the batch at the next step boundary (its session ends, its KV is freed).
+Shared learned state (recycling's matrix, agreement rates, auto's store) is updated under the
+drafters' own locks, and state files are written from snapshots when the batch goes idle, every
+``persist_every`` finished requests and at shutdown. On SIGTERM uvicorn stops accepting, lets
+in-flight requests finish for ``drain_seconds``, and the scheduler then cancels whatever is left
+and writes the learned state.
+
+Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
+:mod:`~triedec.server.scheduler`, :mod:`~triedec.server.schemas` (request and response shapes),
+:mod:`~triedec.server.metrics` (Prometheus).
+
+**Errors** are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx
+status: malformed JSON, wrong types, unknown fields, unknown methods or options, bad numbers, an
+empty prompt, a prompt + ``max_tokens`` beyond the context, unsupported OpenAI fields (named as
+such), a request whose KV could never fit under ``max_kv_bytes``, a body over ``max_body_bytes``
+(413), an unknown model (404), a full queue (503).
+"""
+
+from triedec.server.app import ServerConfig, create_app, serve
+from triedec.server.scheduler import Job, QueueFull, Scheduler
+from triedec.text import TextStream
+
+__all__ = ["Job", "QueueFull", "Scheduler", "ServerConfig", "TextStream", "create_app", "serve"]

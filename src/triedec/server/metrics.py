@@ -1,0 +1,67 @@
+"""The server's Prometheus metrics, in a registry of its own (no globals)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from triedec.request import Outcome
+
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    """Requests, tokens and speed per method; queue depth; and what every engine step carried:
+    requests and tokens per forward, the share of the per-forward token budget used, draft nodes
+    verified, and time spent queued before a request joined the batch."""
+
+    def __init__(self, depth: Callable[[], tuple[int, int]], max_tokens_per_forward: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.max_tokens = max_tokens_per_forward
+        self.requests = Counter("triedec_requests", "HTTP generation requests by endpoint, method and status",
+                                ["endpoint", "method", "status"], registry=r)
+        self.tokens = Counter("triedec_generated_tokens", "tokens generated", ["method"], registry=r)
+        self.tokens_per_s = Histogram("triedec_request_tokens_per_second", "tokens/s of each finished request",
+                                      ["method"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+                                      registry=r)
+        self.accepted = Histogram("triedec_request_mean_accepted", "tokens per decoding step of each finished "
+                                  "request (MAT)", ["method"], buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8), registry=r)
+        self.latency = Histogram("triedec_request_seconds", "wall time of each finished request", ["method"],
+                                 registry=r)
+        self.queued = Histogram("triedec_request_queued_seconds", "time each finished request waited before it "
+                                "joined the batch", ["method"], registry=r)
+        self.batch = Histogram("triedec_batch_requests", "requests carried by each forward (prompt chunks included)",
+                               buckets=_SIZES, registry=r)
+        self.forward_tokens = Histogram("triedec_forward_tokens", "tokens carried by each forward", buckets=_SIZES,
+                                        registry=r)
+        self.budget = Histogram("triedec_forward_budget_used", "tokens of each forward over the per-forward "
+                                "budget (max_tokens_per_forward)", buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0),
+                                registry=r)
+        self.draft_nodes = Histogram("triedec_forward_draft_nodes", "draft nodes verified by each forward, all "
+                                     "requests together", buckets=(0, *_SIZES), registry=r)
+        self.steps = Counter("triedec_steps", "engine steps (forwards)", registry=r)
+        queue = Gauge("triedec_queue_depth", "requests running or waiting", ["state"], registry=r)
+        queue.labels("running").set_function(lambda: depth()[0])
+        queue.labels("waiting").set_function(lambda: depth()[1])
+
+    def step(self, carried: dict[str, float]) -> None:
+        """One engine step (called on the scheduler thread)."""
+        if not carried.get("requests"):
+            return
+        self.steps.inc()
+        self.batch.observe(carried["requests"])
+        self.forward_tokens.observe(carried["tokens"])
+        self.budget.observe(carried["tokens"] / self.max_tokens)
+        self.draft_nodes.observe(carried["draft_nodes"])
+
+    def finished(self, endpoint: str, method: str, outcome: Outcome) -> None:
+        s = outcome.stats
+        self.requests.labels(endpoint, method, "200").inc()
+        self.tokens.labels(method).inc(s.new_tokens)
+        self.tokens_per_s.labels(method).observe(s.tokens_per_s)
+        self.latency.labels(method).observe(s.seconds)
+        self.queued.labels(method).observe(s.queued_seconds)
+        if getattr(s, "mean_accepted", 0):
+            self.accepted.labels(method).observe(s.mean_accepted)

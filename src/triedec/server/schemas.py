@@ -1,0 +1,121 @@
+"""The server's request and response shapes: OpenAI's, with triedec's own fields in the extra body
+(unknown fields refused, OpenAI fields triedec does not support named), and OpenAI's error shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+UNSUPPORTED_NEUTRAL: dict[str, object] = {
+    "n": 1, "logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": None, "functions": None,
+    "function_call": None, "response_format": None, "logit_bias": None, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "parallel_tool_calls": None, "echo": False, "best_of": None, "suffix": None,
+}
+"""OpenAI fields the server knows but does not support, with the value that asks for nothing."""
+
+
+class Generation(_Body):
+    """Fields both endpoints share: OpenAI's, then triedec's extra-body ones."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    # triedec's own (extra body)
+    method: str | None = Field(default=None, description="triedec decoding method (default: the server's)")
+    method_options: dict[str, Any] | None = Field(default=None, description="the method's options")
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    # known, unsupported
+    n: int | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def unsupported(self) -> list[str]:
+        given = self.model_dump(exclude_unset=True)
+        return [k for k, neutral in UNSUPPORTED_NEUTRAL.items()
+                if k in given and given[k] not in (None, neutral) and given[k] not in ({}, [])]
+
+
+class ChatRequest(Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class CompletionRequest(Generation):
+    prompt: str | list[int]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one endpoint's responses look like: its metrics label, id prefix, object names, and
+    whether a choice carries a chat message (a ``delta`` when streaming) or plain ``text``."""
+
+    endpoint: str
+    id_prefix: str
+    object: str
+    chunk_object: str
+    chat: bool
+
+    def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": 0}
+        if not self.chat:
+            out["text"] = text or ""
+        elif not streaming:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["delta"] = {"role": "assistant", "content": ""} if first else ({} if text is None else
+                                                                              {"content": text})
+        return {**out, "finish_reason": reason, "logprobs": None}
+
+
+CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+COMPLETION_SHAPE = Shape("completions", "cmpl", "text_completion", "text_completion", chat=False)
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)

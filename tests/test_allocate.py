@@ -1,0 +1,86 @@
+"""The allocator (pure): one verify budget per forward, shared by every running request's draft."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from triedec.allocate import allocate
+from triedec.costmodel import CostModel
+from triedec.errors import TriedecError
+
+# 1 token costs 0.1 s, 16 cost 0.12 s, then linear: drafts are nearly free up to 16 tokens
+FLAT16 = CostModel({1: 0.1, 16: 0.12, 64: 0.4}, batch_seconds={2: {2: 0.11, 32: 0.2}, 8: {8: 0.16, 64: 0.5},
+                                                                16: {16: 0.25, 128: 1.0}})
+
+
+def test_one_request_keeps_nodes_while_they_pay():
+    cost = CostModel({1: 0.1, 2: 0.2, 3: 0.21, 4: 0.4})
+    assert allocate([[1, 0.9, 0.9, 0.9]], [1], cost) == [3]  # 2.8 tokens in 0.21 s beats 1.9 in 0.2 and 1 in 0.1
+    assert allocate([[1, 0.5, 0.1, 0.1]], [1], cost) == [1]  # 1.5 tokens in 0.2 s is slower than a plain step
+    assert allocate([[1, 0.5, 0.1, 0.0]], [1], None) == [3]  # a flat curve: every node with a chance
+    assert allocate([[1]], [1], cost) == [1]
+    assert allocate([], [], cost) == []
+
+
+def test_trees_shrink_smoothly_as_requests_pile_up():
+    """The same draft, alone and beside more and more requests: the tree shrinks toward plain
+    batched decoding, without a switch."""
+    draft = [1.0, *(0.9 ** d for d in range(1, 40))]
+    sizes = [sum(allocate([draft] * b, [1] * b, FLAT16)) / b for b in (1, 2, 8, 16)]
+    assert sizes[0] > 10  # alone: a big tree pays
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0]
+
+
+def test_nodes_go_to_the_most_likely_drafts_first():
+    good, poor = [1.0, 0.95, 0.9, 0.85, 0.8], [1.0, 0.2, 0.1, 0.05, 0.02]
+    counts = allocate([poor, good], [1, 1], FLAT16, max_tokens=6)
+    assert counts == [1, 5]  # four optional nodes fit: all go to the likely draft
+
+
+def test_required_nodes_always_go_and_the_token_cap_binds_the_rest():
+    fixed = [1.0, 0.0, 0.0, 0.0]  # a fixed tree (e.g. lookahead): required whole, no estimates
+    assert allocate([fixed], [4], FLAT16) == [4]
+    assert allocate([fixed, [1.0, 0.9, 0.9]], [4, 1], FLAT16, max_tokens=5) == [4, 1]
+    assert allocate([[1.0, 0.9, 0.9]], [1], None, max_tokens=2) == [2]
+    assert allocate([[1.0, 0.9]], [1], None, fixed_tokens=5, max_tokens=4) == [1]  # the roots always go
+
+
+def test_prompt_chunks_in_the_same_forward_make_drafts_cheaper():
+    """A 128-token chunk already pays for the forward: drafts beside it cost little in relative terms."""
+    draft = [1.0, *(0.5 ** d for d in range(1, 20))]
+    alone = allocate([draft], [1], FLAT16)
+    beside = allocate([draft], [1], FLAT16, fixed_tokens=128, items=2)
+    assert beside[0] >= alone[0]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TriedecError):
+        allocate([[1.0, 0.5]], [], FLAT16)
+    with pytest.raises(TriedecError):
+        allocate([[1.0, 0.5]], [3], FLAT16)
+
+
+@st.composite
+def drafts(draw):
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        chances = [1.0, *draw(st.lists(st.floats(0, 1), max_size=12))]
+        out.append((chances, draw(st.integers(1, len(chances)))))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(drafts(), st.one_of(st.none(), st.integers(1, 60)), st.integers(0, 200))
+def test_every_request_gets_a_prefix_of_at_least_its_required_nodes(found, cap, prefill):
+    chances, required = [c for c, _ in found], [r for _, r in found]
+    for cost in (FLAT16, None):
+        counts = allocate(chances, required, cost, fixed_tokens=prefill, max_tokens=cap)
+        assert all(r <= n <= len(c) for n, r, c in zip(counts, required, chances, strict=True))
+        optional = sum(counts) - sum(required)
+        if cap is not None:
+            assert optional <= max(0, cap - prefill - sum(required))
+        for n, r, c in zip(counts, required, chances, strict=True):
+            # an optional node with no chance never goes (its expected gain is 0)
+            assert all(min(c[r : i + 1]) > 0 for i in range(r, n))

@@ -1,0 +1,328 @@
+"""Continuous batching: one forward verifies every running request's tree, and a request's tokens
+never depend on what else runs in the same forward.
+
+Checked differentially: many requests of different prompt lengths (prompts longer than a prefill
+chunk among them), arriving at different steps, mixed methods and sampling settings, stops inside
+accepted drafts and cancellation mid-stream, each against its solo output and transformers'
+greedy decoding; the batched forward bit for bit on triedec's kernels; admission by KV memory;
+``generate_batch``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import (
+    EOS,
+    TINY_VOCAB,
+    alone,
+    drain,
+    fake_profile,
+    hf_beam,
+    hf_greedy,
+    peaked,
+    tiny_gemma3,
+    tiny_info,
+    tiny_llama,
+    together,
+)
+from helpers import random_prompts as prompts
+
+import triedec
+from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.costmodel import CostModel
+from triedec.drafters import BaseDrafter, BaseSession, Draft
+from triedec.engine import Batch, BatchLimits, run_alone
+from triedec.errors import TriedecError
+from triedec.kernels import packing_available
+from triedec.methods import method
+from triedec.request import PREFILL_CHUNK, Request, StopRule
+from triedec.sampling import Sampling
+from triedec.tree import TokenTree
+
+# drafts cost little up to 16 tokens, then more; more requests cost more: the allocator has work to do
+COST = CostModel({1: 0.06, 4: 0.065, 16: 0.08, 64: 0.2}, 256, {}, {2: {2: 0.07, 32: 0.12}, 8: {8: 0.1, 64: 0.3}})
+
+
+def build(name: str, options: dict, info):
+    return method(name).build(method(name).make_options(options), info)
+
+
+def long_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts of 1 to ~300 tokens: some span several prefill chunks."""
+    rng = random.Random(seed)
+    out = prompts(seed, count)
+    for i in range(0, count, 3):
+        motif = [rng.randrange(3, TINY_VOCAB) for _ in range(rng.randint(3, 9))]
+        out[i] = (motif * 60)[: rng.randint(PREFILL_CHUNK + 1, 2 * PREFILL_CHUNK + 40)]
+    return out
+
+
+MIXED = [("ar", {}), ("pld", {}), ("ngram-trie", {}), ("auto", {}), ("lookahead", {}), ("recycling", {}),
+         ("pld", {"min_expected": 0.0}), ("ngram-trie", {"sized": False}), ("auto", {"sized": False})]
+
+
+@pytest.mark.parametrize("model_name", ["llama", "gemma3"])
+def test_mixed_requests_arriving_at_different_steps_equal_transformers_greedy(model_name):
+    """Twelve greedy requests of every method (device-sized ones under a cost model, so the
+    allocator sizes their trees together), prompts from 1 token to over two prefill chunks,
+    joining at different steps: each equals transformers' greedy decoding and its own solo run."""
+    model = tiny_llama(seed=8, max_pos=1024) if model_name == "llama" else tiny_gemma3(seed=9, window=7)
+    adapter = ModelAdapter(model)
+    info = tiny_info(cost=COST, profile=fake_profile(nodes=12))
+    decoders = [build(name, options, info) for name, options in MIXED]
+    batch_prompts = long_prompts(seed=31, count=12)
+    rules = [StopRule([40, 25, 33][i % 3], frozenset([EOS])) for i in range(len(batch_prompts))]
+    runs = [decoders[i % len(decoders)].start(p, r) for i, (p, r) in enumerate(zip(batch_prompts, rules, strict=True))]
+    arrivals = [0, 0, 1, 3, 3, 4, 8, 9, 15, 16, 20, 30]
+    outs, steps = together(adapter, runs, cost=COST, limits=BatchLimits(max_running=6), arrivals=arrivals)
+    drafted = 0
+    for i, ((tokens, outcome), prompt, rule) in enumerate(zip(outs, batch_prompts, rules, strict=True)):
+        truth = hf_greedy(model, prompt, rule.max_new_tokens)
+        assert tokens == truth, f"request {i} ({MIXED[i % len(MIXED)]}) differs from transformers"
+        assert outcome.stats.new_tokens == len(tokens)
+        drafted += outcome.stats.verified_nodes
+    assert drafted > 50  # trees were verified in shared forwards
+    assert steps < sum(len(t) for t, _ in outs)  # far fewer forwards than tokens
+
+
+def test_sampled_requests_with_mixed_settings_equal_ar_at_the_same_seed():
+    """Sampling: every method, several settings and seeds in one batch; each request returns ar's
+    tokens for its seed, as it does alone."""
+    model = peaked(tiny_llama(seed=3))
+    adapter = ModelAdapter(model)
+    info = tiny_info(cost=COST, profile=fake_profile(nodes=12))
+    settings = [Sampling(temperature=0.8, seed=1), Sampling(temperature=1.0, top_k=5, seed=2),
+                Sampling(temperature=0.7, top_p=0.9, min_p=0.05, seed=3), Sampling(),
+                Sampling(temperature=0.9, repetition_penalty=1.2, seed=4), Sampling(repetition_penalty=1.3)]
+    ar = build("ar", {}, info)
+    runs, truths = [], []
+    for i, prompt in enumerate(long_prompts(seed=5, count=12)):
+        name, options = MIXED[i % len(MIXED)]
+        sampling = settings[i % len(settings)]
+        rule = StopRule(30, frozenset([EOS]))
+        truths.append(alone(adapter, ar, prompt, rule, (), sampling)[0])
+        runs.append(build(name, options, info).start(prompt, rule, (), sampling))
+    outs, _ = together(adapter, runs, cost=COST, arrivals=[0, 1, 1, 2, 3, 5, 8, 8, 9, 13, 21, 34])
+    assert [t for t, _ in outs] == truths
+
+
+class Oracle(BaseDrafter):
+    """Drafts the known continuation (12 tokens), so that stops fall inside accepted drafts."""
+
+    def __init__(self, truth: list[int], prompt_len: int) -> None:
+        self.truth, self.prompt_len = truth, prompt_len
+
+    def propose(self, context):
+        done = len(context) - self.prompt_len
+        return TokenTree.from_sequences(context[-1], [self.truth[done : done + 12]])
+
+
+def test_stops_inside_accepted_drafts_in_a_batch():
+    """EOS, a stop token and max_new_tokens falling inside fully accepted drafts, for requests
+    that share forwards: nothing past the stop is kept, for any of them."""
+    model = tiny_llama(seed=5)
+    adapter = ModelAdapter(model)
+    runs, want = [], []
+    for i, prompt in enumerate(prompts(seed=13, count=8)):
+        truth = hf_greedy(model, prompt, 30, eos=-1)
+        if i % 3 == 0:
+            stop_tok = truth[5 + i % 4]
+            rule = StopRule(30, frozenset([stop_tok]))
+            want.append((truth[: truth.index(stop_tok) + 1], "eos"))
+        else:
+            limit = [1, 2, 7, 11, 13][i % 5]
+            rule = StopRule(limit, frozenset([-1]))
+            want.append((truth[:limit], "length"))
+        runs.append(Request(Oracle(truth, len(prompt)), prompt, rule))
+    outs, _ = together(adapter, runs, arrivals=[0, 0, 0, 1, 1, 2, 4, 6])
+    for (tokens, outcome), (expected, reason) in zip(outs, want, strict=True):
+        assert tokens == expected and outcome.stats.stop_reason == reason
+
+
+class Spy(BaseDrafter):
+    """Counts sessions begun and ended."""
+
+    def __init__(self) -> None:
+        self.begun = self.ended = 0
+
+    def begin(self, prompt, documents=()):
+        self.begun += 1
+        spy = self
+
+        class Session(BaseSession):
+            def propose(self, context, max_nodes=256):
+                return Draft.root_only(context[-1])
+
+            def end(self):
+                spy.ended += 1
+
+        return Session()
+
+
+def test_a_cancelled_request_leaves_at_once_and_the_others_are_unaffected():
+    model = tiny_llama(seed=6)
+    adapter = ModelAdapter(model)
+    spy = Spy()
+    batch_prompts = prompts(seed=21, count=4)
+    rule = StopRule(30, frozenset([-1]))
+    runs = [Request(spy, p, rule) for p in batch_prompts]
+    outs, _ = together(adapter, runs, limits=BatchLimits(max_running=3), arrivals=[0, 0, 1, 2], cancel={1: 5, 3: 4})
+    assert spy.begun == 3 and spy.ended == 3  # the one cancelled while it waited for a slot never began
+    assert outs[3][0] == []
+    assert runs[1].cache is None and runs[1].done and 0 < len(outs[1][0]) < 30
+    for i in (0, 2):
+        assert outs[i][0] == hf_greedy(model, batch_prompts[i], 30, eos=-1)
+
+
+def test_beam_search_runs_beside_the_batch():
+    model = tiny_llama(seed=4)
+    adapter = ModelAdapter(model)
+    info = tiny_info()
+    beam, ar = build("beam", {"num_beams": 3}, info), build("ar", {}, info)
+    rule = StopRule(12, frozenset([EOS]))
+    batch_prompts = prompts(seed=41, count=4)
+    runs = [(beam if i % 2 else ar).start(p, rule) for i, p in enumerate(batch_prompts)]
+    outs, _ = together(adapter, runs, arrivals=[0, 1, 1, 3])
+    for i, ((tokens, outcome), p) in enumerate(zip(outs, batch_prompts, strict=True)):
+        if i % 2:
+            hyps = hf_beam(model, p, beam.options, 12, EOS)
+            assert tokens == hyps[0][0] and [list(h.token_ids) for h in outcome.sequences] == [h for h, _ in hyps[:1]]
+        else:
+            assert tokens == hf_greedy(model, p, 12)
+
+
+def test_long_prompts_are_prefilled_in_chunks_beside_running_requests():
+    """While a long prompt is prefilled, chunk by chunk, the running requests keep getting tokens
+    at every step, and the prefill tokens per forward stay under the cap."""
+    model = tiny_llama(seed=7, max_pos=1024)
+    adapter = ModelAdapter(model)
+    ar = build("ar", {}, tiny_info())
+    short = prompts(seed=3, count=2)
+    long = (prompts(seed=4, count=1)[0] * 200)[: 3 * PREFILL_CHUNK + 17]
+    batch = Batch(adapter, limits=BatchLimits(max_prefill_tokens=PREFILL_CHUNK))
+    runners = [ar.start(p, StopRule(40, frozenset([-1]))) for p in short]
+    for r in runners:
+        batch.submit(r)
+    batch.step()  # both short prompts prefilled (one chunk each... the cap still lets the first through)
+    batch.step()
+    late = ar.start(long, StopRule(5, frozenset([-1])))
+    batch.submit(late)
+    prefill_steps = 0
+    while late.prefilling or not late.generated:
+        batch.step()
+        assert batch.last_step["prefill_tokens"] <= PREFILL_CHUNK
+        prefill_steps += 1
+        assert all(r.take() for r in runners if not r.done)  # the running requests moved on
+    assert prefill_steps == 4  # 3 full chunks and the rest
+    while not batch.idle:
+        batch.step()
+    assert late.generated == hf_greedy(model, long, 5, eos=-1)
+
+
+def test_the_drafter_is_told_what_was_verified():
+    """When the allocator verifies only part of a draft, the drafter learns which part."""
+    seen = []
+
+    class Scored(BaseDrafter):
+        def begin(self, prompt, documents=()):
+            class Session(BaseSession):
+                def propose(self, context, max_nodes=256):
+                    tree = TokenTree.from_sequences(context[-1], [[5, 6, 7, 8, 9, 10]])
+                    return Draft.scored(tree, [1.0, 0.3, 0.05, 0.01, 0.01, 0.01, 0.01])
+
+                def observe(self, verified):
+                    seen.append((verified.tree.size, verified.proposed, verified.cut, verified.kept))
+
+            return Session()
+
+    adapter = ModelAdapter(tiny_llama(seed=2))
+    steep = CostModel({1: 0.1, 2: 0.11, 3: 0.2, 8: 0.5})
+    tokens, _ = drain(run_alone(adapter, Request(Scored(), [1, 2, 3], StopRule(6, frozenset([-1]))), steep))
+    assert len(tokens) == 6
+    assert all(proposed == 7 for _, proposed, _, _ in seen[:2])
+    assert seen[0][:3] == (2, 7, True) and seen[0][3] == (0, 1)  # one draft node pays under this curve
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="oneDNN packing unavailable")
+@pytest.mark.parametrize("make", [lambda: tiny_llama(seed=11), lambda: tiny_gemma3(seed=12, window=5)])
+def test_a_request_logits_are_bit_identical_alone_or_batched(make):
+    """On triedec's kernels, a request's logits do not depend on what else shares its forward:
+    other requests' trees, their cache lengths, a prompt chunk, or its place in the row."""
+    adapter = ModelAdapter(make(), "auto")
+    gen = torch.Generator().manual_seed(0)
+
+    def cache_of(length):
+        c = adapter.new_cache(600)
+        adapter.prefill(c, torch.randint(3, TINY_VOCAB, (length,), generator=gen))
+        c.commit(range(length))
+        return c
+
+    def tree_item(c, tree):
+        return ForwardItem(c, torch.tensor(tree.tokens), tree.positions(c.length)[0], tree.ancestry)
+
+    mine = cache_of(37)
+    tree = TokenTree.from_sequences(7, [[8, 9, 10], [8, 11], [12]])
+    solo = adapter.forward_batch([tree_item(mine.clone(), tree)])[0]
+    for others in ([5, 90], [200], [1, 2, 3, 300]):
+        items = [tree_item(cache_of(n), TokenTree.from_sequences(4, [[5] * (n % 7)])) for n in others]
+        chunk = torch.randint(3, TINY_VOCAB, (50,), generator=gen)
+        items.append(ForwardItem(adapter.new_cache(60), chunk, torch.arange(50),
+                                 torch.ones(50, 50, dtype=torch.bool).tril_()))
+        for place in (0, len(items)):
+            batch = [*items[:place], tree_item(mine.clone(), tree), *items[place:]]
+            got = adapter.forward_batch(batch)[place]
+            assert torch.equal(got, solo)
+            for item in batch:
+                item.cache.commit([])
+
+
+def test_kv_memory_admits_what_fits_and_refuses_what_never_can():
+    adapter = ModelAdapter(tiny_llama(seed=1))
+    ar = build("ar", {}, tiny_info())
+    rule = StopRule(20, frozenset([-1]))
+    per_request = ar.start([1, 2, 3], rule).kv_tokens * adapter.kv_bytes_per_token
+    batch = Batch(adapter, limits=BatchLimits(max_kv_bytes=2 * per_request))
+    runs = [ar.start([1, 2, 3], rule) for _ in range(3)]
+    for r in runs:
+        batch.submit(r)
+    batch.step()
+    assert len(batch.running) == 2 and len(batch.waiting) == 1
+    while not batch.idle:
+        batch.step()
+    assert all(r.done for r in runs)
+    with pytest.raises(TriedecError, match="KV cache"):
+        batch.submit(ar.start(list(range(3, 40)), StopRule(400, frozenset([-1]))))
+
+
+def test_generate_batch_equals_generate_in_input_order(tiny_model_dir):
+    lm = triedec.load(tiny_model_dir)
+    texts = ["Hello there", "one two three one two three one", "Tell me a story about the sea", "def quicksort(arr):",
+             "Hi", "Translate to French: good morning"]
+    for method_name, options in (("pld", {"min_expected": 0.0}), ("lookahead", {}), ("ar", {})):
+        solo = [lm.generate(t, method_name, max_new_tokens=20, **options) for t in texts]
+        got = lm.generate_batch(texts, method_name, max_new_tokens=20, progress=False, max_running=3, **options)
+        assert [r.token_ids for r in got] == [r.token_ids for r in solo]
+        assert [r.text for r in got] == [r.text for r in solo]
+    sampled = lm.generate_batch(texts[:3], "pld", max_new_tokens=12, temperature=0.8, seed=5, progress=False)
+    assert [r.token_ids for r in sampled] == [lm.generate(t, "ar", max_new_tokens=12, temperature=0.8,
+                                                          seed=5).token_ids for t in texts[:3]]
+    with pytest.raises(TriedecError, match="empty"):
+        lm.generate_batch(["fine", ""], "ar", progress=False)  # every prompt checked before anything runs
+    with pytest.raises(TriedecError, match="list of prompts"):
+        lm.generate_batch("one prompt", progress=False)
+
+
+def test_generate_batch_on_the_default_model_equals_transformers(default_lm):
+    """The default model, eight chat requests of mixed methods' options decoded together."""
+    from helpers import PROMPTS, hf_generate
+
+    chats = [p for p in PROMPTS if isinstance(p, list) and isinstance(p[0], dict)][:8]
+    for name in ("auto", "ar", "ngram-trie"):
+        got = default_lm.generate_batch(chats, name, max_new_tokens=48, progress=False)
+        for chat, result in zip(chats, got, strict=True):
+            ids = default_lm.encode(chat)
+            assert result.token_ids == hf_generate(default_lm, ids, 48)
+            assert result.stats.stop_reason in ("eos", "length")
+
