@@ -286,3 +286,48 @@ def test_humaneval_answers_run_in_a_sandbox_with_a_timeout():
     assert not passes(task, "```python\nimport os\nos.environ['X']\n```")  # empty environment: KeyError
     assert extract_code("a\n```py\nx = 1\n") == "x = 1\n"
     assert extract_code("no fences") == "no fences"
+
+
+def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """``bench --serving`` on the tiny model: a real ``triedec serve`` process per phase, loaded by
+    the openai client at two concurrencies; in-process solo runs; generate_batch against
+    transformers' own; results, tables and the plot written, every greedy text equal to its solo
+    text."""
+    monkeypatch.setenv("TRIEDEC_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "category": "chat"}) for p in
+                              ["Hello there", "Tell me a story", "one two three one two", "What is the sea?"]))
+    out = tmp_path / "serving"
+    code = main(["bench", "--serving", "--model", str(tiny_model_dir), "--dataset", str(data), "--methods",
+                 "ngram-trie:sized=false", "--concurrency", "1,2", "--batch-sizes", "2", "--max-new-tokens", "6",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["requests"] == 4 and results["commit"] and results["machine"]["cpu"]
+    assert sorted((r["method"], r["concurrency"]) for r in results["phases"]) == [
+        ("ngram-trie:sized=false", 1), ("ngram-trie:sized=false", 2)]
+    assert sorted(map(tuple, results["phase_order"])) == sorted((r["method"], r["concurrency"]) for r in
+                                                               results["phases"])
+    for r in results["phases"]:
+        assert r["identical_texts"] == 4 and r["tokens_per_s"] > 0 and r["p95_latency_s"] >= r["p50_latency_s"] > 0
+    (batch,) = results["generate_batch"]
+    assert batch["requests"] == 2 and batch["mismatches_vs_solo"] == [] and batch["transformers_tokens_per_s"] > 0
+    assert (out / "serving.png").stat().st_size > 0
+    assert "through the server, one at a time" in (out / "results.md").read_text()
+    assert "serve under load" in capsys.readouterr().out
+
+
+def test_serving_tables_compare_each_method_with_ar():
+    from triedec.bench.serving import serving_markdown
+
+    def phase(method, c, tps):
+        return {"method": method, "concurrency": c, "tokens_per_s": tps, "p50_latency_s": 1.0, "p95_latency_s": 2.0,
+                "identical_texts": 4, "requests": 4}
+
+    results = {"requests": 4, "max_tokens": 8, "kernels": "plain", "commit": "abc",
+               "machine": {"cpu": "x", "torch_threads": 2, "torch": "2", "transformers": "5"},
+               "phase_order": [["auto", 1], ["ar", 1], ["auto", 2], ["ar", 2]], "methods": ["auto", "ar"],
+               "phases": [phase("auto", 1, 20.0), phase("auto", 2, 30.0), phase("ar", 1, 10.0), phase("ar", 2, 25.0)],
+               "in_process_tokens_per_s": {"auto": 25.0, "ar": 11.0}, "generate_batch": []}
+    md = serving_markdown(results)
+    assert "| auto | 2 | 30.0 | 1.50x |" in md and "| 2 | 1.20x |" in md and "| auto | 25.0 | 20.0 | 0.80x |" in md

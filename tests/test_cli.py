@@ -42,10 +42,26 @@ def test_generate_and_serve_default_to_auto(capsys, tiny_model_dir):
 
 
 def test_generate_streams_text_and_stats_from_stdin(capsys, monkeypatch, tiny_model_dir):
-    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar",
-                           "--max-new-tokens", "8", stdin="Tell me a story", monkeypatch=monkeypatch)
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar",
+                             "--max-new-tokens", "8", stdin="Tell me a story", monkeypatch=monkeypatch)
     assert code == 0
     assert "[ar] " in out and "tok/s" in out and "tokens/step" in out
+    assert "Loading weights" not in err and "it/s]" not in err  # transformers' own progress bars stay quiet
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()  # and are switched back on for the caller
+
+
+def test_generate_cuts_the_streamed_text_after_a_stop_string(capsys, tiny_model_dir):
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar", "--raw",
+                           "--max-new-tokens", "30", "--json", "one two three one two")
+    full = json.loads(out)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar", "--raw",
+                           "--max-new-tokens", "30", "--stop", stop, "one two three one two")
+    assert code == 0
+    streamed = out.split("\n[ar] ")[0]
+    assert streamed == full[: full.index(stop) + len(stop)]  # the library's semantics: the stop string kept
 
 
 def test_methods_lists_options_with_defaults(capsys):

@@ -104,7 +104,8 @@ def calibrated_lm(default_lm, tmp_path_factory):
     lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"),
                     reference=default_lm.reference_model)
     cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
-    assert 0 <= cal.recycling.nodes <= 80 and sum(cal.recycling.rates) > 0
+    profile = cal.profiles["recycling"]
+    assert 0 <= profile.nodes <= 80 and sum(profile.rates) > 0
     return lm
 
 

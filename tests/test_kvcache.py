@@ -9,8 +9,9 @@ def fill(cache, n, offset, layers=2):
     cache.stage(torch.arange(n) + 100)
     for layer in range(layers):
         k = torch.arange(offset, offset + n, dtype=torch.float32).view(1, 1, n, 1).expand(1, 2, n, 3)
-        keys, _values = cache.write(layer, k, -k)
-        assert keys.shape == (1, 2, cache.length + n, 3)
+        cache.write(layer, k, -k)
+        keys, values = cache.view(layer)
+        assert keys.shape == values.shape == (1, 2, cache.length + n, 3)
 
 
 def slots(cache, layer=0):
@@ -48,3 +49,15 @@ def test_capacity_and_index_errors():
         cache.commit([3])
     with pytest.raises(TriedecError):
         KVCache(0)
+
+
+def test_clone_and_extend_to_make_caches_for_timing():
+    cache = KVCache(16)
+    fill(cache, 3, 0)
+    cache.commit(range(3))
+    twin = cache.clone()
+    twin.extend_to(8)
+    assert slots(twin) == [0, 1, 2, 0, 1, 2, 0, 1] and twin.positions().tolist()[3:] == [3, 4, 5, 6, 7]
+    assert slots(cache) == [0, 1, 2]  # the original is untouched
+    with pytest.raises(TriedecError):
+        twin.extend_to(17)

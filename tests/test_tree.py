@@ -1,4 +1,4 @@
-"""Property tests for the draft tree: visibility and its additive mask, positions, merging, ancestry."""
+"""Property tests for the draft tree: the attention mask derived from it, positions, merging, ancestry."""
 
 import itertools
 
@@ -8,8 +8,10 @@ from helpers import leaves, path_to, root_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from triedec.adapter import AttentionLayout, ForwardItem, item_masks
 from triedec.errors import TriedecError
-from triedec.tree import TokenTree, additive_mask
+from triedec.kvcache import KVCache
+from triedec.tree import TokenTree
 
 sequences = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=6), min_size=0, max_size=8)
 
@@ -22,18 +24,34 @@ def node_sequence(tree, i):
     return tuple(tree.tokens[j] for j in path_to(tree, i)[1:])
 
 
-@given(seqs=sequences, cache_len=st.integers(0, 7))
-def test_mask_row_is_cache_plus_ancestors_plus_self(seqs, cache_len):
+def staged(tree, cache_len):
+    cache = KVCache(cache_len + tree.size)
+    cache.length = cache_len
+    cache._positions[:cache_len] = torch.arange(cache_len)
+    cache.stage(tree.positions(cache_len)[0])
+    return ForwardItem(cache, torch.tensor(tree.tokens), tree.positions(cache_len)[0], tree.ancestry)
+
+
+@given(seqs=sequences, cache_len=st.integers(0, 7), window=st.one_of(st.none(), st.integers(1, 6)))
+def test_mask_row_is_cache_plus_ancestors_plus_self_within_the_window(seqs, cache_len, window):
     tree = TokenTree.from_sequences(9, seqs)
-    mask = additive_mask(tree.visibility(cache_len), torch.float32)
+    layout = AttentionLayout({"full_attention": window}, ("full_attention",), per_type=False)
+    mask = item_masks(staged(tree, cache_len), layout, torch.float32, torch.device("cpu"))["full_attention"]
+    if mask is None:  # one query that sees its whole cache: no mask at all
+        assert tree.size == 1 and (window is None or cache_len < window)
+        return
     assert mask.shape == (1, 1, tree.size, cache_len + tree.size)
     blocked = torch.finfo(torch.float32).min
     for i in range(tree.size):
         row = mask[0, 0, i]
-        assert torch.all(row[:cache_len] == 0)
+        position = cache_len + tree.depths[i]
+        for j in range(cache_len):
+            near = window is None or position - j < window
+            assert row[j].item() == (0.0 if near else blocked)
         expected = set(path_to(tree, i))
         for j in range(tree.size):
-            assert row[cache_len + j].item() == (0.0 if j in expected else blocked)
+            near = window is None or tree.depths[i] - tree.depths[j] < window
+            assert row[cache_len + j].item() == (0.0 if j in expected and near else blocked)
 
 
 @given(seqs=sequences, cache_len=st.integers(0, 100))

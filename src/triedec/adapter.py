@@ -81,16 +81,19 @@ AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 def _gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: object) -> tuple[torch.Tensor, None]:
-    """transformers' ``sdpa`` attention, except that several queries under a mask read grouped K/V
-    in place (``enable_gqa``) instead of copying them per head. The same arithmetic."""
-    groups = getattr(module, "num_key_value_groups", 1)
+    """transformers' ``sdpa`` attention, except that queries under a mask read grouped K/V in place
+    (``enable_gqa``) instead of copying them per head, and that torch's sdpa is called directly (the
+    wrapper's per-call checks cost ~20 us, paid per request and layer in a batched forward). The
+    same arithmetic; anything special (soft-capping, position bias, dropout, a causal prompt
+    without a mask) goes to transformers' function."""
     special = any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache")) or dropout
-    if attention_mask is None or groups == 1 or query.shape[2] == 1 or special:
+    if special or (attention_mask is None and query.shape[2] > 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                           enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
+                                                           enable_gqa=gqa)
+    return out.transpose(1, 2), None
 
 
 _EAGER_BY_CLASS: dict[type, AttentionFn] = {}
@@ -184,6 +187,39 @@ class ForwardItem:
         return self.size if self.keep < 0 else min(self.keep, self.size)
 
 
+def item_masks(item: ForwardItem, layout: AttentionLayout, dtype: torch.dtype,
+               device: torch.device) -> dict[str, torch.Tensor | None]:
+    """Additive masks ``[1, 1, T, length + T]`` of one item, per layer type: 0 where a token may
+    attend, the dtype's minimum where it may not (a bool mask is silently wrong with ``eager``);
+    the window applied by each slot's position. None where one query sees its whole cache (no mask
+    at all lets sdpa take its grouped-query path). Built directly in its final dtype: the committed
+    columns are zeros and only the new tokens' block is written (``item.cache`` is staged)."""
+    cache, n = item.cache, item.size
+    length = cache.length
+    explicit = item.visible.shape[1] != n or length == 0
+    minimum = torch.finfo(dtype).min
+    out: dict[str, torch.Tensor | None] = {}
+    for kind, window in layout.windows.items():
+        if window is None:
+            if n == 1 and bool(item.visible.all()):
+                out[kind] = None
+                continue
+            mask = torch.zeros((n, length + n), dtype=dtype)
+            (mask if explicit else mask[:, length:]).masked_fill_(~item.visible, minimum)
+        else:
+            kpos = cache.positions()
+            visible = item.visible if explicit else torch.cat(
+                [torch.ones((n, length), dtype=torch.bool), item.visible], dim=1)
+            visible = visible & ((kpos[length:, None] - kpos[None, :]) < window)
+            if n == 1 and bool(visible.all()):
+                out[kind] = None
+                continue
+            mask = torch.zeros((n, length + n), dtype=dtype)
+            mask.masked_fill_(~visible, minimum)
+        out[kind] = mask[None, None].to(device)
+    return out
+
+
 class _Batch:
     """The items of one forward: each item's bounds in the flattened row and its masks per layer
     type. Handed to the dispatcher as the ``triedec_batch`` keyword."""
@@ -227,8 +263,11 @@ class _BatchLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        for item, (start, stop) in zip(self.batch.items, self.batch.bounds, strict=True):
-            item.cache.write(self.index, key_states[:, :, start:stop], value_states[:, :, start:stop])
+        if len(self.batch.items) == 1:
+            self.batch.items[0].cache.write(self.index, key_states, value_states)
+        else:
+            for item, (start, stop) in zip(self.batch.items, self.batch.bounds, strict=True):
+                item.cache.write(self.index, key_states[:, :, start:stop], value_states[:, :, start:stop])
         return key_states, value_states  # the dispatcher reads each item's own store
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -306,7 +345,6 @@ class ModelAdapter:
         apply_kernels(model, kernels)
         self.kernels = describe_kernels(model)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
-        self._minimum = torch.finfo(self.dtype).min
         self._placeholder = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
 
     @cached_property
@@ -359,7 +397,7 @@ class ModelAdapter:
         for item in items:
             item.cache.stage(item.positions)
         for item in items:
-            masks.append(self._masks(item))
+            masks.append(item_masks(item, self.layout, self.dtype, self.device))
         batch = _Batch(items, masks, self.layout.kinds)
         tokens = torch.cat([item.tokens.reshape(-1) for item in items]).to(self.device)
         positions = torch.cat([item.positions.reshape(-1) for item in items]).to(self.device)
@@ -385,33 +423,6 @@ class ModelAdapter:
             found.append(logits[at : at + b - a])
             at += b - a
         return found
-
-    def _masks(self, item: ForwardItem) -> dict[str, torch.Tensor | None]:
-        """Additive masks ``[1, 1, T, length + T]`` per layer type (None: one query that sees its
-        whole cache needs none); the window applied by position. ``item.cache`` is staged."""
-        cache, n = item.cache, item.size
-        length = cache.length
-        explicit = item.visible.shape[1] != n or length == 0
-        out: dict[str, torch.Tensor | None] = {}
-        for kind, window in self.layout.windows.items():
-            if window is None:
-                if n == 1 and bool(item.visible.all()):
-                    out[kind] = None
-                    continue
-                mask = torch.zeros((n, length + n), dtype=self.dtype)
-                (mask if explicit else mask[:, length:]).masked_fill_(~item.visible, self._minimum)
-            else:
-                kpos = cache.positions()
-                visible = item.visible if explicit else torch.cat(
-                    [torch.ones((n, length), dtype=torch.bool), item.visible], dim=1)
-                visible = visible & ((kpos[length:, None] - kpos[None, :]) < window)
-                if n == 1 and bool(visible.all()):
-                    out[kind] = None
-                    continue
-                mask = torch.zeros((n, length + n), dtype=self.dtype)
-                mask.masked_fill_(~visible, self._minimum)
-            out[kind] = mask[None, None].to(self.device)
-        return out
 
     def prefill(self, cache: KVCache, tokens: torch.Tensor, keep_last: int = 1) -> torch.Tensor:
         """Causal forward of ``tokens [T]`` at positions ``0..T-1`` on an empty ``cache``; the T

@@ -338,15 +338,19 @@ def cmd_serving(args: argparse.Namespace) -> int:
 
     if not Sampling(**sampling_args(args)).plain:
         raise TriedecError("the serving benchmark is greedy: run it without --temperature and --repetition-penalty")
+    from triedec.bench.serving import Entry
+
     methods = [m.strip() for m in (args.methods or "auto,ar").split(",") if m.strip()]
     for m in methods:
-        method(m)  # an unknown name fails before the model loads
+        Entry.parse(m)  # an unknown name or option fails before the model loads
     sizes = () if args.batch_sizes.strip().lower() == "none" else parse_counts(args.batch_sizes, "--batch-sizes")
     config = ServingConfig(parse_counts(args.concurrency, "--concurrency"), args.max_new_tokens, sizes)
     categories = args.categories.split(",") if args.categories else None
     questions = select(load_questions(args.dataset), args.per_category, categories)
     lm = load_model(args)
-    results = run_serving(lm, methods, questions, config, _model_name(args),
+    serve_args = [*(["--model", args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device,
+                  "--attn", args.attn, "--threads", str(args.threads), "--kernels", args.kernels]
+    results = run_serving(lm, methods, questions, config, serve_args, _model_name(args),
                           progress=None if args.no_progress else lambda text: print(f"triedec: {text}",
                                                                                     file=sys.stderr))
     results = {"machine": machine_info(lm.device), "commit": source_commit(), "dataset": args.dataset,

@@ -25,8 +25,8 @@ class KVCache:
 
     Mutation contract:
     * :meth:`stage` records the positions of the T tokens about to be written (pending slots);
-    * :meth:`write` (called once per layer during a forward) stores the pending K/V and returns
-      views over ``[0, length + T)``; :meth:`view` returns them again;
+    * :meth:`write` (called once per layer during a forward) stores the pending K/V; :meth:`view`
+      returns views over ``[0, length + T)`` (what attention reads);
     * :meth:`commit` keeps a subset of the pending slots, in the given order, right after the
       committed ones; :meth:`select` keeps a subset of the committed slots (compaction);
     * :meth:`reserve` grows the buffers (beam search's trie can outgrow its first estimate).
@@ -56,11 +56,8 @@ class KVCache:
         self.pending = n
         self.peak = max(self.peak, self.length + n)
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new K/V ``[1, kv_heads, T, head_dim]`` in the pending slots.
-
-        Returns views ``[1, kv_heads, length + T, head_dim]`` over committed + pending slots.
-        """
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store one layer's new K/V ``[1, kv_heads, T, head_dim]`` in the pending slots."""
         if layer == len(self.keys):  # lazy allocation: shapes, dtype and device come from the model
             shape_k = (keys.shape[0], keys.shape[1], self.capacity, keys.shape[3])
             shape_v = (values.shape[0], values.shape[1], self.capacity, values.shape[3])
@@ -69,16 +66,14 @@ class KVCache:
         n = keys.shape[-2]
         if n != self.pending:
             raise TriedecError(f"layer {layer} wrote {n} tokens but {self.pending} were staged")
-        end = self.length + n
-        self.keys[layer][:, :, self.length : end] = keys
-        self.values[layer][:, :, self.length : end] = values
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        self.keys[layer].narrow(2, self.length, n).copy_(keys)
+        self.values[layer].narrow(2, self.length, n).copy_(values)
 
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[1, kv_heads, length + pending, head_dim]`` of one layer's committed + pending
         K and V (what attention reads during a forward, after :meth:`write`)."""
         end = self.length + self.pending
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        return self.keys[layer].narrow(2, 0, end), self.values[layer].narrow(2, 0, end)
 
     # ---- after the forward --------------------------------------------------------------------
 

@@ -4,10 +4,9 @@ Node 0 is the root: the last committed token, whose KV is *not* yet in the cache
 is a draft token whose parent has a smaller index (topological order). From this value we derive
 
 * ``depths``       -- depth of each node (root = 0),
-* ``ancestry``     -- ``[T, T]``: which nodes lie on each node's root path (its path to the root),
-* ``visibility``   -- which cache slots and tree nodes each node may attend to: all of the cache,
-                      its ancestors and itself (:func:`additive_mask` turns it into the 4D
-                      attention mask the adapter passes),
+* ``ancestry``     -- ``[T, T]``: which nodes lie on each node's root path (its path to the root):
+                      what each node may attend to among the tree's nodes, besides the whole cache
+                      (the adapter turns it into the 4D attention mask),
 * ``positions``    -- position ids ``[1, T]`` = cache length + depth,
 * ``children`` / ``child_lists`` -- each node's children, which acceptance walks.
 
@@ -23,17 +22,6 @@ from functools import cached_property
 import torch
 
 from triedec.errors import TriedecError
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Turn a bool visibility matrix ``[q, k]`` into an additive mask ``[1, 1, q, k]``.
-
-    Visible entries are 0, blocked ones ``torch.finfo(dtype).min`` (a bool mask is silently wrong
-    with ``eager`` attention, so triedec always passes this float form).
-    """
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 @dataclass(frozen=True)
@@ -165,12 +153,6 @@ class TokenTree:
         return anc
 
     # ---- model inputs -------------------------------------------------------------------------
-
-    def visibility(self, cache_len: int) -> torch.Tensor:
-        """Bool ``[T, cache_len + T]``: every node sees the whole cache, its ancestors and itself."""
-        vis = torch.ones((self.size, cache_len + self.size), dtype=torch.bool)
-        vis[:, cache_len:] = self.ancestry
-        return vis
 
     def positions(self, cache_len: int) -> torch.Tensor:
         """Position ids ``[1, T]``: cache length + depth."""

@@ -5,10 +5,11 @@ Protocol (one process, one loaded model):
 
 * the requests are distinct chat prompts (first turns of the selected questions), the same ones at
   every concurrency, each asking for ``max_tokens`` tokens, greedy;
-* every (method, concurrency) phase gets a **fresh server over fresh learned state**
-  (:meth:`~triedec.lm.LM.fresh`): a prompt answered in an earlier phase would otherwise be
-  drafted from its own answer by auto's store, which measures replay, not serving. One warm-up
-  request on a prompt outside the sample starts each phase (untimed);
+* every (method, concurrency) phase gets a **fresh server**: a ``triedec serve`` process of its
+  own, started as a user would start it (same model flags; the device calibration read from the
+  shared cache), so learned state starts fresh too: a prompt answered in an earlier phase would
+  otherwise be drafted from its own answer by auto's store, which measures replay, not serving.
+  One warm-up request on a prompt outside the sample starts each phase (untimed);
 * the phases run in a seeded random order, so that no method or concurrency always runs first;
 * clients are the ``openai`` client over loopback (:mod:`triedec.bench.load`), ``concurrency``
   requests in flight at a time; a phase's tokens/s is its completion tokens over its wall time;
@@ -25,16 +26,21 @@ Protocol (one process, one loaded model):
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from triedec.bench.datasets import Question
 from triedec.bench.harness import first_mismatch
-from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
+from triedec.bench.load import LoadRequest, run_load, summarize_load
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
 
@@ -80,14 +86,75 @@ def chat_requests(questions: Sequence[Question], max_tokens: int) -> list[LoadRe
     return out
 
 
-def _solo(lm: LM, method: str, requests: Sequence[LoadRequest]) -> tuple[list[list[int]], list[str], float]:
+@dataclass(frozen=True)
+class Entry:
+    """A method as the benchmark names it (``name[:key=value...]``): its label, name, and options
+    as text (``flags``, for ``triedec serve``) and parsed (``options``, for the API)."""
+
+    label: str
+    name: str
+    texts: dict[str, str]
+    options: dict[str, object]
+
+    @classmethod
+    def parse(cls, entry: str) -> Entry:
+        from triedec.bench.run import parse_method_entry
+        from triedec.methods import method
+
+        name, texts = parse_method_entry(entry)
+        return cls(entry.strip(), name, texts, method(name).spec.parse_options(texts))
+
+    @property
+    def flags(self) -> list[str]:
+        out = ["--method", self.name]
+        for key, text in self.texts.items():
+            out += [f"--{self.name}-{key.replace('_', '-')}", text]
+        return out
+
+
+@contextlib.contextmanager
+def server_process(serve_args: Sequence[str], entry: Entry, model_name: str, max_running: int,
+                   timeout: float = 300.0) -> Iterator[str]:
+    """A ``triedec serve`` process on a free loopback port for the block (``serve_args``: the
+    model flags); yields its base URL; SIGTERM and a wait at the end."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "triedec.cli", "serve", *serve_args, *entry.flags, "--port", str(port),
+               "--model-name", model_name, "--max-running", str(max_running)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise TriedecError(f"triedec serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TriedecError("triedec serve did not start in time")
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _solo(lm: LM, entry: Entry, requests: Sequence[LoadRequest]) -> tuple[list[list[int]], list[str], float]:
     """In-process ``lm.generate``, one at a time, fresh state: token ids, texts, tokens/s in total."""
     fresh = lm.fresh()
-    fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], method, max_new_tokens=8)
+    fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], entry.name, max_new_tokens=8, **entry.options)
     ids, texts, seconds = [], [], 0.0
     for r in requests:
         start = time.perf_counter()
-        out = fresh.generate(list(r.messages or ()), method, max_new_tokens=r.max_tokens)
+        out = fresh.generate(list(r.messages or ()), entry.name, max_new_tokens=r.max_tokens, **entry.options)
         seconds += time.perf_counter() - start
         ids.append(out.token_ids)
         texts.append(out.text)
@@ -104,26 +171,41 @@ def _mismatches(lm: LM, prompts: Sequence[list[int]], reference: Sequence[list[i
 
 
 def _hf_generate_batch(lm: LM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-    """Stock transformers' ``generate_batch`` on the unmodified model (greedy): tokens per
-    prompt, in order, and the seconds it took."""
+    """Stock transformers' ``generate_batch`` (continuous batching) on the unmodified model,
+    greedy, after one untimed warm-up call: tokens per prompt, in order, and the seconds the timed
+    call took. Its own INFO logging is quieted for the call."""
+    import logging
+
     from transformers import GenerationConfig
 
     model = lm.reference_model()
     eos = sorted(lm.eos_token_ids)
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos or None,
                               pad_token_id=lm.tokenizer.pad_token_id or (eos[0] if eos else 0))
-    start = time.perf_counter()
-    outputs = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config, progress_bar=False)
-    seconds = time.perf_counter() - start
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        model.generate_batch(inputs=[list(prompts[0])], generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id))
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
+                                       progress_bar=False)
+        seconds = time.perf_counter() - start
+    finally:
+        logger.setLevel(level)
     by_id = sorted(outputs.values(), key=lambda o: int(str(o.request_id).rsplit("_", 1)[-1]))
     return [list(o.generated_tokens) for o in by_id], seconds
 
 
 def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], config: ServingConfig,
-                model_name: str = "default", progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the protocol (module doc); the results as a JSON-able dict."""
-    from triedec.server import ServerConfig, create_app
-
+                serve_args: Sequence[str], model_name: str = "default",
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the protocol (module doc); the results as a JSON-able dict. ``methods`` are entries
+    (``name[:key=value...]``); ``serve_args`` are the model flags of ``triedec serve`` that load the
+    same model as ``lm``."""
+    entries = {e.label: e for e in map(Entry.parse, methods)}
+    methods = list(entries)
     requests = chat_requests(questions, config.max_tokens)
     if len(requests) < max(config.concurrencies):
         raise TriedecError(f"{len(requests)} distinct requests cannot load a concurrency of "
@@ -133,14 +215,13 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
     solo = {}
     for m in methods:
         say(f"in-process solo: {m}")
-        solo[m] = _solo(lm, m, requests)
+        solo[m] = _solo(lm, entries[m], requests)
     phases = [(m, c) for m in methods for c in config.concurrencies]
     random.Random(config.seed).shuffle(phases)
     rows = []
     for m, c in phases:
         say(f"server: {m} at concurrency {c}")
-        server = ServerConfig(method=m, model_name=model_name, max_running=max(config.concurrencies))
-        with serving(create_app(lm.fresh(), server)) as base:
+        with server_process(serve_args, entries[m], model_name, max(config.concurrencies)) as base:
             url = f"{base}/v1"
             run_load(url, model_name, [LoadRequest(8, messages=[{"role": "user", "content": WARMUP_PROMPT}])], 1)
             responses, seconds = run_load(url, model_name, requests, concurrency=c)
@@ -159,10 +240,13 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         timed = {}
         for who in order:
             if who == "triedec":
+                first = entries[methods[0]]
                 fresh = lm.fresh()
-                fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], methods[0], max_new_tokens=8)
+                fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], first.name, max_new_tokens=8,
+                               **first.options)
                 start = time.perf_counter()
-                outs = fresh.generate_batch(prompts[:n], methods[0], max_new_tokens=config.max_tokens, progress=False)
+                outs = fresh.generate_batch(prompts[:n], first.name, max_new_tokens=config.max_tokens, progress=False,
+                                            **first.options)
                 timed[who] = ([o.token_ids for o in outs], time.perf_counter() - start)
             else:
                 timed[who] = _hf_generate_batch(lm, prompts[:n], config.max_tokens)
@@ -207,12 +291,12 @@ def serving_markdown(results: dict[str, Any]) -> str:
     by_c: dict[int, dict[str, float]] = {}
     for r in results["phases"]:
         by_c.setdefault(r["concurrency"], {})[r["method"]] = r["tokens_per_s"]
-    if len(results["methods"]) > 1:
-        first, second = results["methods"][:2]
-        lines += ["", f"| concurrency | {first} / {second}, total tokens/s |", "|---|---|"]
+    others = [m for m in results["methods"] if m != "ar"]
+    if "ar" in results["methods"] and others:
+        lines += ["", "| concurrency | " + " | ".join(f"{m} / ar, total tokens/s" for m in others) + " |",
+                  "|---|" + "---|" * len(others)]
         for c, row in sorted(by_c.items()):
-            if first in row and second in row:
-                lines.append(f"| {c} | {row[first] / row[second]:.2f}x |")
+            lines.append(f"| {c} | " + " | ".join(f"{row[m] / row['ar']:.2f}x" for m in others) + " |")
     if results["generate_batch"]:
         lines += ["", "| requests | triedec `generate_batch` tokens/s | transformers `generate_batch` tokens/s | "
                   "speedup | tokens that differ from solo (triedec / transformers) |", "|---|---|---|---|---|"]

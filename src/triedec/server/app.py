@@ -108,19 +108,24 @@ class _Service:
         if self.metrics is not None:
             self.metrics.step(carried)
 
-    def prepare(self, req: Generation, prompt: Any, chat: bool) -> _Prepared:
-        """Validate everything and make the request's run (in a worker thread: building a method
-        may measure the device)."""
-        lm, config = self.lm, self.config
+    def method_of(self, req: Generation) -> tuple[str, dict[str, Any]]:
+        """The request's method and options; refuses unsupported fields and unknown models."""
+        config = self.config
         unsupported = req.unsupported()
         if unsupported:
             raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec returns one choice, "
                                "without logprobs, tools or penalties other than repetition_penalty)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
-        method = req.method or config.method
         options = dict(config.method_options) if req.method is None else {}
         options.update(req.method_options or {})
+        return req.method or config.method, options
+
+    def prepare(self, req: Generation, prompt: Any, chat: bool) -> _Prepared:
+        """Validate everything and make the request's run (in a worker thread; the method is
+        already built, on the engine thread)."""
+        lm, config = self.lm, self.config
+        method, options = self.method_of(req)
         ids = lm.encode(prompt, chat=chat)
         limit = getattr(req, "max_completion_tokens", None)
         limit = req.max_tokens if limit is None else limit
@@ -141,6 +146,9 @@ class _Service:
         label = req.method or self.config.method
         label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
         try:
+            method, options = self.method_of(req)
+            # built on the engine thread: building may measure the device (torch ops; see the scheduler)
+            await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, **options)))
             prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat)
             job = Job(prepared.run, asyncio.get_running_loop())
             self.scheduler.submit(job)
@@ -151,7 +159,6 @@ class _Service:
             self.metrics.requests.labels(shape.endpoint, label, "404").inc()
             return error(404, str(exc), "not_found_error", "model")
         except QueueFull as exc:
-            prepared.run.close()
             self.metrics.requests.labels(shape.endpoint, label, "503").inc()
             return error(503, str(exc), "server_overloaded")
         return job, prepared
@@ -378,11 +385,38 @@ class _BodyLimit:
 
 
 def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn): stop accepting, let in-flight requests finish
-    for ``config.drain_seconds``, cancel the rest, write the learned state."""
+    """Run the server until SIGINT/SIGTERM: the engine's loop on this (the main) thread, where the
+    model was loaded (see :mod:`triedec.server.scheduler` on why), uvicorn on a thread of its own.
+    On the first signal uvicorn stops accepting and lets in-flight requests finish for
+    ``config.drain_seconds``; the scheduler then cancels the rest and writes the learned state. A
+    second signal exits at once."""
+    import signal
+    import threading
+
     import uvicorn
 
     app = create_app(lm, config)
+    scheduler: Scheduler = app.state.scheduler
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
                                            timeout_graceful_shutdown=int(config.drain_seconds)))
-    server.run()
+    scheduler.claim()
+    http = threading.Thread(target=server.run, name="triedec-http")
+
+    def stop(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
+    watcher = threading.Thread(target=lambda: (http.join(), scheduler.close()), name="triedec-http-watch", daemon=True)
+    watcher.start()  # uvicorn ended (shut down, or failed to start): stop the engine too
+    try:
+        scheduler.run()
+    finally:
+        server.should_exit = True
+        http.join(config.drain_seconds + 10)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not server.started:
+        raise TriedecError(f"the server could not start on {host}:{port} (see the log above)")

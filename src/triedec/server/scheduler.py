@@ -8,11 +8,21 @@ searches beside it), and hands each job its new tokens: ``("tokens", list[int])`
 ``("done", Outcome)``, ``("error", exception)`` or ``("cancelled", None)``. A job cancelled by its
 handler (the client left) leaves the batch at the next step boundary: its session ends and its KV
 is freed. Nothing per request is shared between jobs; the batch is touched by this thread only.
+
+**One thread does all torch work.** Each thread that runs torch ops gets an OpenMP thread team
+of its own; on this 2-core CPU a second team makes every multi-threaded op of the first ~1.5x
+slower (measured: ``lm.generate`` 14.5 tok/s on the thread that loaded the model, 9-10 on another,
+and 6-10 on either once both have run ops). So work that may run torch ops off the request path
+(building a method, which may calibrate) goes through :meth:`Scheduler.call` to the engine thread
+too, and ``triedec serve`` runs the loop on the main thread (:meth:`Scheduler.run`), where the
+model was loaded, with uvicorn on a thread of its own. Embedded uses (tests, ``serving()``) let
+the loop start on a thread of its own with the first request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -63,10 +73,13 @@ class Scheduler:
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._jobs: dict[int, Job] = {}  # id(run) -> job, for the jobs in the batch
         self._depth = (0, 0)
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._running = threading.Event()  # a thread runs the loop
+        self._stopped = threading.Event()  # the loop has ended
 
     @property
     def depth(self) -> tuple[int, int]:
@@ -86,22 +99,59 @@ class Scheduler:
             self.batch.check(job.run)
             self._incoming.append(job)
             self._depth = (self._depth[0], self._depth[1] + 1)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="triedec-scheduler", daemon=True)
-                self._thread.start()
+            self._ensure_loop()
             self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` on the engine thread at the next step boundary (module doc: building a
+        method may run torch ops); its result or exception arrives in the returned future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                future.set_exception(QueueFull("the server is shutting down"))
+                return future
+            self._calls.append((fn, future))
+            self._ensure_loop()
+            self._cond.notify()
+        return future
+
+    def _ensure_loop(self) -> None:
+        """Under the condition: start the loop on a thread of its own unless one runs it."""
+        if self._thread is None and not self._running.is_set():
+            self._running.set()
+            self._thread = threading.Thread(target=self._loop, name="triedec-scheduler", daemon=True)
+            self._thread.start()
+
+    def claim(self) -> None:
+        """Promise that the caller's thread will run the loop (:meth:`run`); requests submitted
+        until then wait for it."""
+        with self._cond:
+            if self._running.is_set():
+                raise RuntimeError("the scheduler's loop already runs")
+            self._running.set()
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`close` (``triedec serve`` calls it on the
+        main thread, after :meth:`claim`)."""
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the scheduler's loop already runs on a thread of its own")
+            self._running.set()
+        self._loop()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop: cancel every job (each run is closed, its session ended), write the learned
-        state, and wait for the thread."""
+        state, and wait for the loop to end."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-            thread = self._thread
+            running, thread = self._running.is_set(), self._thread
         if thread is not None:
             thread.join(timeout)
-        else:
-            self.batch.close()
+        elif not running:
+            self._shutdown()
+        else:  # the loop runs on another thread (triedec serve: the main thread)
+            self._stopped.wait(timeout)
 
     # ---- the scheduler thread -----------------------------------------------------------------
 
@@ -109,12 +159,20 @@ class Scheduler:
         batch = self.batch
         while True:
             with self._cond:
-                while not (self._incoming or self._jobs or self._closed):
+                while not (self._incoming or self._jobs or self._calls or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
                 arrived = list(self._incoming)
                 self._incoming.clear()
+                calls = list(self._calls)
+                self._calls.clear()
+            for fn, future in calls:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as exc:  # handed to the caller
+                        future.set_exception(exc)
             for job in arrived:
                 batch.submit(job.run)
                 self._jobs[id(job.run)] = job
@@ -155,6 +213,10 @@ class Scheduler:
         with self._cond:
             left = [*self._jobs.values(), *self._incoming]
             self._incoming.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, future in calls:
+            future.cancel()
         for job in left:
             self.batch.cancel(job.run)
             job.run.close()
@@ -163,3 +225,4 @@ class Scheduler:
         self.batch.close()  # writes the learned state: nothing is lost at SIGTERM
         with self._cond:
             self._depth = (0, 0)
+        self._stopped.set()
