@@ -328,6 +328,11 @@ def test_serving_tables_compare_each_method_with_ar():
                "machine": {"cpu": "x", "torch_threads": 2, "torch": "2", "transformers": "5"},
                "phase_order": [["auto", 1], ["ar", 1], ["auto", 2], ["ar", 2]], "methods": ["auto", "ar"],
                "phases": [phase("auto", 1, 20.0), phase("auto", 2, 30.0), phase("ar", 1, 10.0), phase("ar", 2, 25.0)],
-               "in_process_tokens_per_s": {"auto": 25.0, "ar": 11.0}, "generate_batch": []}
+               "in_process_tokens_per_s": {"auto": 25.0, "ar": 11.0}, "generate_batch": [],
+               "cost_surface": {"context_tokens": 256, "forward_ms": {"1": 50.0, "16": 100.0},
+                                "batch_forward_ms": {"2": {"2": 55.0, "4": 60.0}}, "context_ms_per_1k_tokens": 6.0}}
     md = serving_markdown(results)
     assert "| auto | 2 | 30.0 | 1.50x |" in md and "| 2 | 1.20x |" in md and "| auto | 25.0 | 20.0 | 0.80x |" in md
+    assert "1 request 50.0 ms (1 token), 100.0 ms (16); 2 requests 55.0 ms (2 tokens)" in md
+    results["cost_surface"] = None
+    assert "calibration" not in serving_markdown(results)

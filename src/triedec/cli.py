@@ -227,11 +227,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
-            "context_tokens": cost.context_tokens,
-            "forward_ms": {str(t): round(s * 1000, 2) for t, s in cost.forward_seconds.items()},
-            "batch_forward_ms": {str(b): {str(t): round(s * 1000, 2) for t, s in row.items()}
-                                 for b, row in cost.batch_seconds.items()},
-            "context_ms_per_1k_tokens": round(cost.context_seconds * 1e6, 3),
+            **cost.surface_ms(),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
             "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cost.forward_seconds.items()}
             if "1" in reference else {},
@@ -407,6 +403,7 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call (bench --serving)
     try:
         if args.command == "methods":
             return cmd_methods()

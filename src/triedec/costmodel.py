@@ -131,6 +131,18 @@ class CostModel:
         fast as a plain step: ``ratio(tokens) - 1`` (a step always yields one token of its own)."""
         return self.ratio(tokens) - 1.0
 
+    def surface_ms(self) -> dict[str, Any]:
+        """The measured surface in milliseconds, as ``calibrate --json`` and benchmark results show
+        it: ``context_tokens``, ``forward_ms`` (one request), ``batch_forward_ms`` (B requests, N
+        tokens in all) and ``context_ms_per_1k_tokens``."""
+        return {
+            "context_tokens": self.context_tokens,
+            "forward_ms": {str(t): round(s * 1000, 2) for t, s in self.forward_seconds.items()},
+            "batch_forward_ms": {str(b): {str(t): round(s * 1000, 2) for t, s in row.items()}
+                                 for b, row in self.batch_seconds.items()},
+            "context_ms_per_1k_tokens": round(self.context_seconds * 1e6, 3),
+        }
+
     def as_dict(self) -> dict[str, Any]:
         return {"forward_seconds": {str(t): s for t, s in self.forward_seconds.items()},
                 "batch_seconds": {str(b): {str(t): s for t, s in row.items()} for b, row in self.batch_seconds.items()},

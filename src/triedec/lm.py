@@ -195,7 +195,24 @@ class LM:
         decoder = self.decoder(method, **options)  # after the cheap checks: building may measure the device
         return decoder.start(prompt_ids, rule, documents, sampling)
 
-    def stream(self, prompt: Prompt, method: str = "auto", **kwargs: Any) -> Generator[list[int], None, Outcome]:
+    def stream(
+        self,
+        prompt: Prompt,
+        method: str = "auto",
+        *,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        context: Sequence[str | Sequence[int]] = (),
+        chat: bool = False,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+        **options: object,
+    ) -> Generator[list[int], None, Outcome]:
         """Yield new token ids as they are accepted (several per step when drafts are accepted;
         with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
         Takes :meth:`generate`'s arguments but ``on_tokens``.
@@ -205,7 +222,11 @@ class LM:
         :meth:`generate` collects it for you. All input is validated before anything runs. The
         request runs alone in an engine batch of its own: the same step as the server's.
         """
-        run = self.start(prompt, method, **kwargs)
+        run = self.start(
+            prompt, method, max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
+            context=context, chat=chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed, **options,
+        )
         return run_alone(self.adapter, run, self.cost_model(), self.limits)
 
     def generate(

@@ -41,8 +41,10 @@ from typing import Any
 from triedec.bench.datasets import Question
 from triedec.bench.harness import first_mismatch
 from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.drafters import NEEDS_COST
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
+from triedec.methods import method
 
 WARMUP_PROMPT = "Name three colours of the rainbow."
 """The untimed request that starts each phase (not in any benchmark sample)."""
@@ -99,7 +101,6 @@ class Entry:
     @classmethod
     def parse(cls, entry: str) -> Entry:
         from triedec.bench.run import parse_method_entry
-        from triedec.methods import method
 
         name, texts = parse_method_entry(entry)
         return cls(entry.strip(), name, texts, method(name).spec.parse_options(texts))
@@ -211,6 +212,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         raise TriedecError(f"{len(requests)} distinct requests cannot load a concurrency of "
                            f"{max(config.concurrencies)}; select more questions")
     say = progress or (lambda text: None)
+    sized = any(NEEDS_COST in method(e.name).needs(method(e.name).make_options(e.options)) for e in entries.values())
+    surface = lm.calibration().cost.surface_ms() if sized else None  # cached: every phase sizes under it
     prompts = [lm.encode(list(r.messages or ()), chat=True) for r in requests]
     solo = {}
     for m in methods:
@@ -262,7 +265,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
     return {"requests": len(requests), "max_tokens": config.max_tokens, "methods": list(methods),
             "concurrencies": list(config.concurrencies), "phase_order": [list(p) for p in phases],
             "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
-            "generate_batch": batches, "kernels": lm.adapter.kernels}
+            "generate_batch": batches, "kernels": lm.adapter.kernels,
+            "cost_surface": surface}
 
 
 def serving_markdown(results: dict[str, Any]) -> str:
@@ -272,6 +276,7 @@ def serving_markdown(results: dict[str, Any]) -> str:
              f"- machine: {results['machine']['cpu']}, {results['machine']['torch_threads']} torch threads; kernels "
              f"{results['kernels']}; torch {results['machine']['torch']}, transformers "
              f"{results['machine']['transformers']}; commit {results.get('commit', '?')}",
+             *_surface_lines(results.get("cost_surface")),
              "- a fresh server over fresh learned state per phase; phases in a seeded random order "
              f"({', '.join(f'{m}@{c}' for m, c in results['phase_order'])})", "",
              "| method | concurrency | tokens/s (total) | x one at a time | p50 latency s | p95 latency s "
@@ -309,6 +314,17 @@ def serving_markdown(results: dict[str, Any]) -> str:
                 lines.append(f"- {r['requests']} requests, request {mm['request']}: first differs at token "
                              f"{mm['position']}, stock top-2 gap {mm.get('top2_gap', float('nan')):.2e}")
     return "\n".join(lines) + "\n"
+
+
+def _surface_lines(surface: dict[str, Any] | None) -> list[str]:
+    """The cost surface the in-process runs sized drafts under (the servers measure or load the
+    same cached calibration), as one line."""
+    if not surface:
+        return []
+    rows = [f"1 request {surface['forward_ms'].get('1', '?')} ms (1 token), "
+            f"{surface['forward_ms'].get('16', '?')} ms (16)"]
+    rows += [f"{b} requests {row.get(b, '?')} ms ({b} tokens)" for b, row in surface["batch_forward_ms"].items()]
+    return [f"- calibration (ms per forward): {'; '.join(rows)}"]
 
 
 def serving_plot(results: dict[str, Any], out: Path) -> Path:
