@@ -212,7 +212,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         raise TriedecError(f"{len(requests)} distinct requests cannot load a concurrency of "
                            f"{max(config.concurrencies)}; select more questions")
     say = progress or (lambda text: None)
-    sized = any(NEEDS_COST in method(e.name).needs(method(e.name).make_options(e.options)) for e in entries.values())
+    found = {e.name: method(e.name) for e in entries.values()}
+    sized = any(NEEDS_COST in found[e.name].needs(found[e.name].make_options(e.options)) for e in entries.values())
     surface = lm.calibration().cost.surface_ms() if sized else None  # cached: every phase sizes under it
     prompts = [lm.encode(list(r.messages or ()), chat=True) for r in requests]
     solo = {}
