@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from triedec.bench.datasets import load_questions, select
+from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.harness import RunRecord, TriedecRunner, summarize
 from triedec.cli import main
 from triedec.errors import TriedecError
@@ -23,6 +23,9 @@ class CorruptingRunner:
         self.inner = TriedecRunner(lm, label, "pld", {})
 
     comparable = True
+
+    def reset(self):
+        self.inner.reset()
 
     def run(self, prompt, max_new_tokens, seed=None):
         rec = self.inner.run(prompt, max_new_tokens, seed)
@@ -83,8 +86,9 @@ def test_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts, capsys):
     assert "WRONG" in capsys.readouterr().out
 
 
-def row(method, category, new_tokens, seconds, steps, identical=True, computed=None):
-    return {"method": method, "category": category, "new_tokens": new_tokens, "seconds": seconds, "steps": steps,
+def row(method, category, new_tokens, seconds, steps, identical=True, computed=None, id=None):
+    return {"id": category if id is None else id, "method": method, "category": category, "new_tokens": new_tokens,
+            "seconds": seconds, "steps": steps,
             "computed_tokens": steps if computed is None else computed, "identical_to_reference": identical,
             "peak_mem_mb": 1.0, "kv_mb": 0.5}
 
@@ -185,15 +189,16 @@ def test_verification_branch_tokens_are_summed_over_runs():
 
 
 def test_spec_bench_sample_is_fixed_and_covers_categories():
-    qs = select(load_questions("spec-bench"), per_category=5)
+    qs = select(split(load_questions("spec-bench"), "evaluation"), per_category=5)
     cats = {}
     for q in qs:
         cats.setdefault(q.category, []).append(q.id)
     assert list(cats) == ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
     assert all(len(v) == 5 for v in cats.values())
-    assert cats["mt_bench"] == ["81", "97", "113", "129", "145"]
+    # evaluation positions 0, 8, 16, 24, 32 are file positions 1, 17, 33, 49, 65 (ids start at 81)
+    assert cats["mt_bench"] == ["82", "98", "114", "130", "146"]
     assert [len(q.turns) for q in qs if q.category == "mt_bench"] == [2] * 5
-    assert qs == select(load_questions("spec-bench"), per_category=5)
+    assert qs == select(split(load_questions("spec-bench"), "evaluation"), per_category=5)
     assert len(select(load_questions("humaneval"), per_category=3)) == 3
     assert {q.category for q in select(load_questions("mbpp"), per_category=2)} == {"mbpp"}
 

@@ -81,12 +81,15 @@ class Calibration:
     profiles: Mapping[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> str:
+    def as_dict(self) -> dict[str, Any]:
+        """Everything measured, as JSON-ready values (what :meth:`to_json` writes)."""
         specs = profile_specs()
-        data = {"format": CALIBRATION_FORMAT, "model_id": self.model_id, "device": self.device, "dtype": self.dtype,
+        return {"format": CALIBRATION_FORMAT, "model_id": self.model_id, "device": self.device, "dtype": self.dtype,
                 "cost": self.cost.as_dict(), "details": self.details,
                 "profiles": {name: specs[name].dump(p) for name, p in self.profiles.items()}}
-        return json.dumps(data, indent=1)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
@@ -214,10 +217,12 @@ def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] 
 # ---- profiles -----------------------------------------------------------------------------------
 
 
-def calibration_prompts(n: int) -> list[str]:
-    """The first ``n`` calibration prompts (``calibration_prompts.json`` beside this module:
-    Spec-Bench first turns, one per category in turn, never in the benchmark's sample)."""
+def calibration_prompts(n: int | None = None) -> list[str]:
+    """The first ``n`` (default: all) calibration prompts (``calibration_prompts.json`` beside this
+    module: Spec-Bench first turns, one per category in turn, all in the benchmark's tuning split)."""
     prompts = json.loads(PROMPTS_FILE.read_text(encoding="utf-8"))["prompts"]
+    if n is None:
+        return prompts
     if not 1 <= n <= len(prompts):
         raise TriedecError(f"calibration has {len(prompts)} prompts; asked for {n}")
     return prompts[:n]

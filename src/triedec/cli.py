@@ -138,15 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default=None,
                        help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
                             "methods, each optionally with inline options as name:key=value:key=value "
-                            "(default hf-greedy,hf-pld,ar,pld; sampling: hf-sample,hf-pld,ar,pld)")
+                            "(default hf-greedy,hf-pld,ar,pld; sampling: hf-sample,hf-pld,ar,pld); "
+                            "llamacpp[:gguf=PATH] adds llama.cpp on the model's GGUF (extra triedec[llamacpp]; "
+                            "quantized, tokens not compared)")
     bench.add_argument("--dataset", default="spec-bench",
                        help="spec-bench, humaneval, mbpp or a path to a .jsonl file (fields prompt or turns)")
     bench.add_argument("--per-category", type=int, default=None,
                        help="questions per category: a fixed, evenly spaced sample (default: all)")
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    bench.add_argument("--split", choices=("evaluation", "tuning", "all"), default=None,
+                       help="which part of a shipped dataset to sample: evaluation (default; never tuned on), "
+                            "tuning (for tuning runs), all; a .jsonl file is sampled whole")
     bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--repeats", type=int, default=1, help="rotations per prompt; the median is reported")
-    bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method (not recorded)")
+    bench.add_argument("--state", choices=("cold", "warm"), default="cold",
+                       help="cold (default): every method starts each prompt from no learned state (one "
+                            "request); warm: learned state carries across the sample in file order, as in a "
+                            "server, reset between repeats")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="timed runs per prompt and method, each in a fresh random order; the median is "
+                            "reported (3 for published runs)")
+    bench.add_argument("--order-seed", type=int, default=0, help="seed of the per-prompt method orders (default 0)")
+    bench.add_argument("--warmup", type=int, default=1,
+                       help="warm-up prompts (outside the sample) every method runs first, untimed (default 1)")
     bench.add_argument("--out", default="bench-results", help="output directory (default %(default)s)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--beams", default="3,8,15",
@@ -163,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
     _add_model_args(bench)
     _add_method_options(bench)
+
+    cmp = sub.add_parser("compare", help="compare two bench results files per prompt (refused across machines "
+                                         "unless --cross-machine)")
+    cmp.add_argument("a", help="results.json (or its directory): the base")
+    cmp.add_argument("b", help="results.json (or its directory): compared with the base")
+    cmp.add_argument("--methods", default=None, help="comma-separated methods to compare (default: every shared one)")
+    cmp.add_argument("--cross-machine", action="store_true",
+                     help="compare files from different machines anyway (the report says so)")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
                                        "streaming, /v1/models, /health, /metrics)")
@@ -362,8 +384,17 @@ def cmd_serving(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from triedec.bench.compare import compare_markdown, compare_results, read_results
+
+    methods = [m for m in args.methods.split(",") if m] if args.methods else None
+    report = compare_results(read_results(args.a), read_results(args.b), methods, args.cross_machine)
+    print(json.dumps(report, indent=1) if args.json else compare_markdown(report, args.a, args.b))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None = None) -> int:
-    from triedec.bench.datasets import load_questions, select
+    from triedec.bench.datasets import DATASETS, load_questions, select
     from triedec.bench.harness import BenchConfig
     from triedec.bench.run import run_entries
 
@@ -374,11 +405,13 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                         sampling=sampling)
+                         sampling=sampling, state=args.state, order_seed=args.order_seed)
     if args.per_category is not None and args.per_category < 1:
         raise TriedecError(f"--per-category must be a positive integer, got {args.per_category}")
     categories = args.categories.split(",") if args.categories else None
     select(load_questions(args.dataset), args.per_category, categories)  # fail fast on bad data
+    if args.split is not None and args.dataset not in DATASETS:
+        raise TriedecError("--split applies to the shipped datasets; a .jsonl file is sampled whole")
     lm = load_model(args)
     progress = None
     if not args.no_progress:
@@ -390,7 +423,8 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     entries = args.methods or ("hf-greedy" if sampling.greedy else "hf-sample") + ",hf-pld,ar,pld"
     _, text = run_entries(
         lm, entries.split(","), args.beams, dataset=args.dataset, out=Path(args.out),
-        per_category=args.per_category, categories=categories, config=config, model_name=_model_name(args),
+        per_category=args.per_category, categories=categories, part=args.split, config=config,
+        model_name=_model_name(args), model_path=args.model,
         option_defaults=given_options(args), extra_runners=extra_runners, progress=progress,
     )
     print(text)
@@ -411,6 +445,8 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
             return cmd_bench(args, extra_runners)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         if args.command == "serve":
             return cmd_serve(args)
         return cmd_generate(args)

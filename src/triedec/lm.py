@@ -103,6 +103,10 @@ class LM:
                                                   **kwargs)
             return self._calibration
 
+    def loaded_calibration(self) -> Calibration | None:
+        """The calibration loaded or measured so far (None if nothing needed one yet)."""
+        return self._calibration
+
     def cost_model(self) -> CostModel | None:
         """The device's cost model the engine sizes drafts under, once any built method needed it
         (None before: drafts are then sized as for a flat curve)."""

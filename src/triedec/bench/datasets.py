@@ -1,6 +1,13 @@
 """Benchmark questions: Spec-Bench, HumanEval, MBPP (shipped in the package), ``repeated`` (a
 workload asked twice, built from the first two), or a user's JSONL.
 
+**Splits.** The shipped datasets are cut into two fixed halves by position within each category
+(file order, counted from 0): the *tuning* split holds the even positions plus positions 7 and 41,
+the *evaluation* split the other odd positions. Every default, threshold and calibration prompt of
+triedec was chosen on tuning prompts (see :data:`TUNED_ON`); a published run samples the evaluation
+split only, and warm-up runs use tuning prompts, so no timed prompt was ever seen before.
+A user's JSONL file has no split: all of it is the sample.
+
 Files are found in the installed package (``triedec/bench/data``); if that copy is missing, in
 ``../shared/data`` next to the current directory (the project's shared folder, a documented
 fallback for source checkouts).
@@ -44,6 +51,41 @@ def data_path(name: str) -> Path:
     if shared.is_file():
         return shared
     raise TriedecError(f"data file {name} not found in the package ({packaged}) nor in {shared}")
+
+
+SPLITS = ("evaluation", "tuning", "all")
+EXTRA_TUNING_POSITIONS = frozenset({7, 41})
+"""Odd positions that were tuned on before the split existed (``benchmarks/pld-tuning/tune.jsonl``),
+and so belong to the tuning split."""
+TUNED_ON = (
+    "pld, ngram-trie and lookahead defaults: positions 7 and 41 of each Spec-Bench category "
+    "(benchmarks/pld-tuning/tune.jsonl); auto's three revisions and every earlier published Spec-Bench "
+    "table: positions 0, 16, 32, 48, 64; the repeated workload: positions 0 and 40; calibration prompts "
+    "(recycling's profile, the cost curve): positions 8, 24, 40, 56, 72 -- all in the tuning split"
+)
+"""What was tuned on which prompts (recorded in every results file)."""
+
+
+def in_tuning_split(position: int) -> bool:
+    """Whether the question at ``position`` of its category (file order, from 0) is a tuning prompt."""
+    return position % 2 == 0 or position in EXTRA_TUNING_POSITIONS
+
+
+def split(questions: Sequence[Question], part: str) -> list[Question]:
+    """The ``part`` (``evaluation``, ``tuning`` or ``all``) of a shipped dataset's questions, in
+    file order (positions counted per category)."""
+    if part not in SPLITS:
+        raise TriedecError(f"--split must be one of {', '.join(SPLITS)}, got {part!r}")
+    if part == "all":
+        return list(questions)
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        position = seen.get(q.category, 0)
+        seen[q.category] = position + 1
+        if in_tuning_split(position) == (part == "tuning"):
+            out.append(q)
+    return out
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -171,3 +213,36 @@ def select(
         k = len(items) if per_category is None else min(per_category, len(items))
         out += [items[i * len(items) // k] for i in range(k)]
     return out
+
+
+def warmup_questions(dataset: str, sample: Sequence[Question], count: int) -> list[Question]:
+    """``count`` single-turn warm-up questions that share no turn with ``sample``: a shipped
+    dataset's tuning split, one category after another; for a user's file, triedec's calibration
+    prompts (themselves Spec-Bench tuning prompts)."""
+    from triedec.calibration import calibration_prompts
+
+    if count == 0:
+        return []
+    if dataset in DATASETS:
+        by_cat: dict[str, list[Question]] = {}
+        for q in split(load_questions(dataset), "tuning"):
+            by_cat.setdefault(q.category, []).append(q)
+        rounds = max((len(v) for v in by_cat.values()), default=0)
+        pool = [Question(f"warmup-{q.id}", q.category, q.turns[:1])
+                for i in range(rounds) for items in by_cat.values() if i < len(items) for q in items[i:i + 1]]
+    else:
+        prompts = calibration_prompts()
+        pool = [Question(f"warmup-{i}", "warm-up", (p,)) for i, p in enumerate(dict.fromkeys(prompts))]
+    used = {t for q in sample for t in q.turns}
+    pool = [q for q in pool if q.turns[0] not in used]
+    if len(pool) < count:
+        raise TriedecError(f"only {len(pool)} warm-up prompts lie outside the sample; use --warmup {len(pool)} or less")
+    return pool[:count]
+
+
+def questions_sha256(questions: Sequence[Question]) -> str:
+    """A hash of the questions' ids, categories and turns, in order (what a run was measured on)."""
+    import hashlib
+
+    data = json.dumps([[q.id, q.category, list(q.turns)] for q in questions], ensure_ascii=False)
+    return hashlib.sha256(data.encode()).hexdigest()

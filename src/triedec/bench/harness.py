@@ -1,13 +1,20 @@
 """The benchmark protocol and its metrics.
 
 Protocol (one process, one loaded model):
-* warm-up runs of every method first (not recorded);
-* methods interleaved per prompt: prompt 1 with every method, then prompt 2, ...; the order of
-  methods rotates with each repeat so that no method always runs first;
-* ``repeats`` rotations per prompt; a sample's time is the median of its repeats;
+* the sample comes from the dataset's evaluation split; warm-up runs (untimed, every method) use
+  prompts outside the sample (:func:`~triedec.bench.datasets.warmup_questions`);
+* state, ``cold`` (the default): every method is reset before each timed run, so each run
+  measures one request on its own; ``warm``: each repeat is one pass over the sample in file order
+  from reset state (warm-up first), learned state carrying from prompt to prompt as in a server,
+  never from one repeat to the next (no method drafts a prompt from its own earlier answer to it);
+* order: for every prompt and every repeat, the methods run in a fresh random order, seeded
+  (:meth:`BenchConfig.order`), recorded per sample (``order_positions``);
+* ``repeats`` timed runs per prompt and method; a prompt's time is the median of its repeats;
 * wall clock with ``time.perf_counter`` (plus ``torch.cuda.synchronize`` on GPU);
-* speed is compared with the first method, the stock transformers baseline (``hf-greedy``; with
-  sampling, ``hf-sample``);
+* speed is compared with the stock transformers baseline (``hf-greedy``; with sampling,
+  ``hf-sample``) and with triedec's own ``ar``, both as Spec-Bench does (ratio of mean tokens/s)
+  and paired per prompt (geometric mean and median of per-prompt speedups, with a 95% bootstrap
+  interval over prompts; :mod:`triedec.bench.stats`);
 * every method's tokens are compared with the token reference for the same prompt: ``hf-greedy``,
   or with sampling triedec's ``ar`` at the same seed (sampled text depends only on the seed, so any
   difference is a bug; transformers' own sampled runs draw from torch's RNG and are not compared);
@@ -15,7 +22,9 @@ Protocol (one process, one loaded model):
   greedy mismatch records its first differing position and stock transformers' top-2 logit gap
   there (``first_mismatch``), so a near-tie broken by another fp32 kernel can be told from a bug;
 * with sampling, prompt k (counted from 0 over the run) is sampled with seed ``seed + k`` by every
-  method, transformers' baselines included (``torch.manual_seed``).
+  method, transformers' baselines included (``torch.manual_seed``);
+* every sample records its output token ids (``tokens``, from the first repeat; ``repeats_identical``
+  says whether every repeat gave the same).
 
 Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``tokens_per_s``: mean over samples of new tokens / seconds;
@@ -30,6 +39,8 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
   triedec's plain decoding), when ``ar`` ran;
 * ``repeated_4grams``: the mean share of an output's 4-grams that already occurred earlier in it
   (how repetitive the outputs are: a small model's greedy loops inflate every lookup method);
+  ``prompt_copy_4grams``: the mean share of its 4-grams found in its prompt (copying, which
+  prompt lookup and the context trie feed on);
 * ``peak_mem_mb``: the largest peak-memory increase of one run (RSS on CPU, allocated on GPU);
 * ``kv_mb``: the largest KV cache of one run (triedec: its preallocated buffers; transformers:
   the cache tensors it returns);
@@ -42,17 +53,23 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 from __future__ import annotations
 
 import gc
+import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from triedec.bench.datasets import Question
+from triedec.bench.stats import compare
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
+from triedec.methods import method as find_method
 from triedec.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
 
 REFERENCE = "hf-greedy"
@@ -79,13 +96,16 @@ class RunRecord:
 
 class Runner(Protocol):
     """A benchmarked method: ``run`` generates from prompt token ids, greedily or sampling with
-    ``seed`` (None when greedy). ``comparable``: whether its tokens are checked against the token
-    reference (transformers' own sampling is not: it draws from torch's RNG)."""
+    ``seed`` (None when greedy); ``reset`` forgets everything the method learned from earlier runs
+    (it is not timed). ``comparable``: whether its tokens are checked against the token reference
+    (transformers' own sampling is not: it draws from torch's RNG)."""
 
     label: str
     comparable: bool
 
     def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord: ...
+
+    def reset(self) -> None: ...
 
 
 class _ForwardCounter:
@@ -158,6 +178,9 @@ class HFRunner:
         self.lm, self.label, self.sampling, self.extra = lm, label, sampling, extra
         self.comparable = sampling.greedy
 
+    def reset(self) -> None:
+        """Nothing to forget: transformers keeps no state between ``generate`` calls."""
+
     def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
         if not self.sampling.greedy:
             torch.manual_seed(seed or 0)
@@ -168,14 +191,36 @@ class HFRunner:
 
 class TriedecRunner:
     """A triedec method with fixed options, through the public API (``LM.generate``), greedy or
-    sampling as ``sampling`` says (its seed replaced by each run's)."""
+    sampling as ``sampling`` says (its seed replaced by each run's). ``reset`` rebuilds the method
+    on :meth:`LM.fresh` of the model: the same weights and calibration, no learned state. Options
+    naming a learned-state file (``state_files``) point at a private copy, restored from the
+    user's file at every reset, so state never flows from one reset to the next through the file
+    and the user's file is never written."""
 
     comparable = True
 
     def __init__(self, lm: LM, label: str, method: str, options: dict[str, Any],
-                 sampling: Sampling = GREEDY_SAMPLING) -> None:
-        self.lm, self.label, self.method, self.options, self.sampling = lm, label, method, options, sampling
-        lm.decoder(method, **options)  # validate and build now, before anything is timed
+                 sampling: Sampling = GREEDY_SAMPLING, state_files: Sequence[str] = ()) -> None:
+        self.base, self.label, self.method, self.sampling = lm, label, method, sampling
+        self.options = dict(options)
+        self.originals = {name: Path(str(options[name])) for name in state_files}
+        self.scratch = tempfile.TemporaryDirectory(prefix="triedec-bench-") if state_files else None
+        # what the method needs measured is loaded into the shared model first, so every fresh
+        # copy starts from the same calibration (and the results record it)
+        found = find_method(method)
+        lm.model_info(found.needs(found.make_options(options)))
+        self.reset()  # validates and builds now, before anything is timed
+
+    def reset(self) -> None:
+        for name, original in self.originals.items():
+            assert self.scratch is not None
+            copy = Path(self.scratch.name) / f"{name}-{original.name}"
+            copy.unlink(missing_ok=True)
+            if original.exists():
+                shutil.copyfile(original, copy)
+            self.options[name] = str(copy)
+        self.lm = self.base.fresh()
+        self.lm.decoder(self.method, **self.options)
 
     def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
         sampling = {**self.sampling.as_dict(), "seed": seed}
@@ -226,16 +271,22 @@ def measured(runner: Runner, prompt: list[int], max_new_tokens: int, device: tor
 
 # ---- protocol ---------------------------------------------------------------------------------
 
+STATES = ("cold", "warm")
+
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """The run's protocol values; ``sampling`` (greedy by default) applies to every method, and a
-    sampled run starts from ``sampling.seed`` (0 if None)."""
+    """The run's protocol values (see the module doc); ``sampling`` (greedy by default) applies to
+    every method, and a sampled run starts from ``sampling.seed`` (0 if None). ``warmup``: warm-up
+    prompts (outside the sample) every method runs untimed; ``order_seed`` seeds the per-prompt
+    method orders."""
 
     max_new_tokens: int = 256
     repeats: int = 1
     warmup: int = 1
     sampling: Sampling = GREEDY_SAMPLING
+    state: str = "cold"
+    order_seed: int = 0
 
     def __post_init__(self) -> None:
         positive_int("--max-new-tokens", self.max_new_tokens)
@@ -244,6 +295,10 @@ class BenchConfig:
             raise TriedecError(f"--warmup must be a non-negative integer, got {self.warmup!r}")
         if not isinstance(self.sampling, Sampling):
             raise TriedecError("sampling must be a triedec Sampling")
+        if self.state not in STATES:
+            raise TriedecError(f"--state must be one of {', '.join(STATES)}, got {self.state!r}")
+        if isinstance(self.order_seed, bool) or not isinstance(self.order_seed, int):
+            raise TriedecError(f"--order-seed must be an integer, got {self.order_seed!r}")
 
     @property
     def speed_reference(self) -> str:
@@ -257,6 +312,18 @@ class BenchConfig:
         """The seed of the run's ``index``-th prompt (None when greedy)."""
         return None if self.sampling.greedy else (self.sampling.seed or 0) + index
 
+    def order(self, labels: Sequence[str], prompt_index: int, repeat: int) -> list[str]:
+        """The methods' order for one prompt and repeat: a fresh shuffle, seeded by
+        (``order_seed``, prompt index, repeat), so a run's orders are random yet reproducible."""
+        shuffled = list(labels)
+        random.Random(f"{self.order_seed}:{prompt_index}:{repeat}").shuffle(shuffled)
+        return shuffled
+
+
+def sample_id(q: Question, turn: int) -> str:
+    """A prompt's id in the results: the question's, with ``-turnN`` for multi-turn questions."""
+    return q.id if len(q.turns) == 1 else f"{q.id}-turn{turn + 1}"
+
 
 def run_benchmark(
     lm: LM,
@@ -264,85 +331,134 @@ def run_benchmark(
     questions: Sequence[Question],
     config: BenchConfig,
     progress: Callable[[int], Any] | None = None,
+    warmup: Sequence[Question] = (),
 ) -> tuple[list[dict], list[dict]]:
-    """Run the protocol; return ``(samples, skipped)``. ``runners[0]`` must be the speed reference
-    and the token reference must be among them (:class:`BenchConfig`).
+    """Run the protocol; return ``(samples, skipped)``: one sample per prompt and method. The speed
+    and token references (:class:`BenchConfig`) must be among ``runners``; ``warmup`` questions
+    (first turns, outside the sample) are run untimed by every method.
+
+    * ``cold``: every runner is reset before each of its timed runs (nothing learned carries from
+      one prompt, or one repeat, to the next); warm-up runs once, before the sample.
+    * ``warm``: each repeat is a pass over the whole sample in file order from reset state,
+      warm-up prompts first; learned state carries from prompt to prompt within a pass, never from
+      a pass to the next, so no method sees a timed prompt twice.
 
     ``progress(total)`` may return an object with ``update(n)`` and ``set_description(s)``.
     """
-    if not runners or runners[0].label != config.speed_reference:
-        raise TriedecError(f"the first method must be the reference {config.speed_reference!r}")
     labels = [r.label for r in runners]
-    if config.token_reference not in labels:
-        raise TriedecError(f"the token reference {config.token_reference!r} must be among the methods")
+    for wanted in (config.speed_reference, config.token_reference):
+        if wanted not in labels:
+            raise TriedecError(f"the reference {wanted!r} must be among the methods")
     if len(set(labels)) != len(labels):
         raise TriedecError(f"methods listed twice: {labels}")
+    by_label = {r.label: r for r in runners}
     chat = lm.has_chat_template
     total = sum(len(q.turns) for q in questions) * len(runners) * config.repeats
     bar = progress(total) if progress else None
+    warm_prompts = [lm.encode(_messages([], q.turns[0], chat)) for q in warmup]
+    records: dict[str, dict[str, list[RunRecord]]] = {}
+    orders: dict[str, list[list[str]]] = {}
+    prompts: dict[str, tuple[Question, int, list[int], int | None]] = {}
+    skipped: dict[str, dict] = {}
 
-    if questions and config.warmup:
-        warm = lm.encode(_messages([], questions[0].turns[0], chat))
-        for _ in range(config.warmup):
+    def warm_up() -> None:
+        for prompt in warm_prompts:
             for runner in runners:
-                runner.run(warm, min(config.max_new_tokens, 32), config.seed(0))
+                runner.run(prompt, min(config.max_new_tokens, 32), config.seed(0))
 
-    samples: list[dict] = []
-    skipped: list[dict] = []
-    count = 0
-    for q in questions:
-        history: list[dict[str, str]] = []
-        for turn_index, turn in enumerate(q.turns):
-            prompt = lm.encode(_messages(history, turn, chat))
-            seed = config.seed(count)
-            count += 1
-            if lm.max_context is not None and len(prompt) + config.max_new_tokens > lm.max_context:
-                skipped.append({"id": q.id, "turn": turn_index, "prompt_tokens": len(prompt), "why": "context"})
-                if bar:
-                    bar.update(len(runners) * config.repeats)
-                break
-            records: dict[str, list[RunRecord]] = {label: [] for label in labels}
-            for rep in range(config.repeats):
-                shift = rep % len(runners)
-                for runner in runners[shift:] + runners[:shift]:
+    def timed(key: str, index: int, prompt: list[int], seed: int | None, repeat: int) -> None:
+        order = config.order(labels, index, repeat)
+        orders.setdefault(key, []).append(order)
+        for label in order:
+            runner = by_label[label]
+            if config.state == "cold":
+                runner.reset()
+            if bar:
+                bar.set_description(f"{key} {label}")
+            records.setdefault(key, {}).setdefault(label, []).append(
+                measured(runner, prompt, config.max_new_tokens, lm.device, seed))
+            if bar:
+                bar.update(1)
+
+    def walk(repeats: Sequence[int]) -> None:
+        index = 0
+        for q in questions:
+            history: list[dict[str, str]] = []
+            for turn_index, turn in enumerate(q.turns):
+                key = sample_id(q, turn_index)
+                prompt = lm.encode(_messages(history, turn, chat))
+                seed = config.seed(index)
+                if lm.max_context is not None and len(prompt) + config.max_new_tokens > lm.max_context:
+                    skipped[key] = {"id": q.id, "turn": turn_index, "prompt_tokens": len(prompt), "why": "context"}
                     if bar:
-                        bar.set_description(f"{q.category} {q.id} {runner.label}")
-                    records[runner.label].append(measured(runner, prompt, config.max_new_tokens, lm.device, seed))
-                    if bar:
-                        bar.update(1)
-            reference = records[config.token_reference][0].tokens
+                        bar.update(len(runners) * len(repeats) * (len(q.turns) - turn_index))
+                    break
+                prompts[key] = (q, turn_index, prompt, seed)
+                for repeat in repeats:
+                    timed(key, index, prompt, seed, repeat)
+                index += 1
+                if chat:
+                    answer = records[key][config.token_reference][-1].tokens
+                    history += [{"role": "user", "content": turn},
+                                {"role": "assistant", "content": lm.tokenizer.decode(answer, skip_special_tokens=True)}]
+
+    if config.state == "cold":
+        warm_up()
+        walk(range(config.repeats))
+    else:
+        for repeat in range(config.repeats):
             for runner in runners:
-                label, recs = runner.label, records[runner.label]
-                first = recs[0]
-                identical = all(r.tokens == reference for r in recs) if runner.comparable else None
-                differing = next((r.tokens for r in recs if r.tokens != reference), None) if identical is False \
-                    else None
-                diagnosis = {} if differing is None else {
-                    "first_mismatch": first_mismatch(lm, prompt, reference, differing, config.sampling, seed)}
-                samples.append({
-                    "id": q.id if len(q.turns) == 1 else f"{q.id}-turn{turn_index + 1}",
-                    "category": q.category,
-                    "method": label,
-                    "new_tokens": len(first.tokens),
-                    "seconds": statistics.median(r.seconds for r in recs),
-                    "seconds_all": [r.seconds for r in recs],
-                    "steps": first.steps,
-                    "computed_tokens": first.computed_tokens,
-                    "identical_to_reference": identical,
-                    "seed": seed,
-                    "repeated_4grams": repeated_ngram_share(first.tokens),
-                    "prompt_tokens": len(prompt),
-                    "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
-                    "kv_mb": max(r.kv_bytes for r in recs) / 2**20,
-                    **recs[-1].details,
-                    **diagnosis,
-                })
-            if chat:
-                history += [{"role": "user", "content": turn},
-                            {"role": "assistant", "content": lm.tokenizer.decode(reference, skip_special_tokens=True)}]
+                runner.reset()
+            warm_up()
+            walk([repeat])
     if bar and hasattr(bar, "close"):
         bar.close()
-    return samples, skipped
+    samples = [_sample(lm, key, *prompts[key], labels, records[key], orders[key], runners, config)
+               for key in prompts]
+    return [s for group in samples for s in group], list(skipped.values())
+
+
+def _sample(lm: LM, key: str, q: Question, turn: int, prompt: list[int], seed: int | None, labels: list[str],
+            records: dict[str, list[RunRecord]], orders: list[list[str]], runners: Sequence[Runner],
+            config: BenchConfig) -> list[dict]:
+    """One prompt's rows, one per method."""
+    reference = records[config.token_reference][0].tokens
+    rows = []
+    for runner in runners:
+        label, recs = runner.label, records[runner.label]
+        first = recs[0]
+        identical = all(r.tokens == reference for r in recs) if runner.comparable else None
+        differing = next((r.tokens for r in recs if r.tokens != reference), None) if identical is False else None
+        diagnosis = {} if differing is None else {
+            "first_mismatch": first_mismatch(lm, prompt, reference, differing, config.sampling, seed)}
+        rows.append({
+            "id": key,
+            "question": q.id,
+            "category": q.category,
+            "turn": turn + 1,
+            "turns": len(q.turns),
+            "method": label,
+            "new_tokens": len(first.tokens),
+            "seconds": statistics.median(r.seconds for r in recs),
+            "seconds_all": [r.seconds for r in recs],
+            "order_positions": [order.index(label) for order in orders],
+            "steps": first.steps,
+            "steps_all": [r.steps for r in recs],
+            "computed_tokens": first.computed_tokens,
+            "computed_all": [r.computed_tokens for r in recs],
+            "identical_to_reference": identical,
+            "repeats_identical": all(r.tokens == first.tokens for r in recs),
+            "seed": seed,
+            "repeated_4grams": repeated_ngram_share(first.tokens),
+            "prompt_copy_4grams": prompt_copy_share(first.tokens, prompt),
+            "prompt_tokens": len(prompt),
+            "peak_mem_mb": max(r.peak_mem_bytes for r in recs) / 2**20,
+            "kv_mb": max(r.kv_bytes for r in recs) / 2**20,
+            **recs[-1].details,
+            **diagnosis,
+            "tokens": first.tokens,
+        })
+    return rows
 
 
 def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
@@ -355,6 +471,17 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
         repeated += g in seen
         seen.add(g)
     return repeated / len(grams) if grams else 0.0
+
+
+def prompt_copy_share(tokens: Sequence[int], prompt: Sequence[int], n: int = 4) -> float:
+    """The share of the output's n-grams that occur in the prompt (its context: system text,
+    earlier turns, documents), i.e. how much of the answer copies its input. Prompt lookup and the
+    context trie gain from exactly this."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    source = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    return sum(g in source for g in grams) / len(grams)
 
 
 def first_mismatch(lm: LM, prompt: list[int], reference: list[int], tokens: list[int],
@@ -415,6 +542,7 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
         "peak_mem_mb": max((r["peak_mem_mb"] for r in rows), default=0.0),
         "kv_mb": max((r["kv_mb"] for r in rows), default=0.0),
         "repeated_4grams": statistics.fmean(r.get("repeated_4grams", 0.0) for r in rows) if rows else 0.0,
+        "prompt_copy_4grams": statistics.fmean(r.get("prompt_copy_4grams", 0.0) for r in rows) if rows else 0.0,
         "samples": len(rows),
     }
     verify = [(r.get("drafter") or {}).get("verify_tokens") for r in rows]
@@ -431,43 +559,58 @@ def _metrics(rows: Sequence[dict]) -> dict[str, Any]:
     return out
 
 
-def summarize(samples: Sequence[dict], reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
-    """Per-method metrics, ``{"overall": {...}, "by_category": {cat: {...}}}``, with speedups
-    against the speed ``reference`` on the same samples (``speedup``) and, when ``ar`` ran, against
-    it (``speedup_vs_ar``). When every category is named ``PASS:CATEGORY`` (the ``repeated``
-    workload), ``by_pass`` holds the same metrics per pass."""
+LOW_REPETITION = 0.2
+"""The low-repetition slice: prompts whose reference output repeats at most this share of its own
+4-grams and copies at most this share from its prompt (set before any run; never tuned)."""
+
+
+def _speeds(rows: Sequence[dict]) -> dict[str, float]:
+    return {r["id"]: r["new_tokens"] / r["seconds"] for r in rows if r["seconds"] > 0}
+
+
+def summarize(samples: Sequence[dict], reference: str = REFERENCE,
+              token_reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
+    """Per-method metrics over groups of prompts: ``overall``, ``by_category`` (MT-bench with both
+    turns, as Spec-Bench counts it), ``by_turn`` (each turn of multi-turn categories),
+    ``slices`` (``low_repetition``: see :data:`LOW_REPETITION`, judged on ``token_reference``'s
+    outputs) and, when every category is named ``PASS:CATEGORY`` (the ``repeated`` workload),
+    ``by_pass``. Each group has :func:`_metrics`, Spec-Bench's ``speedup`` (ratio of mean tokens/s)
+    over the speed ``reference`` and over ``ar`` (``speedup_vs_ar``), and paired per-prompt
+    comparisons with bootstrap intervals against both (``vs_reference``, ``vs_ar``; see
+    :mod:`triedec.bench.stats`). A method whose tokens differ from the reference gets no speedup."""
     methods = list(dict.fromkeys(r["method"] for r in samples))
     categories = list(dict.fromkeys(r["category"] for r in samples))
     passes = list(dict.fromkeys(c.split(":", 1)[0] for c in categories)) \
         if categories and all(":" in c for c in categories) else []
-
-    def group(kind: str, name: str) -> Callable[[dict], bool]:
-        if kind == "overall":
-            return lambda r: True
-        if kind == "by_category":
-            return lambda r: r["category"] == name
-        return lambda r: r["category"].split(":", 1)[0] == name
+    turns = list(dict.fromkeys((r["category"], r.get("turn", 1)) for r in samples if r.get("turns", 1) > 1))
+    low = {r["id"] for r in samples if r["method"] == token_reference
+           and r.get("repeated_4grams", 0.0) <= LOW_REPETITION and r.get("prompt_copy_4grams", 0.0) <= LOW_REPETITION}
+    groups: list[tuple[str, str, Callable[[dict], bool]]] = [("overall", "overall", lambda r: True)]
+    groups += [("by_category", c, lambda r, c=c: r["category"] == c) for c in categories]
+    groups += [("by_turn", f"{c} turn {t}", lambda r, c=c, t=t: r["category"] == c and r.get("turn", 1) == t)
+               for c, t in turns]
+    groups += [("by_pass", p, lambda r, p=p: r["category"].split(":", 1)[0] == p) for p in passes]
+    groups += [("slices", "low_repetition", lambda r: r["id"] in low)]
 
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
-        result: dict[str, Any] = {"by_category": {}, **({"by_pass": {}} if passes else {})}
-        wanted = [("overall", "overall"), *(("by_category", c) for c in categories), *(("by_pass", p) for p in passes)]
-        for kind, name in wanted:
-            keep = group(kind, name)
+        result: dict[str, Any] = {"by_category": {}, **({"by_turn": {}} if turns else {}),
+                                  **({"by_pass": {}} if passes else {}), "slices": {}}
+        for kind, name, keep in groups:
             rows = [r for r in samples if r["method"] == m and keep(r)]
             if not rows:
                 continue
-            ref_rows = [r for r in samples if r["method"] == reference and keep(r)]
             metrics = _metrics(rows)
-            ref_speed = _metrics(ref_rows)["tokens_per_s"] if ref_rows else 0.0
-            ratio = metrics["tokens_per_s"] / ref_speed if ref_speed else None
-            metrics["speedup_if_correct"] = ratio
-            metrics["speedup"] = ratio if metrics["mismatches"] == 0 else None
             metrics["wrong"] = metrics["mismatches"] > 0
-            own = [r for r in samples if r["method"] == OWN_BASELINE and keep(r)]
-            own_speed = _metrics(own)["tokens_per_s"] if own else 0.0
-            metrics["speedup_vs_ar"] = metrics["tokens_per_s"] / own_speed if own_speed and not metrics["wrong"] \
-                else None
+            for key, base in (("speedup", reference), ("speedup_vs_ar", OWN_BASELINE)):
+                base_rows = [r for r in samples if r["method"] == base and keep(r)]
+                base_speed = _metrics(base_rows)["tokens_per_s"] if base_rows else 0.0
+                ratio = metrics["tokens_per_s"] / base_speed if base_speed else None
+                if key == "speedup":
+                    metrics["speedup_if_correct"] = ratio
+                metrics[key] = None if metrics["wrong"] else ratio
+                paired = compare(_speeds(rows), _speeds(base_rows)) if base_rows and not metrics["wrong"] else None
+                metrics["vs_reference" if key == "speedup" else "vs_ar"] = None if paired is None else paired.as_dict()
             if kind == "overall":
                 result["overall"] = metrics
             else:

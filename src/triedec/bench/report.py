@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from triedec.bench.harness import REFERENCE
+from triedec.bench.harness import LOW_REPETITION, OWN_BASELINE, REFERENCE
 from triedec.sampling import Sampling
 
 
@@ -29,6 +29,20 @@ def source_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return f"{commit}+dirty" if dirty else commit
+
+
+VERSIONED = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "gguf", "triedec", "llama-cpp-python")
+
+
+def versions() -> dict[str, str]:
+    """The versions of Python and of the packages a run's numbers depend on."""
+    out = {"python": platform.python_version()}
+    for pkg in VERSIONED:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -74,50 +88,88 @@ def _sampling_text(results: dict[str, Any]) -> str:
             + f"; prompt k sampled with seed {sampling.seed or 0} + k by every method)")
 
 
+def _cmp(c: dict[str, Any] | None) -> str:
+    """A paired comparison as ``1.23x [1.10, 1.35]`` (geometric mean, 95% interval)."""
+    return "—" if not c else f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
+
+
+def _protocol(results: dict[str, Any]) -> str:
+    state = results.get("state", "cold")
+    where = ("every method reset before each timed run (one request, nothing learned carried)" if state == "cold"
+             else "learned state carried across the sample in file order, reset before each repeat")
+    warm = ", ".join(results.get("warmup_prompts", [])) or "none"
+    return (f"- protocol: state **{state}** ({where}); {results.get('order', 'fixed method order')}; "
+            f"{results['repeats']} repeat(s), a prompt's time = the median of its repeats; split "
+            f"{results.get('split', '?')}; warm-up prompts (untimed, outside the sample): {warm}")
+
+
 def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     reference = results.get("reference", REFERENCE)
     token_reference = results.get("token_reference", REFERENCE)
+    methods = results["methods"]
     lines = [
         f"# triedec bench: {results['dataset']}",
         "",
         f"- command: `{results['command']}`",
-        f"- model: {results['model']}; max_new_tokens {results['max_new_tokens']}; repeats {results['repeats']} "
-        f"(median); {results['questions']} questions, {results['turns']} prompts",
+        f"- model: {results['model']}; max_new_tokens {results['max_new_tokens']}; {results['questions']} questions, "
+        f"{results['turns']} prompts; sample sha256 {str(results.get('sample_sha256', '?'))[:12]}",
+        _protocol(results),
         f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, device {m['device']}"
-        + (f" ({m['gpu']})" if "gpu" in m else ""),
-        f"- versions: torch {m['torch']}, transformers {m['transformers']}, triedec {m['triedec']}, "
-        f"Python {m['python']}; triedec kernels: {results.get('kernels', 'plain')}; baselines: stock transformers",
+        + (f" ({m['gpu']})" if "gpu" in m else "") + f"; {m['platform']}",
+        f"- commit {results.get('commit', 'unknown')}; versions: torch {m['torch']}, transformers {m['transformers']}, "
+        f"triedec {m['triedec']}, Python {m['python']}; triedec kernels: {results.get('kernels', 'plain')}; "
+        "baselines: stock transformers",
         f"- decoding: {_sampling_text(results)}",
-        f"- speedup = mean tokens/s of the method / mean tokens/s of `{reference}` on the same prompts "
-        "(Spec-Bench's definition); vs triedec ar = the same against triedec's own `ar`; MAT = tokens per "
-        "decoding step; computed/token = tokens through the model (prompt excluded) per generated token; "
-        f"mismatches = prompts whose tokens differ from `{token_reference}`'s"
+        f"- vs triedec ar / vs stock = per-prompt speedups (the method's tokens/s over `ar`'s, over `{reference}`'s, "
+        "on the same prompt): geometric mean [95% bootstrap interval over prompts]; Spec-Bench speedup = mean "
+        f"tokens/s / mean tokens/s of `{reference}`; MAT = tokens per decoding step; computed/token = tokens through "
+        f"the model (prompt excluded) per generated token; mismatches = prompts whose tokens differ from "
+        f"`{token_reference}`'s"
         + (" (— = not compared: transformers' sampling draws from torch's RNG, not from the seed's positions)"
            if token_reference != reference else "") + ".",
         "",
-        "| method | tokens/s | speedup | vs triedec ar | MAT | steps | computed/token | mismatches | peak mem MB "
-        "| KV MB |",
+        "| method | tokens/s | vs triedec ar | vs stock | Spec-Bench speedup | MAT | computed/token | mismatches "
+        "| peak mem MB | KV MB |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, res in results["methods"].items():
+    for name, res in methods.items():
         o = res["overall"]
-        speed = f"**WRONG** ({o['mismatches']} mismatches)" if o["wrong"] else f"{_fmt(o['speedup'])}x"
-        vs_ar = "—" if o.get("speedup_vs_ar") is None else f"{_fmt(o['speedup_vs_ar'])}x"
+        wrong = f"**WRONG** ({o['mismatches']} mismatches)"
+        speed = wrong if o["wrong"] else f"{_fmt(o['speedup'])}x"
         lines.append(
-            f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {speed} | {vs_ar} | {_fmt(o['mean_accepted'])} | "
-            f"{o['steps']} | {_fmt(o['computed_per_token'])} | {o['mismatches'] if o.get('compared', 1) else '—'} | "
-            f"{_fmt(o['peak_mem_mb'], 0)} | "
-            f"{_fmt(o['kv_mb'], 1)} |"
+            f"| {name} | {_fmt(o['tokens_per_s'], 1)} | {_cmp(o.get('vs_ar'))} | "
+            f"{wrong if o['wrong'] else _cmp(o.get('vs_reference'))} | {speed} | {_fmt(o['mean_accepted'])} | "
+            f"{_fmt(o['computed_per_token'])} | {o['mismatches'] if o.get('compared', 1) else '—'} | "
+            f"{_fmt(o['peak_mem_mb'], 0)} | {_fmt(o['kv_mb'], 1)} |"
         )
-    ref = results["methods"].get(token_reference)
+    if any(name.split(":")[0] == "llamacpp" for name in methods):
+        version = results.get("versions", {}).get("llama-cpp-python", "?")
+        lines += ["", f"`llamacpp` is llama.cpp (llama-cpp-python {version}) running the GGUF file itself: "
+                  "quantized weights and llama.cpp's kernels, so its tokens are not the fp32 model's and are not "
+                  "compared; its speed answers 'is this faster than llama.cpp on this CPU', not 'is this exact'."]
+    verdicts = []
+    for name, res in methods.items():
+        for key, base, label in (("vs_ar", "triedec ar", OWN_BASELINE), ("vs_reference", reference, reference)):
+            c = res["overall"].get(key)
+            if c and name != label:
+                verdicts.append(f"- {name} vs {base}: {c['verdict']} ({_cmp(c)}, {c['prompts']} prompts)")
+    if verdicts:
+        lines += ["", "Paired verdicts (faster or slower only where the 95% interval excludes 1):", "", *verdicts]
+    ref = methods.get(token_reference)
     if ref:
-        cats = ref["by_category"]
-        lines += ["", "How repetitive the outputs are: the mean share of each output's 4-grams that already occurred "
-                  "earlier in it (greedy loops of a small model inflate every lookup method's gains):", "",
-                  "| overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|",
-                  f"| {_fmt(ref['overall'].get('repeated_4grams'))} | "
-                  + " | ".join(_fmt(c.get("repeated_4grams")) for c in cats.values()) + " |"]
+        cats = {**ref["by_category"], **ref.get("by_turn", {}), **ref.get("slices", {})}
+        lines += ["", f"How repetitive `{token_reference}`'s outputs are: self-repetition = the mean share of an "
+                  "output's 4-grams that already occurred earlier in it; prompt copy = the mean share found in its "
+                  f"prompt; low_repetition = prompts with both at most {LOW_REPETITION:g} (lookup methods gain from "
+                  "both):", "",
+                  "| | overall | " + " | ".join(cats) + " |", "|---" * (len(cats) + 2) + "|",
+                  "| self-repetition | " + _fmt(ref["overall"].get("repeated_4grams")) + " | "
+                  + " | ".join(_fmt(c.get("repeated_4grams")) for c in cats.values()) + " |",
+                  "| prompt copy | " + _fmt(ref["overall"].get("prompt_copy_4grams")) + " | "
+                  + " | ".join(_fmt(c.get("prompt_copy_4grams")) for c in cats.values()) + " |",
+                  f"| prompts | {ref['overall']['samples']} | " + " | ".join(str(c["samples"]) for c in cats.values())
+                  + " |"]
     mismatched = [s for s in results.get("samples", []) if s.get("first_mismatch")]
     if mismatched:
         lines += ["", "Mismatches: where each first differs from the reference, and how close the decision was there "
@@ -138,15 +190,19 @@ def markdown(results: dict[str, Any]) -> str:
                   "| method | computed tokens | all / token | verify / token |", "|---|---|---|---|"]
         lines += [f"| {name} | {o['computed_tokens']} | {_fmt(o['computed_per_token'])} | "
                   f"{_fmt(o['verify_per_token'])} |" for name, o in split.items()]
-    categories = list(dict.fromkeys(c for r in results["methods"].values() for c in r["by_category"]))
-    lines += ["", "Speedup by category (WRONG = output differs from the reference):", "",
-              "| method | " + " | ".join(categories) + " |", "|---|" + "---|" * len(categories)]
-    for name, res in results["methods"].items():
-        cells = []
-        for c in categories:
-            cm = res["by_category"].get(c)
-            cells.append("" if cm is None else ("WRONG" if cm["wrong"] else f"{_fmt(cm['speedup'])}x"))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    groups = list(dict.fromkeys(c for r in methods.values()
+                                for c in [*r["by_category"], *r.get("by_turn", {}), *r.get("slices", {})]))
+    for key, base in (("vs_ar", "triedec ar"), ("vs_reference", reference)):
+        lines += ["", f"Per-prompt speedup vs {base} by category (MT-bench both turns and each turn; the "
+                  "low-repetition slice): geometric mean [95% interval] (WRONG = output differs from the reference):",
+                  "", "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
+        for name, res in methods.items():
+            every = {**res["by_category"], **res.get("by_turn", {}), **res.get("slices", {})}
+            cells = []
+            for g in groups:
+                cm = every.get(g)
+                cells.append("" if cm is None else ("WRONG" if cm["wrong"] else _cmp(cm.get(key))))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     passes = list(dict.fromkeys(p for r in results["methods"].values() for p in r.get("by_pass", {})))
     if passes:
         lines += ["", "By pass (the same questions asked again in pass 2, rephrased): tokens/s and speedup over "

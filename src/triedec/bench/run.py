@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from triedec.bench.beam import beam_markdown, parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
-from triedec.bench.datasets import load_questions, select
+from triedec.bench.datasets import (
+    DATASETS,
+    TUNED_ON,
+    load_questions,
+    questions_sha256,
+    select,
+    split,
+    warmup_questions,
+)
 from triedec.bench.harness import (
     REFERENCE,
     SAMPLED_REFERENCE,
@@ -29,16 +37,21 @@ from triedec.bench.harness import (
     run_benchmark,
     summarize,
 )
-from triedec.bench.report import machine_info, write_outputs
+from triedec.bench.llamacpp import LABEL as LLAMACPP
+from triedec.bench.llamacpp import LlamaCppRunner
+from triedec.bench.report import machine_info, source_commit, versions, write_outputs
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
 from triedec.methods import BEAM_SEARCH, GREEDY, method
+from triedec.models import default_model_path
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 HF_PLD_DEFAULT_TOKENS = 10
-HF_BASELINES = {"hf-greedy": GREEDY, "hf-sample": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH}
-"""Stock transformers baselines and the protocol each one runs in (``hf-sample`` and every triedec
-drafter run in the speculative protocol, greedy or sampling)."""
+HF_BASELINES = {"hf-greedy": GREEDY, "hf-sample": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH,
+                LLAMACPP: GREEDY}
+"""Baselines (stock transformers, and llama.cpp on the GGUF file: :mod:`triedec.bench.llamacpp`)
+and the protocol each one runs in (``hf-sample`` and every triedec drafter run in the speculative
+protocol, greedy or sampling)."""
 
 ProgressFactory = Callable[[int], Any]
 
@@ -71,10 +84,14 @@ def make_runner(
     defaults: Mapping[str, Mapping[str, str]],
     extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
     sampling: Sampling = GREEDY_SAMPLING,
+    cold: bool = False,
+    model_path: str | None = None,
 ) -> Runner:
     """A runner of the speculative protocol for one entry; ``defaults`` are ``--METHOD-OPTION``
     texts per method, overridden by the entry's inline options (both read by the one option
-    parser). Every runner decodes as ``sampling`` says."""
+    parser). Every runner decodes as ``sampling`` says. ``cold`` refuses options that name a
+    learned-state file (it would carry state from one prompt to the next). ``model_path``: the
+    ``--model`` given (None: the embedded default), whose GGUF the ``llamacpp`` baseline runs."""
     name, inline = parse_method_entry(entry)
     if extra_runners and name in extra_runners:
         return extra_runners[name](lm, entry)
@@ -86,6 +103,12 @@ def make_runner(
             raise TriedecError(f"{REFERENCE} decodes greedily and {SAMPLED_REFERENCE} samples: with --temperature "
                                f"{sampling.temperature:g} the baseline is {wanted}")
         return HFRunner(lm, entry, sampling)
+    if name == LLAMACPP:
+        unknown = set(inline) - {"gguf"}
+        if unknown:
+            raise TriedecError(f"unknown option(s) {sorted(unknown)} for {LLAMACPP}; valid options: gguf")
+        gguf = inline.get("gguf") or model_path or str(default_model_path())
+        return LlamaCppRunner(gguf, entry, lm.eos_token_ids, lm.max_context or 4096, sampling)
     if name == "hf-pld":
         unknown = set(inline) - {"num_tokens"}
         if unknown:
@@ -101,7 +124,11 @@ def make_runner(
         options = found.spec.parse_options({**defaults.get(name, {}), **inline})
     except TriedecError as exc:
         raise TriedecError(f"{entry}: {exc}") from exc
-    return TriedecRunner(lm, entry, name, options, sampling)
+    files = found.spec.state_files(options)
+    if cold and files:
+        raise TriedecError(f"{entry}: --state cold starts every prompt from no learned state, but {', '.join(files)} "
+                           "names a state file that would carry it; drop it or use --state warm")
+    return TriedecRunner(lm, entry, name, options, sampling, files)
 
 
 def _check_contracts(entries: Sequence[str], want: str, extra: Mapping[str, object] | None = None) -> None:
@@ -119,8 +146,10 @@ def bench(
     out: Path,
     per_category: int | None = None,
     categories: Sequence[str] | None = None,
+    part: str | None = None,
     config: BenchConfig | None = None,
     model_name: str = "default",
+    model_path: str | None = None,
     option_defaults: Mapping[str, Mapping[str, str]] | None = None,
     extra_runners: Mapping[str, Callable[[LM, str], Runner]] | None = None,
     progress: ProgressFactory | None = None,
@@ -129,8 +158,10 @@ def bench(
     """The speculative-decoding benchmark, greedy or sampling (``config.sampling``): run it and
     write ``results.json``, ``results.md`` and plots into ``out``.
 
-    The speed reference (``hf-greedy``; sampling: ``hf-sample``) always runs first and the token
-    reference (``hf-greedy``; sampling: triedec's ``ar``) always runs (each added if missing).
+    The sample is ``per_category`` questions of the dataset's ``part`` (default: the evaluation
+    split of a shipped dataset, all of a user's file; see :mod:`~triedec.bench.datasets`). The
+    speed reference (``hf-greedy``; sampling: ``hf-sample``) and the token reference
+    (``hf-greedy``; sampling: triedec's ``ar``) always run (each added if missing).
     """
     config = config or BenchConfig()
     entries = [m.strip() for m in methods if m.strip()]
@@ -142,25 +173,42 @@ def bench(
     if config.token_reference not in entries:
         entries.insert(1, config.token_reference)
     _check_contracts(entries, GREEDY, extra_runners)
-    questions = select(load_questions(dataset), per_category, categories)
-    runners = [make_runner(lm, e, option_defaults or {}, extra_runners, config.sampling) for e in entries]
-    samples, skipped = run_benchmark(lm, runners, questions, config, progress)
+    part = part or ("evaluation" if dataset in DATASETS else "all")
+    everything = load_questions(dataset)
+    questions = select(split(everything, part), per_category, categories)
+    warmup = warmup_questions(dataset, questions, config.warmup)
+    runners = [make_runner(lm, e, option_defaults or {}, extra_runners, config.sampling, config.state == "cold",
+                           model_path) for e in entries]
+    samples, skipped = run_benchmark(lm, runners, questions, config, progress, warmup)
+    calibration = lm.loaded_calibration()
     results: dict[str, Any] = {
         "machine": machine_info(lm.device),
+        "commit": source_commit(),
+        "versions": versions(),
         "model": model_name,
+        "model_id": lm.adapter.model_id,
         "kernels": lm.adapter.kernels,
+        "calibration": None if calibration is None else calibration.as_dict(),
         "dataset": dataset,
+        "dataset_sha256": questions_sha256(everything),
+        "split": part,
+        "tuned_on": TUNED_ON if dataset in DATASETS else None,
+        "sample_sha256": questions_sha256(questions),
         "max_new_tokens": config.max_new_tokens,
+        "state": config.state,
         "repeats": config.repeats,
+        "order": f"methods in a fresh random order for every prompt and repeat (seeded: {config.order_seed})",
+        "order_seed": config.order_seed,
         "warmup": config.warmup,
+        "warmup_prompts": [q.id for q in warmup],
         "sampling": config.sampling.as_dict(),
         "reference": config.speed_reference,
         "token_reference": config.token_reference,
         "per_category": per_category,
         "questions": len(questions),
-        "turns": len({(s["id"], s["category"]) for s in samples}),
+        "turns": len({s["id"] for s in samples}),
         "command": command or _command(),
-        "methods": summarize(samples, config.speed_reference),
+        "methods": summarize(samples, config.speed_reference, config.token_reference),
         "samples": samples,
         "skipped": skipped,
     }
@@ -177,6 +225,7 @@ def bench_beams(
     out: Path,
     per_category: int | None = None,
     categories: Sequence[str] | None = None,
+    part: str | None = None,
     max_new_tokens: int = 256,
     warmup: int = 1,
     model_name: str = "default",
@@ -187,11 +236,13 @@ def bench_beams(
     It always compares ``beam`` with ``hf-beam`` at every width; ``methods`` only picks it."""
     _check_contracts(methods, BEAM_SEARCH)
     widths = parse_beams(beams)
-    questions = select(load_questions(dataset), per_category, categories)
+    part = part or ("evaluation" if dataset in DATASETS else "all")
+    questions = select(split(load_questions(dataset), part), per_category, categories)
     samples = run_beam_benchmark(lm, questions, widths, max_new_tokens, warmup, progress)
     results = {
         "machine": machine_info(lm.device), "model": model_name, "kernels": lm.adapter.kernels,
-        "dataset": dataset, "categories": ",".join(categories) if categories else None, "per_category": per_category,
+        "dataset": dataset, "split": part, "categories": ",".join(categories) if categories else None,
+        "per_category": per_category, "commit": source_commit(), "versions": versions(),
         "max_new_tokens": max_new_tokens, "beams": widths,
         "prompts": len({s["id"] for s in samples}),
         "command": _command(),
@@ -214,6 +265,7 @@ def run_entries(lm: LM, methods: Sequence[str], beams: str, **kwargs: Any) -> tu
             raise TriedecError("beam search does not sample: run the beam-search benchmark without --temperature "
                                "and --repetition-penalty")
         kwargs.pop("extra_runners", None)
+        kwargs.pop("model_path", None)
         results = bench_beams(lm, methods=entries, beams=beams, max_new_tokens=config.max_new_tokens,
                               warmup=config.warmup, **kwargs)
         return results, beam_markdown(results)

@@ -42,13 +42,22 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.base import (
+    MAX_TREE_NODES,
+    NEEDS_COST,
+    STATE_FILE,
+    BaseSession,
+    Draft,
+    ModelInfo,
+    Verified,
+    register,
+)
 from triedec.drafters.estimate import MovingRatio
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
@@ -85,7 +94,7 @@ class AutoOptions:
     """the context trie's window (as ngram-trie's n)"""
     store_tokens: int = 200_000
     """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
-    store: str = ""
+    store: str = field(default="", metadata=STATE_FILE)
     """file the store is loaded from (if it exists) and saved to after every request"""
     k: int = 8
     """candidates per row of the recycling matrix"""

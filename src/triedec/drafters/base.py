@@ -55,6 +55,11 @@ class ModelInfo:
     profiles: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
+STATE_FILE = types.MappingProxyType({"state_file": True})
+"""Field metadata of an option that names a file of learned state kept across requests
+(``store: str = field(default="", metadata=STATE_FILE)``): tools that must start from no learned
+state (the benchmark's ``cold`` protocol) find such options through it."""
+
 MAX_TREE_NODES = 256
 """Upper bound on a verified tree's size (root included); the engine cuts larger proposals."""
 
@@ -316,6 +321,12 @@ class MethodSpec:
 
     def option_defaults(self) -> dict[str, object]:
         return {f.name: f.default for f in dataclasses.fields(self.options)}
+
+    def state_files(self, options: Mapping[str, object]) -> list[str]:
+        """The options among ``options`` (name -> value) that name a learned-state file (fields
+        marked with :data:`STATE_FILE`) and are set."""
+        marked = {f.name for f in dataclasses.fields(self.options) if f.metadata.get("state_file")}
+        return sorted(name for name, value in options.items() if name in marked and value)
 
     def make_options(self, values: Mapping[str, object]) -> Any:
         """The validated options object; unknown names get a clear error."""

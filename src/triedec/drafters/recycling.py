@@ -47,6 +47,7 @@ from triedec.costmodel import CostModel
 from triedec.drafters.base import (
     MAX_TREE_NODES,
     NEEDS_COST,
+    STATE_FILE,
     BaseSession,
     CalibrationBench,
     Draft,
@@ -327,7 +328,7 @@ class RecyclingOptions:
     """candidates kept per token (columns of the adjacency matrix)"""
     seed_prefill: int = 512
     """also write the prefill logits of the prompt's last N tokens into the matrix (0 = off)"""
-    state: str = ""
+    state: str = field(default="", metadata=STATE_FILE)
     """file to load the matrix from at start (if it exists) and save it to after every request"""
 
     def __post_init__(self) -> None:

@@ -1,0 +1,65 @@
+"""The ``llamacpp`` baseline: what a CPU user would run instead of transformers.
+
+llama.cpp (through ``llama-cpp-python``, the optional extra ``pip install 'triedec[llamacpp]'``)
+runs the GGUF file itself, with its quantized weights and its own kernels, so its tokens are
+not those of the fp32 model triedec decodes: they are never compared (``comparable = False``)
+and its speed answers "is this faster than llama.cpp", not "is this exact". It decodes greedily
+(or samples with the run's settings and seed, from llama.cpp's own sampler), from the same
+prompt token ids, on as many threads as torch uses, with its KV cache cleared before every run
+(llama-cpp-python otherwise reuses the previous run's matching prefix).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from triedec.bench.harness import RunRecord
+from triedec.errors import TriedecError
+from triedec.sampling import GREEDY_SAMPLING, Sampling
+
+LABEL = "llamacpp"
+
+
+class LlamaCppRunner:
+    """llama.cpp on ``gguf``; ``eos`` ends a run as it ends the others."""
+
+    comparable = False
+
+    def __init__(self, gguf: str | Path, label: str, eos: frozenset[int], context: int,
+                 sampling: Sampling = GREEDY_SAMPLING) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError as exc:
+            raise TriedecError("the llamacpp baseline needs llama-cpp-python: pip install 'triedec[llamacpp]'") from exc
+        path = Path(gguf)
+        if path.suffix != ".gguf" or not path.is_file():
+            raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
+                               ".gguf, or the entry llamacpp:gguf=PATH)")
+        self.label, self.sampling = label, sampling
+        self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=torch.get_num_threads(),
+                         n_threads_batch=torch.get_num_threads(), verbose=False)
+        self.eos = frozenset(eos) | {int(self.llm.token_eos())}
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
+        s = self.sampling
+        self.llm.reset()
+        if not s.greedy:
+            self.llm.set_seed(seed or 0)
+        options = dict(top_k=1, top_p=1.0, min_p=0.0, temp=0.0) if s.greedy else \
+            dict(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature)
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(prompt, repeat_penalty=s.repetition_penalty, reset=True, **options):
+            if token in self.eos:
+                break
+            tokens.append(int(token))
+            if len(tokens) >= max_new_tokens:
+                break
+        seconds = time.perf_counter() - start
+        return RunRecord(tokens, seconds, max(len(tokens) - 1, 0), max(len(tokens) - 1, 0), 0)

@@ -1,0 +1,85 @@
+"""Paired statistics over prompts: per-prompt speedups, their geometric mean and median, and
+percentile-bootstrap intervals that resample prompts (every method keeps its pairing with the
+baseline on the same prompt), plus the verdict those intervals allow.
+
+The unit is the prompt: a prompt's time is the median of its repeats, and its speedup is the
+method's tokens/s over the baseline's tokens/s on that prompt. Resampling prompts (not runs)
+makes the interval speak for prompts like these, not for this sample alone.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from triedec.errors import TriedecError
+
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+LEVEL = 0.95
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """exp(mean(log v)); every value must be positive."""
+    if not values or any(v <= 0 for v in values):
+        raise TriedecError("a geometric mean needs positive values")
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def bootstrap_interval(ratios: Sequence[float], level: float = LEVEL, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = BOOTSTRAP_SEED) -> tuple[float, float]:
+    """The percentile-bootstrap ``level`` interval of the geometric mean of paired ``ratios`` (one
+    per prompt): ``resamples`` draws of len(ratios) prompts with replacement, seeded."""
+    if not ratios or any(r <= 0 for r in ratios):
+        raise TriedecError("bootstrap needs positive ratios")
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, len(logs), size=(resamples, len(logs)))
+    means = np.exp(logs[draws].mean(axis=1))
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Method A against baseline B on the same prompts: ``geomean`` and ``median`` of the per-prompt
+    speedups (A's tokens/s over B's), its 95% bootstrap interval ``low``..``high``, and ``prompts``."""
+
+    geomean: float
+    median: float
+    low: float
+    high: float
+    prompts: int
+
+    @property
+    def verdict(self) -> str:
+        """``faster`` or ``slower`` only where the interval excludes 1; else ``no difference shown``."""
+        if self.low > 1:
+            return "faster"
+        if self.high < 1:
+            return "slower"
+        return "no difference shown"
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {"geomean": self.geomean, "median": self.median, "ci95": [self.low, self.high],
+                "prompts": self.prompts, "verdict": self.verdict}
+
+
+def paired_ratios(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> list[float]:
+    """Per-prompt speedups over the prompts both sides ran (keys: prompt ids), in a fixed order."""
+    common = sorted(k for k in speeds if k in baseline and speeds[k] > 0 and baseline[k] > 0)
+    return [speeds[k] / baseline[k] for k in common]
+
+
+def compare(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> Comparison | None:
+    """A paired :class:`Comparison` of per-prompt tokens/s (None if no prompt is shared)."""
+    ratios = paired_ratios(speeds, baseline)
+    if not ratios:
+        return None
+    low, high = bootstrap_interval(ratios)
+    return Comparison(geometric_mean(ratios), statistics.median(ratios), low, high, len(ratios))
