@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compare files from different machines anyway (the report says so)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
+    rep = sub.add_parser("report", help="rebuild a bench run's summary, results.md and plots from its measured "
+                                        "samples with this version's statistics")
+    rep.add_argument("out", help="the run's output directory (holding results.json)")
+
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
                                        "streaming, /v1/models, /health, /metrics)")
     srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
@@ -447,6 +451,12 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
             return cmd_calibrate(args)
         if args.command == "compare":
             return cmd_compare(args)
+        if args.command == "report":
+            from triedec.bench.report import markdown
+            from triedec.bench.run import rebuild_report
+
+            print(markdown(rebuild_report(Path(args.out))))
+            return 0
         if args.command == "serve":
             return cmd_serve(args)
         return cmd_generate(args)

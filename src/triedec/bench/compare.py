@@ -84,7 +84,11 @@ def _vs_stock(results: Mapping[str, Any], method: str) -> dict[str, Any] | None:
 
 def compare_markdown(report: Mapping[str, Any], a_name: str, b_name: str) -> str:
     def fmt(c: Mapping[str, Any] | None) -> str:
-        return "—" if not c else f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] ({c['prompts']})"
+        if not c:
+            return "—"
+        if not c.get("ci95"):
+            return f"{c['geomean']:.2f}x ({c['prompts']})"
+        return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] ({c['prompts']})"
 
     lines = [f"# {b_name} against {a_name}", ""]
     if report["cross_machine"]:

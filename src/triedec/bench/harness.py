@@ -617,3 +617,22 @@ def summarize(samples: Sequence[dict], reference: str = REFERENCE,
                 result[kind][name] = metrics
         out[m] = result
     return out
+
+
+def leader(samples: Sequence[dict], summary: dict[str, dict[str, Any]], reference: str = REFERENCE
+           ) -> dict[str, Any] | None:
+    """The fastest exact method (highest paired geometric-mean speedup over ``reference`` among the
+    methods whose tokens were compared and all equal the reference's) and its paired comparison
+    with every other method, so "A is faster than B" can be read off an interval."""
+    exact = [m for m, res in summary.items() if m != reference and res["overall"]["compared"]
+             and not res["overall"]["wrong"] and res["overall"].get("vs_reference")]
+    if not exact:
+        return None
+    best = max(exact, key=lambda m: summary[m]["overall"]["vs_reference"]["geomean"])
+    mine = _speeds([r for r in samples if r["method"] == best])
+    against = {}
+    for m in summary:
+        if m != best:
+            c = compare(mine, _speeds([r for r in samples if r["method"] == m]))
+            against[m] = None if c is None else c.as_dict()
+    return {"method": best, "against": against}

@@ -90,7 +90,11 @@ def _sampling_text(results: dict[str, Any]) -> str:
 
 def _cmp(c: dict[str, Any] | None) -> str:
     """A paired comparison as ``1.23x [1.10, 1.35]`` (geometric mean, 95% interval)."""
-    return "—" if not c else f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
+    if not c:
+        return "—"
+    if not c.get("ci95"):
+        return f"{c['geomean']:.2f}x (n={c['prompts']})"
+    return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
 
 
 def _protocol(results: dict[str, Any]) -> str:
@@ -156,6 +160,11 @@ def markdown(results: dict[str, Any]) -> str:
                 verdicts.append(f"- {name} vs {base}: {c['verdict']} ({_cmp(c)}, {c['prompts']} prompts)")
     if verdicts:
         lines += ["", "Paired verdicts (faster or slower only where the 95% interval excludes 1):", "", *verdicts]
+    lead = results.get("leader")
+    if lead:
+        lines += ["", f"The fastest exact method, `{lead['method']}`, paired against every other (its tokens/s over "
+                  "theirs per prompt):", ""]
+        lines += [f"- vs {m}: {'—' if c is None else c['verdict']} ({_cmp(c)})" for m, c in lead["against"].items()]
     ref = methods.get(token_reference)
     if ref:
         cats = {**ref["by_category"], **ref.get("by_turn", {}), **ref.get("slices", {})}
@@ -194,7 +203,8 @@ def markdown(results: dict[str, Any]) -> str:
                                 for c in [*r["by_category"], *r.get("by_turn", {}), *r.get("slices", {})]))
     for key, base in (("vs_ar", "triedec ar"), ("vs_reference", reference)):
         lines += ["", f"Per-prompt speedup vs {base} by category (MT-bench both turns and each turn; the "
-                  "low-repetition slice): geometric mean [95% interval] (WRONG = output differs from the reference):",
+                  "low-repetition slice): geometric mean [95% interval] (n=k: only k prompts, too few for an "
+                  "interval; WRONG = output differs from the reference):",
                   "", "| method | " + " | ".join(groups) + " |", "|---|" + "---|" * len(groups)]
         for name, res in methods.items():
             every = {**res["by_category"], **res.get("by_turn", {}), **res.get("slices", {})}

@@ -34,6 +34,7 @@ from triedec.bench.harness import (
     HFRunner,
     Runner,
     TriedecRunner,
+    leader,
     run_benchmark,
     summarize,
 )
@@ -181,6 +182,7 @@ def bench(
                            model_path) for e in entries]
     samples, skipped = run_benchmark(lm, runners, questions, config, progress, warmup)
     calibration = lm.loaded_calibration()
+    summary = summarize(samples, config.speed_reference, config.token_reference)
     results: dict[str, Any] = {
         "machine": machine_info(lm.device),
         "commit": source_commit(),
@@ -208,7 +210,8 @@ def bench(
         "questions": len(questions),
         "turns": len({s["id"] for s in samples}),
         "command": command or _command(),
-        "methods": summarize(samples, config.speed_reference, config.token_reference),
+        "methods": summary,
+        "leader": leader(samples, summary, config.speed_reference),
         "samples": samples,
         "skipped": skipped,
     }
@@ -271,6 +274,21 @@ def run_entries(lm: LM, methods: Sequence[str], beams: str, **kwargs: Any) -> tu
         return results, beam_markdown(results)
     results = bench(lm, methods=entries, **kwargs)
     return results, markdown(results)
+
+
+def rebuild_report(out: Path) -> dict[str, Any]:
+    """Summarize a speculative-benchmark run's samples again with this version's statistics and
+    rewrite its ``results.json`` summary, ``results.md`` and plots (the samples are left as they
+    were measured; ``report_rebuilt`` records the commit that rebuilt them)."""
+    from triedec.bench.compare import read_results
+
+    results = read_results(out)
+    results["methods"] = summarize(results["samples"], results["reference"],
+                                   results.get("token_reference", REFERENCE))
+    results["leader"] = leader(results["samples"], results["methods"], results["reference"])
+    results["report_rebuilt"] = source_commit()
+    write_outputs(results, Path(out))
+    return results
 
 
 def _command() -> str:

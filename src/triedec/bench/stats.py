@@ -13,6 +13,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from triedec.errors import TriedecError
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
 LEVEL = 0.95
+MIN_PROMPTS = 5
+"""Fewer paired prompts than this get no interval and no verdict: a percentile bootstrap over a
+handful of prompts covers far less than its nominal level."""
 
 
 def geometric_mean(values: Sequence[float]) -> float:
@@ -48,26 +52,31 @@ def bootstrap_interval(ratios: Sequence[float], level: float = LEVEL, resamples:
 @dataclass(frozen=True)
 class Comparison:
     """Method A against baseline B on the same prompts: ``geomean`` and ``median`` of the per-prompt
-    speedups (A's tokens/s over B's), its 95% bootstrap interval ``low``..``high``, and ``prompts``."""
+    speedups (A's tokens/s over B's), its 95% bootstrap interval ``low``..``high`` (None with fewer
+    than :data:`MIN_PROMPTS` prompts), and ``prompts``."""
 
     geomean: float
     median: float
-    low: float
-    high: float
+    low: float | None
+    high: float | None
     prompts: int
 
     @property
     def verdict(self) -> str:
-        """``faster`` or ``slower`` only where the interval excludes 1; else ``no difference shown``."""
+        """``faster`` or ``slower`` only where the interval excludes 1; else ``no difference shown``
+        (or ``too few prompts`` without an interval)."""
+        if self.low is None or self.high is None:
+            return "too few prompts"
         if self.low > 1:
             return "faster"
         if self.high < 1:
             return "slower"
         return "no difference shown"
 
-    def as_dict(self) -> dict[str, float | int | str]:
-        return {"geomean": self.geomean, "median": self.median, "ci95": [self.low, self.high],
-                "prompts": self.prompts, "verdict": self.verdict}
+    def as_dict(self) -> dict[str, Any]:
+        ci = None if self.low is None else [self.low, self.high]
+        return {"geomean": self.geomean, "median": self.median, "ci95": ci, "prompts": self.prompts,
+                "verdict": self.verdict}
 
 
 def paired_ratios(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> list[float]:
@@ -81,5 +90,5 @@ def compare(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> Compa
     ratios = paired_ratios(speeds, baseline)
     if not ratios:
         return None
-    low, high = bootstrap_interval(ratios)
+    low, high = bootstrap_interval(ratios) if len(ratios) >= MIN_PROMPTS else (None, None)
     return Comparison(geometric_mean(ratios), statistics.median(ratios), low, high, len(ratios))
