@@ -159,15 +159,15 @@ def same_question_twice(tmp_path):
 def _drafts_per_method(monkeypatch):
     """Record every draft each request proposed, per drafter type, request by request."""
     logs: dict[str, list[list[tuple]]] = defaultdict(list)
-    seen: dict[int, list[tuple]] = {}
+    seen: dict[int, tuple[Request, list[tuple]]] = {}  # holds each request, so no id is reused
     original = Request.propose
 
     def propose(self):
         draft = original(self)
         if id(self) not in seen:
-            seen[id(self)] = []
-            logs[type(self.drafter).__name__].append(seen[id(self)])
-        seen[id(self)].append((draft.tree.tokens, draft.tree.parents, draft.chances))
+            seen[id(self)] = (self, [])
+            logs[type(self.drafter).__name__].append(seen[id(self)][1])
+        seen[id(self)][1].append((draft.tree.tokens, draft.tree.parents, draft.chances))
         return draft
 
     monkeypatch.setattr(Request, "propose", propose)
