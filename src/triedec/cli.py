@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -218,6 +219,32 @@ def build_parser() -> argparse.ArgumentParser:
                      help="max_tokens when a request gives none (default %(default)s)")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                      help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
+    sec = srv.add_argument_group("security and limits (README: Security)")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; each its own tenant); "
+                          "without --api-key or --api-keys-file, TRIEDEC_API_KEY is used if set")
+    sec.add_argument("--api-keys-file", metavar="FILE",
+                     help="keys, one per line, each optionally followed by a space and its tenant's name")
+    sec.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    sec.add_argument("--learning", choices=("shared", "tenant", "off"), default=None,
+                     help="whose learned state (auto's store, the recycling matrix, acceptance rates) a request "
+                          "drafts from: shared (everyone's), tenant (its own tenant's), off (nothing learned is kept); "
+                          "default: tenant with keys, shared without")
+    sec.add_argument("--max-tenants", type=int, default=64,
+                     help="tenants whose learned state is kept in memory (default %(default)s)")
+    sec.add_argument("--tenant-max-running", type=int, default=None,
+                     help="requests of one tenant decoded at once (default: up to --max-running)")
+    sec.add_argument("--tenant-max-queued", type=int, default=None,
+                     help="requests of one tenant waiting beyond those; one more gets 429 (default: up to --max-queue)")
+    sec.add_argument("--max-request-seconds", type=float, default=None,
+                     help="a request's whole time, queue included: past it, it ends with what it has "
+                          "(finish_reason length), or 408 before its first token (default: no limit)")
+    sec.add_argument("--max-tokens-limit", type=int, default=4096,
+                     help="the most max_tokens a request may ask for (default %(default)s)")
+    sec.add_argument("--body-seconds", type=float, default=30.0,
+                     help="a request body must arrive within this time, else 408 (default %(default)s)")
+    sec.add_argument("--send-seconds", type=float, default=60.0,
+                     help="a client that takes no response data for this long is disconnected (default %(default)s)")
     _add_model_args(srv)
     _add_method_options(srv)
     return parser
@@ -333,6 +360,17 @@ class _StreamPrinter:
         sys.stdout.flush()
 
 
+def _api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The server's API keys: --api-key and --api-keys-file, else ``TRIEDEC_API_KEY`` (as vLLM
+    reads ``VLLM_API_KEY``); None when there are none."""
+    from triedec.server.auth import ApiKeys
+
+    given = list(args.api_key)
+    if not given and not args.api_keys_file and environ.get("TRIEDEC_API_KEY"):
+        given = [environ["TRIEDEC_API_KEY"]]
+    return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from triedec.server import ServerConfig, serve
 
@@ -342,12 +380,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
     if args.max_kv_mib < 0:
         raise TriedecError(f"--max-kv-mib must be >= 0, got {args.max_kv_mib}")
+    keys = _api_keys(args, os.environ)
     config = ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
                           max_queue=args.max_queue, max_tokens_per_forward=args.max_tokens_per_forward,
                           max_prefill_tokens=args.max_prefill_tokens,
                           max_kv_bytes=args.max_kv_mib << 20 if args.max_kv_mib else None,
                           persist_every=args.persist_every, max_body_bytes=args.max_body_bytes,
-                          default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds)
+                          default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds,
+                          api_keys=keys, learning=args.learning, max_tenants=args.max_tenants,
+                          tenant_max_running=args.tenant_max_running, tenant_max_queued=args.tenant_max_queued,
+                          max_request_seconds=args.max_request_seconds, max_tokens_limit=args.max_tokens_limit,
+                          body_seconds=args.body_seconds, send_seconds=args.send_seconds)
+    logging.getLogger("triedec.server").info(
+        "API keys: %s; learning: %s", keys or "none (the server is open to anyone who can reach it)",
+        config.tenancy().learning)
     lm = load_model(args)
     serve(lm, config, host=args.host, port=args.port)
     return 0

@@ -174,14 +174,15 @@ class Batch:
         self.check(run)
         self.waiting.append(run)
 
-    def cancel(self, run: Run) -> None:
-        """End ``run`` now (its session ends, its KV is freed); it emits nothing more."""
+    def cancel(self, run: Run, reason: str = "cancelled") -> None:
+        """End ``run`` now with stop reason ``reason`` (its session ends, its KV is freed; what it
+        generated so far stays in its outcome); it emits nothing more."""
         if run in self.running:
             self.running.remove(run)
-            self._retire(run, "cancelled")
+            self._retire(run, reason)
         elif run in self.waiting:
             self.waiting.remove(run)
-            run.close("cancelled")
+            run.close(reason)
 
     @property
     def idle(self) -> bool:

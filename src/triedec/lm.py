@@ -8,7 +8,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,7 @@ class LM:
         self._reference_loader = reference
         self._reference: Any = None
         self.cache_dir = cache_root(cache_dir)
-        self._decoders: dict[tuple[str, object], Decoder] = {}
+        self._decoders: dict[tuple[Hashable, str, object], Decoder] = {}  # (scope, method, options)
         self._calibration: Calibration | None = None
         self._lock = threading.RLock()  # guards the two caches above
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -162,16 +162,37 @@ class LM:
 
     # ---- generation ---------------------------------------------------------------------------
 
-    def decoder(self, method_name: str, **options: object) -> Decoder:
-        """The method ``method_name`` built with ``options`` (once per options value; what it
-        needs measured is loaded or measured first); bad names or values raise."""
+    def decoder(self, method_name: str, *, scope: Hashable = None, **options: object) -> Decoder:
+        """The method ``method_name`` built with ``options`` (once per options value and
+        ``scope``; what it needs measured is loaded or measured first); bad names or values raise.
+
+        ``scope`` keeps learned state apart: each scope has its own built methods, so requests of
+        one scope never draft from what another's taught (the server's tenants; None is the
+        default scope). The calibration is shared by every scope."""
         found = find_method(method_name)
         opts = found.make_options(options)
-        key = (method_name, opts)
+        key = (scope, method_name, opts)
         with self._lock:
             if key not in self._decoders:
                 self._decoders[key] = found.build(opts, self.model_info(found.needs(opts)))
             return self._decoders[key]
+
+    def is_built(self, method_name: str, *, scope: Hashable = None, **options: object) -> bool:
+        """Whether :meth:`decoder` would return a method already built (no measuring, no
+        building); bad names or values raise."""
+        found = find_method(method_name)
+        with self._lock:
+            return (scope, method_name, found.make_options(options)) in self._decoders
+
+    def forget(self, scope: Hashable) -> int:
+        """Drop the methods built for ``scope`` and their learned state (a request still running
+        keeps its method until it ends; learned-state files are written by the engine as
+        usual); returns how many were dropped."""
+        with self._lock:
+            dropped = [key for key in self._decoders if key[0] == scope]
+            for key in dropped:
+                del self._decoders[key]
+            return len(dropped)
 
     def start(
         self,
@@ -189,14 +210,16 @@ class LM:
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        scope: Hashable = None,
         **options: object,
     ) -> Run:
         """One request, validated and ready for an engine :class:`~triedec.engine.Batch` (the
-        server's scheduler submits these); :meth:`generate`'s arguments. All input is checked
+        server's scheduler submits these); :meth:`generate`'s arguments, plus ``scope``: whose
+        learned state the method drafts from and teaches (:meth:`decoder`). All input is checked
         before anything runs; building the method may measure the device first."""
         prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
         sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        decoder = self.decoder(method, **options)  # after the cheap checks: building may measure the device
+        decoder = self.decoder(method, scope=scope, **options)  # after the cheap checks: building may measure
         return decoder.start(prompt_ids, rule, documents, sampling)
 
     def stream(

@@ -49,6 +49,7 @@ from typing import ClassVar
 import torch
 
 from triedec.drafters.base import (
+    FROM_STORE,
     MAX_TREE_NODES,
     NEEDS_COST,
     STATE_FILE,
@@ -356,6 +357,7 @@ class AutoSession(BaseSession):
         self.hot = False
         self._sent: list[dict[Kind, float]] = []  # kinds and bases of each proposed node, in tree order
         self._depths: list[int] = []  # depth of each proposed node
+        self.from_store = 0  # accepted draft tokens the store proposed (this request)
 
     # ---- propose ------------------------------------------------------------------------------
 
@@ -455,6 +457,7 @@ class AutoSession(BaseSession):
         verified_nodes = {verified.index(i) for i in range(tree.size)}
         skipped = {d.key(kind, self._depths[j], self.hot) for j in range(1, len(self._sent)) if j not in verified_nodes
                    for kind in self._sent[j]}
+        self.from_store += sum(1 for i in path if i and any(kind[0] == "store" for kind in kinds[i]))
         d.count_proposed(kinds[1:])
         d.learn(outcomes, self.hot, skipped, verified)
         self.hot = len(path) > 1
@@ -466,4 +469,4 @@ class AutoSession(BaseSession):
         self.drafter.remember([*self.context[self.prompt_len :], *self.last], self.context[: self.prompt_len])
 
     def stats(self) -> dict[str, float]:
-        return self.drafter.stats()
+        return {**self.drafter.stats(), FROM_STORE: float(self.from_store)}

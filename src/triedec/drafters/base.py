@@ -60,6 +60,11 @@ STATE_FILE = types.MappingProxyType({"state_file": True})
 (``store: str = field(default="", metadata=STATE_FILE)``): tools that must start from no learned
 state (the benchmark's ``cold`` protocol) find such options through it."""
 
+FROM_STORE = "accepted_from_store"
+"""Key of a session's :meth:`~DrafterSession.stats`: this request's accepted draft tokens that a
+store of earlier requests' outputs proposed (auto's store); drafters without one report nothing
+(read as 0). The server returns it, so that whether learned state crossed requests is visible."""
+
 MAX_TREE_NODES = 256
 """Upper bound on a verified tree's size (root included); the engine cuts larger proposals."""
 

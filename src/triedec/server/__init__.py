@@ -23,19 +23,34 @@ drafters' own locks, and state files are written from snapshots when the batch g
 in-flight requests finish for ``drain_seconds``, and the scheduler then cancels whatever is left
 and writes the learned state.
 
+**Security** (README: Security). With API keys (:mod:`~triedec.server.auth`) every request but
+``/health`` carries ``Authorization: Bearer KEY`` (401 otherwise) and belongs to the key's tenant.
+Learned state is kept per tenant, shared, or not at all (:mod:`~triedec.server.tenancy`); the
+``triedec`` stats' ``store_tokens`` say how many accepted tokens auto's store drafted. Per tenant,
+running and queued requests are capped (429 with ``Retry-After``); each request's time may be
+capped (``max_request_seconds``), ``max_tokens`` is capped server-wide, a body must arrive within
+``body_seconds`` and a client must take its response within ``send_seconds``. Clients cannot name
+learned-state files.
+
 Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
-:mod:`~triedec.server.scheduler`, :mod:`~triedec.server.schemas` (request and response shapes),
-:mod:`~triedec.server.metrics` (Prometheus).
+:mod:`~triedec.server.auth`, :mod:`~triedec.server.tenancy`, :mod:`~triedec.server.scheduler`,
+:mod:`~triedec.server.schemas` (request and response shapes), :mod:`~triedec.server.metrics`
+(Prometheus).
 
 **Errors** are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx
 status: malformed JSON, wrong types, unknown fields, unknown methods or options, bad numbers, an
 empty prompt, a prompt + ``max_tokens`` beyond the context, unsupported OpenAI fields (named as
 such), a request whose KV could never fit under ``max_kv_bytes``, a body over ``max_body_bytes``
-(413), an unknown model (404), a full queue (503).
+(413), a missing or wrong API key (401), a body too slow (408), a request with no token within
+``max_request_seconds`` (408), an unknown model (404), a tenant over its share (429), a full queue
+(503).
 """
 
 from triedec.server.app import ServerConfig, create_app, serve
-from triedec.server.scheduler import Job, QueueFull, Scheduler
+from triedec.server.auth import ApiKeys
+from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
+from triedec.server.tenancy import Tenancy
 from triedec.text import TextStream
 
-__all__ = ["Job", "QueueFull", "Scheduler", "ServerConfig", "TextStream", "create_app", "serve"]
+__all__ = ["ApiKeys", "Job", "QueueFull", "Scheduler", "ServerConfig", "Tenancy", "TenantBusy", "TenantLimits",
+           "TextStream", "create_app", "serve"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,13 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from triedec.drafters.base import FROM_STORE
 from triedec.engine import BatchLimits, Run
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
+from triedec.methods import method as find_method
 from triedec.methods import methods
 from triedec.request import Outcome
+from triedec.server.auth import ApiKeys, RequireKey
 from triedec.server.metrics import Metrics
-from triedec.server.scheduler import Job, QueueFull, Scheduler
+from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
 from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
@@ -35,6 +39,7 @@ from triedec.server.schemas import (
     Shape,
     error,
 )
+from triedec.server.tenancy import ANONYMOUS, Learning, Scopes, Tenancy
 from triedec.text import TextStream
 
 log = logging.getLogger("triedec.server")
@@ -67,10 +72,39 @@ class ServerConfig:
     """max_tokens when a request gives none (cut to what the context leaves)"""
     drain_seconds: float = 30.0
     """on SIGTERM: how long in-flight requests may finish before they are cancelled"""
+    api_keys: ApiKeys | None = None
+    """keys every request but ``/health`` must carry (:mod:`triedec.server.auth`); None = open"""
+    learning: Learning | None = None
+    """whose learned state a request drafts from (:mod:`triedec.server.tenancy`); None = ``tenant``
+    when keys are configured, ``shared`` otherwise"""
+    max_tenants: int = 64
+    """tenants whose learned state is kept in memory (``tenant`` learning)"""
+    tenant_max_running: int | None = None
+    """requests of one tenant decoded at once (None: up to ``max_running``)"""
+    tenant_max_queued: int | None = None
+    """requests of one tenant waiting beyond those; one more gets 429 (None: up to ``max_queue``)"""
+    max_request_seconds: float | None = None
+    """a request's whole time, queue included: past it, it ends with what it has (finish_reason
+    ``length``, stop_reason ``time_limit``), or gets 408 if it has no token yet; None = no limit"""
+    max_tokens_limit: int = 4096
+    """the most ``max_tokens`` a request may ask for (more gets 400)"""
+    body_seconds: float = 30.0
+    """a request body must arrive within this time (else 408)"""
+    send_seconds: float = 60.0
+    """a response chunk must be taken by the client within this time (else the connection is
+    closed: a client that never reads its stream holds nothing for long)"""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens"):
+        for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):
             positive_int(name, getattr(self, name))
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise TriedecError(f"the default max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
+                               f"({self.max_tokens_limit})")
+        for name in ("body_seconds", "send_seconds"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise TriedecError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        self.tenancy()  # validates the learning mode and max_tenants
+        self.tenant_limits()  # validates the per-tenant limits
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise TriedecError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
         if not self.model_name:
@@ -83,14 +117,30 @@ class ServerConfig:
         return BatchLimits(self.max_running, self.max_tokens_per_forward, self.max_prefill_tokens, self.max_kv_bytes,
                            self.persist_every)
 
+    def tenancy(self) -> Tenancy:
+        learning = self.learning or ("tenant" if self.api_keys is not None else "shared")
+        return Tenancy(learning, self.max_tenants)
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(self.tenant_max_running, self.tenant_max_queued, self.max_request_seconds)
+
 
 @dataclass
 class _Prepared:
     run: Run
     method: str
     options: dict[str, Any]
+    """the options a client may see (state-file paths left out)"""
     prompt_tokens: int
     stops: tuple[str, ...]
+
+
+@dataclass
+class _Admitted:
+    """What :meth:`_Service.start` hands the response: the job and its prepared run."""
+
+    job: Job
+    prepared: _Prepared
 
 
 class _Service:
@@ -101,7 +151,9 @@ class _Service:
         self.lm, self.config = lm, config
         self.known = set(methods())
         self.metrics: Metrics | None = None
-        self.scheduler = Scheduler(lm, config.limits(), config.max_queue, on_step=self._on_step)
+        self.scheduler = Scheduler(lm, config.limits(), config.max_queue, on_step=self._on_step,
+                                   tenants=config.tenant_limits())
+        self.scopes = Scopes(config.tenancy(), lm.forget)
         self.metrics = Metrics(lambda: self.scheduler.depth, config.max_tokens_per_forward)
 
     def _on_step(self, carried: dict[str, float]) -> None:
@@ -109,7 +161,8 @@ class _Service:
             self.metrics.step(carried)
 
     def method_of(self, req: Generation) -> tuple[str, dict[str, Any]]:
-        """The request's method and options; refuses unsupported fields and unknown models."""
+        """The request's method and options; refuses unsupported fields, unknown models and
+        state-file options (files are the operator's to name, never a client's)."""
         config = self.config
         unsupported = req.unsupported()
         if unsupported:
@@ -117,59 +170,94 @@ class _Service:
                                "without logprobs, tools or penalties other than repetition_penalty)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
+        method = req.method or config.method
+        found = find_method(method)  # an unknown name gets 400 with the list
+        if found.spec.state_files(req.method_options or {}):
+            raise TriedecError(f"method_options may not name learned-state files "
+                               f"({', '.join(found.spec.state_files(req.method_options or {}))}): "
+                               "the server's operator sets them")
         options = dict(config.method_options) if req.method is None else {}
         options.update(req.method_options or {})
-        return req.method or config.method, options
+        return method, options
 
-    def prepare(self, req: Generation, prompt: Any, chat: bool) -> _Prepared:
+    def prepare(self, req: Generation, prompt: Any, chat: bool, method: str, options: dict[str, Any],
+                scope: Hashable) -> _Prepared:
         """Validate everything and make the request's run (in a worker thread; the method is
         already built, on the engine thread)."""
         lm, config = self.lm, self.config
-        method, options = self.method_of(req)
         ids = lm.encode(prompt, chat=chat)
         limit = getattr(req, "max_completion_tokens", None)
         limit = req.max_tokens if limit is None else limit
         if limit is None:
             room = (lm.max_context - len(ids)) if lm.max_context else config.default_max_tokens
             limit = max(1, min(config.default_max_tokens, room))
+        elif isinstance(limit, int) and limit > config.max_tokens_limit:
+            raise TriedecError(f"max_tokens {limit} exceeds this server's limit of {config.max_tokens_limit}")
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         sampling = {"temperature": req.temperature if req.temperature is not None else 0.0,
                     "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0,
                     "min_p": req.min_p or 0.0,
                     "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
                     "seed": req.seed}
-        run = lm.start(ids, method, max_new_tokens=limit, stop=list(stops) or None, **sampling, **options)
-        return _Prepared(run, method, options, len(ids), stops)
+        run = lm.start(ids, method, max_new_tokens=limit, stop=list(stops) or None, scope=scope, **sampling,
+                       **options)
+        files = set(find_method(method).spec.state_files(options))
+        shown = {k: v for k, v in options.items() if k not in files}
+        return _Prepared(run, method, shown, len(ids), stops)
 
-    async def start(self, req: Generation, prompt: Any, shape: Shape) -> tuple[Job, _Prepared] | JSONResponse:
+    def tenant(self, request: Request, req: Generation) -> str:
+        """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
+        return getattr(request.state, "tenant", None) or (f"user:{req.user}" if req.user else ANONYMOUS)
+
+    async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
+                    ) -> _Admitted | JSONResponse:
         assert self.metrics is not None
         label = req.method or self.config.method
         label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
+        scope: Hashable = None
+        entered = False
         try:
             method, options = self.method_of(req)
-            # built on the engine thread: building may measure the device (torch ops; see the scheduler)
-            await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, **options)))
-            prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat)
-            job = Job(prepared.run, asyncio.get_running_loop())
-            self.scheduler.submit(job)
+            tenant = self.tenant(request, req)
+            scope, options = self.scopes.enter(tenant, method, options)
+            entered = True
+            if not self.lm.is_built(method, scope=scope, **options):
+                # built on the engine thread: building may measure the device (torch ops; see the scheduler)
+                await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
+            prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat, method, options, scope)
+            seconds = self.config.max_request_seconds
+            job = Job(prepared.run, asyncio.get_running_loop(), tenant,
+                      None if seconds is None else time.perf_counter() + seconds,
+                      on_end=functools.partial(self.scopes.leave, scope))
+            self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
+            return _Admitted(job, prepared)
         except (TriedecError, TypeError, ValueError) as exc:  # bad input, named by the library
-            self.metrics.requests.labels(shape.endpoint, label, "400").inc()
-            return error(400, str(exc))
+            status, answer = 400, error(400, str(exc))
         except LookupError as exc:
-            self.metrics.requests.labels(shape.endpoint, label, "404").inc()
-            return error(404, str(exc), "not_found_error", "model")
+            status, answer = 404, error(404, str(exc), "not_found_error", "model")
+        except TenantBusy as exc:
+            status, answer = 429, error(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
+                                        headers={"Retry-After": str(exc.retry_after)})
         except QueueFull as exc:
-            self.metrics.requests.labels(shape.endpoint, label, "503").inc()
-            return error(503, str(exc), "server_overloaded")
-        return job, prepared
+            status, answer = 503, error(503, str(exc), "server_overloaded",
+                                        headers={"Retry-After": str(self.scheduler.retry_after())})
+        except Exception:  # a bug: answered 500 by the app's handler; the scope is left first
+            if entered:
+                self.scopes.leave(scope)
+            raise
+        if entered:
+            self.scopes.leave(scope)
+        self.metrics.requests.labels(shape.endpoint, label, str(status)).inc()
+        return answer
 
-    @staticmethod
-    def extension(prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
+    def extension(self, prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
         s = outcome.stats
+        drafter = getattr(s, "drafter", None) or {}
         return {"method": prepared.method, "options": prepared.options,
                 "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
                 "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
-                "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason}
+                "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
+                "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning}
 
     @staticmethod
     def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:
@@ -177,41 +265,59 @@ class _Service:
         return {"prompt_tokens": prepared.prompt_tokens, "completion_tokens": n,
                 "total_tokens": prepared.prompt_tokens + n}
 
+    def failure(self, kind: str, value: Any, prepared: _Prepared, shape: Shape) -> JSONResponse:
+        """The answer to a request that ended without output (``kind``: its final event)."""
+        assert self.metrics is not None
+        if kind == "timeout":
+            status, answer = 408, error(408, f"the request produced no token within {self.config.max_request_seconds}"
+                                             " s (this server's max_request_seconds)", code="timeout")
+        elif kind == "cancelled":
+            status, answer = 503, error(503, "the request was cancelled: the server is shutting down",
+                                        "server_overloaded")
+        else:
+            status, answer = 500, error(500, f"generation failed: {type(value).__name__}", "server_error")
+        self.metrics.requests.labels(shape.endpoint, prepared.method, str(status)).inc()
+        return answer
+
+    @staticmethod
+    def finish_reason(outcome: Outcome) -> str:
+        return "length" if outcome.stats.stop_reason in ("length", "time_limit") else "stop"
+
+    async def next_event(self, request: Request, job: Job) -> tuple[str, Any] | None:
+        """The job's next event, or None if the client left before it (the job is cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.next(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+
     async def complete(self, request: Request, job: Job, prepared: _Prepared, shape: Shape, make: Any) -> JSONResponse:
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
-        try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                        return error(499, "client disconnected")
-                    continue
-                if kind == "tokens":
-                    text.tokens += value  # the text is decoded once, at the end
-                elif kind == "done":
-                    self.metrics.finished(shape.endpoint, prepared.method, value)
-                    reason = "length" if value.stats.stop_reason == "length" else "stop"
-                    return JSONResponse(make(text.text, reason, self.usage(prepared, value),
-                                             self.extension(prepared, value)))
-                elif kind == "cancelled":
-                    return error(503, "the request was cancelled: the server is shutting down", "server_overloaded")
-                else:
-                    self.metrics.requests.labels(shape.endpoint, prepared.method, "500").inc()
-                    return error(500, f"generation failed: {type(value).__name__}", "server_error")
-        finally:
-            job.cancel()  # a no-op once the run is done
+        while True:
+            event = await self.next_event(request, job)
+            if event is None:
+                return error(499, "client disconnected")
+            kind, value = event
+            if kind == "tokens":
+                text.tokens += value  # the text is decoded once, at the end
+            elif kind == "done":
+                self.metrics.finished(shape.endpoint, prepared.method, value)
+                return JSONResponse(make(text.text, self.finish_reason(value), self.usage(prepared, value),
+                                         self.extension(prepared, value)))
+            else:
+                return self.failure(kind, value, prepared, shape)
 
-    async def stream(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any,
-                     include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any, include_usage: bool,
+                     first: tuple[str, Any]) -> AsyncIterator[str]:
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
         try:
             yield _sse(chunk(None, None, first=True))
+            kind, value = first
             while True:
-                kind, value = await job.events.get()
                 if kind == "tokens":
                     delta = text.add(value)
                     if delta:
@@ -221,9 +327,8 @@ class _Service:
                     tail = text.finish()
                     if tail:
                         yield _sse(chunk(tail, None))
-                    reason = "length" if value.stats.stop_reason == "length" else "stop"
                     ext = self.extension(prepared, value)
-                    yield _sse(chunk(None, reason, ext=ext))
+                    yield _sse(chunk(None, self.finish_reason(value), ext=ext))
                     if include_usage:
                         yield _sse(chunk(None, None, usage=self.usage(prepared, value), ext=ext))
                     yield "data: [DONE]\n\n"
@@ -232,41 +337,57 @@ class _Service:
                     message = "cancelled: the server is shutting down" if kind == "cancelled" else "generation failed"
                     yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
                     return
+                kind, value = await job.next()
         finally:
             job.cancel()  # the client went away (or the stream ended): free the request at once
 
     async def respond(self, request: Request, req: Generation, prompt: Any, shape: Shape) -> Any:
-        """Start the request, then answer in ``shape``: a stream of chunks or one response."""
-        started = await self.start(req, prompt, shape)
+        """Start the request, then answer in ``shape``: a stream of chunks or one response. A
+        stream starts with the request's first event, so a request that never produced a token
+        still gets a status of its own (408, 503)."""
+        started = await self.start(request, req, prompt, shape)
         if isinstance(started, JSONResponse):
             return started
-        job, prepared = started
+        job, prepared = started.job, started.prepared
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         model = self.config.model_name
 
         def envelope(kind: str) -> dict[str, Any]:
             return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
 
-        if req.stream:
-            def chunk(delta: str | None, reason: str | None, first: bool = False,
-                      usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
-                out = envelope(shape.chunk_object)
-                if usage is not None:
-                    out["choices"], out["usage"] = [], usage
-                else:
-                    out["choices"] = [shape.choice(delta, reason, streaming=True, first=first)]
-                if ext is not None:
-                    out["triedec"] = ext
-                return out
+        streaming = False
+        try:
+            if req.stream:
+                event = await self.next_event(request, job)
+                if event is None:
+                    return error(499, "client disconnected")
+                if event[0] not in ("tokens", "done"):
+                    return self.failure(*event, prepared, shape)
 
-            include = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(self.stream(job, prepared, shape, chunk, include), media_type="text/event-stream")
+                def chunk(delta: str | None, reason: str | None, first: bool = False,
+                          usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
+                    out = envelope(shape.chunk_object)
+                    if usage is not None:
+                        out["choices"], out["usage"] = [], usage
+                    else:
+                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first)]
+                    if ext is not None:
+                        out["triedec"] = ext
+                    return out
 
-        def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
-            return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
-                    "usage": use, "triedec": ext}
+                include = bool(req.stream_options and req.stream_options.include_usage)
+                streaming = True  # the stream's own finally cancels the job
+                return StreamingResponse(self.stream(job, prepared, shape, chunk, include, event),
+                                         media_type="text/event-stream")
 
-        return await self.complete(request, job, prepared, shape, make)
+            def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
+                return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
+                        "usage": use, "triedec": ext}
+
+            return await self.complete(request, job, prepared, shape, make)
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op once the run is done
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -301,6 +422,7 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``lm``. Its scheduler thread starts with the first request; the
     lifespan's shutdown cancels what is left and writes the learned state."""
     config = config or ServerConfig()
+    Scopes(config.tenancy(), lm.forget).check(config.method, config.method_options)
     lm.decoder(config.method, **config.method_options)  # validate (and build) the default method now
     service = _Service(lm, config)
     created = int(time.time())
@@ -313,7 +435,9 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
-    app.add_middleware(_BodyLimit, limit=config.max_body_bytes)
+    app.add_middleware(_Transport, limit=config.max_body_bytes, body_seconds=config.body_seconds,
+                       send_seconds=config.send_seconds)
+    app.add_middleware(RequireKey, keys=config.api_keys)  # outermost: no body is read before the key is checked
     _errors(app)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -347,30 +471,53 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 before the app reads it."""
+class _ClientTooSlow(Exception):
+    """A response message was not taken by the client in time."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+
+class _Transport:
+    """ASGI middleware bounding what one client can hold: a request body over ``limit`` bytes gets
+    413 and one that has not arrived within ``body_seconds`` gets 408, both before the app sees
+    it; a response message the client has not taken within ``send_seconds`` (a client that stopped
+    reading its stream) ends the response, and the server closes the connection."""
+
+    def __init__(self, app: Any, limit: int, body_seconds: float, send_seconds: float) -> None:
         self.app, self.limit = app, limit
+        self.body_seconds, self.send_seconds = body_seconds, send_seconds
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+
+        async def timed_send(message: dict[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_seconds)
+            except TimeoutError as exc:
+                raise _ClientTooSlow from exc
+
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self._run(scope, receive, timed_send)
+            return
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_large = error(413, f"the request body exceeds {self.limit} bytes")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_large(scope, receive, send)
+            await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
             return
         body, more = b"", True
+        deadline = asyncio.get_running_loop().time() + self.body_seconds
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                await error(408, f"the request body did not arrive within {self.body_seconds:g} s",
+                            code="timeout")(scope, receive, send)
+                return
             if message["type"] != "http.request":
                 return  # the client left
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
-                await too_large(scope, receive, send)
+                await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
                 return
         replayed = False
 
@@ -381,7 +528,13 @@ class _BodyLimit:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        await self._run(scope, replay, timed_send)
+
+    async def _run(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except _ClientTooSlow:  # the client did not take a response message in time
+            log.info("a client stopped reading its response for %g s: closing the connection", self.send_seconds)
 
 
 def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -397,7 +550,10 @@ def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
 
     app = create_app(lm, config)
     scheduler: Scheduler = app.state.scheduler
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+    # an idle kept-alive connection is closed after 5 s; a request head is bounded to 16 KiB (h11,
+    # chosen explicitly); uvicorn has no timeout for a head that never ends (README: Security)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http="h11",
+                                           timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10,
                                            timeout_graceful_shutdown=int(config.drain_seconds)))
     scheduler.claim()
     http = threading.Thread(target=server.run, name="triedec-http")

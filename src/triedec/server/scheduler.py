@@ -1,13 +1,16 @@
 """The server's scheduler: one thread that owns the engine's step loop.
 
 Every HTTP request becomes a :class:`Job`: its engine run (a :class:`~triedec.request.Request`,
-or beam search's :class:`~triedec.engine.SoloRun`) and the asyncio queue its events travel on to
-the handler. The scheduler thread submits new jobs to one :class:`~triedec.engine.Batch` at step
-boundaries, runs :meth:`~triedec.engine.Batch.step` (one forward for every running request; beam
-searches beside it), and hands each job its new tokens: ``("tokens", list[int])`` per step, then
-``("done", Outcome)``, ``("error", exception)`` or ``("cancelled", None)``. A job cancelled by its
-handler (the client left) leaves the batch at the next step boundary: its session ends and its KV
-is freed. Nothing per request is shared between jobs; the batch is touched by this thread only.
+or beam search's :class:`~triedec.engine.SoloRun`), its tenant and deadline, and the channel its
+events travel on to the handler (:meth:`Job.next`: the tokens emitted since the last call, then
+``("done", Outcome)``, ``("error", exception)``, ``("cancelled", None)`` or ``("timeout", None)``;
+bounded, and never waited on by this thread). The scheduler thread moves new jobs into one
+:class:`~triedec.engine.Batch` at step boundaries (oldest first, while their tenant has running
+room: :class:`TenantLimits`), runs :meth:`~triedec.engine.Batch.step` (one forward for every
+running request; beam searches beside it), and hands each job its new tokens. A job cancelled by
+its handler (the client left) or past its deadline leaves the batch at the next step boundary:
+its session ends and its KV is freed. Nothing per request is shared between jobs; the batch is
+touched by this thread only.
 
 **One thread does all torch work.** Each thread that runs torch ops gets an OpenMP thread team
 of its own; on this 2-core CPU a second team makes every multi-threaded op of the first ~1.5x
@@ -25,14 +28,19 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
+import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from triedec.engine import Batch, BatchLimits, Run
+from triedec.errors import TriedecError
 from triedec.lm import LM
+from triedec.request import Outcome, Stats
 
 log = logging.getLogger("triedec.server")
 
@@ -41,19 +49,98 @@ class QueueFull(Exception):
     """The scheduler holds ``max_running + max_queue`` requests already, or is shutting down."""
 
 
-class Job:
-    """One request's run and the channel its events travel on to its HTTP handler."""
+class TenantBusy(Exception):
+    """The request's tenant has its maximum of requests running and waiting already;
+    ``retry_after``: seconds after which one of them has likely finished."""
 
-    def __init__(self, run: Run, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Per tenant: requests decoded at once (``max_running``; more wait for one of theirs to end,
+    whatever room the batch has) and requests waiting beyond those (``max_queued``; one more gets
+    :class:`TenantBusy`). ``max_request_seconds``: a request's whole time (queue included); past
+    it a request that has emitted tokens ends with stop reason ``time_limit``, one that has not
+    ends with a ``("timeout", None)`` event. None = no limit."""
+
+    max_running: int | None = None
+    max_queued: int | None = None
+    max_request_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
+                                      or (name == "max_running" and value == 0)):
+                raise TriedecError(f"{name} must be a positive integer (max_queued: >= 0) or None, got {value!r}")
+        seconds = self.max_request_seconds
+        if seconds is not None and not 0 < seconds < float("inf"):
+            raise TriedecError(f"max_request_seconds must be a positive number or None, got {seconds!r}")
+
+
+class Job:
+    """One request's run, its tenant and deadline, and the channel its events travel on to its
+    HTTP handler.
+
+    The channel is bounded whatever the handler does: the scheduler thread never waits on it. New
+    tokens are appended to one pending list (at most the request's ``max_new_tokens``) and at most
+    one wake-up is scheduled on the event loop at a time, so a client that reads slowly, or never,
+    costs its own request's tokens and nothing else; :meth:`next` hands the handler every pending
+    token at once, then the final event."""
+
+    def __init__(self, run: Run, loop: asyncio.AbstractEventLoop, tenant: str = "",
+                 deadline: float | None = None, on_end: Callable[[], None] | None = None) -> None:
         self.run = run
         self.loop = loop
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.tenant = tenant
+        self.deadline = deadline
+        """``time.perf_counter()`` value past which the scheduler ends the request (None: never)"""
+        self.on_end = on_end
+        """called once on the event loop after the final event, whoever reads it (or nobody)"""
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
+        self.emitted = 0
+        self._lock = threading.Lock()
+        self._tokens: list[int] = []
+        self._final: tuple[str, Any] | None = None
+        self._signalled = False
+        self._ready = asyncio.Event()
 
     def emit(self, kind: str, value: Any) -> None:
+        """From the scheduler thread: ``("tokens", list[int])`` or a final event (``done``,
+        ``error``, ``cancelled``, ``timeout``); never blocks."""
+        with self._lock:
+            if self._final is not None:
+                return
+            if kind == "tokens":
+                self._tokens += value
+                self.emitted += len(value)
+            else:
+                self._final = (kind, value)
+            final = kind != "tokens"
+            wake, self._signalled = not self._signalled, True
         with contextlib.suppress(RuntimeError):  # the event loop is already closed: nobody listens
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            if wake:
+                self.loop.call_soon_threadsafe(self._ready.set)
+            if final and self.on_end is not None:
+                self.loop.call_soon_threadsafe(self.on_end)
+
+    async def next(self) -> tuple[str, Any]:
+        """The next event, on the job's event loop: every token emitted since the last call as one
+        ``("tokens", list[int])``, then the final event (repeated if asked again)."""
+        while True:
+            with self._lock:
+                if self._tokens:
+                    tokens, self._tokens = self._tokens, []
+                    return "tokens", tokens
+                if self._final is not None:
+                    return self._final
+                self._signalled = False
+                self._ready.clear()
+            await self._ready.wait()
 
     def cancel(self) -> None:
         """Ask the scheduler to drop this job at its next step boundary (any thread)."""
@@ -63,18 +150,24 @@ class Job:
 class Scheduler:
     """Owns the engine's step loop on one thread (started on first use); see the module doc.
     ``on_step`` receives what each step carried (:attr:`~triedec.engine.Batch.last_step`), on the
-    scheduler thread."""
+    scheduler thread; ``tenants`` bounds each tenant's share and each request's time."""
 
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
-                 on_step: Callable[[dict[str, float]], None] | None = None) -> None:
+                 on_step: Callable[[dict[str, float]], None] | None = None,
+                 tenants: TenantLimits | None = None) -> None:
         self.lm = lm
         self.limits, self.max_queue = limits, max_queue
+        self.tenants = tenants or TenantLimits()
         self.batch = Batch(lm.adapter, lm.cost_model(), limits)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        self._held: deque[Job] = deque()  # arrived, waiting for room in their tenant's running share
         self._jobs: dict[int, Job] = {}  # id(run) -> job, for the jobs in the batch
+        self._flying: Counter[str] = Counter()  # tenant -> its jobs anywhere here (under the condition)
+        self._in_batch: Counter[str] = Counter()  # tenant -> its jobs in the batch (scheduler thread)
+        self._durations: deque[float] = deque(maxlen=64)  # seconds of recently finished requests
         self._depth = (0, 0)
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -87,17 +180,32 @@ class Scheduler:
         with self._cond:
             return self._depth
 
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the median time of recent requests (at least 1;
+        any thread)."""
+        with self._cond:
+            recent = list(self._durations)
+        return max(1, math.ceil(statistics.median(recent))) if recent else 1
+
     def submit(self, job: Job) -> None:
-        """Queue ``job``; :class:`QueueFull` past the queue's bound or while shutting down; a
+        """Queue ``job``; :class:`QueueFull` past the queue's bound or while shutting down,
+        :class:`TenantBusy` past its tenant's share (:class:`TenantLimits`); a
         :class:`~triedec.errors.TriedecError` for a request that could never run here (more KV
         than the cap)."""
+        limits = self.tenants
+        cap = (limits.max_running or self.limits.max_running) + (
+            math.inf if limits.max_queued is None else limits.max_queued)
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down")
-            if len(self._jobs) + len(self._incoming) >= self.limits.max_running + self.max_queue:
+            if len(self._jobs) + len(self._held) + len(self._incoming) >= self.limits.max_running + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
+            if self._flying[job.tenant] >= cap:
+                raise TenantBusy(f"too many requests of this client at once: at most {cap} running or waiting",
+                                 self.retry_after())  # the condition's lock is reentrant
             self.batch.check(job.run)
             self._incoming.append(job)
+            self._flying[job.tenant] += 1
             self._depth = (self._depth[0], self._depth[1] + 1)
             self._ensure_loop()
             self._cond.notify()
@@ -159,11 +267,11 @@ class Scheduler:
         batch = self.batch
         while True:
             with self._cond:
-                while not (self._incoming or self._jobs or self._calls or self._closed):
+                while not (self._incoming or self._held or self._jobs or self._calls or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
-                arrived = list(self._incoming)
+                self._held.extend(self._incoming)
                 self._incoming.clear()
                 calls = list(self._calls)
                 self._calls.clear()
@@ -173,19 +281,64 @@ class Scheduler:
                         future.set_result(fn())
                     except Exception as exc:  # handed to the caller
                         future.set_exception(exc)
-            for job in arrived:
-                batch.submit(job.run)
-                self._jobs[id(job.run)] = job
-            for key, job in list(self._jobs.items()):
+            now = time.perf_counter()
+            for job in [*self._held, *self._jobs.values()]:
                 if job.cancelled.is_set():
-                    batch.cancel(job.run)
-                    del self._jobs[key]
-                    job.emit("cancelled", None)
+                    self._drop(job, "cancelled")
+                    self._finish(job, "cancelled", None)
+                elif job.deadline is not None and now >= job.deadline:
+                    self._expire(job)
+            self._admit()
             if not batch.idle:
                 self._step()
             with self._cond:
-                self._depth = (len(batch.running), len(batch.waiting) + len(self._incoming))
+                self._depth = (len(batch.running), len(batch.waiting) + len(self._held) + len(self._incoming))
         self._shutdown()
+
+    def _admit(self) -> None:
+        """Move held jobs into the batch, oldest first, while their tenant has running room."""
+        cap = self.tenants.max_running
+        for job in list(self._held):
+            if cap is None or self._in_batch[job.tenant] < cap:
+                self._held.remove(job)
+                self.batch.submit(job.run)
+                self._jobs[id(job.run)] = job
+                self._in_batch[job.tenant] += 1
+
+    def _drop(self, job: Job, reason: str) -> None:
+        """Take ``job`` out of the batch (or the held queue) now, its run ended with ``reason``."""
+        if job in self._held:
+            self._held.remove(job)
+            job.run.close(reason)
+        elif self._jobs.pop(id(job.run), None) is not None:
+            self._in_batch[job.tenant] -= 1
+            self.batch.cancel(job.run, reason)
+
+    def _expire(self, job: Job) -> None:
+        """``job`` ran past its deadline: it ends with what it has (stop reason ``time_limit``), or
+        with a timeout event when it has emitted nothing."""
+        self._drop(job, "time_limit")
+        fresh = job.run.take()
+        if fresh:
+            job.emit("tokens", fresh)
+        if not job.emitted:
+            self._finish(job, "timeout", None)
+            return
+        try:
+            outcome = job.run.outcome
+        except TriedecError:  # a loop of its own (beam search) has no outcome until it ends
+            outcome = Outcome(Stats(new_tokens=job.emitted, stop_reason="time_limit"))
+        self._finish(job, "done", outcome)
+
+    def _finish(self, job: Job, kind: str, value: Any) -> None:
+        """``job`` has left: hand its final event over and count it out."""
+        job.emit(kind, value)
+        with self._cond:
+            self._flying[job.tenant] -= 1
+            if self._flying[job.tenant] <= 0:
+                del self._flying[job.tenant]
+            if kind == "done":
+                self._durations.append(time.perf_counter() - job.submitted)
 
     def _step(self) -> None:
         batch = self.batch
@@ -194,10 +347,9 @@ class Scheduler:
             finished = batch.step()
         except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
             log.exception("a decoding step failed")
-            for job in self._jobs.values():
-                batch.cancel(job.run)
-                job.emit("error", exc)
-            self._jobs.clear()
+            for job in list(self._jobs.values()):
+                self._drop(job, "cancelled")
+                self._finish(job, "error", exc)
             return
         for job in self._jobs.values():
             fresh = job.run.take()
@@ -205,23 +357,22 @@ class Scheduler:
                 job.emit("tokens", fresh)
         for run in finished:
             job = self._jobs.pop(id(run))
-            job.emit("done", run.outcome)
+            self._in_batch[job.tenant] -= 1
+            self._finish(job, "done", run.outcome)
         if self.on_step is not None:
             self.on_step(batch.last_step)
 
     def _shutdown(self) -> None:
         with self._cond:
-            left = [*self._jobs.values(), *self._incoming]
+            self._held.extend(self._incoming)
             self._incoming.clear()
             calls = list(self._calls)
             self._calls.clear()
         for _, future in calls:
             future.cancel()
-        for job in left:
-            self.batch.cancel(job.run)
-            job.run.close()
-            job.emit("cancelled", None)
-        self._jobs.clear()
+        for job in [*self._held, *self._jobs.values()]:
+            self._drop(job, "cancelled")
+            self._finish(job, "cancelled", None)
         self.batch.close()  # writes the learned state: nothing is lost at SIGTERM
         with self._cond:
             self._depth = (0, 0)

@@ -117,5 +117,8 @@ CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk
 COMPLETION_SHAPE = Shape("completions", "cmpl", "text_completion", "text_completion", chat=False)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
