@@ -145,7 +145,3 @@ class RequireKey:
         scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
-
-def tenant_of(state: Mapping[str, Any] | None) -> str | None:
-    """The tenant :class:`RequireKey` put into a request's ASGI state, if any."""
-    return None if state is None else state.get("tenant")
