@@ -245,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a request body must arrive within this time, else 408 (default %(default)s)")
     sec.add_argument("--send-seconds", type=float, default=60.0,
                      help="a client that takes no response data for this long is disconnected (default %(default)s)")
+    out = srv.add_argument_group("scaling out (README: Scaling out)")
+    out.add_argument("--redis-url", default=None, metavar="URL",
+                     help="share learned state with every replica naming the same Redis, redis://HOST:PORT/DB "
+                          "(extra triedec[redis]); TRIEDEC_REDIS_URL is used if this is not given (a URL with a "
+                          "password stays out of the process list)")
+    out.add_argument("--share-interval", type=float, default=0.5,
+                     help="seconds between two exchanges of learned state through Redis (default %(default)s)")
+    out.add_argument("--share-max-entries", type=int, default=1_000,
+                     help="entries each Redis stream of learned state keeps, about (default %(default)s)")
     _add_model_args(srv)
     _add_method_options(srv)
     return parser
@@ -390,17 +399,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           api_keys=keys, learning=args.learning, max_tenants=args.max_tenants,
                           tenant_max_running=args.tenant_max_running, tenant_max_queued=args.tenant_max_queued,
                           max_request_seconds=args.max_request_seconds, max_tokens_limit=args.max_tokens_limit,
-                          body_seconds=args.body_seconds, send_seconds=args.send_seconds)
+                          body_seconds=args.body_seconds, send_seconds=args.send_seconds,
+                          redis_url=args.redis_url or os.environ.get("TRIEDEC_REDIS_URL") or None,
+                          share_interval=args.share_interval, share_max_entries=args.share_max_entries)
     logging.getLogger("triedec.server").info(
-        "API keys: %s; learning: %s", keys or "none (the server is open to anyone who can reach it)",
-        config.tenancy().learning)
+        "API keys: %s; learning: %s; learned state shared through Redis: %s",
+        keys or "none (the server is open to anyone who can reach it)", config.tenancy().learning,
+        "yes" if config.redis_url else "no")
     lm = load_model(args)
     serve(lm, config, host=args.host, port=args.port)
     return 0
 
 
 def cmd_serving(args: argparse.Namespace) -> int:
-    from triedec.bench.datasets import load_questions, select
+    from triedec.bench.datasets import DATASETS, load_questions, select, split
     from triedec.bench.report import machine_info, source_commit
     from triedec.bench.serving import ServingConfig, parse_counts, run_serving, serving_markdown, serving_plot
 
@@ -414,14 +426,17 @@ def cmd_serving(args: argparse.Namespace) -> int:
     sizes = () if args.batch_sizes.strip().lower() == "none" else parse_counts(args.batch_sizes, "--batch-sizes")
     config = ServingConfig(parse_counts(args.concurrency, "--concurrency"), args.max_new_tokens, sizes)
     categories = args.categories.split(",") if args.categories else None
-    questions = select(load_questions(args.dataset), args.per_category, categories)
+    if args.split is not None and args.dataset not in DATASETS:
+        raise TriedecError("--split applies to the shipped datasets; a .jsonl file is sampled whole")
+    part = args.split or ("evaluation" if args.dataset in DATASETS else "all")
+    questions = select(split(load_questions(args.dataset), part), args.per_category, categories)
     lm = load_model(args)
     serve_args = [*(["--model", args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device,
                   "--attn", args.attn, "--threads", str(args.threads), "--kernels", args.kernels]
     results = run_serving(lm, methods, questions, config, serve_args, _model_name(args),
                           progress=None if args.no_progress else lambda text: print(f"triedec: {text}",
                                                                                     file=sys.stderr))
-    results = {"machine": machine_info(lm.device), "commit": source_commit(), "dataset": args.dataset,
+    results = {"machine": machine_info(lm.device), "commit": source_commit(), "dataset": args.dataset, "split": part,
                "per_category": args.per_category, "command": "triedec " + " ".join(sys.argv[1:]), **results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

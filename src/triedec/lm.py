@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import os
 import secrets
 import sys
@@ -20,6 +22,7 @@ from triedec.calibration import Calibration, load_or_calibrate
 from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo
 from triedec.drafters.base import NEEDS_COST
+from triedec.drafters.learned import Learned
 from triedec.engine import Batch, BatchLimits, Run, run_alone
 from triedec.errors import TriedecError, positive_int
 from triedec.methods import Decoder
@@ -193,6 +196,27 @@ class LM:
             for key in dropped:
                 del self._decoders[key]
             return len(dropped)
+
+    def export_learned(self) -> list[tuple[Hashable, str, str, Learned]]:
+        """What every built method learned here since the last call, as (scope, method name,
+        :func:`options_id`, learned), empty values included (every scope this LM holds is listed).
+        For exchanging learned state between replicas (:mod:`triedec.drafters.learned`,
+        :mod:`triedec.server.sharing`); call it on the thread that runs the engine (it may run
+        torch ops)."""
+        with self._lock:
+            built = list(self._decoders.items())
+        return [(scope, name, options_id(opts), decoder.export_learned()) for (scope, name, opts), decoder in built]
+
+    def absorb_learned(self, scope: Hashable, method_name: str, options: str, learned: Learned) -> int:
+        """Merge another replica's ``learned`` into the methods built for ``scope`` whose name is
+        ``method_name`` and whose :func:`options_id` is ``options``; returns how many took it (0:
+        none is built here). Malformed state raises :class:`~triedec.errors.TriedecError`."""
+        with self._lock:
+            matching = [decoder for (sc, name, opts), decoder in self._decoders.items()
+                        if sc == scope and name == method_name and options_id(opts) == options]
+        for decoder in matching:
+            decoder.absorb_learned(learned)
+        return len(matching)
 
     def start(
         self,
@@ -419,6 +443,15 @@ class LM:
                                        "load it with triedec.load(...) or kernels='plain'")
                 self._reference = self._reference_loader()
             return self._reference
+
+
+def options_id(options: Any) -> str:
+    """A method's options as a short stable id, equal across processes for equal values; options
+    that name a learned-state file are left out (each replica has its own files)."""
+    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if not f.metadata.get("state_file")}
+    text = json.dumps(values, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _sampling(temperature: float, top_k: int, top_p: float, min_p: float, repetition_penalty: float,

@@ -20,6 +20,7 @@ from triedec.beam import METHOD as BEAM
 from triedec.beam import BeamOptions, beam_search, check_request
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, drafter_specs
 from triedec.drafters.base import MAX_TREE_NODES
+from triedec.drafters.learned import Learned
 from triedec.engine import Run, SoloRun
 from triedec.errors import TriedecError
 from triedec.request import Outcome, Request, StopRule
@@ -31,10 +32,15 @@ class Decoder(Protocol):
     :class:`~triedec.engine.Run`, which an engine :class:`~triedec.engine.Batch` decodes; its
     ``outcome`` is an :class:`~triedec.request.Outcome`. A decoder is shared by every request of its
     (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
-    (greedy by default; sampling needs its seed set)."""
+    (greedy by default; sampling needs its seed set). ``export_learned`` / ``absorb_learned``
+    exchange its learned state with other replicas (:mod:`triedec.drafters.learned`)."""
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
               sampling: Sampling = GREEDY_SAMPLING) -> Run: ...
+
+    def export_learned(self) -> Learned: ...
+
+    def absorb_learned(self, learned: Learned) -> None: ...
 
 
 class SpeculativeDecoder:
@@ -47,6 +53,12 @@ class SpeculativeDecoder:
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
               sampling: Sampling = GREEDY_SAMPLING) -> Run:
         return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling))
+
+    def export_learned(self) -> Learned:
+        return self.drafter.export_learned()
+
+    def absorb_learned(self, learned: Learned) -> None:
+        self.drafter.absorb_learned(learned)
 
 
 class BeamSearchDecoder:
@@ -71,6 +83,13 @@ class BeamSearchDecoder:
             return Outcome(result.stats, result.hypotheses)
 
         return SoloRun(loop, reserve)
+
+    def export_learned(self) -> Learned:
+        """Beam search learns nothing across requests."""
+        return Learned()
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Nothing to merge."""
 
 
 GREEDY = "greedy"

@@ -33,6 +33,8 @@ drafter, under its lock): the matrix, the rates, the store; the store receives e
 output when the request ends and, with ``store=PATH``, is loaded at start (refused if it comes
 from another model or is corrupt) and written atomically when the engine persists learned state
 (:meth:`AutoDrafter.persist`: when it goes idle, every few finished requests, at shutdown).
+:meth:`AutoDrafter.export_learned` / :meth:`~AutoDrafter.absorb_learned` exchange all three with
+other processes (:mod:`triedec.drafters.learned`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import heapq
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +61,8 @@ from triedec.drafters.base import (
     Verified,
     register,
 )
-from triedec.drafters.estimate import MovingRatio
+from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
+from triedec.drafters.learned import Learned
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
 from triedec.drafters.state import load_state, save_state
@@ -83,6 +86,8 @@ DEPTH_KEYS = 4
 """acceptance is measured per depth 1 .. DEPTH_KEYS - 1, and for all deeper nodes together"""
 RECYCLING_RANKS = (4, 2, 1)
 """candidates taken from the matrix at depths 1, 2, 3 (the latter two under the best parent only)"""
+SHARE_BACKLOG = 256
+"""outputs finished here that wait for the next export at most (older ones are not exported)"""
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class OutputStore:
         self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self.tokens = 0
         self._next = 0
+        self._ids: dict[tuple[tuple[int, ...], int], int] = {}  # (lead + output, lead length) -> id
 
     @staticmethod
     def _keys(doc: tuple[int, ...], start: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -132,16 +138,21 @@ class OutputStore:
         output position (``end >= start``)."""
         return [(end, doc[end - n : end]) for n in KEYS for end in range(max(n, start), len(doc))]
 
-    def add(self, output: Sequence[int], lead: Sequence[int] = ()) -> None:
+    def add(self, output: Sequence[int], lead: Sequence[int] = ()) -> tuple[tuple[int, ...], int] | None:
         """Keep ``output`` after the last :data:`LEAD` tokens of ``lead`` (its prompt); evict the
         oldest outputs beyond the bound. An output too short to index, or longer than the whole
-        store, is not kept."""
+        store, is not kept; one the store holds already (same lead) becomes the newest instead of
+        being kept twice. Returns what was kept: (lead + output, lead length), or None."""
         head = tuple(int(t) for t in lead)[-LEAD:]
         doc = head + tuple(int(t) for t in output)
         if len(doc) <= min(KEYS) or len(doc) == len(head) or len(doc) > self.capacity:
-            return
+            return None
+        entry = (doc, len(head))
+        if entry in self._ids:
+            self._remove(self._ids[entry])
         doc_id, self._next = self._next, self._next + 1
-        self.docs[doc_id] = (doc, len(head))
+        self.docs[doc_id] = entry
+        self._ids[entry] = doc_id
         self.tokens += len(doc)
         for end, key in self._keys(doc, len(head)):
             places = self.index.setdefault(key, [])
@@ -149,10 +160,12 @@ class OutputStore:
             if len(places) > PER_KEY:
                 del places[0]
         while self.tokens > self.capacity:
-            self._evict()
+            self._remove(next(iter(self.docs)))
+        return entry
 
-    def _evict(self) -> None:
-        doc_id, (doc, start) = self.docs.popitem(last=False)
+    def _remove(self, doc_id: int) -> None:
+        doc, start = entry = self.docs.pop(doc_id)
+        del self._ids[entry]
         self.tokens -= len(doc)
         for _, key in self._keys(doc, start):
             places = [p for p in self.index.get(key, ()) if p[0] != doc_id]
@@ -228,6 +241,14 @@ Key = tuple[Kind, int, bool]
 """what acceptance is measured per: (kind, depth (capped at :data:`DEPTH_KEYS`), hot)"""
 
 
+def _valid_key(key: object) -> bool:
+    """A :data:`Key`: ((source, detail), depth, hot)."""
+    return (isinstance(key, tuple) and len(key) == 3 and isinstance(key[0], tuple) and len(key[0]) == 2
+            and key[0][0] in SOURCES and isinstance(key[0][1], int) and not isinstance(key[0][1], bool)
+            and isinstance(key[1], int) and not isinstance(key[1], bool) and 0 <= key[1] <= DEPTH_KEYS
+            and isinstance(key[2], bool))
+
+
 @dataclass
 class _Node:
     token: int
@@ -270,6 +291,7 @@ class AutoDrafter:
         # given its parent whatever its base
         self._rates: dict[Key, MovingRatio] = {}
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
+        self._finished: deque[tuple[tuple[int, ...], int]] = deque(maxlen=SHARE_BACKLOG)  # kept here, not exported
         self._unsaved = False
         self._writing = threading.Lock()
         if options.store and Path(options.store).exists():
@@ -319,8 +341,30 @@ class AutoDrafter:
     def remember(self, output: Sequence[int], lead: Sequence[int]) -> None:
         """Add a finished request's output, after the end of its prompt, to the store."""
         with self.lock:
-            self.store.add(output, lead)
+            kept = self.store.add(output, lead)
+            if kept is not None:
+                self._finished.append(kept)
             self._unsaved = True
+
+    def export_learned(self) -> Learned:
+        """What was learned here since the last export (:mod:`triedec.drafters.learned`): the
+        outputs that finished here (the latest :data:`SHARE_BACKLOG`), the matrix rows written
+        here, the rates updated here."""
+        with self.lock:
+            outputs = tuple((doc[:start], doc[start:]) for doc, start in self._finished)
+            self._finished.clear()
+            return Learned(outputs, self.matrix.take_written(), export_rates(self._rates))
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Merge another replica's: its outputs join the store, its matrix rows are taken unless
+        written here since, its rates are blended into these."""
+        learned.check_tokens(self.vocab_size)
+        with self.lock:
+            self.matrix.put_rows(learned.rows)
+            for lead, output in learned.outputs:
+                self.store.add(output, lead)
+            self._unsaved = self._unsaved or bool(learned.outputs)
+            absorb_rates(self._ratio, _valid_key, learned.rates)
 
     def persist(self) -> None:
         """Write the store to ``store`` (if set and changed): its outputs are copied under the

@@ -29,6 +29,7 @@ import torch
 
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
+from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
 
@@ -190,13 +191,20 @@ class Drafter(Protocol):
     request and returns its :class:`DrafterSession`; ``prefill_logits`` says how many of the
     prompt's last positions the session wants to observe with their prefill logits; ``persist()``
     writes the learned state to its file, if one is configured (a snapshot taken under the
-    drafter's lock, written outside it; the engine decides when)."""
+    drafter's lock, written outside it; the engine decides when). ``export_learned()`` returns
+    what it learned here since its last export and ``absorb_learned(learned)`` merges another
+    replica's (:mod:`triedec.drafters.learned`: what is exchanged and each part's merge rule);
+    a drafter that learns nothing across requests exports an empty value and absorbs nothing."""
 
     prefill_logits: int
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession: ...
 
     def persist(self) -> None: ...
+
+    def export_learned(self) -> Learned: ...
+
+    def absorb_learned(self, learned: Learned) -> None: ...
 
 
 class BaseSession:
@@ -240,6 +248,13 @@ class BaseDrafter:
 
     def persist(self) -> None:
         """No learned state to write."""
+
+    def export_learned(self) -> Learned:
+        """Nothing learned across requests."""
+        return Learned()
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Nothing to merge."""
 
 
 # ---- calibration profiles -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import ClassVar
 import numpy as np
 
 from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -134,6 +135,13 @@ class LookaheadDrafter:
 
     def persist(self) -> None:
         """No state file."""
+
+    def export_learned(self) -> Learned:
+        """Nothing learned across requests (the window and pool are per request)."""
+        return Learned()
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Nothing to merge."""
 
 
 class LookaheadSession(BaseSession):

@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
-from triedec.drafters.estimate import MovingRatio
+from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
+from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -160,6 +161,12 @@ class NgramTrieOptions:
                 raise TriedecError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
+def _valid_rate_key(key: object) -> bool:
+    """(match length, hot)"""
+    return (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int) and not isinstance(key[0], bool)
+            and key[0] >= 0 and isinstance(key[1], bool))
+
+
 def _needs(options: NgramTrieOptions) -> frozenset[str]:
     return frozenset({NEEDS_COST}) if options.sized else frozenset()
 
@@ -211,6 +218,16 @@ class NgramTrieDrafter:
 
     def persist(self) -> None:
         """No state file."""
+
+    def export_learned(self) -> Learned:
+        """The agreement rates updated here since the last export (:mod:`triedec.drafters.learned`)."""
+        with self.lock:
+            return Learned(rates=export_rates(self._agreement))
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Blend another replica's agreement rates into these."""
+        with self.lock:
+            absorb_rates(self._ratio, _valid_rate_key, learned.rates)
 
     def stats(self) -> dict[str, float]:
         """The agreement rate per match length."""

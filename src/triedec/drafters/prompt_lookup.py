@@ -29,7 +29,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
-from triedec.drafters.estimate import MovingRatio
+from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
+from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -137,6 +138,17 @@ class PromptLookupDrafter:
     def learn(self, n: int, accepted: int, tried: int) -> None:
         with self.lock:
             self._ratio(n).update(accepted, tried, self.EMA)
+
+    def export_learned(self) -> Learned:
+        """The agreement rates updated here since the last export (:mod:`triedec.drafters.learned`)."""
+        with self.lock:
+            return Learned(rates=export_rates(self._agreement))
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Blend another replica's agreement rates into these."""
+        with self.lock:
+            absorb_rates(self._ratio, lambda key: isinstance(key, int) and not isinstance(key, bool) and key > 0,
+                         learned.rates)
 
     def stats(self) -> dict[str, float]:
         """The agreement rate per matched n-gram length."""

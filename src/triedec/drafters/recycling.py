@@ -57,6 +57,7 @@ from triedec.drafters.base import (
     Verified,
     register,
 )
+from triedec.drafters.learned import Learned, Row
 from triedec.drafters.state import load_state, save_state
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
@@ -227,7 +228,9 @@ def best_nodes(rates: Sequence[float], cost: CostModel) -> int:
 
 class AdjacencyMatrix:
     """``table [vocab, k]``: row t holds the top-k next tokens last seen after token t;
-    ``filled [vocab]``: whether row t was ever written. Both live on the model's device."""
+    ``filled [vocab]``: whether row t was ever written; ``written [vocab]``: whether row t was
+    written here since the last :meth:`take_written` (what another replica is sent). All live on
+    the model's device."""
 
     def __init__(self, vocab_size: int, k: int, device: torch.device) -> None:
         positive_int("vocab_size", vocab_size)
@@ -237,6 +240,7 @@ class AdjacencyMatrix:
         self.vocab_size, self.k, self.device = vocab_size, k, device
         self.table = torch.zeros((vocab_size, k), dtype=torch.long, device=device)
         self.filled = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.written = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
     @torch.inference_mode()
     def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
@@ -250,6 +254,32 @@ class AdjacencyMatrix:
         last.scatter_reduce_(0, inverse, order, reduce="amax")
         self.table[rows] = top[last]
         self.filled[rows] = True
+        self.written[rows] = True
+
+    @torch.inference_mode()
+    def take_written(self) -> tuple[Row, ...]:
+        """The rows written here since the last call, each (token, its row); marks them sent."""
+        rows = self.written.nonzero().flatten()
+        found = tuple(zip(rows.tolist(), map(tuple, self.table[rows].tolist()), strict=True))
+        self.written[rows] = False
+        return found
+
+    @torch.inference_mode()
+    def put_rows(self, rows: Sequence[Row]) -> None:
+        """Take another replica's rows (last writer wins), except those written here since the
+        last :meth:`take_written` (this replica wrote them later). Rows of another width or token
+        ids outside the vocabulary are refused with a clear error (the matrix is then unchanged)."""
+        if any(len(row) != self.k for _, row in rows):
+            raise TriedecError(f"matrix rows of another width than this matrix's k ({self.k})")
+        if any(not 0 <= t < self.vocab_size for token, row in rows for t in (token, *row)):
+            raise TriedecError(f"matrix rows hold token ids beyond this vocabulary ({self.vocab_size})")
+        if not rows:
+            return
+        tokens = torch.tensor([token for token, _ in rows], dtype=torch.long, device=self.device)
+        values = torch.tensor([row for _, row in rows], dtype=torch.long, device=self.device)
+        keep = ~self.written[tokens]
+        self.table[tokens[keep]] = values[keep]
+        self.filled[tokens[keep]] = True
 
     @torch.inference_mode()
     def expand(self, root: int, template: TreeTemplate, plan: _Plan) -> tuple[list[int], list[bool]]:
@@ -268,7 +298,7 @@ class AdjacencyMatrix:
         """An independent copy (a snapshot to write while the original keeps learning)."""
         other = AdjacencyMatrix.__new__(AdjacencyMatrix)
         other.vocab_size, other.k, other.device = self.vocab_size, self.k, self.device
-        other.table, other.filled = self.table.clone(), self.filled.clone()
+        other.table, other.filled, other.written = self.table.clone(), self.filled.clone(), self.written.clone()
         return other
 
     def filled_share(self) -> float:
@@ -546,6 +576,16 @@ class RecyclingDrafter:
             with self.lock:
                 snapshot = self.matrix.copy()
             snapshot.save(self.options.state, self.model_id)
+
+    def export_learned(self) -> Learned:
+        """The matrix rows written here since the last export (:mod:`triedec.drafters.learned`)."""
+        with self.lock:
+            return Learned(rows=self.matrix.take_written())
+
+    def absorb_learned(self, learned: Learned) -> None:
+        """Another replica's matrix rows (last writer wins per row)."""
+        with self.lock:
+            self.matrix.put_rows(learned.rows)
 
     def stats(self) -> dict[str, float]:
         return {"tree_nodes": float(self.template.size), "matrix_rows_filled": self.matrix.filled_share()}

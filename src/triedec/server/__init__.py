@@ -32,8 +32,13 @@ capped (``max_request_seconds``), ``max_tokens`` is capped server-wide, a body m
 ``body_seconds`` and a client must take its response within ``send_seconds``. Clients cannot name
 learned-state files.
 
+**Scaling out** (README: Scaling out). With ``redis_url``, a thread of its own
+(:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
+naming the same Redis, per tenant (or per model under ``shared``), never on a request's path.
+
 Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
-:mod:`~triedec.server.auth`, :mod:`~triedec.server.tenancy`, :mod:`~triedec.server.scheduler`,
+:mod:`~triedec.server.auth`, :mod:`~triedec.server.tenancy`, :mod:`~triedec.server.sharing`,
+:mod:`~triedec.server.scheduler`,
 :mod:`~triedec.server.schemas` (request and response shapes), :mod:`~triedec.server.metrics`
 (Prometheus).
 

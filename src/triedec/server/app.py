@@ -39,6 +39,7 @@ from triedec.server.schemas import (
     Shape,
     error,
 )
+from triedec.server.sharing import Sharing, SharingConfig
 from triedec.server.tenancy import ANONYMOUS, Learning, Scopes, Tenancy
 from triedec.text import TextStream
 
@@ -93,6 +94,13 @@ class ServerConfig:
     send_seconds: float = 60.0
     """a response chunk must be taken by the client within this time (else the connection is
     closed: a client that never reads its stream holds nothing for long)"""
+    redis_url: str | None = field(default=None, repr=False)
+    """share learned state with the other replicas that name the same Redis
+    (:mod:`triedec.server.sharing`); None = this process's own only"""
+    share_interval: float = 0.5
+    """seconds between two exchanges of learned state through Redis"""
+    share_max_entries: int = 1_000
+    """entries each Redis stream of learned state keeps, about"""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):
@@ -112,6 +120,12 @@ class ServerConfig:
         if not 0 <= self.drain_seconds < float("inf"):
             raise TriedecError(f"drain_seconds must be a finite number >= 0, got {self.drain_seconds!r}")
         self.limits()  # validates the engine's limits
+        self.sharing()  # validates the Redis URL and the exchange's settings
+
+    def sharing(self) -> SharingConfig | None:
+        if self.redis_url is None:
+            return None
+        return SharingConfig(self.redis_url, self.share_interval, self.share_max_entries)
 
     def limits(self) -> BatchLimits:
         return BatchLimits(self.max_running, self.max_tokens_per_forward, self.max_prefill_tokens, self.max_kv_bytes,
@@ -135,14 +149,6 @@ class _Prepared:
     stops: tuple[str, ...]
 
 
-@dataclass
-class _Admitted:
-    """What :meth:`_Service.start` hands the response: the job and its prepared run."""
-
-    job: Job
-    prepared: _Prepared
-
-
 class _Service:
     """What the routes do: validate a request into an engine run, submit it to the scheduler, and
     answer in OpenAI's shapes (one response, or server-sent events)."""
@@ -155,6 +161,10 @@ class _Service:
                                    tenants=config.tenant_limits())
         self.scopes = Scopes(config.tenancy(), lm.forget)
         self.metrics = Metrics(lambda: self.scheduler.depth, config.max_tokens_per_forward)
+        sharing = config.sharing()
+        self.sharing = None if sharing is None else Sharing(lm, self.scheduler, sharing)
+        if self.sharing is not None:
+            self.metrics.sharing(self.sharing.status)
 
     def _on_step(self, carried: dict[str, float]) -> None:
         if self.metrics is not None:
@@ -171,10 +181,9 @@ class _Service:
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
-        found = find_method(method)  # an unknown name gets 400 with the list
-        if found.spec.state_files(req.method_options or {}):
-            raise TriedecError(f"method_options may not name learned-state files "
-                               f"({', '.join(found.spec.state_files(req.method_options or {}))}): "
+        files = find_method(method).spec.state_files(req.method_options or {})  # an unknown name: 400
+        if files:
+            raise TriedecError(f"method_options may not name learned-state files ({', '.join(files)}): "
                                "the server's operator sets them")
         options = dict(config.method_options) if req.method is None else {}
         options.update(req.method_options or {})
@@ -210,7 +219,7 @@ class _Service:
         return getattr(request.state, "tenant", None) or (f"user:{req.user}" if req.user else ANONYMOUS)
 
     async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
-                    ) -> _Admitted | JSONResponse:
+                    ) -> tuple[Job, _Prepared] | JSONResponse:
         assert self.metrics is not None
         label = req.method or self.config.method
         label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
@@ -230,7 +239,7 @@ class _Service:
                       None if seconds is None else time.perf_counter() + seconds,
                       on_end=functools.partial(self.scopes.leave, scope))
             self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
-            return _Admitted(job, prepared)
+            return job, prepared
         except (TriedecError, TypeError, ValueError) as exc:  # bad input, named by the library
             status, answer = 400, error(400, str(exc))
         except LookupError as exc:
@@ -348,7 +357,7 @@ class _Service:
         started = await self.start(request, req, prompt, shape)
         if isinstance(started, JSONResponse):
             return started
-        job, prepared = started.job, started.prepared
+        job, prepared = started
         rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
         model = self.config.model_name
 
@@ -429,7 +438,11 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if service.sharing is not None:
+            service.sharing.start()
         yield
+        if service.sharing is not None:  # a last exchange while the engine still runs
+            await run_in_threadpool(service.sharing.close)
         await run_in_threadpool(service.scheduler.close)
 
     app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan,
@@ -461,7 +474,10 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         running, waiting = service.scheduler.depth
-        return {"status": "ok", "running": running, "waiting": waiting}
+        found = {"status": "ok", "running": running, "waiting": waiting}
+        if service.sharing is not None:
+            found["sharing"] = service.sharing.status()
+        return found
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:

@@ -77,8 +77,7 @@ class ApiKeys:
                 raise TriedecError(f"{where}: a key is listed twice, for two tenants")
             tenants[key] = tenant
 
-        for key in keys:
-            _valid_token("an API key", key)
+        for key in keys:  # validated with the rest on construction
             add(key, anonymous_tenant(key), "--api-key")
         if file is not None:
             try:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from triedec.request import Outcome
 
@@ -65,3 +67,26 @@ class Metrics:
         self.queued.labels(method).observe(s.queued_seconds)
         if getattr(s, "mean_accepted", 0):
             self.accepted.labels(method).observe(s.mean_accepted)
+
+    def sharing(self, status: Callable[[], dict[str, Any]]) -> None:
+        """Also export the learned-state exchange's ``status()`` (:mod:`triedec.server.sharing`)."""
+        self.registry.register(_SharingCollector(status))
+
+
+class _SharingCollector:
+    """The exchange's link and counts, read from its ``status()`` at each scrape."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[Metric]:
+        found = self.status()
+        yield GaugeMetricFamily("triedec_sharing_redis_up", "whether the last exchange with Redis succeeded",
+                                value=float(found["redis"] == "up"))
+        yield GaugeMetricFamily("triedec_sharing_pending", "learned-state entries waiting to be published",
+                                value=found["pending"])
+        entries = CounterMetricFamily("triedec_sharing_entries", "learned-state entries by what happened to them",
+                                      labels=["event"])
+        for event in ("published", "absorbed", "dropped", "malformed"):
+            entries.add_metric([event], found[event])
+        yield entries

@@ -45,6 +45,17 @@ def tenant_file(path: str, tenant: str) -> str:
     return str(Path(f"{path}.tenants") / f"{digest}{Path(path).suffix or '.safetensors'}")
 
 
+def scope_name(scope: Hashable) -> str | None:
+    """The name of a scope that outlives requests, as other replicas know it: ``shared`` (the one
+    scope of ``shared`` learning) or ``tenant-<hash of the tenant>``; None for a request's own scope
+    (``off``), which nothing outside it learns from."""
+    if scope is None:
+        return "shared"
+    if isinstance(scope, tuple) and len(scope) == 2 and scope[0] == "tenant":
+        return "tenant-" + hashlib.sha256(str(scope[1]).encode()).hexdigest()[:24]
+    return None
+
+
 @dataclass(frozen=True)
 class Tenancy:
     """The learning mode (module doc) and how many tenants' state is kept in memory."""
