@@ -226,7 +226,7 @@ class Sharing:
             entry_id = self._redis.xadd(stream, fields, maxlen=self.config.max_entries, approximate=True)
             mine = self._mine.get(stream)
             if mine is not None and len(mine) < self.config.max_entries:  # skipped when read back
-                mine.add(entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id))
+                mine.add(_text(entry_id))
             self._backlog.popleft()
             self._count("published")
 

@@ -41,8 +41,12 @@ ANONYMOUS = "anonymous"
 def tenant_file(path: str, tenant: str) -> str:
     """Where ``tenant``'s copy of the state file ``path`` lives: a file named by the tenant's
     hash (tenant names are client-chosen text, never a path) in a directory beside ``path``."""
-    digest = hashlib.sha256(tenant.encode()).hexdigest()[:24]
-    return str(Path(f"{path}.tenants") / f"{digest}{Path(path).suffix or '.safetensors'}")
+    return str(Path(f"{path}.tenants") / f"{_digest(tenant)}{Path(path).suffix or '.safetensors'}")
+
+
+def _digest(tenant: str) -> str:
+    """A tenant's name as it appears outside the process (file and stream names)."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:24]
 
 
 def scope_name(scope: Hashable) -> str | None:
@@ -52,7 +56,7 @@ def scope_name(scope: Hashable) -> str | None:
     if scope is None:
         return "shared"
     if isinstance(scope, tuple) and len(scope) == 2 and scope[0] == "tenant":
-        return "tenant-" + hashlib.sha256(str(scope[1]).encode()).hexdigest()[:24]
+        return "tenant-" + _digest(str(scope[1]))
     return None
 
 
