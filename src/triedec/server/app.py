@@ -448,9 +448,11 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
+    app.state.sharing = service.sharing
+    # the front door (front_door's order): the key first, so that no body is read before it is checked
     app.add_middleware(_Transport, limit=config.max_body_bytes, body_seconds=config.body_seconds,
                        send_seconds=config.send_seconds)
-    app.add_middleware(RequireKey, keys=config.api_keys)  # outermost: no body is read before the key is checked
+    app.add_middleware(RequireKey, keys=config.api_keys)
     _errors(app)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -485,6 +487,14 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         return PlainTextResponse(generate_latest(service.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def front_door(inner: Any, config: ServerConfig) -> Any:
+    """The ASGI app ``inner`` behind the server's own front door, as :func:`create_app` puts its
+    routes: the API key (401, before any body is read), then the body's size and time limits (413,
+    408) and the send timeout. A gateway in front of replicas (:mod:`triedec.ray_app`) uses it."""
+    return RequireKey(_Transport(inner, config.max_body_bytes, config.body_seconds, config.send_seconds),
+                      config.api_keys)
 
 
 class _ClientTooSlow(Exception):

@@ -1,0 +1,334 @@
+"""The ``triedec`` command line's flags: the parser, and what the flags build (the model, a
+method's options, the server's configuration). Shared by :mod:`triedec.cli` and
+:mod:`triedec.ray_app` (whose replicas parse the same ``triedec serve`` flags)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from triedec.errors import TriedecError
+from triedec.methods import method, methods
+
+DEFAULT_THREADS = 2
+
+
+def option_flags(method_name: str, options: type, option: str) -> list[str]:
+    """``--METHOD-OPTION``, plus the short alias the options class declares (``CLI_ALIASES``)."""
+    aliases = getattr(options, "CLI_ALIASES", {})
+    return [f"--{method_name}-{option.replace('_', '-')}", *([aliases[option]] if option in aliases else [])]
+
+
+def _add_method_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per method option (text, read by the method's option parser once the method is known)."""
+    group = parser.add_argument_group("method options (see `triedec methods`)")
+    for name, found in methods().items():
+        for field in dataclasses.fields(found.spec.options):
+            group.add_argument(*option_flags(name, found.spec.options, field.name), dest=f"opt:{name}:{field.name}",
+                               default=None, metavar="VALUE", help=f"{name}: {field.name} (default {field.default})")
+
+
+def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """The method-option flags given, as text: ``{method: {option: text}}``."""
+    given: dict[str, dict[str, str]] = {}
+    for key, value in vars(args).items():
+        if key.startswith("opt:") and value is not None:
+            _, owner, option = key.split(":")
+            given.setdefault(owner, {})[option] = value
+    return given
+
+
+def method_options(args: argparse.Namespace, method_name: str) -> dict[str, object]:
+    """The option flags given for ``method_name``, parsed; flags of other methods are refused."""
+    given = given_options(args)
+    for owner, options in given.items():
+        if owner != method_name:
+            flag = option_flags(owner, method(owner).spec.options, next(iter(options)))[-1]
+            raise TriedecError(f"{flag} is an option of method {owner!r}, not {method_name!r}")
+    return method(method_name).spec.parse_options(given.get(method_name, {}))
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None,
+        help="HF model directory, cached hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                        help=f"torch CPU threads (default {DEFAULT_THREADS})")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
+                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32, "
+                             "grouped-query sdpa under tree masks); plain: stock transformers")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (transformers' names; greedy by default)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy; > 0 samples")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the top tokens up to this mass "
+                                                                 "(default 1 = off)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability "
+                                                                 "(default 0 = off)")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on tokens already in "
+                                                                              "the prefix (default 1 = off)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="sampling seed: the same seed gives the same text with every method "
+                            "(generate: drawn and reported if absent; bench: default 0, prompt k uses seed + k)")
+
+
+def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling flags as ``LM.generate`` keyword arguments."""
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty, "seed": args.seed}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What loads the model: the model flags (``--model``, ``--dtype``, ``--device``, ``--attn``,
+    ``--kernels``) and torch's CPU threads. A plain value, so that another process (a Ray replica)
+    can load the same model."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    attn: str = "sdpa"
+    kernels: str = "auto"
+    threads: int = DEFAULT_THREADS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise TriedecError(f"--threads must be positive, got {self.threads}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSpec:
+        return cls(args.model, args.dtype, args.device, args.attn, args.kernels, args.threads)
+
+    def load(self) -> Any:
+        """The :class:`~triedec.lm.LM`, with torch's CPU threads set first (on the calling thread's
+        behalf: torch's thread count is per process)."""
+        import torch
+
+        from triedec.lm import load
+
+        torch.set_num_threads(self.threads)
+        return load(self.model, dtype=self.dtype, device=self.device, attn_implementation=self.attn,
+                    kernels=self.kernels)
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """The :class:`~triedec.lm.LM` the model flags name, with torch's CPU threads set first."""
+    return ModelSpec.from_args(args).load()
+
+
+def model_label(args: argparse.Namespace) -> str:
+    return args.model or "SmolLM2-135M-Instruct (embedded default, fp32)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triedec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
+    gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true",
+                     help="tokenize the prompt as plain text instead of applying the chat template")
+    gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
+    _add_sampling_args(gen)
+    _add_model_args(gen)
+    _add_method_options(gen)
+
+    sub.add_parser("methods", help="list decoding methods and their options with defaults")
+
+    cal = sub.add_parser("calibrate", help="measure what a verification forward costs on this device and pick "
+                                           "the fastest draft-tree size (cached per model + device + dtype)")
+    cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
+    cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
+    cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
+    cal.add_argument("--show", action="store_true", help="print the cached calibration; measure only if none")
+    cal.add_argument("--json", action="store_true",
+                     help="print the cost curve as JSON: forward_ms per tree size, hf_forward_ms (stock transformers' "
+                          "own forward of 1 and 16 tokens on the same cache), and what was chosen")
+    _add_model_args(cal)
+
+    bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
+                            "methods, each optionally with inline options as name:key=value:key=value "
+                            "(default hf-greedy,hf-pld,ar,pld; sampling: hf-sample,hf-pld,ar,pld); "
+                            "llamacpp[:gguf=PATH] adds llama.cpp on the model's GGUF (extra triedec[llamacpp]; "
+                            "quantized, tokens not compared)")
+    bench.add_argument("--dataset", default="spec-bench",
+                       help="spec-bench, humaneval, mbpp or a path to a .jsonl file (fields prompt or turns)")
+    bench.add_argument("--per-category", type=int, default=None,
+                       help="questions per category: a fixed, evenly spaced sample (default: all)")
+    bench.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
+    bench.add_argument("--split", choices=("evaluation", "tuning", "all"), default=None,
+                       help="which part of a shipped dataset to sample: evaluation (default; never tuned on), "
+                            "tuning (for tuning runs), all; a .jsonl file is sampled whole")
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--state", choices=("cold", "warm"), default="cold",
+                       help="cold (default): every method starts each prompt from no learned state (one "
+                            "request); warm: learned state carries across the sample in file order, as in a "
+                            "server, reset between repeats")
+    bench.add_argument("--repeats", type=int, default=1,
+                       help="timed runs per prompt and method, each in a fresh random order; the median is "
+                            "reported (3 for published runs)")
+    bench.add_argument("--order-seed", type=int, default=0, help="seed of the per-prompt method orders (default 0)")
+    bench.add_argument("--warmup", type=int, default=1,
+                       help="warm-up prompts (outside the sample) every method runs first, untimed (default 1)")
+    bench.add_argument("--out", default="bench-results", help="output directory (default %(default)s)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--beams", default="3,8,15",
+                       help="beam widths for --methods hf-beam,beam (beam-search benchmark; default %(default)s)")
+    bench.add_argument("--serving", action="store_true",
+                       help="serving mode: total tokens/s and p50/p95 latency against concurrency through a real "
+                            "server (fresh per phase), with the openai client; --methods are triedec methods "
+                            "(default auto,ar), --max-new-tokens is each request's max_tokens")
+    bench.add_argument("--concurrency", default="1,2,4,8,16",
+                       help="serving mode: concurrencies to load the server with (default %(default)s)")
+    bench.add_argument("--server-setup", action="append", default=None, metavar="NAME=FLAGS",
+                       help="serving mode: a server setup to load, named, with its extra `triedec serve` flags "
+                            "(repeatable; e.g. 'ray-2=--ray --replicas 2 --threads 1'; default: one plain process)")
+    bench.add_argument("--batch-sizes", default="1,4,8,16",
+                       help="serving mode: request counts for lm.generate_batch vs transformers' generate_batch "
+                            "(default %(default)s; 'none' skips)")
+    _add_sampling_args(bench)
+    _add_model_args(bench)
+    _add_method_options(bench)
+
+    cmp = sub.add_parser("compare", help="compare two bench results files per prompt (refused across machines "
+                                         "unless --cross-machine)")
+    cmp.add_argument("a", help="results.json (or its directory): the base")
+    cmp.add_argument("b", help="results.json (or its directory): compared with the base")
+    cmp.add_argument("--methods", default=None, help="comma-separated methods to compare (default: every shared one)")
+    cmp.add_argument("--cross-machine", action="store_true",
+                     help="compare files from different machines anyway (the report says so)")
+    cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
+
+    rep = sub.add_parser("report", help="rebuild a bench run's summary, results.md and plots from its measured "
+                                        "samples with this version's statistics")
+    rep.add_argument("out", help="the run's output directory (holding results.json)")
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
+                                       "streaming, /v1/models, /health, /metrics)")
+    srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
+                                                     "extra body; default auto)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send and /v1/models lists (default: the model's directory name, or "
+                          "SmolLM2-135M-Instruct for the embedded default)")
+    srv.add_argument("--max-running", type=int, default=16,
+                     help="requests decoded together, one forward per step for all (default %(default)s)")
+    srv.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait; one more gets 503 (default %(default)s)")
+    srv.add_argument("--max-tokens-per-forward", type=int, default=512,
+                     help="tokens one forward carries at most: draft nodes and prompt chunks (default %(default)s)")
+    srv.add_argument("--max-prefill-tokens", type=int, default=256,
+                     help="prompt tokens per forward beside the running requests, in 128-token chunks "
+                          "(default %(default)s)")
+    srv.add_argument("--max-kv-mib", type=int, default=4096,
+                     help="KV cache memory the running requests may reserve, MiB (default %(default)s; 0 = no cap)")
+    srv.add_argument("--persist-every", type=int, default=16,
+                     help="finished requests between writes of learned-state files; they are also written when "
+                          "idle and at shutdown (default %(default)s)")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    srv.add_argument("--max-tokens", type=int, default=256,
+                     help="max_tokens when a request gives none (default %(default)s)")
+    srv.add_argument("--drain-seconds", type=float, default=30.0,
+                     help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
+    sec = srv.add_argument_group("security and limits (README: Security)")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; each its own tenant); "
+                          "without --api-key or --api-keys-file, TRIEDEC_API_KEY is used if set")
+    sec.add_argument("--api-keys-file", metavar="FILE",
+                     help="keys, one per line, each optionally followed by a space and its tenant's name")
+    sec.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    sec.add_argument("--learning", choices=("shared", "tenant", "off"), default=None,
+                     help="whose learned state (auto's store, the recycling matrix, acceptance rates) a request "
+                          "drafts from: shared (everyone's), tenant (its own tenant's), off (nothing learned is kept); "
+                          "default: tenant with keys, shared without")
+    sec.add_argument("--max-tenants", type=int, default=64,
+                     help="tenants whose learned state is kept in memory (default %(default)s)")
+    sec.add_argument("--tenant-max-running", type=int, default=None,
+                     help="requests of one tenant decoded at once (default: up to --max-running)")
+    sec.add_argument("--tenant-max-queued", type=int, default=None,
+                     help="requests of one tenant waiting beyond those; one more gets 429 (default: up to --max-queue)")
+    sec.add_argument("--max-request-seconds", type=float, default=None,
+                     help="a request's whole time, queue included: past it, it ends with what it has "
+                          "(finish_reason length), or 408 before its first token (default: no limit)")
+    sec.add_argument("--max-tokens-limit", type=int, default=4096,
+                     help="the most max_tokens a request may ask for (default %(default)s)")
+    sec.add_argument("--body-seconds", type=float, default=30.0,
+                     help="a request body must arrive within this time, else 408 (default %(default)s)")
+    sec.add_argument("--send-seconds", type=float, default=60.0,
+                     help="a client that takes no response data for this long is disconnected (default %(default)s)")
+    out = srv.add_argument_group("scaling out (README: Scaling out)")
+    out.add_argument("--redis-url", default=None, metavar="URL",
+                     help="share learned state with every replica naming the same Redis, redis://HOST:PORT/DB "
+                          "(extra triedec[redis]); TRIEDEC_REDIS_URL is used if this is not given (a URL with a "
+                          "password stays out of the process list)")
+    out.add_argument("--share-interval", type=float, default=0.5,
+                     help="seconds between two exchanges of learned state through Redis (default %(default)s)")
+    out.add_argument("--share-max-entries", type=int, default=1_000,
+                     help="entries each Redis stream of learned state keeps, about (default %(default)s)")
+    ray = srv.add_argument_group("replicas on Ray Serve (extra triedec[ray]; README: Scaling out)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: engine replicas behind one HTTP endpoint, routed with affinity "
+                          "(joins the Ray cluster at RAY_ADDRESS, else starts one on this machine)")
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas to start with (default %(default)s)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscale up to this many replicas on queue length (default: --replicas, fixed)")
+    ray.add_argument("--replica-cpus", type=int, default=None,
+                     help="CPUs Ray reserves for each replica; it runs that many torch threads (default: --threads)")
+    ray.add_argument("--affinity-slack", type=int, default=None,
+                     help="requests by which a conversation's replica may lead the least loaded one before "
+                          "power-of-two choices takes over (default: --max-running)")
+    _add_model_args(srv)
+    _add_method_options(srv)
+    return parser
+
+
+
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The server's API keys: --api-key and --api-keys-file, else ``TRIEDEC_API_KEY`` (as vLLM
+    reads ``VLLM_API_KEY``); None when there are none."""
+    from triedec.server.auth import ApiKeys
+
+    given = list(args.api_key)
+    if not given and not args.api_keys_file and environ.get("TRIEDEC_API_KEY"):
+        given = [environ["TRIEDEC_API_KEY"]]
+    return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics)
+
+
+def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The :class:`~triedec.server.ServerConfig` the ``serve`` flags describe (API keys from the
+    flags or ``TRIEDEC_API_KEY``, the Redis URL from the flag or ``TRIEDEC_REDIS_URL``); validated."""
+    from triedec.server import ServerConfig
+
+    if not 0 < args.port < 65536:
+        raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
+    options = method_options(args, args.method)
+    name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
+    if args.max_kv_mib < 0:
+        raise TriedecError(f"--max-kv-mib must be >= 0, got {args.max_kv_mib}")
+    return ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
+                        max_queue=args.max_queue, max_tokens_per_forward=args.max_tokens_per_forward,
+                        max_prefill_tokens=args.max_prefill_tokens,
+                        max_kv_bytes=args.max_kv_mib << 20 if args.max_kv_mib else None,
+                        persist_every=args.persist_every, max_body_bytes=args.max_body_bytes,
+                        default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds,
+                        api_keys=api_keys(args, environ), learning=args.learning, max_tenants=args.max_tenants,
+                        tenant_max_running=args.tenant_max_running, tenant_max_queued=args.tenant_max_queued,
+                        max_request_seconds=args.max_request_seconds, max_tokens_limit=args.max_tokens_limit,
+                        body_seconds=args.body_seconds, send_seconds=args.send_seconds,
+                        redis_url=args.redis_url or environ.get("TRIEDEC_REDIS_URL") or None,
+                        share_interval=args.share_interval, share_max_entries=args.share_max_entries)
