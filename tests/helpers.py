@@ -4,7 +4,12 @@ small tree utilities. Tests import from here; test modules never import each oth
 
 from __future__ import annotations
 
+import contextlib
 import random
+import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -350,3 +355,41 @@ PROMPTS = [
 ]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """Debian's redis-server on a loopback port, without persistence (a restart loses its data)."""
+
+    def __init__(self, directory: Path) -> None:
+        exe = shutil.which("redis-server")
+        assert exe, "redis-server is not installed: scripts/setup.sh installs Debian's redis-server"
+        self.exe, self.directory, self.port = exe, directory, free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.directory)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis(port=self.port)
+        deadline = time.time() + 20
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                if client.ping():
+                    return
+            assert self.proc.poll() is None and time.time() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)

@@ -121,6 +121,12 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
         (["serve", "--max-running", "0"], "max_running"),
         (["serve", "--max-queue", "-1"], "max_queue"),
         (["serve", "--method", "ar", "--pld-num-tokens", "3"], "option of method 'pld'"),
+        (["serve", "--replicas", "2"], "need --ray"),
+        (["serve", "--max-replicas", "3"], "need --ray"),
+        (["bench", "--serving", "--server-setup", "noequals"], "NAME=FLAGS"),
+        (["bench", "--serving", "--server-setup", "x=--port 1"], "may not set --port"),
+        (["bench", "--serving", "--server-setup", "x=--no-such-flag"], "bad flags"),
+        (["bench", "--serving", "--server-setup", "x=", "--server-setup", "x=--ray"], "distinct names"),
     ],
 )
 def test_cli_errors_are_clear(capsys, tiny_model_dir, argv, message):

@@ -9,11 +9,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
-import socket
 import time
 from collections import Counter
 
 import pytest
+from helpers import RedisServer, free_port
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
@@ -90,14 +90,15 @@ def test_application_arguments_are_the_serve_flags():
     settings, model, config = parse_pairs({"replicas": "2", "max_replicas": "4", "threads": "1", "method": "pld",
                                            "max_running": "8", "learning": "off", "public_metrics": "false",
                                            "pld_max_ngram": "3"})
-    assert settings == RaySettings(replicas=2, max_replicas=4, affinity_slack=None)
+    assert settings == RaySettings(replicas=2, max_replicas=4, affinity_slack=None, gateways=1)
+    assert parse_pairs({"gateways": "3", "affinity_slack": "2"})[0] == RaySettings(1, None, 2, 3)
     assert model.threads == 1 and model.model is None
     assert config.method == "pld" and config.max_running == 8 and config.tenancy().learning == "off"
     assert config.method_options == {"max_ngram": 3}
     for bad, needle in [({"port": "80"}, "Ray Serve owns"), ({"replicas": "0"}, "replicas"),
                         ({"replicas": "3", "max_replicas": "2"}, "below"), ({"max_running": "x"}, "bad application"),
                         ({"no_such_flag": "1"}, "bad application"), ({"public_metrics": "maybe"}, "true or false"),
-                        ({"method": "nope"}, "nope")]:
+                        ({"method": "nope"}, "nope"), ({"gateways": "0"}, "gateways")]:
         with pytest.raises(TriedecError, match=needle):
             parse_pairs(bad)
 
@@ -122,32 +123,48 @@ CHATS = [[{"role": "user", "content": q}] for q in
          ("Name three colors.", "What is 2 + 2?", "Write a haiku about rain.", "Say hello in French.")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ray_cluster(default_lm):
-    """Two engine replicas (one thread each) of the default model behind the gateway; the model
-    is loaded here first, so that its converted copy is cached before the replicas load it."""
-    port = _free_port()
+def ray_cluster(default_lm, tmp_path_factory):
+    """Two engine replicas (one thread each) of the default model behind the gateway, sharing
+    learned state through a real Redis; the model is loaded here first, so that its converted copy
+    is cached before the replicas load it."""
+    store = RedisServer(tmp_path_factory.mktemp("redis"))
+    store.start()
+    port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(*parse_pairs({"replicas": "2", "threads": "1", "method": "auto", "learning": "off"})),
-                  name=APP_NAME, route_prefix="/")
+        serve.run(build(*parse_pairs({"replicas": "2", "threads": "1", "method": "auto", "redis_url": store.url,
+                                      "share_interval": "0.2"})), name=APP_NAME, route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=180)
     finally:
         serve.shutdown()
         ray.shutdown()
+        store.stop()
 
 
-def _ask(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[str, str]:
+def _ask(client: openai.OpenAI, messages: list[dict], max_tokens: int, **extra: object) -> tuple[str, str]:
+    return _asked(client, messages, max_tokens, **extra)[:2]
+
+
+def _asked(client: openai.OpenAI, messages: list[dict], max_tokens: int, **extra: object) -> tuple[str, str, dict]:
+    """The answer's text, the replica that gave it and the triedec stats."""
     raw = client.chat.completions.with_raw_response.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                                            max_tokens=max_tokens)
-    return raw.parse().choices[0].message.content, raw.headers[REPLICA_HEADER]
+                                                            max_tokens=max_tokens, **extra)
+    out = raw.parse()
+    return out.choices[0].message.content, raw.headers[REPLICA_HEADER], out.model_extra["triedec"]
+
+
+def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluster, default_lm):
+    client = ray_cluster
+    question = [{"role": "user", "content": "List the planets of the solar system in order, with one fact each."}]
+    text, first, _ = _asked(client, question, 64, user="reader-0")
+    other = next(f"reader-{i}" for i in range(1, 64)
+                 if _ask(client, [{"role": "user", "content": "Hi"}], 1, user=f"reader-{i}")[1] != first)
+    time.sleep(2.0)  # ten exchange intervals: the merge takes about one (README: Scaling out)
+    again, second, stats = _asked(client, question, 64, user=other)
+    assert second != first and again == text == default_lm.generate(question, "ar", max_new_tokens=64).text
+    assert stats["store_tokens"] > 0  # drafted from the first replica's answer, merged from Redis
 
 
 def test_ray_answers_equal_lm_generate_and_turns_stay_on_their_replica(ray_cluster, default_lm):

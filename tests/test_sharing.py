@@ -10,8 +10,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import hf_greedy, run, tiny_info, tiny_llama
+from helpers import RedisServer, free_port, hf_greedy, run, tiny_info, tiny_llama
 from helpers import random_prompts as prompts
 
 import triedec
@@ -204,46 +202,6 @@ INTERVAL = 0.2
 STATED_DELAY = INTERVAL + 2.0
 """README's bound (one interval plus a decoding step), with room for this loaded 2-core machine"""
 AUTO = {"method": "auto", "method_options": {"sized": False}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """Debian's redis-server on a loopback port, without persistence (a restart loses its data)."""
-
-    def __init__(self, directory: Path) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server is not installed: scripts/setup.sh installs Debian's redis-server"
-        self.exe, self.directory, self.port = exe, directory, free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.directory)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        client = redis.Redis(port=self.port)
-        deadline = time.time() + 20
-        while True:
-            with contextlib.suppress(redis.RedisError):
-                if client.ping():
-                    return
-            assert self.proc.poll() is None and time.time() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
 
 
 class Replica:

@@ -152,8 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise TriedecError(f"--ray needs Ray Serve ({exc}): pip install 'triedec[ray]'") from exc
         run(RaySettings.from_args(args), ModelSpec.from_args(args), config, host=args.host, port=args.port)
         return 0
-    if args.replicas != 1 or args.max_replicas is not None or args.replica_cpus is not None:
-        raise TriedecError("--replicas, --max-replicas and --replica-cpus need --ray")
+    if args.replicas != 1 or args.max_replicas is not None or args.affinity_slack is not None or args.gateways != 1:
+        raise TriedecError("--replicas, --max-replicas, --affinity-slack and --gateways need --ray")
     from triedec.server import serve
 
     lm = load_model(args)

@@ -60,7 +60,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help=f"torch CPU threads (default {DEFAULT_THREADS})")
+                        help=f"torch CPU threads (default {DEFAULT_THREADS}; serve --ray: per replica, and the CPUs "
+                             "Ray reserves for each)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
                         help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32, "
                              "grouped-query sdpa under tree masks); plain: stock transformers")
@@ -287,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--replicas", type=int, default=1, help="engine replicas to start with (default %(default)s)")
     ray.add_argument("--max-replicas", type=int, default=None,
                      help="autoscale up to this many replicas on queue length (default: --replicas, fixed)")
-    ray.add_argument("--replica-cpus", type=int, default=None,
-                     help="CPUs Ray reserves for each replica; it runs that many torch threads (default: --threads)")
+    ray.add_argument("--gateways", type=int, default=1,
+                     help="gateway replicas (the HTTP ingress that routes and relays; each takes about a core under "
+                          "load, README: Scaling out; default %(default)s)")
     ray.add_argument("--affinity-slack", type=int, default=None,
                      help="requests by which a conversation's replica may lead the least loaded one before "
                           "power-of-two choices takes over (default: --max-running)")

@@ -10,9 +10,10 @@ The application has two deployments:
   same routes, errors, auth, limits and stats) in-process, its engine loop on a thread of its own
   that loaded the model (``--threads`` torch threads; Ray reserves as many CPUs). They autoscale on
   ongoing requests between ``--replicas`` and ``--max-replicas``.
-* The **Gateway** (the HTTP ingress, no CPU reserved) checks the key and bounds the body exactly as
-  the server's own front door does (:func:`~triedec.server.app.front_door`), names the request's
-  affinity (:func:`affinity_key`) and relays the engine's ASGI messages, streaming, to the client.
+* The **Gateway** (the HTTP ingress, no CPU reserved; ``--gateways`` replicas) checks the key and
+  bounds the body exactly as the server's own front door does
+  (:func:`~triedec.server.app.front_door`), names the request's affinity (:func:`affinity_key`)
+  and relays the engine's ASGI messages, streaming, to the client.
   A replica that dies under a request ends it cleanly: 503 before its first byte, an error event in
   a stream already started.
 
@@ -67,11 +68,13 @@ class RaySettings:
     replicas: int = 1
     max_replicas: int | None = None
     affinity_slack: int | None = None
+    gateways: int = 1
+    """gateway replicas (each with its own router; rendezvous hashing makes their choices agree)"""
 
     def __post_init__(self) -> None:
-        for name in ("replicas", "max_replicas", "affinity_slack"):
+        for name in ("replicas", "max_replicas", "affinity_slack", "gateways"):
             value = getattr(self, name)
-            if value is None and name != "replicas":
+            if value is None and name not in ("replicas", "gateways"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TriedecError(f"{name} must be a positive integer, got {value!r}")
@@ -80,7 +83,7 @@ class RaySettings:
 
     @classmethod
     def from_args(cls, args: Any) -> RaySettings:
-        return cls(args.replicas, args.max_replicas, args.affinity_slack)
+        return cls(args.replicas, args.max_replicas, args.affinity_slack, args.gateways)
 
 
 def parse_pairs(pairs: Mapping[str, str]) -> tuple[RaySettings, ModelSpec, ServerConfig]:
@@ -104,7 +107,8 @@ def parse_pairs(pairs: Mapping[str, str]) -> tuple[RaySettings, ModelSpec, Serve
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse printed what was wrong
-        raise TriedecError(f"bad application arguments: {dict(pairs)!r}") from exc
+        # the keys only: a value may be a secret (an API key, a Redis URL with its password)
+        raise TriedecError(f"bad application arguments (keys {', '.join(pairs)}; see the message above)") from exc
     return RaySettings.from_args(args), ModelSpec.from_args(args), server_config(args, os.environ)
 
 
@@ -388,8 +392,8 @@ def engine_options(settings: RaySettings, model: ModelSpec, config: ServerConfig
 def build(settings: RaySettings, model: ModelSpec, config: ServerConfig) -> Any:
     """The Ray Serve application (``serve.run(build(...))``): the gateway over the engine replicas."""
     engine = serve.deployment(Engine, name="Engine", **engine_options(settings, model, config))
-    gateway = serve.deployment(Gateway, name="Gateway", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=100_000)
+    gateway = serve.deployment(Gateway, name="Gateway", num_replicas=settings.gateways,
+                               ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000)
     return gateway.bind(engine.bind(model, config), config)
 
 

@@ -35,6 +35,8 @@ learned-state files.
 **Scaling out** (README: Scaling out). With ``redis_url``, a thread of its own
 (:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
 naming the same Redis, per tenant (or per model under ``shared``), never on a request's path.
+:mod:`triedec.ray_app` runs this app as Ray Serve replicas behind a gateway that uses the same
+front door (:func:`~triedec.server.app.front_door`).
 
 Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
 :mod:`~triedec.server.auth`, :mod:`~triedec.server.tenancy`, :mod:`~triedec.server.sharing`,
