@@ -6,6 +6,7 @@ restarted."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import random
@@ -25,6 +26,7 @@ from triedec.errors import TriedecError
 from triedec.ray_app import (
     APP_NAME,
     REPLICA_HEADER,
+    Engine,
     RaySettings,
     affinity_key,
     build,
@@ -115,6 +117,70 @@ def test_engine_options_autoscale_on_ongoing_requests_only_with_room_to_grow():
     assert "num_replicas" not in scaled and (auto.min_replicas, auto.max_replicas) == (1, 3)
     assert auto.target_ongoing_requests == 8
     assert scaled["request_router_config"].request_router_kwargs == {"slack": 2}
+
+
+class _Offline(Engine):
+    """An engine replica without Ray or a model (nothing to shut down: Ray awaits the real
+    ``__del__``, the garbage collector would not)."""
+
+    def __del__(self) -> None:
+        pass
+
+
+def _engine(app) -> Engine:
+    """An engine replica's request path around ``app``."""
+    engine = object.__new__(_Offline)
+    engine.app, engine.replica = app, "r1"
+    return engine
+
+
+HTTP_SCOPE = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+
+
+def test_the_engine_relays_every_message_of_an_app_that_ends_at_once_and_tags_the_replica():
+    async def instant(scope, receive, send):
+        assert (await receive())["body"] == b"{}"
+        await send({"type": "http.response.start", "status": 418, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"tea", "more_body": True})
+        await send({"type": "http.response.body", "body": b"pot", "more_body": False})
+
+    async def collect() -> list[dict]:
+        return [m async for m in _engine(instant).handle(HTTP_SCOPE, b"{}")]
+
+    got = asyncio.run(collect())
+    assert [m.get("body") for m in got] == [None, b"tea", b"pot"]
+    assert (REPLICA_HEADER.encode(), b"r1") in got[0]["headers"] and got[0]["status"] == 418
+
+
+def test_the_engine_raises_the_apps_error_and_a_cancelled_request_is_a_disconnect():
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def drain(engine: Engine) -> list[dict]:
+        return [m async for m in engine.handle(HTTP_SCOPE, b"")]
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(drain(_engine(broken)))
+
+    seen: list[str] = []
+
+    async def slow(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        try:
+            seen.append((await receive())["type"])  # waits: the body was all
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    async def leave() -> None:
+        stream = _engine(slow).handle(HTTP_SCOPE, b"")
+        assert (await anext(stream))["type"] == "http.response.start"
+        await stream.aclose()  # what Ray does when the client leaves
+        await asyncio.sleep(0.01)
+
+    asyncio.run(leave())
+    assert seen == ["cancelled"]
 
 
 # -- a local Ray cluster ---------------------------------------------------------------------------------

@@ -274,21 +274,23 @@ def cluster(tmp_path_factory, tiny_model_dir):
         redis_server.stop()
 
 
-def _absorbed_after(replica: Replica, before: int, seconds: float) -> float:
-    """Seconds until ``replica`` has absorbed more than ``before`` entries (fails past ``seconds``)."""
+def _absorbed_after(replica: Replica, before: int, seconds: float, what: str = "absorbed") -> float:
+    """Seconds until ``replica`` has absorbed more than ``before`` entries (``what="outputs"``:
+    finished outputs, the answers themselves; an entry of matrix rows or rates may come first)
+    (fails past ``seconds``)."""
     start = time.monotonic()
-    while replica.sharing()["absorbed"] <= before:
+    while replica.sharing()[what] <= before:
         assert time.monotonic() - start < seconds, f"nothing absorbed within {seconds} s: {replica.sharing()}"
         time.sleep(0.05)
     return time.monotonic() - start
 
 
-def _quiet(replica: Replica) -> int:
-    """Wait until ``replica`` absorbs nothing more for three intervals; its absorbed count."""
-    count, since = replica.sharing()["absorbed"], time.monotonic()
+def _quiet(replica: Replica, what: str = "absorbed") -> int:
+    """Wait until ``replica`` absorbs nothing more for three intervals; its count of ``what``."""
+    count, since = replica.sharing()[what], time.monotonic()
     while time.monotonic() - since < 3 * INTERVAL + 0.5:
         time.sleep(0.1)
-        now = replica.sharing()["absorbed"]
+        now = replica.sharing()[what]
         if now != count:
             count, since = now, time.monotonic()
     return count
@@ -297,10 +299,10 @@ def _quiet(replica: Replica) -> int:
 def test_an_answer_on_one_process_drafts_on_the_other_for_its_tenant_only(cluster):
     _, (one, two) = cluster
     question = "Tell me a story about the sea and the ships."
-    before = _quiet(two)
+    before = _quiet(two, "outputs")
     text, stats = one.ask(ALICE, question)
     assert stats["store_tokens"] == 0
-    delay = _absorbed_after(two, before, STATED_DELAY)
+    delay = _absorbed_after(two, before, STATED_DELAY, "outputs")
     print(f"process 2 absorbed process 1's answer {delay:.2f} s after it was returned")
     again, again_stats = two.ask(ALICE, question)
     assert again == text and again_stats["store_tokens"] > 0 and again_stats["learning"] == "tenant"
@@ -329,9 +331,9 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request_and_the_streams_ca
     while one.sharing()["pending"] == 0:  # what carol's answer taught waits in the backlog
         assert time.monotonic() < deadline, one.sharing()
         time.sleep(0.1)
-    before = two.sharing()["absorbed"]
+    before = two.sharing()["outputs"]
     redis_server.start()  # an empty Redis: the streams start again
-    _absorbed_after(two, before, 15.0)
+    _absorbed_after(two, before, 15.0, "outputs")
     assert one.sharing()["redis"] == "up" and one.sharing()["pending"] == 0
     again, again_stats = two.ask(CAROL, question)
     assert again == text and again_stats["store_tokens"] > 0

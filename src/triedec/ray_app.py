@@ -248,13 +248,18 @@ class Engine:
         task = asyncio.create_task(self.app(dict(scope, state={}), receive, send))
         try:
             while True:
-                getter = asyncio.ensure_future(messages.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
+                if not messages.empty():
+                    message = messages.get_nowait()
+                elif task.done():
                     task.result()  # the app ended without a last message: raise its error
                     return
-                message = getter.result()
+                else:
+                    getter = asyncio.ensure_future(messages.get())
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        continue  # the app ended: take what it left first
+                    message = getter.result()
                 if message["type"] == "http.response.start":
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica.encode())]
                     message = {**message, "headers": headers}

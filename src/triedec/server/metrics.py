@@ -90,3 +90,5 @@ class _SharingCollector:
         for event in ("published", "absorbed", "dropped", "malformed"):
             entries.add_metric([event], found[event])
         yield entries
+        yield CounterMetricFamily("triedec_sharing_outputs_absorbed",
+                                  "other processes' finished outputs merged into a store here", value=found["outputs"])

@@ -145,10 +145,12 @@ class Sharing:
 
     def status(self) -> dict[str, Any]:
         """The link (``up``, ``down`` or ``connecting``), entries published, absorbed, pending and
-        dropped, malformed entries skipped, and the last error's kind."""
+        dropped, malformed entries skipped, other processes' finished outputs merged into a store
+        here (``outputs``), and the last error's kind."""
         with self._lock:
             link = "connecting" if self._up is None else "up" if self._up else "down"
             return {"redis": link, "published": self._counts["published"], "absorbed": self._counts["absorbed"],
+                    "outputs": self._counts["outputs"],
                     "pending": len(self._backlog), "dropped": self._counts["dropped"],
                     "malformed": self._counts["malformed"], "last_error": self._last_error}
 
@@ -282,24 +284,27 @@ class Sharing:
                 return
 
     def _merge(self, found: list[tuple[Hashable, str, str, Learned]]) -> bool:
-        def merge() -> tuple[int, int]:
-            absorbed = malformed = 0
+        def merge() -> tuple[int, int, int]:
+            absorbed = malformed = outputs = 0
             for scope, method, options, learned in found:
                 try:
-                    absorbed += bool(self.lm.absorb_learned(scope, method, options, learned))
+                    took = bool(self.lm.absorb_learned(scope, method, options, learned))
+                    absorbed += took
+                    outputs += len(learned.outputs) if took else 0
                 except TriedecError:  # another model's tokens, another matrix width
                     malformed += 1
                 except Exception:  # a bug: this entry is lost, serving goes on
                     log.exception("merging shared learned state failed")
                     malformed += 1
-            return absorbed, malformed
+            return absorbed, malformed, outputs
 
         try:
-            absorbed, malformed = self.scheduler.call(merge).result(timeout=60)
+            absorbed, malformed, outputs = self.scheduler.call(merge).result(timeout=60)
         except (QueueFull, CancelledError, TimeoutError):
             return False
         self._count("absorbed", absorbed)
         self._count("malformed", malformed)
+        self._count("outputs", outputs)
         return True
 
     def _count(self, name: str, n: int = 1) -> None:
