@@ -229,18 +229,18 @@ class Engine:
 
     async def handle(self, scope: dict[str, Any], body: bytes, affinity: str = "") -> AsyncIterator[dict[str, Any]]:
         """Run one HTTP request through the app: yields its ASGI response messages (the start
-        carries :data:`REPLICA_HEADER`). ``affinity`` is read by the router only. Cancelled (the
-        client left), the app sees a disconnect and the request leaves the batch."""
+        carries :data:`REPLICA_HEADER`). ``affinity`` is read by the router only. Closed early (the
+        client left: Ray cancels the call), it cancels the app's task, whose handler then cancels
+        the request: it leaves the batch at the next step boundary."""
         messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         delivered = False
 
         async def receive() -> dict[str, Any]:
             nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # the body was all; nothing more until cancelled
-            return {"type": "http.disconnect"}
+            if delivered:  # the body was all: nothing more comes until the task is cancelled
+                await asyncio.Future()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
         async def send(message: dict[str, Any]) -> None:
             await messages.put(message)
