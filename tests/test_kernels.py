@@ -4,13 +4,17 @@ stock transformers, apply only where they can, and be recorded where they ran.""
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import EOS, MODELS, alone, fake_cost, hf_greedy, random_prompts, tiny_gemma3, tiny_info, tiny_llama
 from torch import nn
 
 import triedec
-from triedec.adapter import GQA_SDPA, ModelAdapter, _gqa_sdpa
+from triedec.adapter import GQA_SDPA, ModelAdapter, _gqa_sdpa, cache_keyword, returned_cache
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.methods import method
@@ -87,6 +91,26 @@ def test_every_method_on_fast_kernels_equals_stock_transformers(name):
         for n, decoder in decoders.items():
             tokens, _ = alone(adapter, decoder, prompt, rule)
             assert tokens == truth, f"{n} differs on prompt {i}"
+
+
+def test_the_cache_goes_by_the_name_this_transformers_takes_without_a_deprecation():
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name warns,
+    and goes in 5.40): the verifier passes the name the model's forward declares."""
+    model = tiny_llama()
+    assert cache_keyword(model) in {"cache", "past_key_values"}
+    assert cache_keyword(model) in inspect.signature(model.forward).parameters
+    adapter = ModelAdapter(model, "plain")
+    decoder = method("recycling").build(method("recycling").make_options({"nodes": 80}), tiny_info(cost=fake_cost()))
+    prompt = random_prompts(seed=5, count=1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        tokens, _ = alone(adapter, decoder, prompt, StopRule(12, frozenset([EOS])))
+    assert tokens == hf_greedy(tiny_llama(), prompt, 12)
+    kv = object()
+    assert returned_cache(SimpleNamespace(cache=kv)) is kv
+    assert returned_cache(SimpleNamespace(past_key_values=kv)) is kv
+    assert returned_cache(SimpleNamespace(cache=None, past_key_values=kv)) is kv
+    assert returned_cache(SimpleNamespace()) is None
 
 
 def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):

@@ -135,6 +135,19 @@ for _name, _mask in ((GQA_SDPA, sdpa_mask), (STOCK_SDPA, sdpa_mask), (EAGER, eag
     AttentionMaskInterface.register(_name, _mask)
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The name ``model.forward`` takes its KV cache by: ``cache`` (transformers from 5.24, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier 5.x)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The cache a forward's or ``generate``'s output carries, under either name (see
+    :func:`cache_keyword`); ``None`` when it has none."""
+    found = getattr(output, "cache", None)
+    return found if found is not None else getattr(output, "past_key_values", None)
+
+
 def apply_kernels(model: PreTrainedModel, kernels: str) -> None:
     """Speed ``model`` up in place (``"auto"``: what applies on its device and dtype) or keep its
     kernels (``"plain"``); either way route its attention through triedec's dispatcher (see the
@@ -342,6 +355,7 @@ class ModelAdapter:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_keyword = cache_keyword(model)
         apply_kernels(model, kernels)
         self.kernels = describe_kernels(model)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
@@ -411,8 +425,8 @@ class ModelAdapter:
             else self._placeholder
         out = self.model(
             input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
-            past_key_values=Cache(layers=[_BatchLayer(batch, i) for i in range(self._num_layers())]),
             use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs,
+            **{self._cache_keyword: Cache(layers=[_BatchLayer(batch, i) for i in range(self._num_layers())])},
         )
         logits = out.logits[0]
         if not everything and not self._takes_logits_to_keep:

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.adapter import ForwardItem, ModelAdapter, cache_keyword
 from triedec.costmodel import CostModel
 from triedec.drafters import Drafter, ModelInfo
 from triedec.drafters.base import NEEDS_COST, profile_specs
@@ -197,15 +197,16 @@ def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     cache = DynamicCache(config=model.config)
+    passed = {cache_keyword(model): cache}
     times: dict[int, list[float]] = {t: [] for t in sizes}
     with torch.inference_mode():
         model(input_ids=torch.randint(vocab_size, (1, context_tokens), generator=gen).to(device),
-              past_key_values=cache, use_cache=True)
+              use_cache=True, **passed)
         for round_ in range(repeats + 1):  # round 0 warms up
             for t in sizes:
                 ids = torch.randint(vocab_size, (1, t), generator=gen).to(device)
                 start = time.perf_counter()
-                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                model(input_ids=ids, use_cache=True, **passed)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 if round_:

@@ -65,6 +65,7 @@ from typing import Any, Protocol
 
 import torch
 
+from triedec.adapter import returned_cache
 from triedec.bench.datasets import Question
 from triedec.bench.stats import compare
 from triedec.errors import TriedecError, positive_int
@@ -154,7 +155,7 @@ def hf_generate(lm: LM, prompt: list[int], max_new_tokens: int, **kwargs: Any) -
                              pad_token_id=pad, return_dict_in_generate=True, **kwargs)
         lm.adapter.synchronize()
         seconds = time.perf_counter() - start
-    kv = out.past_key_values
+    kv = returned_cache(out)
     kv_bytes = sum(t.numel() * t.element_size() for layer in kv.layers for t in (layer.keys, layer.values)
                    if t is not None)
     return HFGenerated(out, seconds, counter.calls, counter.tokens, kv_bytes)
