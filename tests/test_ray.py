@@ -23,17 +23,20 @@ import ray
 from ray import serve
 
 from triedec.errors import TriedecError
+from triedec.flags import ModelSpec
 from triedec.ray_app import (
     APP_NAME,
     REPLICA_HEADER,
     Engine,
     RaySettings,
     affinity_key,
+    app,
     build,
     choose,
     engine_options,
     parse_pairs,
     rendezvous,
+    run,
 )
 
 # -- the pure parts ----------------------------------------------------------------------------------
@@ -105,6 +108,26 @@ def test_application_arguments_are_the_serve_flags():
             parse_pairs(bad)
 
 
+def test_a_model_that_cannot_load_is_refused_before_any_replica_starts(tmp_path):
+    """A replica that cannot load its model would make Ray retry it until it gives up: ``app``
+    (``serve run``) and ``run`` (``triedec serve --ray``) check the model first, without Ray."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    for model, needle in [(tmp_path / "missing.gguf", "GGUF file not found"),
+                          (tmp_path / "missing", "not a model directory"),
+                          (tmp_path / "empty", "cannot read a model config"),
+                          (tmp_path / "bert", "not a causal LM")]:
+        with pytest.raises(TriedecError, match=needle):
+            app({"model": str(model), "threads": "1"})
+        settings, spec, config = parse_pairs({"model": str(model), "threads": "1"})
+        with pytest.raises(TriedecError, match=needle):
+            run(settings, spec, config)
+    with pytest.raises(TriedecError, match="not supported"):
+        app({"attn": "flash_attention_2"})
+    ModelSpec().check()  # the embedded default passes
+
+
 def test_engine_options_autoscale_on_ongoing_requests_only_with_room_to_grow():
     _, model, config = parse_pairs({"threads": "1", "max_running": "8", "max_queue": "4"})
     fixed = engine_options(RaySettings(replicas=2), model, config)
@@ -152,7 +175,7 @@ def test_the_engine_relays_every_message_of_an_app_that_ends_at_once_and_tags_th
     assert (REPLICA_HEADER.encode(), b"r1") in got[0]["headers"] and got[0]["status"] == 418
 
 
-def test_the_engine_raises_the_apps_error_and_a_cancelled_request_is_a_disconnect():
+def test_the_engine_raises_the_apps_error_and_a_closed_call_cancels_the_apps_task():
     async def broken(scope, receive, send):
         raise RuntimeError("boom")
 

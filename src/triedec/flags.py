@@ -109,6 +109,14 @@ class ModelSpec:
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
         return cls(args.model, args.dtype, args.device, args.attn, args.kernels, args.threads)
 
+    def check(self) -> None:
+        """Raise :class:`~triedec.errors.TriedecError` where :meth:`load` would refuse this model
+        (a missing path, not a causal LM, an unsupported ``--attn`` or ``--dtype``), without
+        loading it: what a launcher checks before it starts the processes that load it."""
+        from triedec.models import check_model
+
+        check_model(self.model, dtype=self.dtype, attn_implementation=self.attn)
+
     def load(self) -> Any:
         """The :class:`~triedec.lm.LM`, with torch's CPU threads set first (on the calling thread's
         behalf: torch's thread count is per process)."""

@@ -134,16 +134,23 @@ def _check_causal(config: object, where: str) -> None:
         raise TriedecError(f"{where} is not a causal LM (architectures {archs})")
 
 
-def load_hf(
+def check_model(
     model: str | os.PathLike[str] | None = None,
     *,
     dtype: torch.dtype | str = torch.float32,
-    device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[object, object]:
-    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+) -> None:
+    """Raise :class:`TriedecError` where :func:`load_hf` would refuse these arguments, without
+    loading weights or converting a GGUF file (its existence is checked): what a launcher checks
+    before it starts processes that will load the model."""
+    _checked_source(model, dtype, attn_implementation, cache_dir, convert=False)
+
+
+def _checked_source(model: str | os.PathLike[str] | None, dtype: torch.dtype | str, attn_implementation: str,
+                    cache_dir: str | os.PathLike[str] | None, convert: bool) -> tuple[Path, str, torch.dtype]:
+    """``(directory to load, its name in errors, dtype)``, after every check that needs no weights."""
+    from transformers import AutoConfig
 
     if attn_implementation not in SUPPORTED_ATTENTION:
         hint = " (flash-attention ignores custom tree masks)" if "flash" in attn_implementation else ""
@@ -153,11 +160,13 @@ def load_hf(
         )
     torch_dtype = resolve_dtype(dtype)
     source = default_model_path() if model is None else Path(model)
+    where = str(model if model is not None else source)
     if source.suffix == ".gguf":
         if not source.is_file():
             raise TriedecError(f"GGUF file not found: {source}")
+        if not convert:
+            return source, where, torch_dtype
         source = converted_gguf_dir(source, cache_dir)
-    where = str(model if model is not None else source)
     local = source.is_dir()
     if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
         raise TriedecError(f"{where} is not a model directory, a .gguf file or a cached hub id")
@@ -166,6 +175,21 @@ def load_hf(
     except (OSError, ValueError, KeyError) as exc:
         raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
     _check_causal(config, where)
+    return source, where, torch_dtype
+
+
+def load_hf(
+    model: str | os.PathLike[str] | None = None,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[object, object]:
+    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source, where, torch_dtype = _checked_source(model, dtype, attn_implementation, cache_dir, convert=True)
     try:
         with quiet_transformers():
             hf_model = AutoModelForCausalLM.from_pretrained(

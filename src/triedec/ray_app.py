@@ -403,17 +403,21 @@ def build(settings: RaySettings, model: ModelSpec, config: ServerConfig) -> Any:
 
 
 def app(args: dict[str, str]) -> Any:
-    """``serve run triedec.ray_app:app key=value ...`` (see :func:`parse_pairs`)."""
-    return build(*parse_pairs(args))
+    """``serve run triedec.ray_app:app key=value ...`` (see :func:`parse_pairs`); the model is
+    checked here, before any replica tries to load it."""
+    settings, model, config = parse_pairs(args)
+    model.check()
+    return build(settings, model, config)
 
 
 def run(settings: RaySettings, model: ModelSpec, config: ServerConfig, host: str = "127.0.0.1",
         port: int = 8000) -> None:
     """``triedec serve --ray``: join the Ray cluster at ``RAY_ADDRESS`` (else start one on this
     machine), serve on ``host:port`` until SIGINT/SIGTERM, then shut Serve down (each replica
-    writes its learned state)."""
+    writes its learned state). The model is checked before Ray starts."""
     import ray
 
+    model.check()
     ray.init(logging_level=logging.WARNING, include_dashboard=False)
     try:
         cpus = ray.cluster_resources().get("CPU", 0)
