@@ -149,7 +149,8 @@ def check_model(
 
 def _checked_source(model: str | os.PathLike[str] | None, dtype: torch.dtype | str, attn_implementation: str,
                     cache_dir: str | os.PathLike[str] | None, convert: bool) -> tuple[Path, str, torch.dtype]:
-    """``(directory to load, its name in errors, dtype)``, after every check that needs no weights."""
+    """``(what to load, its name in errors, dtype)``, after every check that needs no weights: what
+    to load is a directory, except a GGUF file left unconverted (``convert=False``)."""
     from transformers import AutoConfig
 
     if attn_implementation not in SUPPORTED_ATTENTION:
