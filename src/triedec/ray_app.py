@@ -232,7 +232,7 @@ class Engine:
         carries :data:`REPLICA_HEADER`). ``affinity`` is read by the router only. Closed early (the
         client left: Ray cancels the call), it cancels the app's task, whose handler then cancels
         the request: it leaves the batch at the next step boundary."""
-        messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()  # None: the app has ended
         delivered = False
 
         async def receive() -> dict[str, Any]:
@@ -246,26 +246,16 @@ class Engine:
             await messages.put(message)
 
         task = asyncio.create_task(self.app(dict(scope, state={}), receive, send))
+        task.add_done_callback(lambda _: messages.put_nowait(None))  # after every message it sent
         try:
-            while True:
-                if not messages.empty():
-                    message = messages.get_nowait()
-                elif task.done():
-                    task.result()  # the app ended without a last message: raise its error
-                    return
-                else:
-                    getter = asyncio.ensure_future(messages.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
-                        continue  # the app ended: take what it left first
-                    message = getter.result()
+            while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
                     headers = [*message.get("headers", []), (REPLICA_HEADER.encode(), self.replica.encode())]
                     message = {**message, "headers": headers}
                 yield message
                 if message["type"] == "http.response.body" and not message.get("more_body", False):
                     return
+            task.result()  # the app ended without a last message: raise its error
         finally:
             task.cancel()
 

@@ -449,10 +449,8 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
     app.state.sharing = service.sharing
-    # the front door (front_door's order): the key first, so that no body is read before it is checked
-    app.add_middleware(_Transport, limit=config.max_body_bytes, body_seconds=config.body_seconds,
-                       send_seconds=config.send_seconds)
-    app.add_middleware(RequireKey, keys=config.api_keys)
+    for layer, options in _front_door_layers(config):  # each added one is outermost
+        app.add_middleware(layer, **options)
     _errors(app)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -489,12 +487,22 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+def _front_door_layers(config: ServerConfig) -> list[tuple[type, dict[str, Any]]]:
+    """The server's front door as ASGI middleware classes with their options, innermost first:
+    the body's size and time limits (413, 408) and the send timeout, then, outermost, the API key
+    (401, before any body is read)."""
+    return [(_Transport, {"limit": config.max_body_bytes, "body_seconds": config.body_seconds,
+                          "send_seconds": config.send_seconds}),
+            (RequireKey, {"keys": config.api_keys})]
+
+
 def front_door(inner: Any, config: ServerConfig) -> Any:
     """The ASGI app ``inner`` behind the server's own front door, as :func:`create_app` puts its
-    routes: the API key (401, before any body is read), then the body's size and time limits (413,
-    408) and the send timeout. A gateway in front of replicas (:mod:`triedec.ray_app`) uses it."""
-    return RequireKey(_Transport(inner, config.max_body_bytes, config.body_seconds, config.send_seconds),
-                      config.api_keys)
+    routes (:func:`_front_door_layers`). A gateway in front of replicas (:mod:`triedec.ray_app`)
+    uses it."""
+    for layer, options in _front_door_layers(config):
+        inner = layer(inner, **options)
+    return inner
 
 
 class _ClientTooSlow(Exception):
