@@ -67,8 +67,8 @@ def test_generate_cuts_the_streamed_text_after_a_stop_string(capsys, tiny_model_
 def test_methods_lists_options_with_defaults(capsys):
     code, out, _ = run_cli(capsys, "methods")
     assert code == 0
-    assert "ar:" in out and "pld:" in out and "--pld-num-tokens  (default 10)" in out
-    assert "beam:" in out and "--num-beams  (default 4)" in out
+    assert "ar:" in out and "pld:" in out and "--pld-num-tokens  (default 10, at most 256)" in out
+    assert "beam:" in out and "--num-beams  (default 4, at most 64)" in out
 
 
 def test_generate_beam(capsys, tiny_model_dir):
@@ -113,7 +113,7 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
         (["generate", "--top-p", "0", "hi"], "top_p must lie in (0, 1]"),
         (["generate", "--top-k", "-2", "hi"], "top_k must be an integer >= 0"),
         (["generate", "--min-p", "1.5", "hi"], "min_p"),
-        (["generate", "--repetition-penalty", "0", "hi"], "repetition_penalty must be > 0"),
+        (["generate", "--repetition-penalty", "0", "hi"], "repetition_penalty must lie in [1e-06, 1e+06]"),
         (["generate", "--seed", "-1", "--temperature", "0.5", "hi"], "seed must be an integer"),
         (["generate", "--method", "beam", "--temperature", "0.5", "hi"], "beam search does not sample"),
         (["serve", "--port", "0"], "--port"),

@@ -20,14 +20,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from triedec.adapter import ModelAdapter
+from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.drafters.base import at_most
 from triedec.errors import TriedecError, positive_int
-from triedec.request import Stats, StopRule
+from triedec.kvcache import KVCache
+from triedec.request import PREFILL_CHUNK, Stats, StopRule
 
 METHOD = "beam"
 DEFAULT_GC_EVERY = 5
@@ -40,8 +42,9 @@ _NEG = -1.0e9  # transformers' "impossible" score
 class BeamOptions:
     """Beam search settings, with ``transformers``' meaning and defaults."""
 
-    num_beams: int = 4
-    """beams kept alive per step (b)"""
+    num_beams: int = field(default=4, metadata=at_most(64))
+    """beams kept alive per step (b): one step verifies b tokens, and the trie KV holds up to
+    prompt + b x max_new_tokens slots (:func:`kv_slots`)"""
     length_penalty: float = 1.0
     """finished score = sum of log-probs / generated length ** length_penalty"""
     early_stopping: bool | str = False
@@ -49,7 +52,7 @@ class BeamOptions:
     better (heuristic); "never": the canonical test"""
     num_return_sequences: int = 1
     """best finished hypotheses returned (<= num_beams)"""
-    gc_every: int = DEFAULT_GC_EVERY
+    gc_every: int = field(default=DEFAULT_GC_EVERY, metadata=at_most(64))
     """compact the trie KV every N steps (0 = only when the buffers are full)"""
 
     CLI_ALIASES: ClassVar[dict[str, str]] = {
@@ -213,13 +216,22 @@ class BeamResult:
     stats: BeamStats
 
 
+def kv_slots(prompt_len: int, num_beams: int, max_new_tokens: int) -> int:
+    """The most KV slots a beam search ever holds: the prompt plus b new slots per forward, and
+    there are at most ``max_new_tokens - 1`` forwards (the first token comes from the prompt's
+    logits), so even with no compaction at all it stays under ``prompt + b x max_new_tokens``.
+    The trie's buffers never grow past it, so it is what admission reserves for a beam request."""
+    return prompt_len + num_beams * max_new_tokens
+
+
 class _TrieKV:
     """The shared cache plus, for each running beam, which slots it may see (the prompt and its
-    own path in the trie): ``visible [b, capacity]`` bool. Mutates its cache."""
+    own path in the trie): ``visible [b, capacity]`` bool. Its buffers start small and double when
+    full, never past ``limit`` (:func:`kv_slots`). Mutates its cache."""
 
-    def __init__(self, adapter: ModelAdapter, prompt_len: int, num_beams: int, gc_every: int) -> None:
-        self.prompt_len, self.b, self.gc_every = prompt_len, num_beams, gc_every
-        self.cache = adapter.new_cache(prompt_len + num_beams * (2 * (gc_every or 16) + 1))
+    def __init__(self, adapter: ModelAdapter, prompt_len: int, num_beams: int, gc_every: int, limit: int) -> None:
+        self.prompt_len, self.b, self.gc_every, self.limit = prompt_len, num_beams, gc_every, limit
+        self.cache = adapter.new_cache(min(limit, prompt_len + num_beams * (2 * (gc_every or 16) + 1)))
         self.visible = torch.zeros((num_beams, self.cache.capacity), dtype=torch.bool)
         self.visible[:, :prompt_len] = True
         self.since_gc = 0
@@ -233,7 +245,7 @@ class _TrieKV:
         if cache.length + self.b > cache.capacity:
             self.collect()
             if cache.length + self.b > cache.capacity:
-                self._grow(2 * cache.capacity)
+                self._grow(max(cache.length + self.b, min(2 * cache.capacity, self.limit)))
         length = cache.length
         vis = torch.zeros((self.b, length + self.b), dtype=torch.bool)
         vis[:, :length] = self.visible[:, :length]
@@ -294,15 +306,32 @@ def check_request(prompt: Sequence[int], stop: StopRule, documents: Sequence[Seq
     return ids
 
 
+def _prefill(adapter: ModelAdapter, cache: KVCache, prompt: list[int]) -> Generator[list[int], None, torch.Tensor]:
+    """The prompt into the empty ``cache`` in chunks of :data:`~triedec.request.PREFILL_CHUNK`
+    tokens at fixed offsets, one chunk per step (it yields nothing between chunks), so that a long
+    prompt holds the engine no longer than one chunk's forward at a time, as a request's prefill
+    does; returns the last token's logits ``[1, vocab]``. The chunks are committed."""
+    logits = torch.empty(0)
+    for start in range(0, len(prompt), PREFILL_CHUNK):
+        stop = min(len(prompt), start + PREFILL_CHUNK)
+        n, last = stop - start, stop == len(prompt)
+        causal = torch.ones((n, n), dtype=torch.bool).tril_()
+        item = ForwardItem(cache, torch.tensor(prompt[start:stop]), torch.arange(start, stop), causal, 1 if last else 0)
+        logits = adapter.forward_batch([item])[0]
+        cache.commit(range(n))
+        if not last:
+            yield []
+    return logits
+
+
 def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
             stop: StopRule) -> Generator[list[int], None, BeamResult]:
     start = time.perf_counter()
     b = options.num_beams
     scorer = BeamScorer(options, len(prompt), stop.max_new_tokens, stop.eos_token_ids)
-    trie = _TrieKV(adapter, len(prompt), b, options.gc_every)
+    trie = _TrieKV(adapter, len(prompt), b, options.gc_every, kv_slots(len(prompt), b, stop.max_new_tokens))
 
-    logits = adapter.prefill(trie.cache, torch.tensor(prompt))  # [1, vocab]
-    trie.cache.commit(range(len(prompt)))
+    logits = yield from _prefill(adapter, trie.cache, prompt)  # [1, vocab]
     stats = BeamStats(num_beams=b, prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     log_probs = torch.log_softmax(logits, dim=-1).expand(b, -1)  # every beam starts at the prompt
     streamed: tuple[int, ...] = ()

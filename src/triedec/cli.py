@@ -32,9 +32,11 @@ from triedec.sampling import Sampling
 def cmd_methods() -> int:
     for name, found in methods().items():
         print(f"{name}: {found.description}")
+        maxima = found.spec.maxima()
         for field in dataclasses.fields(found.spec.options):
             default = "auto" if field.default is None else field.default
-            print(f"    {', '.join(option_flags(name, found.spec.options, field.name))}  (default {default})")
+            bound = f", at most {maxima[field.name]}" if field.name in maxima else ""
+            print(f"    {', '.join(option_flags(name, found.spec.options, field.name))}  (default {default}{bound})")
     return 0
 
 

@@ -96,7 +96,8 @@ class SoloRun:
     """A method with a loop of its own (beam search verifies all its beams in one forward
     already): ``loop(adapter)`` is a generator that yields committed tokens once per step and
     returns an :class:`~triedec.request.Outcome`. It advances one step per batch step, beside the
-    shared forward."""
+    shared forward. Closed before its loop returned (cancelled, or past its time limit), its
+    outcome holds what it lived: the tokens it emitted, its steps, its seconds and the reason."""
 
     def __init__(self, loop: Callable[[ModelAdapter], Generator[list[int], None, Outcome]], kv_tokens: int) -> None:
         self._loop = loop
@@ -105,6 +106,9 @@ class SoloRun:
         self._fresh: list[int] = []
         self._outcome: Outcome | None = None
         self._closed = False
+        self._started = 0.0
+        self._advances = 0
+        self._emitted = 0
 
     @property
     def done(self) -> bool:
@@ -121,12 +125,16 @@ class SoloRun:
         return self._outcome
 
     def start(self, adapter: ModelAdapter) -> None:
+        self._started = time.perf_counter()
         self._steps = self._loop(adapter)
 
     def advance(self) -> None:
         assert self._steps is not None
+        self._advances += 1
         try:
-            self._fresh += next(self._steps)
+            fresh = next(self._steps)
+            self._fresh += fresh
+            self._emitted += len(fresh)
         except StopIteration as finished:
             self._outcome = finished.value
 
@@ -135,6 +143,11 @@ class SoloRun:
         return fresh
 
     def close(self, reason: str = "cancelled") -> None:
+        if not self._closed and self._outcome is None:
+            seconds = time.perf_counter() - self._started if self._started else 0.0
+            self._outcome = Outcome(Stats(new_tokens=self._emitted, steps=self._advances, seconds=seconds,
+                                          tokens_per_s=self._emitted / seconds if seconds else 0.0,
+                                          stop_reason=reason))
         self._closed = True
         if self._steps is not None:
             self._steps.close()

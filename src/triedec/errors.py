@@ -1,4 +1,6 @@
-"""The one exception type triedec raises for bad input or unsupported setups."""
+"""The exception types triedec raises: :class:`TriedecError` for bad input or unsupported setups,
+and its subclass :class:`StateFileError` for learned-state files that cannot be used (a fault of
+whoever set the file up, not of a request that happens to need it)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,13 @@ class TriedecError(ValueError):
 
     It subclasses ``ValueError`` so that callers who already catch that keep working.
     """
+
+
+class StateFileError(TriedecError):
+    """A learned-state file (or its directory) that cannot be used: unsafe ownership or mode,
+    unreadable, corrupt, or saved for another model. The message names the path, so the server
+    logs it and answers its client with a generic 500 (the operator's fault, never the client's,
+    and paths are never shown to clients)."""
 
 
 def positive_int(name: str, value: object) -> int:

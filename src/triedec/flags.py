@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from triedec.decoders import DecoderLimits
 from triedec.errors import TriedecError
 from triedec.methods import method, methods
 
@@ -26,9 +27,12 @@ def _add_method_options(parser: argparse.ArgumentParser) -> None:
     """One flag per method option (text, read by the method's option parser once the method is known)."""
     group = parser.add_argument_group("method options (see `triedec methods`)")
     for name, found in methods().items():
+        maxima = found.spec.maxima()
         for field in dataclasses.fields(found.spec.options):
+            bound = f", at most {maxima[field.name]}" if field.name in maxima else ""
             group.add_argument(*option_flags(name, found.spec.options, field.name), dest=f"opt:{name}:{field.name}",
-                               default=None, metavar="VALUE", help=f"{name}: {field.name} (default {field.default})")
+                               default=None, metavar="VALUE",
+                               help=f"{name}: {field.name} (default {field.default}{bound})")
 
 
 def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -276,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
                           "(finish_reason length), or 408 before its first token (default: no limit)")
     sec.add_argument("--max-tokens-limit", type=int, default=4096,
                      help="the most max_tokens a request may ask for (default %(default)s)")
+    limits = DecoderLimits()
+    sec.add_argument("--max-methods-per-tenant", type=int, default=limits.per_scope,
+                     help="option sets (built methods, each with its learned state) kept per tenant; past it the least "
+                          "recently used is dropped (default %(default)s)")
+    sec.add_argument("--max-methods", type=int, default=limits.total,
+                     help="option sets kept in all (default %(default)s)")
+    sec.add_argument("--max-learned-mib-per-tenant", type=int, default=(limits.scope_bytes or 0) >> 20,
+                     help="learned state one tenant's methods may hold, MiB, by each method's bound (recycling matrix: "
+                          "vocab x k ids; auto's store: store_tokens); past it the least recently used is dropped, and "
+                          "one method over it alone gets 400 (default %(default)s; 0 = no cap)")
+    sec.add_argument("--max-learned-mib", type=int, default=(limits.total_bytes or 0) >> 20,
+                     help="learned state all methods may hold, MiB (default %(default)s; 0 = no cap)")
     sec.add_argument("--body-seconds", type=float, default=30.0,
                      help="a request body must arrive within this time, else 408 (default %(default)s)")
     sec.add_argument("--send-seconds", type=float, default=60.0,
@@ -328,8 +344,11 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
         raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
     options = method_options(args, args.method)
     name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
-    if args.max_kv_mib < 0:
-        raise TriedecError(f"--max-kv-mib must be >= 0, got {args.max_kv_mib}")
+    for flag in ("max_kv_mib", "max_learned_mib_per_tenant", "max_learned_mib"):
+        if getattr(args, flag) < 0:
+            raise TriedecError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    decoders = DecoderLimits(args.max_methods_per_tenant, args.max_methods,
+                             args.max_learned_mib_per_tenant << 20 or None, args.max_learned_mib << 20 or None)
     return ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
                         max_queue=args.max_queue, max_tokens_per_forward=args.max_tokens_per_forward,
                         max_prefill_tokens=args.max_prefill_tokens,
@@ -341,4 +360,5 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
                         max_request_seconds=args.max_request_seconds, max_tokens_limit=args.max_tokens_limit,
                         body_seconds=args.body_seconds, send_seconds=args.send_seconds,
                         redis_url=args.redis_url or environ.get("TRIEDEC_REDIS_URL") or None,
-                        share_interval=args.share_interval, share_max_entries=args.share_max_entries)
+                        share_interval=args.share_interval, share_max_entries=args.share_max_entries,
+                        decoders=decoders)

@@ -20,6 +20,7 @@ from triedec.adapter import KERNELS, ModelAdapter
 from triedec.beam import Hypothesis
 from triedec.calibration import Calibration, load_or_calibrate
 from triedec.costmodel import CostModel
+from triedec.decoders import BuiltMethods, DecoderLimits
 from triedec.drafters import ModelInfo
 from triedec.drafters.base import NEEDS_COST
 from triedec.drafters.learned import Learned
@@ -59,10 +60,11 @@ class LM:
 
     def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None,
                  kernels: str = "plain", reference: Callable[[], Any] | None = None,
-                 limits: BatchLimits | None = None) -> None:
+                 limits: BatchLimits | None = None, decoders: DecoderLimits | None = None) -> None:
         """``kernels="auto"`` speeds ``model`` up in place where it applies (see
         :mod:`triedec.adapter`); the default keeps the model's own kernels. ``reference`` loads a
-        stock copy of the model for :meth:`reference_model` (``triedec.load`` passes one)."""
+        stock copy of the model for :meth:`reference_model` (``triedec.load`` passes one).
+        ``decoders`` bounds the methods kept built (:mod:`triedec.decoders`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(model, kernels)
@@ -70,7 +72,7 @@ class LM:
         self._reference_loader = reference
         self._reference: Any = None
         self.cache_dir = cache_root(cache_dir)
-        self._decoders: dict[tuple[Hashable, str, object], Decoder] = {}  # (scope, method, options)
+        self._decoders = BuiltMethods(decoders)  # (scope, method, options) -> decoder, least recently used first
         self._calibration: Calibration | None = None
         self._lock = threading.RLock()  # guards the two caches above
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -128,7 +130,7 @@ class LM:
         """This model without any learned state: the same weights, tokenizer and calibration, no
         built methods (a benchmark measures each phase from fresh state this way)."""
         other = copy.copy(self)
-        other._decoders = {}
+        other._decoders = BuiltMethods(self._decoders.limits)
         other._lock = threading.RLock()
         return other
 
@@ -140,6 +142,7 @@ class LM:
         if isinstance(prompt, str):
             if not prompt:
                 raise TriedecError("the prompt is empty")
+            _check_unicode("the prompt", prompt)
             if chat:
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt)["input_ids"]
@@ -151,6 +154,7 @@ class LM:
                     if not isinstance(message.get(key), str):
                         got = "missing" if key not in message else f"a {type(message[key]).__name__}"
                         raise TriedecError(f"chat message {i}: {key!r} must be a string, got {got}")
+                    _check_unicode(f"chat message {i}'s {key}", message[key])
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -171,14 +175,25 @@ class LM:
 
         ``scope`` keeps learned state apart: each scope has its own built methods, so requests of
         one scope never draft from what another's taught (the server's tenants; None is the
-        default scope). The calibration is shared by every scope."""
+        default scope). The calibration is shared by every scope. Built methods are kept in an
+        LRU bounded per scope and overall, in count and in learned-state bytes
+        (:mod:`triedec.decoders`); a method whose bound alone exceeds a cap raises."""
         found = find_method(method_name)
         opts = found.make_options(options)
         key = (scope, method_name, opts)
         with self._lock:
-            if key not in self._decoders:
-                self._decoders[key] = found.build(opts, self.model_info(found.needs(opts)))
-            return self._decoders[key]
+            built = self._decoders.get(key)
+            if built is None:
+                built = found.build(opts, self.model_info(found.needs(opts)))
+                self._decoders.put(key, built, built.max_learned_bytes())
+            return built
+
+    def limit_decoders(self, limits: DecoderLimits) -> None:
+        """Keep the methods built from now on within ``limits`` (:mod:`triedec.decoders`; the
+        server passes its ``--max-methods*`` and ``--max-learned-mib*`` flags); the bounds are
+        applied at the next build."""
+        with self._lock:
+            self._decoders.limits = limits
 
     def is_built(self, method_name: str, *, scope: Hashable = None, **options: object) -> bool:
         """Whether :meth:`decoder` would return a method already built (no measuring, no
@@ -192,10 +207,7 @@ class LM:
         keeps its method until it ends; learned-state files are written by the engine as
         usual); returns how many were dropped."""
         with self._lock:
-            dropped = [key for key in self._decoders if key[0] == scope]
-            for key in dropped:
-                del self._decoders[key]
-            return len(dropped)
+            return self._decoders.forget(scope)
 
     def export_learned(self) -> list[tuple[Hashable, str, str, Learned]]:
         """What every built method learned here since the last call, as (scope, method name,
@@ -400,6 +412,10 @@ class LM:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"model's context of {self.max_context} tokens"
             )
+        for s in _stop_strings(stop):
+            if not isinstance(s, str):
+                raise TriedecError(f"stop strings must be strings, got {type(s).__name__}")
+            _check_unicode("a stop string", s)
         extra_eos = set()
         for t in stop_token_ids or ():
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.adapter.vocab_size:
@@ -417,6 +433,7 @@ class LM:
         documents = []
         for d in context:
             if isinstance(d, str):
+                _check_unicode("a context document", d)
                 documents.append(self.tokenizer(d, add_special_tokens=False)["input_ids"])
             elif isinstance(d, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
                                                  and 0 <= t < self.adapter.vocab_size for t in d):
@@ -461,6 +478,16 @@ def _sampling(temperature: float, top_k: int, top_p: float, min_p: float, repeti
     if not sampling.greedy and seed is None:
         sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
     return sampling
+
+
+def _check_unicode(what: str, text: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate such as ``\\ud800``, which JSON can
+    carry but no tokenizer can encode) with an error that says so."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TriedecError(f"{what} is not valid Unicode: character {exc.start} is a lone surrogate "
+                           f"(U+{ord(text[exc.start]):04X}), which has no UTF-8 encoding") from None
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

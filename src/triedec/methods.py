@@ -17,9 +17,8 @@ from typing import Any, Protocol
 
 from triedec.accept import acceptance_rule
 from triedec.beam import METHOD as BEAM
-from triedec.beam import BeamOptions, beam_search, check_request
+from triedec.beam import BeamOptions, beam_search, check_request, kv_slots
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, drafter_specs
-from triedec.drafters.base import MAX_TREE_NODES
 from triedec.drafters.learned import Learned
 from triedec.engine import Run, SoloRun
 from triedec.errors import TriedecError
@@ -33,7 +32,8 @@ class Decoder(Protocol):
     ``outcome`` is an :class:`~triedec.request.Outcome`. A decoder is shared by every request of its
     (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
     (greedy by default; sampling needs its seed set). ``export_learned`` / ``absorb_learned``
-    exchange its learned state with other replicas (:mod:`triedec.drafters.learned`)."""
+    exchange its learned state with other replicas (:mod:`triedec.drafters.learned`);
+    ``max_learned_bytes`` bounds the memory that state can take (:mod:`triedec.decoders`)."""
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
               sampling: Sampling = GREEDY_SAMPLING) -> Run: ...
@@ -41,6 +41,8 @@ class Decoder(Protocol):
     def export_learned(self) -> Learned: ...
 
     def absorb_learned(self, learned: Learned) -> None: ...
+
+    def max_learned_bytes(self) -> int: ...
 
 
 class SpeculativeDecoder:
@@ -60,6 +62,9 @@ class SpeculativeDecoder:
     def absorb_learned(self, learned: Learned) -> None:
         self.drafter.absorb_learned(learned)
 
+    def max_learned_bytes(self) -> int:
+        return self.drafter.max_learned_bytes()
+
 
 class BeamSearchDecoder:
     """Trie beam search with fixed :class:`~triedec.beam.BeamOptions`, in a loop of its own (all
@@ -76,7 +81,7 @@ class BeamSearchDecoder:
             raise TriedecError("beam search does not sample and applies no repetition penalty: use temperature=0 "
                                "and repetition_penalty=1 with method 'beam'")
         ids = check_request(prompt, stop, documents)
-        reserve = len(ids) + self.options.num_beams * (stop.max_new_tokens + 1) + MAX_TREE_NODES
+        reserve = kv_slots(len(ids), self.options.num_beams, stop.max_new_tokens)  # what its trie may grow to
 
         def loop(adapter: Any) -> Any:
             result = yield from beam_search(adapter, ids, self.options, stop)
@@ -90,6 +95,10 @@ class BeamSearchDecoder:
 
     def absorb_learned(self, learned: Learned) -> None:
         """Nothing to merge."""
+
+    def max_learned_bytes(self) -> int:
+        """Nothing learned across requests."""
+        return 0
 
 
 GREEDY = "greedy"

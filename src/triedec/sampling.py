@@ -30,6 +30,9 @@ from triedec.errors import TriedecError
 
 MAX_SEED = 2**64
 """Seeds are integers in ``[0, MAX_SEED)``."""
+PENALTY_RANGE = (1e-6, 1e6)
+"""The repetition penalties accepted: beyond them a float32 logit divided (or multiplied) by the
+penalty overflows to infinity, and a distribution with infinite logits is no distribution."""
 
 
 def _number(name: str, value: object) -> float:
@@ -43,11 +46,14 @@ class Sampling:
     """How each next token is chosen. The defaults are greedy decoding.
 
     * ``temperature`` >= 0: 0 = greedy (the argmax after the repetition penalty); > 0 = sampling;
+      a temperature so small that ``logits / temperature`` overflows float32 (below ~1e-37) is the
+      limit of sampling as it goes to 0: greedy's token (:func:`process`);
     * ``top_k`` >= 0: keep the k most likely tokens (ties at the k-th kept); 0 = off;
     * ``top_p`` in (0, 1]: keep the most likely tokens whose mass reaches top_p; 1 = off;
     * ``min_p`` in [0, 1]: drop tokens less likely than min_p x the top token's probability; 0 = off;
-    * ``repetition_penalty`` > 0: the logit of every token already in the prefix (prompt included)
-      is divided by it if positive, multiplied if negative (transformers' CTRL penalty); 1 = off;
+    * ``repetition_penalty`` in [1e-6, 1e6] (:data:`PENALTY_RANGE`): the logit of every token
+      already in the prefix (prompt included) is divided by it if positive, multiplied if negative
+      (transformers' CTRL penalty); 1 = off;
     * ``seed``: an integer in [0, 2**64), or None (the API then draws one and reports it).
 
     Unlike ``model.generate``, nothing comes from the model's generation config: a parameter left
@@ -70,8 +76,10 @@ class Sampling:
             raise TriedecError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p!r}")
         if not 0 <= _number("min_p", self.min_p) <= 1:
             raise TriedecError(f"min_p must lie in [0, 1] (0 = off), got {self.min_p!r}")
-        if _number("repetition_penalty", self.repetition_penalty) <= 0:
-            raise TriedecError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        low, high = PENALTY_RANGE
+        if not low <= _number("repetition_penalty", self.repetition_penalty) <= high:
+            raise TriedecError(f"repetition_penalty must lie in [{low:g}, {high:g}] (1 = off; beyond, float32 logits "
+                               f"overflow), got {self.repetition_penalty!r}")
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
             raise TriedecError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
@@ -109,10 +117,18 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.
 def process(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """One row of next-token logits ``[V]`` processed as transformers' sampling does, in its order:
     repetition penalty (over ``seen``, the token ids of this row's own prefix), temperature,
-    top-k, top-p, min-p. Filtered tokens get ``-inf``. Returns a new float32 tensor."""
+    top-k, top-p, min-p. Filtered tokens get ``-inf``. Returns a new float32 tensor.
+
+    A temperature so small that the scaled logits overflow (their maximum is not finite) gives the
+    limit of the distribution as the temperature goes to 0: all mass on the greedy token (the
+    first argmax), every other token ``-inf``."""
     row = penalize(logits.float(), seen, sampling.repetition_penalty)
     if sampling.temperature not in (0.0, 1.0):
-        row = row / sampling.temperature
+        scaled = row / sampling.temperature
+        if not bool(torch.isfinite(scaled.max())):
+            scaled = torch.full_like(row, -math.inf)
+            scaled[row.argmax()] = 0.0
+        row = scaled
     if sampling.top_k:
         kth = torch.topk(row, min(sampling.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, -math.inf)

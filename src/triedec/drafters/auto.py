@@ -59,14 +59,15 @@ from triedec.drafters.base import (
     Draft,
     ModelInfo,
     Verified,
+    at_most,
     register,
 )
 from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
 from triedec.drafters.learned import Learned
 from triedec.drafters.ngram_trie import NgramTrie
 from triedec.drafters.recycling import AdjacencyMatrix
-from triedec.drafters.state import load_state, save_state
-from triedec.errors import TriedecError, positive_int
+from triedec.drafters.state import check_location, load_state, save_state
+from triedec.errors import StateFileError, TriedecError, positive_int
 from triedec.tree import TokenTree
 
 METHOD = "auto"
@@ -86,23 +87,27 @@ DEPTH_KEYS = 4
 """acceptance is measured per depth 1 .. DEPTH_KEYS - 1, and for all deeper nodes together"""
 RECYCLING_RANKS = (4, 2, 1)
 """candidates taken from the matrix at depths 1, 2, 3 (the latter two under the best parent only)"""
+STORE_BYTES_PER_TOKEN = 600
+"""Memory the store takes per token it keeps, its index included, rounded up from what was measured
+with tracemalloc (2026-11-25): 220-260 bytes on text-like token streams, 580 on uniformly random
+tokens (every key distinct, the worst case)"""
 SHARE_BACKLOG = 256
 """outputs finished here that wait for the next export at most (older ones are not exported)"""
 
 
 @dataclass(frozen=True)
 class AutoOptions:
-    max_nodes: int = 64
+    max_nodes: int = field(default=64, metadata=at_most(MAX_TREE_NODES))
     """most candidate nodes ranked per step (before sizing)"""
-    depth: int = 12
+    depth: int = field(default=12, metadata=at_most(64))
     """deepest continuation taken from the context and the store"""
-    n: int = 13
+    n: int = field(default=13, metadata=at_most(64))
     """the context trie's window (as ngram-trie's n)"""
-    store_tokens: int = 200_000
+    store_tokens: int = field(default=200_000, metadata=at_most(1_000_000))
     """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
     store: str = field(default="", metadata=STATE_FILE)
     """file the store is loaded from (if it exists) and saved to after every request"""
-    k: int = 8
+    k: int = field(default=8, metadata=at_most(64))
     """candidates per row of the recycling matrix"""
     sized: bool = True
     """size each tree by the device's cost curve (False: send every ranked node)"""
@@ -222,14 +227,14 @@ class OutputStore:
         with a clear error (the store is then unchanged)."""
         meta, tensors = load_state(path, "output store", "store", STORE_FORMAT)
         if meta.get("model_id") != model_id:
-            raise TriedecError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
+            raise StateFileError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
         flat, lengths = tensors.get("tokens"), tensors.get("lengths")
         starts = tensors.get("starts", torch.zeros_like(lengths) if lengths is not None else None)  # older files
         if (flat is None or lengths is None or flat.dim() != 1 or lengths.dim() != 1 or starts.shape != lengths.shape
                 or bool((lengths < 0).any()) or int(lengths.sum()) != flat.numel()
                 or bool(((starts < 0) | (starts > lengths)).any())
                 or bool(((flat < 0) | (flat >= vocab_size)).any())):
-            raise TriedecError(f"output store {path} is corrupt (bad tensors)")
+            raise StateFileError(f"output store {path} is corrupt (bad tensors)")
         for doc, start in zip(torch.split(flat, lengths.tolist()), starts.tolist(), strict=True):
             self.add(doc[start:].tolist(), doc[:start].tolist())
 
@@ -294,8 +299,10 @@ class AutoDrafter:
         self._finished: deque[tuple[tuple[int, ...], int]] = deque(maxlen=SHARE_BACKLOG)  # kept here, not exported
         self._unsaved = False
         self._writing = threading.Lock()
-        if options.store and Path(options.store).exists():
-            self.store.load(options.store, self.model_id, self.vocab_size)
+        if options.store:
+            check_location(options.store)  # refused now, not at the first write
+            if Path(options.store).exists():
+                self.store.load(options.store, self.model_id, self.vocab_size)
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> AutoSession:
         return AutoSession(self, prompt, documents)
@@ -365,6 +372,11 @@ class AutoDrafter:
                 self.store.add(output, lead)
             self._unsaved = self._unsaved or bool(learned.outputs)
             absorb_rates(self._ratio, _valid_key, learned.rates)
+
+    def max_learned_bytes(self) -> int:
+        """The recycling matrix plus the store at its bound (``store_tokens`` tokens at
+        :data:`STORE_BYTES_PER_TOKEN`); the rates are negligible."""
+        return self.matrix.nbytes + self.options.store_tokens * STORE_BYTES_PER_TOKEN
 
     def persist(self) -> None:
         """Write the store to ``store`` (if set and changed): its outputs are copied under the

@@ -61,6 +61,17 @@ STATE_FILE = types.MappingProxyType({"state_file": True})
 (``store: str = field(default="", metadata=STATE_FILE)``): tools that must start from no learned
 state (the benchmark's ``cold`` protocol) find such options through it."""
 
+
+
+def at_most(limit: int) -> Mapping[str, object]:
+    """Field metadata of an option that sizes memory or work (``k: int = field(default=8,
+    metadata=at_most(64))``): a larger value is refused wherever options are made
+    (:meth:`MethodSpec.make_options`: the API, the CLI, a server request's ``method_options``),
+    and ``triedec methods`` shows the bound. No request can make a drafter hold more than its
+    options' maxima allow."""
+    return types.MappingProxyType({"maximum": limit})
+
+
 FROM_STORE = "accepted_from_store"
 """Key of a session's :meth:`~DrafterSession.stats`: this request's accepted draft tokens that a
 store of earlier requests' outputs proposed (auto's store); drafters without one report nothing
@@ -194,7 +205,9 @@ class Drafter(Protocol):
     drafter's lock, written outside it; the engine decides when). ``export_learned()`` returns
     what it learned here since its last export and ``absorb_learned(learned)`` merges another
     replica's (:mod:`triedec.drafters.learned`: what is exchanged and each part's merge rule);
-    a drafter that learns nothing across requests exports an empty value and absorbs nothing."""
+    a drafter that learns nothing across requests exports an empty value and absorbs nothing.
+    ``max_learned_bytes()``: the most memory its learned state can ever take, from its options'
+    bounds (not what it holds now): what :mod:`triedec.decoders` keeps built methods under."""
 
     prefill_logits: int
 
@@ -205,6 +218,8 @@ class Drafter(Protocol):
     def export_learned(self) -> Learned: ...
 
     def absorb_learned(self, learned: Learned) -> None: ...
+
+    def max_learned_bytes(self) -> int: ...
 
 
 class BaseSession:
@@ -255,6 +270,10 @@ class BaseDrafter:
 
     def absorb_learned(self, learned: Learned) -> None:
         """Nothing to merge."""
+
+    def max_learned_bytes(self) -> int:
+        """Nothing learned across requests."""
+        return 0
 
 
 # ---- calibration profiles -----------------------------------------------------------------------
@@ -348,14 +367,26 @@ class MethodSpec:
         marked = {f.name for f in dataclasses.fields(self.options) if f.metadata.get("state_file")}
         return sorted(name for name, value in options.items() if name in marked and value)
 
+    def maxima(self) -> dict[str, int]:
+        """The options that size memory or work, with their largest allowed values
+        (:func:`at_most`)."""
+        return {f.name: f.metadata["maximum"] for f in dataclasses.fields(self.options) if "maximum" in f.metadata}
+
     def make_options(self, values: Mapping[str, object]) -> Any:
-        """The validated options object; unknown names get a clear error."""
+        """The validated options object; unknown names and values over an option's maximum
+        (:meth:`maxima`) get a clear error."""
         known = self.option_defaults()
         unknown = sorted(set(values) - set(known))
         if unknown:
             valid = ", ".join(known) or "none"
             raise TriedecError(f"unknown option(s) {unknown} for method {self.name!r}; valid options: {valid}")
-        return self.options(**values)
+        options = self.options(**values)
+        for name, limit in self.maxima().items():
+            value = getattr(options, name)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
+                raise TriedecError(f"method {self.name!r}: {name} may be at most {limit} (it sizes memory or work per "
+                                   f"request), got {value!r}")
+        return options
 
     def parse_options(self, texts: Mapping[str, str]) -> dict[str, object]:
         """Option values given as text (``{"num_tokens": "16"}``), read as each option's type;

@@ -26,12 +26,12 @@ verification branch).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 
-from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified, at_most, register
 from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
@@ -41,17 +41,17 @@ VERIFY_MODES = ("independent", "trie")
 
 @dataclass(frozen=True)
 class LookaheadOptions:
-    window: int = 2
+    window: int = field(default=2, metadata=at_most(64))
     """W: future positions guessed by the Jacobi window"""
-    ngram: int = 3
+    ngram: int = field(default=3, metadata=at_most(32))
     """N: n-gram size (levels in the window = N - 1)"""
-    guesses: int = 4
+    guesses: int = field(default=4, metadata=at_most(64))
     """G: n-grams kept per first token in the pool, and verified per step"""
     verify: str = "trie"
     """"trie" (merged prefix trie) or "independent" (LADE: each candidate its own branch)"""
-    budget: int = 16
+    budget: int = field(default=16, metadata=at_most(MAX_TREE_NODES))
     """trie mode: most verification nodes per step (B)"""
-    depth: int = 0
+    depth: int = field(default=0, metadata=at_most(31))
     """trie mode: deepest verified level (D); 0 = N - 1"""
     window_seed: int = 0
     """seed of the window's initial guesses (drawn from the prompt); not the sampling seed"""
@@ -72,6 +72,10 @@ class LookaheadOptions:
             raise TriedecError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if isinstance(self.window_seed, bool) or not isinstance(self.window_seed, int):
             raise TriedecError(f"window_seed must be an integer, got {self.window_seed!r}")
+        nodes = 1 + self.window * (self.ngram - 1) + self.budget
+        if nodes > MAX_TREE_NODES:
+            raise TriedecError(f"lookahead verifies 1 + window x (ngram - 1) + budget = {nodes} nodes per step, more "
+                               f"than the {MAX_TREE_NODES} one step may carry; make window, ngram or budget smaller")
 
 
 class NgramPool:
@@ -132,6 +136,10 @@ class LookaheadDrafter:
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> LookaheadSession:
         return LookaheadSession(self.options, prompt)
+
+    def max_learned_bytes(self) -> int:
+        """Nothing learned across requests."""
+        return 0
 
     def persist(self) -> None:
         """No state file."""

@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, at_most, register
 from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
 from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
@@ -142,11 +142,11 @@ class NgramTrie:
 
 @dataclass(frozen=True)
 class NgramTrieOptions:
-    n: int = 13
+    n: int = field(default=13, metadata=at_most(64))
     """sliding-window length (the paper's n)"""
     prefix: int = 3
     """maximum prefix length Lp (1 <= Lp < n): suffixes of up to Lp tokens are matched"""
-    num_draft: int = 64
+    num_draft: int = field(default=64, metadata=at_most(MAX_TREE_NODES))
     """most draft nodes per step (the paper's num_draft)"""
     sized: bool = True
     """send only as many of them as pay off on this device (measured cost curve); False = always num_draft"""
@@ -215,6 +215,10 @@ class NgramTrieDrafter:
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _NgramTrieSession:
         return _NgramTrieSession(self, prompt, documents)
+
+    def max_learned_bytes(self) -> int:
+        """A few agreement rates (keyed by matched suffix length): negligible."""
+        return 0
 
     def persist(self) -> None:
         """No state file."""

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, register
+from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, at_most, register
 from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
 from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError, positive_int
@@ -37,13 +37,13 @@ from triedec.tree import TokenTree
 
 @dataclass(frozen=True)
 class PromptLookupOptions:
-    max_ngram: int = 3
+    max_ngram: int = field(default=3, metadata=at_most(64))
     """longest suffix n-gram to match"""
     min_ngram: int = 2
     """shortest suffix n-gram to fall back to"""
-    num_tokens: int = 10
+    num_tokens: int = field(default=10, metadata=at_most(MAX_TREE_NODES))
     """tokens proposed per matched continuation"""
-    num_matches: int = 2
+    num_matches: int = field(default=2, metadata=at_most(64))
     """distinct continuations merged into the draft trie"""
     min_expected: float | None = None
     """send the whole trie whenever its expected accepted draft tokens reach this (0 = always);
@@ -117,6 +117,10 @@ class PromptLookupDrafter:
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _PromptLookupSession:
         """The context is searched afresh every step; documents are not used."""
         return _PromptLookupSession(self)
+
+    def max_learned_bytes(self) -> int:
+        """A few agreement rates (keyed by matched n-gram length): negligible."""
+        return 0
 
     def persist(self) -> None:
         """No state file."""

@@ -55,11 +55,12 @@ from triedec.drafters.base import (
     NoOptions,
     ProfileSpec,
     Verified,
+    at_most,
     register,
 )
 from triedec.drafters.learned import Learned, Row
-from triedec.drafters.state import load_state, save_state
-from triedec.errors import TriedecError, positive_int
+from triedec.drafters.state import check_location, load_state, save_state
+from triedec.errors import StateFileError, TriedecError, positive_int
 from triedec.tree import TokenTree
 
 PAPER_TREE: tuple[tuple[int, ...], ...] = (
@@ -294,6 +295,11 @@ class AdjacencyMatrix:
             usable[start:stop] = usable[parents] & self.filled[parent_tokens]
         return tokens.tolist(), usable.tolist()
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its tensors take (fixed by vocab and k)."""
+        return sum(t.element_size() * t.numel() for t in (self.table, self.filled, self.written))
+
     def copy(self) -> AdjacencyMatrix:
         """An independent copy (a snapshot to write while the original keeps learning)."""
         other = AdjacencyMatrix.__new__(AdjacencyMatrix)
@@ -321,14 +327,14 @@ class AdjacencyMatrix:
                 f"this model has vocabulary {self.vocab_size} and k={self.k}"
             )
         if meta.get("model_id") != model_id:
-            raise TriedecError(f"recycling state {path} was saved for another model ({meta.get('model_id')!r})")
+            raise StateFileError(f"recycling state {path} was saved for another model ({meta.get('model_id')!r})")
         table, filled = tensors.get("table"), tensors.get("filled")
         if (
             table is None or filled is None or table.dtype != torch.long or filled.dtype != torch.bool
             or table.shape != (self.vocab_size, self.k) or filled.shape != (self.vocab_size,)
             or bool(((table < 0) | (table >= self.vocab_size)).any())
         ):
-            raise TriedecError(f"recycling state {path} is corrupt (bad tensors)")
+            raise StateFileError(f"recycling state {path} is corrupt (bad tensors)")
         self.table = table.to(self.device)
         self.filled = filled.to(self.device)
 
@@ -354,9 +360,9 @@ class RecyclingOptions:
     nodes: int = 0
     """draft nodes per step: 0 = the size calibrated as fastest on this device; N = the N nodes of the
     paper's 80-node tree most often accepted (calibrated rates); 80 = the paper's whole tree"""
-    k: int = 8
+    k: int = field(default=8, metadata=at_most(64))
     """candidates kept per token (columns of the adjacency matrix)"""
-    seed_prefill: int = 512
+    seed_prefill: int = field(default=512, metadata=at_most(8192))
     """also write the prefill logits of the prompt's last N tokens into the matrix (0 = off)"""
     state: str = field(default="", metadata=STATE_FILE)
     """file to load the matrix from at start (if it exists) and save it to after every request"""
@@ -524,8 +530,10 @@ class RecyclingDrafter:
         self.node_proposed = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
         self.node_accepted = np.zeros(PAPER_TEMPLATE.size, dtype=np.int64)
         self.steps = 0
-        if options.state and Path(options.state).exists():
-            self.matrix.load(options.state, self.model_id)
+        if options.state:
+            check_location(options.state)  # refused now, not at the first write
+            if Path(options.state).exists():
+                self.matrix.load(options.state, self.model_id)
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _RecyclingSession:
         """The matrix is kept (hot start); documents are not used."""
@@ -567,6 +575,10 @@ class RecyclingDrafter:
         """Per node of the paper's template, the share of counted steps that accepted it."""
         with self.lock:
             return tuple((self.node_accepted / max(self.steps, 1)).tolist())
+
+    def max_learned_bytes(self) -> int:
+        """The adjacency matrix (``vocab x k`` token ids), allocated whole when built."""
+        return self.matrix.nbytes
 
     def persist(self) -> None:
         """Write the matrix to ``state`` (if set): copied under the lock, written outside it."""

@@ -20,14 +20,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from triedec.drafters.base import FROM_STORE
+from triedec.decoders import DecoderLimits
+from triedec.drafters.base import FROM_STORE, NEEDS_COST, profile_specs
+from triedec.drafters.state import check_location
 from triedec.engine import BatchLimits, Run
-from triedec.errors import TriedecError, positive_int
+from triedec.errors import StateFileError, TriedecError, positive_int
 from triedec.lm import LM
 from triedec.methods import method as find_method
 from triedec.methods import methods
 from triedec.request import Outcome
-from triedec.server.auth import ApiKeys, RequireKey
+from triedec.server.auth import ApiKeys, MaskQueryStrings, RequireKey
 from triedec.server.metrics import Metrics
 from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
 from triedec.server.schemas import (
@@ -40,7 +42,7 @@ from triedec.server.schemas import (
     error,
 )
 from triedec.server.sharing import Sharing, SharingConfig
-from triedec.server.tenancy import ANONYMOUS, Learning, Scopes, Tenancy
+from triedec.server.tenancy import ANONYMOUS, Learning, Scopes, Tenancy, tenant_file
 from triedec.text import TextStream
 
 log = logging.getLogger("triedec.server")
@@ -101,6 +103,9 @@ class ServerConfig:
     """seconds between two exchanges of learned state through Redis"""
     share_max_entries: int = 1_000
     """entries each Redis stream of learned state keeps, about"""
+    decoders: DecoderLimits = field(default_factory=DecoderLimits)
+    """the methods (option sets) kept built, per tenant and overall, in count and learned-state
+    bytes (:mod:`triedec.decoders`); past them the least recently used are dropped"""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):
@@ -121,6 +126,8 @@ class ServerConfig:
             raise TriedecError(f"drain_seconds must be a finite number >= 0, got {self.drain_seconds!r}")
         self.limits()  # validates the engine's limits
         self.sharing()  # validates the Redis URL and the exchange's settings
+        if not isinstance(self.decoders, DecoderLimits):
+            raise TriedecError(f"decoders must be a DecoderLimits, got {self.decoders!r}")
 
     def sharing(self) -> SharingConfig | None:
         if self.redis_url is None:
@@ -228,10 +235,12 @@ class _Service:
         try:
             method, options = self.method_of(req)
             tenant = self.tenant(request, req)
+            self.scheduler.check_tenant(tenant)  # 429 now, before any wait for the engine thread
             scope, options = self.scopes.enter(tenant, method, options)
             entered = True
             if not self.lm.is_built(method, scope=scope, **options):
-                # built on the engine thread: building may measure the device (torch ops; see the scheduler)
+                # built on the engine thread (torch ops; see the scheduler); nothing is measured on a request's path:
+                # create_app loaded the whole calibration
                 await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
             prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat, method, options, scope)
             seconds = self.config.max_request_seconds
@@ -240,6 +249,10 @@ class _Service:
                       on_end=functools.partial(self.scopes.leave, scope))
             self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
             return job, prepared
+        except StateFileError:  # the operator's fault, not the client's: the detail (a path) goes to the log only
+            log.exception("a learned-state file could not be used (for tenant %r)", self.tenant(request, req))
+            status, answer = 500, error(500, "the server's learned state for this request could not be loaded; its "
+                                             "operator has the details in the server log", "server_error")
         except (TriedecError, TypeError, ValueError) as exc:  # bad input, named by the library
             status, answer = 400, error(400, str(exc))
         except LookupError as exc:
@@ -432,6 +445,9 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     lifespan's shutdown cancels what is left and writes the learned state."""
     config = config or ServerConfig()
     Scopes(config.tenancy(), lm.forget).check(config.method, config.method_options)
+    lm.limit_decoders(config.decoders)
+    _check_state_locations(config)
+    _calibrate_everything(lm)
     lm.decoder(config.method, **config.method_options)  # validate (and build) the default method now
     service = _Service(lm, config)
     created = int(time.time())
@@ -445,7 +461,8 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
             await run_in_threadpool(service.sharing.close)
         await run_in_threadpool(service.scheduler.close)
 
-    app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan,
+    # redirect_slashes off: a redirect would echo the client's Host header back as a URL to follow
+    app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
     app.state.sharing = service.sharing
@@ -471,6 +488,7 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
                                             "owned_by": "triedec"}]}
 
+    @app.head("/health", include_in_schema=False)  # probes that use HEAD get 200 too (uvicorn sends no body)
     @app.get("/health")
     async def health() -> dict[str, Any]:
         running, waiting = service.scheduler.depth
@@ -485,6 +503,32 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         return PlainTextResponse(generate_latest(service.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _calibrate_everything(lm: LM) -> None:
+    """Load, or measure now, every part of the calibration that a method a request may name could
+    need (the cost model and every registered profile: recycling's takes a minute or two on a new
+    machine), so that no request ever waits on a measurement and the engine thread never stalls on
+    one. Logged with its time."""
+    needs = frozenset({NEEDS_COST, *profile_specs()})
+    log.info("loading the calibration every method needs (%s); measured once per machine and model, then cached",
+             ", ".join(sorted(needs)))
+    started = time.perf_counter()
+    lm.calibration(needs)
+    log.info("calibration ready in %.1f s", time.perf_counter() - started)
+
+
+def _check_state_locations(config: ServerConfig) -> None:
+    """Refuse, at startup, learned-state files of the server's own options in a location others may
+    write (:func:`~triedec.drafters.state.check_location`): the file itself, and under ``tenant``
+    learning the directory of the per-tenant files beside it. A tenant's own file is checked when
+    the tenant first needs it (a 500 for that tenant, logged)."""
+    tenants = config.tenancy().learning == "tenant"
+    for name in find_method(config.method).spec.state_files(config.method_options):
+        path = str(config.method_options[name])
+        check_location(path)
+        if tenants:
+            check_location(tenant_file(path, ANONYMOUS))
 
 
 def _front_door_layers(config: ServerConfig) -> list[tuple[type, dict[str, Any]]]:
@@ -589,6 +633,9 @@ def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http="h11",
                                            timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10,
                                            timeout_graceful_shutdown=int(config.drain_seconds)))
+    access = logging.getLogger("uvicorn.access")  # configured by uvicorn.Config just above
+    if not any(isinstance(f, MaskQueryStrings) for f in access.filters):
+        access.addFilter(MaskQueryStrings())  # a key a client put in a URL never reaches the log
     scheduler.claim()
     http = threading.Thread(target=server.run, name="triedec-http")
 

@@ -11,18 +11,23 @@ With keys configured, every request except ``GET /health`` (and ``/metrics`` wit
 server ask; a missing or wrong key gets 401 in OpenAI's error shape before the body is read. The
 presented key is hashed and compared with every configured key's hash in constant time
 (:func:`hmac.compare_digest`, no early exit), so the time to answer says nothing about how much of
-a key was right. Keys are never logged or echoed.
+a key was right. Keys are never logged or echoed: a key sent in the URL's query string instead
+(``?api_key=...``) gets 401, and ``triedec serve``'s access log masks every query string value
+(:class:`MaskQueryStrings`). Two ``Authorization`` headers get 400 (a proxy that checks the first
+and a server that uses the last would disagree).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from triedec.errors import TriedecError
 from triedec.server.schemas import error
@@ -120,6 +125,37 @@ class ApiKeys:
         return path in OPEN_PATHS or (self.public_metrics and path == "/metrics")
 
 
+KEY_PARAMETERS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth", "authorization",
+                            "bearer"})
+"""query parameter names that clients use to pass keys in URLs: refused (401) with keys configured"""
+
+
+def _key_in_query(query: bytes) -> bool:
+    names = (part.split(b"=", 1)[0] for part in query.split(b"&"))
+    return any(unquote_to_bytes(n).decode("latin-1").strip().lower() in KEY_PARAMETERS for n in names if n)
+
+
+def mask_query(target: str) -> str:
+    """A request target with its query string's values masked (``/v1/models?api_key=<masked>``): what
+    the access log shows, so a key a client put in a URL is never written to a log."""
+    path, sep, query = target.partition("?")
+    if not sep:
+        return target
+    masked = "&".join(part.split("=", 1)[0] + ("=<masked>" if "=" in part else "") for part in query.split("&"))
+    return f"{path}?{masked}"
+
+
+class MaskQueryStrings(logging.Filter):
+    """A filter for uvicorn's access logger (``uvicorn.access``): every query string value masked
+    (:func:`mask_query`). ``triedec serve`` installs it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], mask_query(args[2]), *args[3:])
+        return True
+
+
 class RequireKey:
     """ASGI middleware: with ``keys``, a request to any path but the open ones gets 401 unless it
     carries a configured key; the key's tenant goes into the request's state (``tenant``) for the
@@ -130,10 +166,23 @@ class RequireKey:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         keys = self.keys
-        if keys is None or scope["type"] != "http" or keys.is_open(scope.get("path", "")):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        header = dict(scope.get("headers") or []).get(b"authorization")
+        headers = [value for name, value in scope.get("headers") or [] if name.lower() == b"authorization"]
+        if len(headers) > 1:  # a proxy that checks the first and a server that uses the last would disagree
+            await error(400, "more than one Authorization header; send exactly one", param="Authorization")(
+                scope, receive, send)
+            return
+        if keys is None or keys.is_open(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        if _key_in_query(scope.get("query_string") or b""):
+            await error(401, "API keys are not accepted in the URL (URLs end up in logs and histories): send it as "
+                             "'Authorization: Bearer KEY', and treat a key sent in a URL as exposed",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        header = headers[0] if headers else None
         tenant = keys.tenant(header)
         if tenant is None:
             message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'." if header is None else

@@ -187,22 +187,29 @@ class Scheduler:
             recent = list(self._durations)
         return max(1, math.ceil(statistics.median(recent))) if recent else 1
 
+    def check_tenant(self, tenant: str) -> None:
+        """:class:`TenantBusy` if ``tenant`` already has its maximum of requests running and
+        waiting (any thread; :meth:`submit` checks again): a request over its share is refused
+        before anything is built or waited for."""
+        limits = self.tenants
+        cap = (limits.max_running or self.limits.max_running) + (
+            math.inf if limits.max_queued is None else limits.max_queued)
+        with self._cond:
+            if self._flying[tenant] >= cap:
+                raise TenantBusy(f"too many requests of this client at once: at most {cap} running or waiting",
+                                 self.retry_after())  # the condition's lock is reentrant
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` past the queue's bound or while shutting down,
         :class:`TenantBusy` past its tenant's share (:class:`TenantLimits`); a
         :class:`~triedec.errors.TriedecError` for a request that could never run here (more KV
         than the cap)."""
-        limits = self.tenants
-        cap = (limits.max_running or self.limits.max_running) + (
-            math.inf if limits.max_queued is None else limits.max_queued)
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down")
             if len(self._jobs) + len(self._held) + len(self._incoming) >= self.limits.max_running + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
-            if self._flying[job.tenant] >= cap:
-                raise TenantBusy(f"too many requests of this client at once: at most {cap} running or waiting",
-                                 self.retry_after())  # the condition's lock is reentrant
+            self.check_tenant(job.tenant)
             self.batch.check(job.run)
             self._incoming.append(job)
             self._flying[job.tenant] += 1
