@@ -286,10 +286,13 @@ def beam_search(
 ) -> Generator[list[int], None, BeamResult]:
     """Beam search over ``prompt`` with transformers' semantics on a shared trie KV cache.
 
-    The returned generator yields tokens of the best hypothesis as soon as they are certain (the
-    stable prefix of all candidates), and the rest at the end; it returns the hypotheses and
-    stats. Stops at EOS / stop tokens (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop
-    strings and context documents are refused here, before anything runs.
+    The returned generator yields once per forward (a prompt chunk, or one step of all beams): the
+    tokens of the best hypothesis that became certain since (the stable prefix of all candidates;
+    often none), and the rest at the end; it returns the hypotheses and stats. So whoever drives it
+    (the engine's :class:`~triedec.engine.SoloRun`) gets control back after every forward, and a
+    time limit or a cancel takes effect within one. Stops at EOS / stop tokens
+    (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop strings and context documents are
+    refused here, before anything runs.
     """
     return _search(adapter, check_request(prompt, stop, documents), options, stop)
 
@@ -338,11 +341,13 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
     while True:
         parents, tokens = scorer.step(log_probs)
         prefix = scorer.stable_prefix()
-        if len(prefix) > len(streamed):
-            yield list(prefix[len(streamed) :])
-            streamed = prefix
+        fresh = list(prefix[len(streamed) :])
+        streamed = prefix if fresh else streamed
         if scorer.done:
+            if fresh:
+                yield fresh
             break
+        yield fresh  # once per forward, even empty: one engine step is one beam step, never more
         visible = trie.before_forward(parents)
         positions = torch.full((b,), scorer.cur_len - 1, dtype=torch.long)  # depth of the new leaves
         logits = adapter.forward(trie.cache, torch.tensor(tokens), positions, visible)  # [b, vocab]

@@ -30,7 +30,11 @@ Learned state is kept per tenant, shared, or not at all (:mod:`~triedec.server.t
 running and queued requests are capped (429 with ``Retry-After``); each request's time may be
 capped (``max_request_seconds``), ``max_tokens`` is capped server-wide, a body must arrive within
 ``body_seconds`` and a client must take its response within ``send_seconds``. Clients cannot name
-learned-state files.
+learned-state files. No request can raise memory or time past a stated bound: every option that
+sizes memory or work has a maximum, built methods (option sets) live in an LRU bounded per tenant
+and overall in count and learned-state bytes (``ServerConfig.decoders``), beam search reserves the
+KV its trie can grow to, a request's time limit holds within one step, and the whole calibration is
+loaded or measured before the server serves (nothing is measured on a request's path).
 
 **Scaling out** (README: Scaling out). With ``redis_url``, a thread of its own
 (:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
@@ -48,9 +52,12 @@ Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`s
 status: malformed JSON, wrong types, unknown fields, unknown methods or options, bad numbers, an
 empty prompt, a prompt + ``max_tokens`` beyond the context, unsupported OpenAI fields (named as
 such), a request whose KV could never fit under ``max_kv_bytes``, a body over ``max_body_bytes``
-(413), a missing or wrong API key (401), a body too slow (408), a request with no token within
+(413), a missing or wrong API key or a key in the query string (401), two ``Authorization``
+headers (400), text that is not valid Unicode (400), an option past its maximum (400), a body too
+slow (408), a request with no token within
 ``max_request_seconds`` (408), an unknown model (404), a tenant over its share (429), a full queue
-(503).
+(503). A learned-state file the operator set up badly is a 500 with a generic message (the path and
+the reason go to the server's log).
 """
 
 from triedec.server.app import ServerConfig, create_app, serve
