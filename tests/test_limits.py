@@ -509,6 +509,7 @@ def test_a_key_in_the_query_string_is_refused_and_never_logged(tiny_model_dir, t
     text = log.read_text()
     assert "GET /v1/models?api_key=<masked> HTTP/1.1" in text and " 401" in text
     assert ALICE_KEY not in text
+    assert re.search(r"calibration ready in \d+\.\d s", text)  # measured or loaded before serving, and said
 
 
 def test_operator_fault_errors_are_state_file_errors_and_still_triedec_errors(tmp_path):
