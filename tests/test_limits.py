@@ -206,12 +206,10 @@ def test_beam_search_never_allocates_more_kv_than_it_reserves(lm):
         adapter.new_cache = original
 
 
-def test_beam_prefills_a_long_prompt_one_chunk_per_step(lm):
-    """Beam search yields the engine between prompt chunks, as a request's prefill does, so a long
-    prompt never holds the engine thread for its whole prefill."""
-    prompt = [int(t) for t in torch.randint(3, TINY_VOCAB, (300,), generator=torch.Generator().manual_seed(0))]
-    run = lm.decoder("beam", num_beams=2).start(prompt, StopRule(max_new_tokens=3))
-    sizes = []
+def _step_a_solo_run(lm, run) -> tuple[list[int], list[int]]:
+    """Drive ``run`` (a SoloRun) step by step as the engine does; returns the tokens each forward
+    carried and how many forwards each step ran."""
+    sizes, per_step = [], []
     original = lm.adapter.forward_batch
 
     def spy(items):
@@ -219,7 +217,6 @@ def test_beam_prefills_a_long_prompt_one_chunk_per_step(lm):
         return original(items)
 
     lm.adapter.forward_batch = spy
-    per_step = []
     try:
         run.start(lm.adapter)
         while not run.done:
@@ -228,6 +225,15 @@ def test_beam_prefills_a_long_prompt_one_chunk_per_step(lm):
             per_step.append(len(sizes) - before)
     finally:
         lm.adapter.forward_batch = original
+    return sizes, per_step
+
+
+def test_beam_prefills_a_long_prompt_one_chunk_per_step(lm):
+    """Beam search yields the engine between prompt chunks, as a request's prefill does, so a long
+    prompt never holds the engine thread for its whole prefill."""
+    prompt = [int(t) for t in torch.randint(3, TINY_VOCAB, (300,), generator=torch.Generator().manual_seed(0))]
+    run = lm.decoder("beam", num_beams=2).start(prompt, StopRule(max_new_tokens=3))
+    sizes, per_step = _step_a_solo_run(lm, run)
     assert sizes[:3] == [128, 128, 44]  # three chunks at fixed offsets, one per step
     assert per_step[:3] == [1, 1, 1]
 
@@ -238,22 +244,11 @@ def test_beam_search_does_one_forward_per_engine_step(lm):
     search could run hundreds of forwards, a minute and more, inside one engine step.)"""
     prompt = [5, 9, 17, 33, 2, 8]
     for beams in (4, 64):
-        run = lm.decoder("beam", num_beams=beams, early_stopping="never").start(prompt,
-                                                                                StopRule(max_new_tokens=40))
-        calls = []
-        original = lm.adapter.forward_batch
-        lm.adapter.forward_batch = lambda items, calls=calls, original=original: calls.append(1) or original(items)
-        per_step = []
-        try:
-            run.start(lm.adapter)
-            while not run.done:
-                before = len(calls)
-                run.advance()
-                per_step.append(len(calls) - before)
-        finally:
-            lm.adapter.forward_batch = original
-        assert max(per_step) == 1 and sum(per_step) == len(calls), (beams, per_step)
-        assert run.outcome.stats.steps == len(calls) - 1  # every forward after the prefill is a beam step
+        decoder = lm.decoder("beam", num_beams=beams, early_stopping="never")
+        run = decoder.start(prompt, StopRule(max_new_tokens=40))
+        sizes, per_step = _step_a_solo_run(lm, run)
+        assert max(per_step) == 1 and sum(per_step) == len(sizes), (beams, per_step)
+        assert run.outcome.stats.steps == len(sizes) - 1  # every forward after the prefill is a beam step
 
 
 def test_a_beam_at_its_maximum_leaves_others_served_and_ends_within_a_step_of_its_limit(default_lm):
