@@ -25,11 +25,11 @@ from typing import ClassVar
 
 import torch
 
-from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.adapter import ModelAdapter
 from triedec.drafters.base import at_most
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
-from triedec.request import PREFILL_CHUNK, Stats, StopRule
+from triedec.request import PREFILL_CHUNK, Stats, StopRule, prompt_chunk
 
 METHOD = "beam"
 DEFAULT_GC_EVERY = 5
@@ -317,11 +317,9 @@ def _prefill(adapter: ModelAdapter, cache: KVCache, prompt: list[int]) -> Genera
     logits = torch.empty(0)
     for start in range(0, len(prompt), PREFILL_CHUNK):
         stop = min(len(prompt), start + PREFILL_CHUNK)
-        n, last = stop - start, stop == len(prompt)
-        causal = torch.ones((n, n), dtype=torch.bool).tril_()
-        item = ForwardItem(cache, torch.tensor(prompt[start:stop]), torch.arange(start, stop), causal, 1 if last else 0)
-        logits = adapter.forward_batch([item])[0]
-        cache.commit(range(n))
+        last = stop == len(prompt)
+        logits = adapter.forward_batch([prompt_chunk(cache, prompt, start, stop, 1 if last else 0)])[0]
+        cache.commit(range(stop - start))
         if not last:
             yield []
     return logits

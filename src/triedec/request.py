@@ -42,6 +42,15 @@ decoding steps (a 128-token chunk costs about what a whole prompt's share does h
 2-core CPU measured), at fixed offsets so that a prompt's arithmetic never depends on the load."""
 
 
+def prompt_chunk(cache: KVCache, prompt: Sequence[int], start: int, stop: int, keep: int) -> ForwardItem:
+    """The prompt's tokens ``[start, stop)`` at their positions, as a causal chain on top of the
+    chunks already committed to ``cache``, keeping the last ``keep`` rows' logits: one prefill
+    chunk (a request's, or beam search's)."""
+    n = stop - start
+    return ForwardItem(cache, torch.tensor(prompt[start:stop]), torch.arange(start, stop),
+                       torch.ones((n, n), dtype=torch.bool).tril_(), keep)
+
+
 @dataclass(frozen=True)
 class StopRule:
     """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``.
@@ -294,10 +303,8 @@ class Request:
         """The next prompt chunk: a causal chain on top of the committed chunks."""
         assert self.cache is not None
         start, stop = self._chunk()
-        n = stop - start
         keep = max(self._observed_rows(start, stop), 1 if stop == len(self.prompt) else 0)
-        return ForwardItem(self.cache, torch.tensor(self.prompt[start:stop]), torch.arange(start, stop),
-                           torch.ones((n, n), dtype=torch.bool).tril_(), keep)
+        return prompt_chunk(self.cache, self.prompt, start, stop, keep)
 
     def prefilled(self, logits: torch.Tensor) -> None:
         """Commit the chunk; the drafter observes the rows it asked for; the last chunk's last
