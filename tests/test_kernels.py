@@ -80,7 +80,7 @@ def test_every_method_on_fast_kernels_equals_stock_transformers(name):
     stock, fast = FAST[name](), FAST[name]()  # same seed: the same weights
     adapter = ModelAdapter(fast, "auto")
     assert adapter.kernels != "plain"
-    assert ("gqa-sdpa" in adapter.kernels) == name.endswith("sdpa")
+    assert "fixed-order-attention" in adapter.kernels and adapter.exactness == "bit-exact"
     info = tiny_info(cost=fake_cost())
     rule = StopRule(30, frozenset([EOS]))
     settings = {"ar": {}, "pld": {"min_expected": 0.0}, "recycling": {"nodes": 80}, "ngram-trie": {"sized": False},
@@ -118,17 +118,18 @@ def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
     plain = triedec.load(tiny_model_dir, kernels="plain")
     assert plain.adapter.kernels == "plain" and plain.reference_model() is plain.model
     if packing_available(torch.device("cpu"), torch.float32):
-        assert fast.adapter.kernels == "onednn-packed-linear+gqa-sdpa"
+        assert fast.adapter.kernels == "onednn-packed-linear+fixed-order-attention"
         reference = fast.reference_model()
         assert reference is not fast.model and not any(isinstance(m, PackedLinear) for m in reference.modules())
         assert reference.config._attn_implementation == "sdpa" and fast.model.config._attn_implementation == GQA_SDPA
     out = fast.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0)
-    assert out.stats.kernels == fast.adapter.kernels
+    assert out.stats.kernels == fast.adapter.kernels and out.stats.exactness == "bit-exact"
     assert out.token_ids == plain.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0).token_ids
     bf16 = triedec.load(tiny_model_dir, dtype="bfloat16")  # no packed linears for bf16: the plain path
-    assert "onednn" not in bf16.adapter.kernels
-    eager = triedec.load(tiny_model_dir, attn_implementation="eager")
-    assert "gqa-sdpa" not in eager.adapter.kernels
+    assert "onednn" not in bf16.adapter.kernels and "fixed-order-attention" in bf16.adapter.kernels
+    eager = triedec.load(tiny_model_dir, attn_implementation="eager")  # triedec's attention in its forwards too
+    assert "gqa-sdpa" not in eager.adapter.kernels and "fixed-order-attention" in eager.adapter.kernels
+    assert plain.adapter.exactness == "up to rounding"
     with pytest.raises(TriedecError, match="kernels"):
         triedec.load(tiny_model_dir, kernels="fast")
     mine = tiny_llama()

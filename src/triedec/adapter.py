@@ -60,6 +60,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from triedec.attention import DTYPES, kernel_available, key_lists, tree_attention
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.kvcache import KVCache
@@ -74,6 +75,8 @@ STOCK_SDPA = "triedec_stock_sdpa"
 EAGER = "triedec_eager"
 """the dispatcher over the model's own eager attention"""
 BATCH_KEYWORD = "triedec_batch"
+FIXED_ORDER_ATTENTION = "fixed-order-attention"
+"""How :func:`describe_kernels` names triedec's own tree attention (:mod:`triedec.attention`)."""
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -164,12 +167,22 @@ def apply_kernels(model: PreTrainedModel, kernels: str) -> None:
         model.set_attn_implementation(EAGER)
 
 
-def describe_kernels(model: PreTrainedModel) -> str:
+def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
+    """Whether triedec's fixed-order tree attention (:mod:`triedec.attention`) runs ``model``'s
+    forwards: ``kernels="auto"``, a CPU model in a dtype the kernel runs, and the kernel built
+    (building it if needed)."""
+    param = next(model.parameters())
+    return kernels == "auto" and param.device.type == "cpu" and param.dtype in DTYPES and kernel_available()
+
+
+def describe_kernels(model: PreTrainedModel, exact_attention: bool = False) -> str:
     """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+``."""
     used = []
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         used.append("onednn-packed-linear")
-    if getattr(model.config, "_attn_implementation", None) == GQA_SDPA:
+    if exact_attention:
+        used.append(FIXED_ORDER_ATTENTION)
+    elif getattr(model.config, "_attn_implementation", None) == GQA_SDPA:
         used.append("gqa-sdpa")
     return "+".join(used) or "plain"
 
@@ -200,51 +213,79 @@ class ForwardItem:
         return self.size if self.keep < 0 else min(self.keep, self.size)
 
 
-def item_masks(item: ForwardItem, layout: AttentionLayout, dtype: torch.dtype,
-               device: torch.device) -> dict[str, torch.Tensor | None]:
-    """Additive masks ``[1, 1, T, length + T]`` of one item, per layer type: 0 where a token may
-    attend, the dtype's minimum where it may not (a bool mask is silently wrong with ``eager``);
-    the window applied by each slot's position. None where one query sees its whole cache (no mask
-    at all lets sdpa take its grouped-query path). Built directly in its final dtype: the committed
-    columns are zeros and only the new tokens' block is written (``item.cache`` is staged)."""
+def item_visibility(item: ForwardItem, layout: AttentionLayout) -> dict[str, torch.Tensor | None]:
+    """Which slots each of the item's tokens attends to, per layer type: bool ``[T, length + T]``
+    (``item.cache`` is staged), the window applied by each slot's position id; None where one
+    query sees its whole cache (plain decoding's case: no list, no mask)."""
     cache, n = item.cache, item.size
     length = cache.length
-    explicit = item.visible.shape[1] != n or length == 0
-    minimum = torch.finfo(dtype).min
+    explicit = item.visible.shape[1] != n
     out: dict[str, torch.Tensor | None] = {}
     for kind, window in layout.windows.items():
-        if window is None:
-            if n == 1 and bool(item.visible.all()):
-                out[kind] = None
-                continue
-            mask = torch.zeros((n, length + n), dtype=dtype)
-            (mask if explicit else mask[:, length:]).masked_fill_(~item.visible, minimum)
+        if explicit:
+            visible = item.visible
         else:
+            visible = torch.ones((n, length + n), dtype=torch.bool)
+            visible[:, length:] = item.visible
+        if window is not None:
             kpos = cache.positions()
-            visible = item.visible if explicit else torch.cat(
-                [torch.ones((n, length), dtype=torch.bool), item.visible], dim=1)
             visible = visible & ((kpos[length:, None] - kpos[None, :]) < window)
-            if n == 1 and bool(visible.all()):
-                out[kind] = None
-                continue
-            mask = torch.zeros((n, length + n), dtype=dtype)
-            mask.masked_fill_(~visible, minimum)
-        out[kind] = mask[None, None].to(device)
+        out[kind] = None if n == 1 and bool(visible.all()) else visible
     return out
 
 
-class _Batch:
-    """The items of one forward: each item's bounds in the flattened row and its masks per layer
-    type. Handed to the dispatcher as the ``triedec_batch`` keyword."""
+def additive_mask(visible: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``visible [T, S]`` as the additive float mask ``[1, 1, T, S]`` the models' own attention
+    functions take: 0 where a token may attend, the dtype's minimum where it may not (a bool mask
+    is silently wrong with ``eager``). None stays None (sdpa then takes its grouped-query path)."""
+    if visible is None:
+        return None
+    mask = torch.zeros(visible.shape, dtype=dtype)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
 
-    def __init__(self, items: Sequence[ForwardItem], masks: list[dict[str, torch.Tensor | None]],
-                 kinds: tuple[str, ...]) -> None:
-        self.items, self.masks, self.kinds = items, masks, kinds
+
+def item_masks(item: ForwardItem, layout: AttentionLayout, dtype: torch.dtype,
+               device: torch.device) -> dict[str, torch.Tensor | None]:
+    """:func:`item_visibility` as additive masks ``[1, 1, T, length + T]`` (:func:`additive_mask`)."""
+    return {kind: additive_mask(v, dtype, device) for kind, v in item_visibility(item, layout).items()}
+
+
+_UNSUPPORTED_BY_TREE_ATTENTION = ("s_aux", "sinks", "position_bias", "head_mask")
+
+
+class _Batch:
+    """The items of one forward: each item's bounds in the flattened row and what it sees per
+    layer type. Handed to the dispatcher as the ``triedec_batch`` keyword.
+
+    With ``exact`` (:attr:`ModelAdapter.exact_attention`), every item's attention is triedec's
+    fixed-order kernel (:func:`triedec.attention.tree_attention`); otherwise the model's own
+    function with additive masks. Each item's key lists or masks are built once per layer type,
+    on the first layer that needs them."""
+
+    def __init__(self, items: Sequence[ForwardItem], visibility: list[dict[str, torch.Tensor | None]],
+                 kinds: tuple[str, ...], exact: bool, dtype: torch.dtype, device: torch.device) -> None:
+        self.items, self.visibility, self.kinds = items, visibility, kinds
+        self.exact, self.dtype, self.device = exact, dtype, device
+        self.fell_back = False
+        """Set when a layer asked for something the exact kernel does not do (attention sinks, a
+        position bias, dropout): that layer ran the model's own function."""
+        self._prepared: dict[tuple[int, str, bool], Any] = {}
         self.bounds = []
         start = 0
         for item in items:
             self.bounds.append((start, start + item.size))
             start += item.size
+
+    def _seen(self, index: int, kind: str, exact: bool) -> Any:
+        key = (index, kind, exact)
+        if key not in self._prepared:
+            visible = self.visibility[index][kind]
+            if exact:
+                self._prepared[key] = None if visible is None else key_lists(visible)
+            else:
+                self._prepared[key] = additive_mask(visible, self.dtype, self.device)
+        return self._prepared[key]
 
     def attend(self, module: nn.Module, query: torch.Tensor, base: AttentionFn,
                kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
@@ -252,10 +293,20 @@ class _Batch:
         ``[1, N, heads, dim]``."""
         layer = module.layer_idx
         kind = self.kinds[layer]
+        exact = self.exact and not kwargs.get("dropout") and not any(
+            kwargs.get(k) is not None for k in _UNSUPPORTED_BY_TREE_ATTENTION)
+        if self.exact and not exact:
+            self.fell_back = True
         outs = []
-        for item, (start, stop), masks in zip(self.items, self.bounds, self.masks, strict=True):
+        for index, (item, (start, stop)) in enumerate(zip(self.items, self.bounds, strict=True)):
             keys, values = item.cache.view(layer)
-            out, _ = base(module, query[:, :, start:stop], keys, values, masks[kind], **kwargs)
+            seen = self._seen(index, kind, exact)
+            if exact:
+                scaling = kwargs.get("scaling")
+                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+                out = tree_attention(query[:, :, start:stop], keys, values, seen, scale, kwargs.get("softcap"))
+            else:
+                out, _ = base(module, query[:, :, start:stop], keys, values, seen, **kwargs)
             outs.append(out)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
@@ -357,9 +408,24 @@ class ModelAdapter:
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
         apply_kernels(model, kernels)
-        self.kernels = describe_kernels(model)
+        self.exact_attention = exact_attention_applies(model, kernels)
+        """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
+        self.kernels = describe_kernels(model, self.exact_attention)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
         self._placeholder = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
+        self.fell_back = False
+        """Set once a forward ran a layer on the model's own attention although
+        :attr:`exact_attention` is on (a feature the kernel does not do); see :attr:`exactness`."""
+        self.invariance = check_row_invariance(self)
+        """The load-time self-test (:func:`check_row_invariance`): whether a row's logits are the
+        same bits alone and inside a batched forward of trees and prompt chunks."""
+
+    @property
+    def exactness(self) -> str:
+        """The guarantee this model's forwards give: :data:`BIT_EXACT` (a token's logits are the
+        same bits whatever tree, batch or load carries it, checked at load) or
+        :data:`UP_TO_ROUNDING`."""
+        return BIT_EXACT if self.invariance.exact and not self.fell_back else UP_TO_ROUNDING
 
     @cached_property
     def model_id(self) -> str:
@@ -400,7 +466,6 @@ class ModelAdapter:
             raise TriedecError("a forward needs at least one item")
         if len({id(item.cache) for item in items}) != len(items):
             raise TriedecError("each item of a forward needs a cache of its own")
-        masks = []
         for item in items:
             n = item.size
             if n < 1 or item.positions.shape != (n,) or item.visible.dim() != 2 or item.visible.shape[0] != n \
@@ -410,9 +475,8 @@ class ModelAdapter:
                                    f"{list(item.visible.shape)}")
         for item in items:
             item.cache.stage(item.positions)
-        for item in items:
-            masks.append(item_masks(item, self.layout, self.dtype, self.device))
-        batch = _Batch(items, masks, self.layout.kinds)
+        visibility = [item_visibility(item, self.layout) for item in items]
+        batch = _Batch(items, visibility, self.layout.kinds, self.exact_attention, self.dtype, self.device)
         tokens = torch.cat([item.tokens.reshape(-1) for item in items]).to(self.device)
         positions = torch.cat([item.positions.reshape(-1) for item in items]).to(self.device)
         rows = [(stop - item.rows, stop) for item, (_, stop) in zip(items, batch.bounds, strict=True)]
@@ -423,11 +487,14 @@ class ModelAdapter:
             kwargs["logits_to_keep"] = keep.to(self.device)  # the LM head runs on these rows only
         placeholder = {k: self._placeholder for k in self.layout.windows} if self.layout.per_type \
             else self._placeholder
-        out = self.model(
-            input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
-            use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs,
-            **{self._cache_keyword: Cache(layers=[_BatchLayer(batch, i) for i in range(self._num_layers())])},
-        )
+        try:
+            out = self.model(
+                input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
+                use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs,
+                **{self._cache_keyword: Cache(layers=[_BatchLayer(batch, i) for i in range(self._num_layers())])},
+            )
+        finally:
+            self.fell_back = self.fell_back or batch.fell_back
         logits = out.logits[0]
         if not everything and not self._takes_logits_to_keep:
             logits = logits[keep.to(logits.device)]
@@ -464,3 +531,66 @@ class ModelAdapter:
 
     def _num_layers(self) -> int:
         return int(self.config.get_text_config().num_hidden_layers)
+
+
+BIT_EXACT = "bit-exact"
+UP_TO_ROUNDING = "up to rounding"
+
+
+@dataclass(frozen=True)
+class Invariance:
+    """The outcome of :func:`check_row_invariance`: ``exact`` when every compared row was
+    ``torch.equal``; ``detail`` says what was compared, or which rows differed and by how much."""
+
+    exact: bool
+    detail: str
+
+    @property
+    def guarantee(self) -> str:
+        return BIT_EXACT if self.exact else UP_TO_ROUNDING
+
+
+@torch.inference_mode()
+def check_row_invariance(adapter: ModelAdapter, length: int = 8, seed: int = 0) -> Invariance:
+    """The load-time self-test: does a row get the same logits, bit for bit, whatever forward
+    carries it? Random tokens (seeded) are decoded one per forward (plain decoding: the
+    reference), then the same sequence goes through the arrangements a run uses: a causal prompt
+    chunk of its first half, then its second half as the main path of a draft tree with a sibling
+    beside every node, second in a forward after another request's prompt chunk on a cache of
+    another length. Every linear, norm, rotary embedding, attention and the LM head is on the
+    path. About ``length + 3`` forwards."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, adapter.vocab_size, (length,), generator=gen)
+    cache = adapter.new_cache(length)
+    reference, alone = [], torch.ones((1, 1), dtype=torch.bool)
+    for i in range(length):
+        reference.append(adapter.forward(cache, seq[i : i + 1], torch.tensor([i]), alone)[0])
+        cache.commit([0])
+    half = length // 2
+    mine = adapter.new_cache(2 * length)
+    chunk = adapter.prefill(mine, seq[:half], keep_last=half)
+    mine.commit(list(range(half)))
+    other_tokens = torch.randint(0, adapter.vocab_size, (7,), generator=gen)
+    other = adapter.new_cache(16)
+    adapter.prefill(other, other_tokens[:3])
+    other.commit([0, 1, 2])
+    tail = length - half  # the tree: main path node k at row 2k, its sibling at row 2k + 1
+    tokens = torch.stack([seq[half:], torch.randint(0, adapter.vocab_size, (tail,), generator=gen)], dim=1).reshape(-1)
+    parents = [2 * (k // 2) - 2 for k in range(2 * tail)]
+    visible = torch.zeros((2 * tail, 2 * tail), dtype=torch.bool)
+    for i in range(2 * tail):
+        j = i
+        while j >= 0:
+            visible[i, j] = True
+            j = parents[j]
+    positions = torch.tensor([half + k // 2 for k in range(2 * tail)])
+    chunk_item = ForwardItem(other, other_tokens[3:], torch.arange(3, 7), torch.ones((4, 4), dtype=torch.bool).tril())
+    tree_logits = adapter.forward_batch([chunk_item, ForwardItem(mine, tokens, positions, visible)])[1]
+    got = [*chunk, *tree_logits[0::2]]
+    differ = [i for i in range(length) if not torch.equal(got[i], reference[i])]
+    if not differ:
+        return Invariance(True, f"{length} tokens decoded one at a time equal, bit for bit, the same rows in a prompt "
+                                f"chunk and in a draft tree batched with another request")
+    worst = max(float((got[i] - reference[i]).abs().max()) for i in differ)
+    return Invariance(False, f"{len(differ)} of {length} rows differ from plain decoding's when carried by a prompt "
+                             f"chunk or a batched draft tree (by up to {worst:.2g} in a logit)")

@@ -362,7 +362,7 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
         yield list(best[len(streamed) :])
     adapter.synchronize()
     reason = "eos" if best and best[-1] in stop.eos_token_ids else "length"
-    stats.finish(start, len(best), trie.cache, reason, adapter.kernels)
+    stats.finish(start, len(best), trie.cache, reason, adapter)
     stats.hf_peak_kv_tokens = b * (len(prompt) + stats.steps)
     stats.kv_bytes_per_token = stats.kv_bytes / (len(prompt) + len(best))
     stats.gc_runs = trie.gc_runs

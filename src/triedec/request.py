@@ -103,7 +103,10 @@ class Stats:
     * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
       ``stop_string``, ``length``, ``cancelled``);
     * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
-    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter).
+    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter);
+    * ``exactness``: the guarantee the run had, ``bit-exact`` (every token's logits the same bits
+      as plain decoding's, whatever tree or batch carried them: the kernels passed the load-time
+      self-test) or ``up to rounding`` (``ModelAdapter.exactness``).
     """
 
     new_tokens: int = 0
@@ -118,6 +121,7 @@ class Stats:
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
     kernels: str = ""
+    exactness: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -127,14 +131,15 @@ class Stats:
         return (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
                 f" | {self._steps_text()}, {self.computed_tokens} computed"
                 f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
-                f" | stop: {self.stop_reason}")
+                f" | stop: {self.stop_reason} | {self.exactness}")
 
     def _steps_text(self) -> str:
         return f"{self.steps} steps"
 
-    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, kernels: str) -> None:
-        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``)."""
-        self.kernels = kernels
+    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, adapter: ModelAdapter) -> None:
+        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``, what
+        ``adapter`` ran and guaranteed)."""
+        self.kernels, self.exactness = adapter.kernels, adapter.exactness
         self.seconds = time.perf_counter() - start
         self.new_tokens = new_tokens
         self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -271,7 +276,7 @@ class Request:
         assert self.cache is not None and self._adapter is not None and self.reason is not None
         self._adapter.synchronize()
         stats = self.stats
-        stats.finish(self._started, len(self.generated), self.cache, self.reason, self._adapter.kernels)
+        stats.finish(self._started, len(self.generated), self.cache, self.reason, self._adapter)
         stats.mean_accepted = (len(self.generated) - 1) / stats.steps if stats.steps else 0.0
         stats.acceptance_by_depth = [a / r for a, r in zip(self._accepted_at[1:], self._reached[1:], strict=True) if r]
         if self.session is not None:

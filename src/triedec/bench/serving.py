@@ -286,7 +286,7 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
             "setups": {s: list(flags) for s, flags in setups.items()},
             "concurrencies": list(config.concurrencies), "phase_order": [[labels[m, s], c] for m, s, c in phases],
             "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
-            "generate_batch": batches, "kernels": lm.adapter.kernels,
+            "generate_batch": batches, "kernels": lm.adapter.kernels, "exactness": lm.adapter.exactness,
             "cost_surface": surface}
 
 

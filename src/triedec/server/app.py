@@ -279,7 +279,8 @@ class _Service:
                 "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
                 "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
                 "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
-                "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning}
+                "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
+                "exactness": s.exactness}
 
     @staticmethod
     def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:

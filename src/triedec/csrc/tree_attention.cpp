@@ -1,0 +1,326 @@
+// Tree attention with a fixed reduction order (triedec's own kernel; see triedec/attention.py).
+//
+// out[t, h] = sum_r e_r v[k_r] / sum_r e_r, e_r = exp(s_r - max s), s_r = scale * <q[h, t], k[k_r]>,
+// over the key slots k_0 < k_1 < ... visible to query t. Every sum runs in an order fixed by the
+// rank r of a key among the keys its query sees and by the feature index d, never by how many
+// queries the call carries, which other keys exist, or how a loop is vectorized:
+//   * a dot product: 8 partial sums (d mod 8), each a chain of fused multiply-adds in d order,
+//     combined as ((0+1)+(2+3))+((4+5)+(6+7));
+//   * the softmax denominator: 8 partial sums (r mod 8) in r order, combined the same way;
+//   * the weighted values: one chain of fused multiply-adds per feature, in r order;
+//   * exp: a polynomial of IEEE operations (Cody-Waite reduction, Cephes' coefficients).
+// The AVX2 path and the portable scalar path perform the same IEEE operations on every element
+// (each correctly rounded, so a vector lane and a scalar give the same bits; the file is compiled
+// with -ffp-contract=off and without -ffast-math, so the compiler adds no fusion or reassociation
+// of its own). Two queries that see the same key and value vectors in the same order therefore
+// get the same bits, whatever else the call holds. Threads split the work by (query, head), each
+// computing whole outputs, so the thread count changes nothing either.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TRIEDEC_AVX2 1
+#endif
+
+namespace {
+
+constexpr int kLanes = 8;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: (x + kRound) - kRound rounds x to an integer
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+constexpr float kUnderflow = -87.0f;
+
+// exp(x) for x <= 0 (a score minus the maximum); 0 below -87. Relative error ~1e-7.
+inline float exp_scalar(float x) {
+  if (!(x > kUnderflow)) return 0.0f;
+  const float n = (x * kLog2e + kRound) - kRound;
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kP0;
+  p = std::fma(p, r, kP1);
+  p = std::fma(p, r, kP2);
+  p = std::fma(p, r, kP3);
+  p = std::fma(p, r, kP4);
+  p = std::fma(p, r, kP5);
+  p = std::fma(p * r, r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+inline float combine(const float* lane) {
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+#ifdef TRIEDEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 exp8(__m256 x) {  // exp_scalar on 8 lanes, the same operations
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kUnderflow), _CMP_GT_OQ);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(kRound)),
+                                 _mm256_set1_ps(kRound));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+}
+#endif
+
+struct Keys {  // the key slots one query sees: indices[0..count), or 0..count-1 when indices is null
+  const int32_t* indices;
+  int64_t count;
+  int64_t at(int64_t r) const { return indices ? indices[r] : r; }
+  int64_t below(int64_t from, int64_t stop) const {  // the first rank >= from whose slot is >= stop
+    if (!indices) return std::max(from, std::min(count, stop));
+    return std::lower_bound(indices + from, indices + count, static_cast<int32_t>(std::min<int64_t>(stop, INT32_MAX)))
+           - indices;
+  }
+};
+
+template <typename scalar_t>
+struct Problem {
+  const scalar_t* q; int64_t q_sh, q_st;
+  const scalar_t* k; int64_t k_sh, k_ss;
+  const scalar_t* v; int64_t v_sh, v_ss;
+  scalar_t* out; int64_t T, H, group, D;
+  const int64_t* offsets; const int32_t* indices; int64_t S;
+  float scale, softcap;
+};
+
+constexpr int64_t kChunk = 64;  // key slots per pass over a block of outputs: 64 rows of K (or V) stay in L1
+
+struct Output {  // one (query, head): its keys, where it is in them, its scores and its running sums
+  int64_t t, h, g;
+  Keys keys;
+  int64_t cursor;
+  float* scores;
+  float* acc;
+  float best;
+};
+
+template <typename scalar_t>
+inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, int64_t stop) {
+  // the scores of o's keys whose slot is below `stop`, from o.cursor on; each score on its own
+  const scalar_t* kbase = P.k + o.g * P.k_sh;
+  const int64_t D = P.D;
+  int64_t r = o.cursor, n = o.keys.count;
+  const int64_t last = o.keys.below(r, stop);
+  (void)n;
+#ifdef TRIEDEC_AVX2
+  if (D % kLanes == 0) {
+    const __m256 scale = _mm256_set1_ps(P.scale);
+    for (; r + kLanes <= last; r += kLanes) {
+      const scalar_t* kp[kLanes];
+      for (int j = 0; j < kLanes; ++j) kp[j] = kbase + o.keys.at(r + j) * P.k_ss;
+      __m256 a[kLanes];
+      for (int j = 0; j < kLanes; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        for (int j = 0; j < kLanes; ++j) a[j] = _mm256_fmadd_ps(qv, load8(kp[j] + d), a[j]);
+      }
+      const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+      _mm256_storeu_ps(o.scores + r, _mm256_mul_ps(sums, scale));
+    }
+  }
+#endif
+  for (; r < last; ++r) {
+    const scalar_t* kp = kbase + o.keys.at(r) * P.k_ss;
+    float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
+    o.scores[r] = combine(lane) * P.scale;
+  }
+  o.cursor = last;
+}
+
+template <typename scalar_t>
+inline void values_until(const Problem<scalar_t>& P, Output& o, int64_t stop) {
+  // acc[d] += e_r * v[k_r][d] for o's keys whose slot is below `stop`, in rank order
+  const scalar_t* vbase = P.v + o.g * P.v_sh;
+  const int64_t D = P.D, first = o.cursor, n = o.keys.count;
+  const int64_t last = o.keys.below(first, stop);
+  (void)n;
+  int64_t d0 = 0;
+#ifdef TRIEDEC_AVX2
+  if (D % kLanes == 0) {
+    for (; d0 + 8 * kLanes <= D; d0 += 8 * kLanes) {  // 64 features at a time, in registers
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(o.acc + d0 + j * kLanes);
+      for (int64_t i = first; i < last; ++i) {
+        const scalar_t* vp = vbase + o.keys.at(i) * P.v_ss + d0;
+        const __m256 e = _mm256_set1_ps(o.scores[i]);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(e, load8(vp + j * kLanes), a[j]);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(o.acc + d0 + j * kLanes, a[j]);
+    }
+    for (; d0 + kLanes <= D; d0 += kLanes) {
+      __m256 a = _mm256_loadu_ps(o.acc + d0);
+      for (int64_t i = first; i < last; ++i)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(o.scores[i]), load8(vbase + o.keys.at(i) * P.v_ss + d0), a);
+      _mm256_storeu_ps(o.acc + d0, a);
+    }
+  }
+#endif
+  for (int64_t i = first; i < last && d0 < D; ++i) {
+    const scalar_t* vp = vbase + o.keys.at(i) * P.v_ss;
+    for (int64_t d = d0; d < D; ++d) o.acc[d] = std::fma(o.scores[i], to_float(vp[d]), o.acc[d]);
+  }
+  o.cursor = last;
+}
+
+inline float exponentiate(Output& o) {
+  // scores -> exp(score - max) in place; returns the denominator (8 partial sums by rank mod 8)
+  const int64_t n = o.keys.count;
+  float best = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) best = o.scores[i] > best ? o.scores[i] : best;
+  float total[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t r = 0;
+#ifdef TRIEDEC_AVX2
+  {
+    const __m256 top = _mm256_set1_ps(best);
+    __m256 tv = _mm256_setzero_ps();
+    for (; r + kLanes <= n; r += kLanes) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(o.scores + r), top));
+      _mm256_storeu_ps(o.scores + r, e);
+      tv = _mm256_add_ps(tv, e);
+    }
+    _mm256_storeu_ps(total, tv);
+  }
+#endif
+  for (; r < n; ++r) {
+    o.scores[r] = exp_scalar(o.scores[r] - best);
+    total[r % kLanes] += o.scores[r];
+  }
+  return combine(total);
+}
+
+template <typename scalar_t>
+void attend_block(const Problem<scalar_t>& P, int64_t begin, int64_t end) {
+  // outputs [begin, end) in (kv head, query, head within the group) order, so that the outputs
+  // of one block read the same K/V chunk while it is in cache
+  const int64_t D = P.D, count = end - begin;
+  std::vector<Output> outs(count);
+  std::vector<float> qf(count * D), acc(count * D, 0.0f);
+  std::vector<int64_t> start(count + 1, 0);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t w = begin + i, per_g = P.T * P.group;
+    const int64_t g = w / per_g, t = (w % per_g) / P.group, h = g * P.group + w % P.group;
+    const Keys keys = P.offsets ? Keys{P.indices + P.offsets[t], P.offsets[t + 1] - P.offsets[t]} : Keys{nullptr, P.S};
+    outs[i] = Output{t, h, g, keys, 0, nullptr, acc.data() + i * D, 0.0f};
+    start[i + 1] = start[i] + keys.count;
+    const scalar_t* qp = P.q + h * P.q_sh + t * P.q_st;
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_float(qp[d]);
+  }
+  std::vector<float> scores(start[count]);
+  for (int64_t i = 0; i < count; ++i) outs[i].scores = scores.data() + start[i];
+  for (int64_t c = kChunk; c < P.S + kChunk; c += kChunk)
+    for (int64_t i = 0; i < count; ++i) scores_until(P, outs[i], qf.data() + i * D, c);
+  std::vector<float> totals(count);
+  for (int64_t i = 0; i < count; ++i) {
+    if (P.softcap > 0.0f)
+      for (int64_t r = 0; r < outs[i].keys.count; ++r)
+        outs[i].scores[r] = P.softcap * std::tanh(outs[i].scores[r] / P.softcap);
+    totals[i] = exponentiate(outs[i]);
+    outs[i].cursor = 0;
+  }
+  for (int64_t c = kChunk; c < P.S + kChunk; c += kChunk)
+    for (int64_t i = 0; i < count; ++i) values_until(P, outs[i], c);
+  for (int64_t i = 0; i < count; ++i) {
+    scalar_t* op = P.out + (outs[i].t * P.H + outs[i].h) * D;
+    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<scalar_t>(outs[i].acc[d] / totals[i]);
+  }
+}
+
+template <typename scalar_t>
+void attend(const Problem<scalar_t>& P) {
+  const int64_t work = P.T * P.H;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work));
+  at::parallel_for(0, work, (work + threads - 1) / threads,
+                   [&](int64_t begin, int64_t end) { attend_block(P, begin, end); });
+}
+
+}  // namespace
+
+// query [H, T, D], keys / values [KVH, S, D] (any strides, unit feature stride); the keys query t
+// sees: indices[offsets[t] .. offsets[t+1]) (int32, ascending), or every slot when offsets is
+// undefined. Returns [T, H, D] in the query's dtype.
+torch::Tensor tree_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
+                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> indices,
+                             double scale, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "query, keys and values must be 3-D");
+  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(), "CPU tensors only");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "float32, bfloat16 or float16");
+  TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype, "query, keys and values share a dtype");
+  TORCH_CHECK(query.stride(2) == 1 && keys.stride(2) == 1 && values.stride(2) == 1, "unit feature stride needed");
+  const int64_t H = query.size(0), T = query.size(1), D = query.size(2);
+  const int64_t KVH = keys.size(0), S = keys.size(1);
+  TORCH_CHECK(values.size(0) == KVH && values.size(1) == S && keys.size(2) == D && values.size(2) == D,
+              "keys and values must be [KVH, S, D] with the query's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of key/value heads");
+  const bool listed = offsets.has_value() && offsets->defined();
+  torch::Tensor off, idx;
+  if (listed) {
+    TORCH_CHECK(indices.has_value() && indices->defined(), "offsets need indices");
+    off = offsets->to(torch::kLong).contiguous();
+    idx = indices->to(torch::kInt).contiguous();
+    TORCH_CHECK(off.dim() == 1 && off.size(0) == T + 1, "offsets must be [T + 1]");
+    const int64_t* o = off.data_ptr<int64_t>();
+    const int32_t* ix = idx.data_ptr<int32_t>();
+    TORCH_CHECK(o[0] == 0 && o[T] == idx.numel(), "offsets must run from 0 to len(indices)");
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
+      for (int64_t i = o[t]; i < o[t + 1]; ++i)
+        TORCH_CHECK(ix[i] >= 0 && ix[i] < S && (i == o[t] || ix[i] > ix[i - 1]), "indices must ascend within [0, S)");
+    }
+  } else {
+    TORCH_CHECK(S > 0, "no keys");
+  }
+  torch::Tensor out = torch::empty({T, H, D}, query.options());
+  auto run = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    Problem<scalar_t> P{query.data_ptr<scalar_t>(), query.stride(0), query.stride(1),
+                        keys.data_ptr<scalar_t>(), keys.stride(0), keys.stride(1),
+                        values.data_ptr<scalar_t>(), values.stride(0), values.stride(1),
+                        out.data_ptr<scalar_t>(), T, H, H / KVH, D,
+                        listed ? off.data_ptr<int64_t>() : nullptr, listed ? idx.data_ptr<int32_t>() : nullptr, S,
+                        static_cast<float>(scale), static_cast<float>(softcap)};
+    attend<scalar_t>(P);
+  };
+  if (dtype == at::kFloat) run(float{});
+  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
+  else run(c10::Half{});
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order");
+}
