@@ -27,20 +27,23 @@ Quirks handled here (checked on transformers 5.x):
 * default position ids would be ``arange + cache length`` (wrong for tree tokens): always passed;
 * one query that sees its whole cache gets no mask at all, so sdpa takes its grouped-query path;
 * under a tree mask, stock ``sdpa`` copies the grouped K/V once per query head (``repeat_kv``,
-  ~1 ms per layer on a 512-token cache here); with ``kernels="auto"`` the base function is
-  ``_gqa_sdpa``, which lets torch's sdpa read the groups in place (``enable_gqa``) and is
-  otherwise the stock function.
+  ~1 ms per layer on a 512-token cache here); outside triedec's forwards, with
+  ``kernels="auto"``, the base function is ``_gqa_sdpa``, which lets torch's sdpa read the groups
+  in place (``enable_gqa``) and is otherwise the stock function.
 
-**Batch invariance.** A row's result never depends on the other items of the forward when every
-op computes it the same way whatever the number of rows: per-item attention does so by
-construction, and oneDNN's pre-packed linears (:mod:`triedec.kernels`) were measured to give
-bit-identical rows for 1 to 700 rows on this CPU (MKL's ``nn.Linear`` does not: its small-batch
-paths sum in another order). ``tests/test_batching.py`` checks the logits bit for bit.
+**Exact by construction.** A row's logits never depend on the tree, the batch or its place in the
+row when every op computes a row the same way whatever the number of rows. With
+``kernels="auto"`` on CPU, attention in triedec's forwards is :func:`triedec.attention.tree_attention`,
+whose sums run in an order fixed by each key's rank among the keys its query sees, and the linears
+are oneDNN's pre-packed ones, whose rows are bit-identical for any number of rows (MKL's
+``nn.Linear`` is not: its small-batch paths sum in another order); every other op works row by
+row. :func:`check_row_invariance` confirms it at construction (:attr:`ModelAdapter.exactness`),
+and ``tests/test_invariance.py`` checks it on random trees and batches.
 
 **Kernels.** ``ModelAdapter(model, kernels="auto")`` speeds the model up in place where the
-technique applies: oneDNN pre-packed linears (CPU, fp32) and grouped-query sdpa under tree masks.
-``kernels="plain"`` keeps stock transformers' kernels. Either way :attr:`ModelAdapter.kernels`
-names what the model runs, and the stats and calibration record it.
+technique applies (oneDNN pre-packed linears on CPU fp32) and runs the fixed-order attention in
+its forwards (CPU). ``kernels="plain"`` keeps stock transformers' kernels. Either way
+:attr:`ModelAdapter.kernels` names what the model runs, and the stats and calibration record it.
 """
 
 from __future__ import annotations
@@ -550,6 +553,11 @@ class Invariance:
         return BIT_EXACT if self.exact else UP_TO_ROUNDING
 
 
+_SELF_TEST_CHUNK = 40
+"""Tokens of the other request's prompt chunk in the self-test's batched forward: with the tree,
+the forward carries 48 rows, past the row counts where GEMM kernels switch their blocking."""
+
+
 @torch.inference_mode()
 def check_row_invariance(adapter: ModelAdapter, length: int = 8, seed: int = 0) -> Invariance:
     """The load-time self-test: does a row get the same logits, bit for bit, whatever forward
@@ -557,8 +565,8 @@ def check_row_invariance(adapter: ModelAdapter, length: int = 8, seed: int = 0) 
     reference), then the same sequence goes through the arrangements a run uses: a causal prompt
     chunk of its first half, then its second half as the main path of a draft tree with a sibling
     beside every node, second in a forward after another request's prompt chunk on a cache of
-    another length. Every linear, norm, rotary embedding, attention and the LM head is on the
-    path. About ``length + 3`` forwards."""
+    another length (48 rows in that forward). Every linear, norm, rotary embedding, attention and
+    the LM head is on the path. About ``length + 3`` forwards."""
     gen = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, adapter.vocab_size, (length,), generator=gen)
     cache = adapter.new_cache(length)
@@ -570,8 +578,8 @@ def check_row_invariance(adapter: ModelAdapter, length: int = 8, seed: int = 0) 
     mine = adapter.new_cache(2 * length)
     chunk = adapter.prefill(mine, seq[:half], keep_last=half)
     mine.commit(list(range(half)))
-    other_tokens = torch.randint(0, adapter.vocab_size, (7,), generator=gen)
-    other = adapter.new_cache(16)
+    other_tokens = torch.randint(0, adapter.vocab_size, (3 + _SELF_TEST_CHUNK,), generator=gen)
+    other = adapter.new_cache(3 + _SELF_TEST_CHUNK)
     adapter.prefill(other, other_tokens[:3])
     other.commit([0, 1, 2])
     tail = length - half  # the tree: main path node k at row 2k, its sibling at row 2k + 1
@@ -584,7 +592,8 @@ def check_row_invariance(adapter: ModelAdapter, length: int = 8, seed: int = 0) 
             visible[i, j] = True
             j = parents[j]
     positions = torch.tensor([half + k // 2 for k in range(2 * tail)])
-    chunk_item = ForwardItem(other, other_tokens[3:], torch.arange(3, 7), torch.ones((4, 4), dtype=torch.bool).tril())
+    causal = torch.ones((_SELF_TEST_CHUNK, _SELF_TEST_CHUNK), dtype=torch.bool).tril()
+    chunk_item = ForwardItem(other, other_tokens[3:], torch.arange(3, 3 + _SELF_TEST_CHUNK), causal)
     tree_logits = adapter.forward_batch([chunk_item, ForwardItem(mine, tokens, positions, visible)])[1]
     got = [*chunk, *tree_logits[0::2]]
     differ = [i for i in range(length) if not torch.equal(got[i], reference[i])]

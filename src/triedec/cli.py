@@ -61,6 +61,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
+            "exactness": lm.adapter.exactness,
             **cost.surface_ms(),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
             "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cost.forward_seconds.items()}
@@ -83,7 +84,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if reference:
         print("stock transformers' own forward on a 512-token cache: "
               + ", ".join(f"{t} token(s) {v * 1000:.0f} ms" for t, v in reference.items())
-              + f"; triedec's kernels: {lm.adapter.kernels}")
+              + f"; triedec's kernels: {lm.adapter.kernels} ({lm.adapter.exactness})")
     for name, profile in cal.profiles.items():
         print("\n".join(specs[name].describe(profile, cost)))
     print(f"saved in {path}")

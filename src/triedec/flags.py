@@ -67,8 +67,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"torch CPU threads (default {DEFAULT_THREADS}; serve --ray: per replica, and the CPUs "
                              "Ray reserves for each)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
-                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32, "
-                             "grouped-query sdpa under tree masks); plain: stock transformers")
+                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32) "
+                             "and triedec's fixed-order tree attention (CPU), which makes every method bit-exact "
+                             "against ar; plain: stock transformers (exact up to rounding)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

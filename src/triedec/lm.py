@@ -509,7 +509,7 @@ def load(
     the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`.
 
     ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
-    pre-packed linears on CPU fp32, grouped-query sdpa under tree masks; :mod:`triedec.adapter`);
+    pre-packed linears on CPU fp32, triedec's fixed-order tree attention on CPU; :mod:`triedec.adapter`);
     ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
     if kernels not in KERNELS:
         raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
