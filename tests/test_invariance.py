@@ -301,3 +301,40 @@ def test_sampled_batch_under_a_small_verify_budget_returns_ars_tokens(exact_adap
         outs, _ = together(adapter, runs, cost=COST, limits=BatchLimits(max_tokens_per_forward=10),
                            arrivals=[0, 0, 1, 3, 3, 6])
         assert [t for t, _ in outs] == truth, name
+
+
+def test_a_layer_the_kernel_cannot_run_falls_back_to_the_models_function_and_says_so():
+    """Values of another head size than keys (latent attention) or attention sinks: the layer runs
+    the model's own function, and the batch records that the forward was not fixed-order."""
+    from types import SimpleNamespace
+
+    from triedec.adapter import _Batch
+    from triedec.kvcache import KVCache
+
+    visible = torch.ones((2, 2), dtype=torch.bool).tril()
+
+    def item_with_values(dim: int) -> ForwardItem:
+        cache = KVCache(8)
+        item = ForwardItem(cache, torch.tensor([1, 2]), torch.tensor([0, 1]), visible)
+        cache.stage(item.positions)
+        cache.write(0, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, dim))
+        return item
+
+    calls = []
+
+    def base(module, query, keys, values, mask, **kwargs):
+        calls.append(mask)
+        return torch.zeros(1, query.shape[2], query.shape[1], values.shape[-1]), None
+
+    module = SimpleNamespace(layer_idx=0)
+    cases = [(item_with_values(4), {}, True), (item_with_values(8), {"s_aux": torch.zeros(2)}, True),
+             (item_with_values(8), {}, False)]
+    for item, kwargs, fallback in cases:
+        before = len(calls)
+        batch = _Batch([item], [{"full_attention": visible}], ("full_attention",), True, torch.float32,
+                       torch.device("cpu"))
+        out, _ = batch.attend(module, torch.randn(1, 2, 2, 8), base, kwargs)
+        assert batch.fell_back is fallback and len(calls) == before + fallback
+        assert out.shape == (1, 2, 2, item.cache.view(0)[1].shape[-1])
+        if fallback:
+            assert calls[-1].shape == (1, 1, 2, 2)  # an additive mask, as the models' functions take

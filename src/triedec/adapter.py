@@ -272,7 +272,8 @@ class _Batch:
         self.exact, self.dtype, self.device = exact, dtype, device
         self.fell_back = False
         """Set when a layer asked for something the exact kernel does not do (attention sinks, a
-        position bias, dropout): that layer ran the model's own function."""
+        position bias, dropout, values of another head size than keys): that layer ran the
+        model's own function."""
         self._prepared: dict[tuple[int, str, bool], Any] = {}
         self.bounds = []
         start = 0
@@ -303,6 +304,8 @@ class _Batch:
         outs = []
         for index, (item, (start, stop)) in enumerate(zip(self.items, self.bounds, strict=True)):
             keys, values = item.cache.view(layer)
+            if exact and not keys.shape[-1] == values.shape[-1] == query.shape[-1]:
+                exact, self.fell_back = False, True  # values of another head size (latent attention)
             seen = self._seen(index, kind, exact)
             if exact:
                 scaling = kwargs.get("scaling")
