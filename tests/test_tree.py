@@ -8,7 +8,7 @@ from helpers import leaves, path_to, root_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.adapter import AttentionLayout, ForwardItem, item_masks
+from triedec.adapter import AttentionLayout, ForwardItem, additive_mask, item_visibility
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
 from triedec.tree import TokenTree
@@ -36,7 +36,8 @@ def staged(tree, cache_len):
 def test_mask_row_is_cache_plus_ancestors_plus_self_within_the_window(seqs, cache_len, window):
     tree = TokenTree.from_sequences(9, seqs)
     layout = AttentionLayout({"full_attention": window}, ("full_attention",), per_type=False)
-    mask = item_masks(staged(tree, cache_len), layout, torch.float32, torch.device("cpu"))["full_attention"]
+    visible = item_visibility(staged(tree, cache_len), layout)["full_attention"]
+    mask = additive_mask(visible, torch.float32, torch.device("cpu"))
     if mask is None:  # one query that sees its whole cache: no mask at all
         assert tree.size == 1 and (window is None or cache_len < window)
         return

@@ -10,8 +10,9 @@ upgrade could change how any of its kernels sum, so invariance rests on this fil
 
 The kernel is C++ built with ``torch.utils.cpp_extension`` the first time it is needed (``make``
 builds it during setup; about a minute with the C++ compiler; ``ninja`` comes with triedec's
-dependencies) and cached under ``~/.cache/triedec/kernels``, one build per source, flags, torch
-version, Python and CPU. Pure torch: nothing here knows transformers.
+dependencies) and cached under ``kernels/`` in triedec's cache (:func:`triedec.paths.cache_root`,
+``~/.cache/triedec`` by default), one build per source, flags, torch version, Python and CPU.
+Pure torch: nothing here knows transformers.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from types import ModuleType
 import torch
 
 from triedec.errors import TriedecError
+from triedec.paths import cache_root
 
 SOURCE = Path(__file__).parent / "csrc" / "tree_attention.cpp"
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native")
@@ -54,10 +56,10 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_directory(cache_root: Path | None = None) -> Path:
+def build_directory() -> Path:
     """Where the kernel for this source, these flags, this torch, this Python and this CPU is
-    built: ``<cache>/kernels/tree_attention-<hash>``."""
-    root = cache_root or Path(os.path.expanduser("~/.cache/triedec"))
+    built: ``<cache>/kernels/tree_attention-<hash>`` under :func:`triedec.paths.cache_root`."""
+    root = cache_root()
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), platform.machine().encode(), _cpu_name().encode()):

@@ -28,7 +28,8 @@ from triedec.engine import Batch, BatchLimits, Run, run_alone
 from triedec.errors import TriedecError, positive_int
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
-from triedec.models import cache_root, load_hf
+from triedec.models import load_hf
+from triedec.paths import cache_root
 from triedec.request import Outcome, Stats, StopRule
 from triedec.sampling import Sampling
 

