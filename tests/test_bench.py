@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from pathlib import Path
 
 import pytest
 
@@ -315,6 +317,7 @@ def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypa
                                                                results["phases"])
     for r in results["phases"]:
         assert r["identical_texts"] == 4 and r["tokens_per_s"] > 0 and r["p95_latency_s"] >= r["p50_latency_s"] > 0
+        assert len(r["completion_tokens_each"]) == 4 and sum(r["completion_tokens_each"]) == r["completion_tokens"]
     (batch,) = results["generate_batch"]
     assert batch["requests"] == 2 and batch["mismatches_vs_solo"] == [] and batch["transformers_tokens_per_s"] > 0
     assert (out / "serving.png").stat().st_size > 0
@@ -341,3 +344,78 @@ def test_serving_tables_compare_each_method_with_ar():
     assert "1 request 50.0 ms (1 token), 100.0 ms (16); 2 requests 55.0 ms (2 tokens)" in md
     results["cost_surface"] = None
     assert "calibration" not in serving_markdown(results)
+
+
+def test_bench_plots_carry_each_bar_interval_and_n_from_results_json():
+    """The speedup and tokens-per-step bars of a published run: every error bar spans the 95%
+    interval that results.json holds (or the bootstrap over its samples' prompts), every bar is
+    labelled with its number of prompts, and the baseline is named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from triedec.bench.report import accepted_figure, speedup_figure
+    from triedec.bench.stats import ratio_interval
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "spec-bench-greedy-cpu" /
+                          "results.json").read_text())
+    names = list(results["methods"])
+    fig = speedup_figure(results)
+    (ax,) = fig.axes
+    categories = [*results["methods"][names[0]]["by_category"], "overall"]
+    bars = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    assert len(bars) == len(names)
+    labels = [t.get_text() for t in ax.texts]
+    for name, bar in zip(names, bars, strict=True):
+        segments = bar.errorbar.lines[2][0].get_segments()
+        for category, segment in zip(categories, segments, strict=True):
+            part = results["methods"][name]["overall" if category == "overall" else "by_category"]
+            cmp = (part if category == "overall" else part[category])["vs_reference"]
+            assert segment[0][1] == pytest.approx(cmp["ci95"][0]) and segment[1][1] == pytest.approx(cmp["ci95"][1])
+            assert f"n={cmp['prompts']}" in labels
+    assert results["reference"] in ax.get_ylabel() and results["reference"] in ax.get_title()
+
+    fig = accepted_figure(results, results["samples"])
+    (ax,) = fig.axes
+    (bar,) = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    segments = bar.errorbar.lines[2][0].get_segments()
+    for name, segment, text in zip(names, segments, ax.texts, strict=True):
+        rows = {}
+        for r in results["samples"]:
+            if r["method"] == name:
+                t, s = rows.get(r["id"], (0, 0))
+                rows[r["id"]] = (t + max(r["new_tokens"] - 1, 0), s + r["steps"])
+        low, high = ratio_interval([t for t, _ in rows.values()], [s for _, s in rows.values()])
+        assert low <= results["methods"][name]["overall"]["mean_accepted"] <= high
+        assert (segment[0][1], segment[1][1]) == pytest.approx((low, high))
+        assert text.get_text() == f"n={len(rows)}"
+
+
+def test_serving_plot_draws_each_point_with_its_interval():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from triedec.bench.serving import serving_figure, throughput_interval
+
+    rng = random.Random(0)
+    phases = []
+    for method in ("auto", "ar"):
+        for c in (1, 4):
+            tokens = [rng.randint(60, 128) for _ in range(8)]
+            latencies = [t / rng.uniform(10, 30) * c for t in tokens]
+            phases.append({"method": method, "concurrency": c, "tokens_per_s": sum(tokens) / sum(latencies) * c,
+                           "p50_latency_s": 1.0, "p95_latency_s": 2.0, "latencies_s": latencies,
+                           "completion_tokens_each": tokens})
+    results = {"methods": ["auto", "ar"], "phases": phases, "requests": 8, "max_tokens": 128}
+    left = serving_figure(results).axes[0]
+    assert "95% bootstrap interval" in left.get_title()
+    lines = [c for c in left.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]
+    assert len(lines) == 2
+    for method, container in zip(("auto", "ar"), lines, strict=True):
+        rows = [p for p in phases if p["method"] == method]
+        for row, segment in zip(rows, container.lines[2][0].get_segments(), strict=True):
+            low, high = throughput_interval(row)
+            assert low < row["tokens_per_s"] < high
+            assert (segment[0][1], segment[1][1]) == pytest.approx((low, high))
+    del phases[0]["completion_tokens_each"]  # a run from before per-request tokens: no interval, said so
+    assert throughput_interval(phases[0]) is None
+    assert "intervals only where" in serving_figure(results).axes[0].get_title()

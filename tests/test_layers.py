@@ -9,7 +9,7 @@ from pathlib import Path
 import triedec
 
 PACKAGE = Path(triedec.__file__).parent
-CORE = ("tree", "sampling", "accept", "kvcache", "costmodel", "errors", "adapter", "engine", "drafters")
+CORE = ("tree", "trace", "sampling", "accept", "kvcache", "costmodel", "errors", "adapter", "engine", "drafters")
 SHELLS = ("lm", "cli", "bench", "calibration", "methods", "server", "dropin")
 
 

@@ -362,7 +362,7 @@ def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_clo
     ended = {"a": threading.Event(), "b": threading.Event()}
 
     def endless(name):
-        def loop(adapter):
+        def loop(adapter, steps):
             try:
                 while True:
                     yield [1]

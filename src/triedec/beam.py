@@ -30,6 +30,8 @@ from triedec.drafters.base import at_most
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
 from triedec.request import PREFILL_CHUNK, Stats, StopRule, prompt_chunk
+from triedec.trace import MODEL, StepTrace
+from triedec.tree import TokenTree
 
 METHOD = "beam"
 DEFAULT_GC_EVERY = 5
@@ -282,7 +284,7 @@ class _TrieKV:
 
 def beam_search(
     adapter: ModelAdapter, prompt: Sequence[int], options: BeamOptions, stop: StopRule,
-    documents: Sequence[Sequence[int]] = (),
+    documents: Sequence[Sequence[int]] = (), steps: list[StepTrace] | None = None,
 ) -> Generator[list[int], None, BeamResult]:
     """Beam search over ``prompt`` with transformers' semantics on a shared trie KV cache.
 
@@ -292,9 +294,12 @@ def beam_search(
     (the engine's :class:`~triedec.engine.SoloRun`) gets control back after every forward, and a
     time limit or a cancel takes effect within one. Stops at EOS / stop tokens
     (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop strings and context documents are
-    refused here, before anything runs.
+    refused here, before anything runs. With ``steps`` (a list), it appends a
+    :class:`~triedec.trace.StepTrace` per beam step: the tokens that became certain (origin
+    ``model``), and the live hypotheses past them as the step's tree, the best one as its path
+    (the last record: the returned hypotheses).
     """
-    return _search(adapter, check_request(prompt, stop, documents), options, stop)
+    return _search(adapter, check_request(prompt, stop, documents), options, stop, steps)
 
 
 def check_request(prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = ()) -> list[int]:
@@ -325,8 +330,25 @@ def _prefill(adapter: ModelAdapter, cache: KVCache, prompt: list[int]) -> Genera
     return logits
 
 
+def _live(root: int, streamed: int, running: Sequence[tuple[int, ...]]) -> tuple[TokenTree, tuple[int, ...]]:
+    """The running beams past their first ``streamed`` tokens as one trie rooted at ``root`` (the
+    last certain token), and the path of the first (best) beam in it."""
+    tokens, parents, index = [root], [-1], {(): 0}
+    best: tuple[int, ...] = (0,)
+    for rank, beam in enumerate(running):
+        suffix = beam[streamed:]
+        for i in range(1, len(suffix) + 1):
+            if suffix[:i] not in index:
+                index[suffix[:i]] = len(tokens)
+                tokens.append(suffix[i - 1])
+                parents.append(index[suffix[: i - 1]])
+        if rank == 0:
+            best = tuple(index[suffix[:i]] for i in range(len(suffix) + 1))
+    return TokenTree(tuple(tokens), tuple(parents)), best
+
+
 def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
-            stop: StopRule) -> Generator[list[int], None, BeamResult]:
+            stop: StopRule, steps: list[StepTrace] | None = None) -> Generator[list[int], None, BeamResult]:
     start = time.perf_counter()
     b = options.num_beams
     scorer = BeamScorer(options, len(prompt), stop.max_new_tokens, stop.eos_token_ids)
@@ -341,6 +363,9 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
         prefix = scorer.stable_prefix()
         fresh = list(prefix[len(streamed) :])
         streamed = prefix if fresh else streamed
+        if steps is not None:
+            tree, best = _live(streamed[-1] if streamed else prompt[-1], len(streamed), scorer.running)
+            steps.append(StepTrace(stats.steps, tuple(fresh), (MODEL,) * len(fresh), tree, ((),) * tree.size, best))
         if scorer.done:
             if fresh:
                 yield fresh
@@ -359,6 +384,10 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
     if best[: len(streamed)] != streamed:
         raise TriedecError("internal error: the streamed prefix is not a prefix of the best hypothesis")
     if len(best) > len(streamed):
+        if steps is not None:  # the returned hypotheses as the last tree, the best one as its path
+            tree, path = _live(streamed[-1] if streamed else prompt[-1], len(streamed), [h.token_ids for h in results])
+            steps.append(StepTrace(stats.steps, best[len(streamed) :], (MODEL,) * (len(best) - len(streamed)), tree,
+                                   ((),) * tree.size, path))
         yield list(best[len(streamed) :])
     adapter.synchronize()
     reason = "eos" if best and best[-1] in stop.eos_token_ids else "length"

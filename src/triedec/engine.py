@@ -38,6 +38,7 @@ from triedec.costmodel import CostModel
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
 from triedec.request import PREFILL_CHUNK, DecodeStats, Outcome, Request, Stats, StopRule
+from triedec.trace import StepTrace
 
 __all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "SoloRun", "Stats",
            "StopRule", "run_alone", "speculative_decode"]
@@ -74,7 +75,8 @@ class Run(Protocol):
     """What a batch runs: a :class:`~triedec.request.Request` (decoded in the shared forward) or a
     :class:`SoloRun` (a loop of its own). ``start`` when admitted, ``take`` the tokens committed
     since the last call, ``done``, ``outcome`` once done, ``close`` (idempotent) to end it early or
-    release it; ``kv_tokens`` is the KV it reserves."""
+    release it; ``kv_tokens`` is the KV it reserves. ``record_steps`` (before ``start``) makes it
+    keep a :class:`~triedec.trace.StepTrace` per step, which ``take_steps`` hands over."""
 
     @property
     def done(self) -> bool: ...
@@ -89,18 +91,26 @@ class Run(Protocol):
 
     def take(self) -> list[int]: ...
 
+    def record_steps(self) -> None: ...
+
+    def take_steps(self) -> list[StepTrace]: ...
+
     def close(self, reason: str = "cancelled") -> None: ...
 
 
 class SoloRun:
     """A method with a loop of its own (beam search verifies all its beams in one forward
-    already): ``loop(adapter)`` is a generator that yields committed tokens once per step and
-    returns an :class:`~triedec.request.Outcome`. It advances one step per batch step, beside the
-    shared forward. Closed before its loop returned (cancelled, or past its time limit), its
-    outcome holds what it lived: the tokens it emitted, its steps, its seconds and the reason."""
+    already): ``loop(adapter, steps)`` is a generator that yields committed tokens once per step
+    and returns an :class:`~triedec.request.Outcome`; ``steps`` is None, or (after
+    :meth:`record_steps`) a list it appends a :class:`~triedec.trace.StepTrace` to per step. It
+    advances one step per batch step, beside the shared forward. Closed before its loop returned
+    (cancelled, or past its time limit), its outcome holds what it lived: the tokens it emitted,
+    its steps, its seconds and the reason."""
 
-    def __init__(self, loop: Callable[[ModelAdapter], Generator[list[int], None, Outcome]], kv_tokens: int) -> None:
+    def __init__(self, loop: Callable[[ModelAdapter, list[StepTrace] | None], Generator[list[int], None, Outcome]],
+                 kv_tokens: int) -> None:
         self._loop = loop
+        self._trace: list[StepTrace] | None = None
         self._steps: Generator[list[int], None, Outcome] | None = None
         self._kv_tokens = kv_tokens
         self._fresh: list[int] = []
@@ -126,7 +136,7 @@ class SoloRun:
 
     def start(self, adapter: ModelAdapter) -> None:
         self._started = time.perf_counter()
-        self._steps = self._loop(adapter)
+        self._steps = self._loop(adapter, self._trace)
 
     def advance(self) -> None:
         assert self._steps is not None
@@ -141,6 +151,17 @@ class SoloRun:
     def take(self) -> list[int]:
         fresh, self._fresh = self._fresh, []
         return fresh
+
+    def record_steps(self) -> None:
+        if self._trace is None:
+            self._trace = []
+
+    def take_steps(self) -> list[StepTrace]:
+        if not self._trace:
+            return []
+        steps = list(self._trace)
+        self._trace.clear()  # the loop keeps appending to this same list
+        return steps
 
     def close(self, reason: str = "cancelled") -> None:
         if not self._closed and self._outcome is None:

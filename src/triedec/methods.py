@@ -24,6 +24,7 @@ from triedec.engine import Run, SoloRun
 from triedec.errors import TriedecError
 from triedec.request import Outcome, Request, StopRule
 from triedec.sampling import GREEDY_SAMPLING, Sampling
+from triedec.trace import StepTrace
 
 
 class Decoder(Protocol):
@@ -83,8 +84,8 @@ class BeamSearchDecoder:
         ids = check_request(prompt, stop, documents)
         reserve = kv_slots(len(ids), self.options.num_beams, stop.max_new_tokens)  # what its trie may grow to
 
-        def loop(adapter: Any) -> Any:
-            result = yield from beam_search(adapter, ids, self.options, stop)
+        def loop(adapter: Any, steps: list[StepTrace] | None) -> Any:
+            result = yield from beam_search(adapter, ids, self.options, stop, steps=steps)
             return Outcome(result.stats, result.hypotheses)
 
         return SoloRun(loop, reserve)

@@ -34,6 +34,7 @@ from triedec.adapter import ForwardItem, ModelAdapter
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
+from triedec.trace import MODEL, StepTrace, origin_of
 from triedec.tree import TokenTree
 
 PREFILL_CHUNK = 128
@@ -160,6 +161,9 @@ class DecodeStats(Stats):
     * ``proposed_nodes`` / ``verified_nodes``: draft nodes (root excluded) the drafter proposed
       and the engine verified, summed over steps (the allocator and the length limit cut the rest);
     * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`);
+    * ``accepted_by_origin``: the tokens returned, counted by origin (:mod:`triedec.trace`):
+      ``model`` for those the forward chose itself, else the source that drafted them; the counts
+      add up to ``new_tokens``;
     * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens.
     """
 
@@ -169,6 +173,7 @@ class DecodeStats(Stats):
     proposed_nodes: int = 0
     verified_nodes: int = 0
     drafter: dict[str, float] = field(default_factory=dict)
+    accepted_by_origin: dict[str, int] = field(default_factory=dict)
     seed: int | None = None
 
     def _steps_text(self) -> str:
@@ -215,6 +220,7 @@ class Request:
         self._context: list[int] = []
         self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
         self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
+        self._trace: list[StepTrace] | None = None
         self._closed = False
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -252,6 +258,19 @@ class Request:
         fresh, self._fresh = self._fresh, []
         return fresh
 
+    def record_steps(self) -> None:
+        """From now on, keep a :class:`~triedec.trace.StepTrace` of every step (before
+        :meth:`start`; memory: one tree of at most ``MAX_TREE_NODES`` nodes per step until taken)."""
+        if self._trace is None:
+            self._trace = []
+
+    def take_steps(self) -> list[StepTrace]:
+        """The step records made since the last call (always empty unless :meth:`record_steps`)."""
+        if not self._trace:
+            return []
+        steps, self._trace = self._trace, []
+        return steps
+
     @property
     def outcome(self) -> Outcome:
         return Outcome(self.stats)
@@ -282,10 +301,17 @@ class Request:
         if self.session is not None:
             stats.drafter = self.session.stats()
 
-    def _emit(self, new: Sequence[int], reason: str | None) -> None:
+    def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
+              sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
+        """Commit ``new`` (each token with its origin) and count the origins; record the step if asked."""
         self.generated += new
         self._fresh += new
         self.reason = reason
+        counts = self.stats.accepted_by_origin
+        for origin in origins[: len(new)]:
+            counts[origin] = counts.get(origin, 0) + 1
+        if self._trace is not None:
+            self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path))
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -330,7 +356,7 @@ class Request:
             self.session.observe(Verified(chain, logits[-rows:], Acceptance(tuple(range(rows)), (*tail[1:], after))))
         if final:
             assert first is not None
-            self._emit(*self.stop.cut([], [first]))
+            self._emit(*self.stop.cut([], [first]), (MODEL,))
             self._adapter.synchronize()  # type: ignore[union-attr]
             self.stats.prefill_seconds = time.perf_counter() - self._started
 
@@ -361,8 +387,8 @@ class Request:
 
     def verified(self, logits: torch.Tensor) -> None:
         """Accept, tell the drafter what was verified, cut at a stop, commit."""
-        tree, cache, session = self._tree, self.cache, self.session
-        assert tree is not None and cache is not None and session is not None
+        tree, cache, session, draft = self._tree, self.cache, self.session, self._draft
+        assert tree is not None and cache is not None and session is not None and draft is not None
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
         session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
         new, reason = self.stop.cut(self.generated, acceptance.tokens)
@@ -382,4 +408,6 @@ class Request:
         for d in range(1, len(acceptance.path)):
             self._accepted_at[d] += 1
         self._draft = self._tree = None
-        self._emit(new, reason)
+        sources = tuple(draft.sources_of(i) for i in range(tree.size))
+        origins = (*(origin_of(sources[i]) for i in acceptance.path[1:]), MODEL)
+        self._emit(new, reason, origins, tree, sources, acceptance.path)

@@ -42,6 +42,7 @@ from typing import Any
 from triedec.bench.datasets import Question
 from triedec.bench.harness import first_mismatch
 from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.bench.stats import ratio_interval
 from triedec.drafters import NEEDS_COST
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
@@ -250,7 +251,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         same = sum(r.text == t for r, t in zip(responses, solo[m][1], strict=True))
         rows.append({"method": labels[m, s], "base_method": m, "setup": s, "server_flags": list(setups[s]),
                      "concurrency": c, **summary, "identical_texts": same,
-                     "latencies_s": [r.seconds for r in responses]})
+                     "latencies_s": [r.seconds for r in responses],
+                     "completion_tokens_each": [r.completion_tokens for r in responses]})
     order = list(labels.values())
     rows.sort(key=lambda r: (order.index(r["method"]), r["concurrency"]))
     batches = []
@@ -351,18 +353,37 @@ def _surface_lines(surface: dict[str, Any] | None) -> list[str]:
     return [f"- calibration (ms per forward): {'; '.join(rows)}"]
 
 
-def serving_plot(results: dict[str, Any], out: Path) -> Path:
-    """Tokens/s and p50/p95 latency against concurrency, one line per method."""
-    import matplotlib
+def throughput_interval(phase: dict[str, Any]) -> tuple[float, float] | None:
+    """A 95% interval for a phase's total tokens/s over the requests it drew: by Little's law its
+    throughput is about ``concurrency * sum(tokens) / sum(latency)``; that ratio is bootstrapped over
+    requests (:func:`~triedec.bench.stats.ratio_interval`) and scaled to the measured tokens/s.
+    None for results without per-request tokens (before 2026-11-25) or with too few requests."""
+    tokens, latencies = phase.get("completion_tokens_each"), phase.get("latencies_s")
+    if not tokens or not latencies or len(tokens) != len(latencies):
+        return None
+    ci = ratio_interval(tokens, latencies)
+    if ci is None:
+        return None
+    point = sum(tokens) / sum(latencies)
+    return phase["tokens_per_s"] * ci[0] / point, phase["tokens_per_s"] * ci[1] / point
 
-    matplotlib.use("Agg")
+
+def serving_figure(results: dict[str, Any]) -> Any:
+    """Total tokens/s against concurrency, one line per method, each point with its interval
+    (:func:`throughput_interval`), and p50/p95 latency beside it."""
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    intervals = True
     for m in results["methods"]:
         rows = [r for r in results["phases"] if r["method"] == m]
         cs = [r["concurrency"] for r in rows]
-        left.plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=m)
+        tps = [r["tokens_per_s"] for r in rows]
+        cis = [throughput_interval(r) for r in rows]
+        intervals = intervals and all(cis)
+        err = [[t - c[0] if c else 0.0 for t, c in zip(tps, cis, strict=True)],
+               [c[1] - t if c else 0.0 for t, c in zip(tps, cis, strict=True)]]
+        left.errorbar(cs, tps, yerr=err, marker="o", capsize=3, label=m)
         right.plot(cs, [r["p50_latency_s"] for r in rows], marker="o", label=f"{m} p50")
         right.plot(cs, [r["p95_latency_s"] for r in rows], marker="x", linestyle="--", label=f"{m} p95")
     for ax, label in ((left, "total tokens/s"), (right, "latency, s")):
@@ -370,8 +391,21 @@ def serving_plot(results: dict[str, Any], out: Path) -> Path:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"triedec serve: {results['requests']} requests x {results['max_tokens']} tokens")
+        ax.legend(fontsize=8)
+    left.set_title("95% bootstrap interval over requests" if intervals else
+                   "intervals only where per-request tokens were recorded", fontsize=9)
+    fig.suptitle(f"triedec serve: n = {results['requests']} requests x {results['max_tokens']} tokens per point")
+    return fig
+
+
+def serving_plot(results: dict[str, Any], out: Path) -> Path:
+    """:func:`serving_figure` saved as ``serving.png`` in ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = serving_figure(results)
     fig.tight_layout()
     path = out / "serving.png"
     fig.savefig(path, dpi=110)

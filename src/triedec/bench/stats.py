@@ -49,6 +49,25 @@ def bootstrap_interval(ratios: Sequence[float], level: float = LEVEL, resamples:
     return float(low), float(high)
 
 
+def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], level: float = LEVEL,
+                   resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
+    """Percentile-bootstrap interval of ``sum(numerators) / sum(denominators)`` (a ratio of totals,
+    such as tokens per step over prompts, or tokens per second over requests), resampling the
+    paired items; None with fewer than :data:`MIN_PROMPTS` items."""
+    if len(numerators) != len(denominators):
+        raise TriedecError("ratio_interval needs one denominator per numerator")
+    if len(numerators) < MIN_PROMPTS:
+        return None
+    num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
+    if np.any(den <= 0):
+        raise TriedecError("ratio_interval needs positive denominators")
+    draws = np.random.default_rng(seed).integers(0, len(num), size=(resamples, len(num)))
+    ratios = num[draws].sum(axis=1) / den[draws].sum(axis=1)
+    tail = (1 - level) / 2
+    low, high = np.quantile(ratios, [tail, 1 - tail])
+    return float(low), float(high)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Method A against baseline B on the same prompts: ``geomean`` and ``median`` of the per-prompt

@@ -72,6 +72,9 @@ from triedec.tree import TokenTree
 
 METHOD = "auto"
 SOURCES = ("context", "store", "recycling")
+ORIGIN_ORDER = ("store", "context", "recycling")
+"""a node several sources proposed names them in this order in its draft's ``sources`` (the first
+is the origin its accepted token reports: the store's, where it had one)"""
 STORE_FORMAT = "triedec-output-store-v1"
 KEYS = (3, 8)
 """the store is indexed by the last 3 and by the last 8 tokens (a long repeat stays findable after
@@ -489,6 +492,7 @@ class AutoSession(BaseSession):
         ranked.sort(key=lambda p: (-chance[p], len(p)))  # best first; a child never precedes its parent
         index = {(): 0}
         tokens, parents, chances, self._sent, self._depths = [int(context[-1])], [-1], [1.0], [{}], [0]
+        sources: list[tuple[str, ...]] = [()]
         for p in ranked:
             index[p] = len(tokens)
             tokens.append(p[-1])
@@ -496,8 +500,9 @@ class AutoSession(BaseSession):
             chances.append(chance[p])
             self._sent.append(nodes[p].base)
             self._depths.append(len(p))
+            sources.append(tuple(s for s in ORIGIN_ORDER if any(kind[0] == s for kind in nodes[p].base)))
         self.context = context
-        return Draft.scored(TokenTree(tuple(tokens), tuple(parents)), chances, send_all=not o.sized)
+        return Draft.scored(TokenTree(tuple(tokens), tuple(parents)), chances, not o.sized, sources)
 
     # ---- observe ------------------------------------------------------------------------------
 

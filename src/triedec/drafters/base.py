@@ -80,6 +80,19 @@ store of earlier requests' outputs proposed (auto's store); drafters without one
 MAX_TREE_NODES = 256
 """Upper bound on a verified tree's size (root included); the engine cuts larger proposals."""
 
+SOURCES = {
+    "context": "an n-gram trie over the request's own context (documents, prompt, output so far)",
+    "prompt": "prompt lookup: a continuation of an earlier occurrence of the last tokens in the context",
+    "recycling": "Token Recycling's adjacency matrix: the model's own earlier top-k after a token",
+    "store": "auto's cross-request store: earlier outputs of this model",
+    "lookahead": "lookahead decoding's n-gram pool and Jacobi window",
+}
+"""The draft sources the built-in drafters name in :attr:`Draft.sources`, with what each is (the
+playground's legend and ``docs/`` show these). A plug-in drafter may name others."""
+
+UNNAMED = "draft"
+"""The source of a draft node whose drafter named none."""
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -91,11 +104,15 @@ class Draft:
     request's chances and decides how long a prefix of each draft one forward verifies.
     ``required``: how many leading nodes (root included) are verified whatever the allocator
     decides: drafters with a fixed tree (lookahead) or a size the user forced (``sized=False``,
-    ``nodes=80``) set it to the whole tree. Frozen and validated on construction."""
+    ``nodes=80``) set it to the whole tree. ``sources[i]``: the names of the sources that drafted
+    node i, primary first (see :data:`SOURCES`; the root's is empty), or ``()`` when the drafter
+    names none (its nodes count as :data:`UNNAMED`): what a token accepted from node i reports as
+    its origin (:mod:`triedec.trace`). Frozen and validated on construction."""
 
     tree: TokenTree
     chances: tuple[float, ...]
     required: int = 1
+    sources: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         chances = tuple(float(c) for c in self.chances)
@@ -107,6 +124,22 @@ class Draft:
         if isinstance(self.required, bool) or not isinstance(self.required, int) \
                 or not 1 <= self.required <= self.tree.size:
             raise TriedecError(f"required must be an integer in [1, {self.tree.size}], got {self.required!r}")
+        sources = tuple(tuple(str(n) for n in names) for names in self.sources)
+        object.__setattr__(self, "sources", sources)
+        if sources and (len(sources) != self.tree.size or sources[0]):
+            raise TriedecError(f"a draft of {self.tree.size} nodes needs {self.tree.size} source lists (the root's "
+                               f"empty), got {len(sources)}")
+
+    def labelled(self, source: str) -> Draft:
+        """This draft with every draft node drafted by ``source`` (a drafter with one source)."""
+        return dataclasses.replace(self, sources=((),) + ((source,),) * (self.size - 1))
+
+    def sources_of(self, node: int) -> tuple[str, ...]:
+        """Who drafted ``node``: its sources, :data:`UNNAMED` if the drafter named none, ``()`` for
+        the root."""
+        if node == 0:
+            return ()
+        return self.sources[node] if self.sources else (UNNAMED,)
 
     @classmethod
     def root_only(cls, root: int) -> Draft:
@@ -120,9 +153,10 @@ class Draft:
         return cls(tree, (1.0,) + (0.0,) * (tree.size - 1), tree.size)
 
     @classmethod
-    def scored(cls, tree: TokenTree, chances: Sequence[float], send_all: bool = False) -> Draft:
+    def scored(cls, tree: TokenTree, chances: Sequence[float], send_all: bool = False,
+               sources: Sequence[Sequence[str]] = ()) -> Draft:
         """A tree with estimates; ``send_all`` makes every node required (the user forced it)."""
-        return cls(tree, tuple(chances), tree.size if send_all else 1)
+        return cls(tree, tuple(chances), tree.size if send_all else 1, tuple(tuple(s) for s in sources))
 
     @property
     def size(self) -> int:
@@ -139,7 +173,8 @@ class Draft:
         parents = tuple(-1 if i == 0 else index[self.tree.parents[i]] for i in keep)
         tree = TokenTree(tuple(self.tree.tokens[i] for i in keep), parents)
         required = sum(1 for i in keep if i < self.required)
-        return Draft(tree, tuple(self.chances[i] for i in keep), max(1, required)), tuple(keep)
+        sources = tuple(self.sources[i] for i in keep) if self.sources else ()
+        return Draft(tree, tuple(self.chances[i] for i in keep), max(1, required), sources), tuple(keep)
 
 
 @dataclass(frozen=True)
@@ -366,6 +401,14 @@ class MethodSpec:
         marked with :data:`STATE_FILE`) and are set."""
         marked = {f.name for f in dataclasses.fields(self.options) if f.metadata.get("state_file")}
         return sorted(name for name, value in options.items() if name in marked and value)
+
+    def describe(self) -> list[dict[str, object]]:
+        """Each option a client may set (learned-state files left out: those are the operator's)
+        as JSON: ``name``, ``type`` (its annotation), ``default`` (None: decided by the method) and
+        ``maximum`` where it has one (what ``triedec methods`` lists; the playground's form)."""
+        maxima = self.maxima()
+        return [{"name": f.name, "type": str(f.type), "default": f.default, "maximum": maxima.get(f.name)}
+                for f in dataclasses.fields(self.options) if not f.metadata.get("state_file")]
 
     def maxima(self) -> dict[str, int]:
         """The options that size memory or work, with their largest allowed values

@@ -195,7 +195,7 @@ class LookaheadSession(BaseSession):
         self.verify_tokens += len(v_tokens)
         self.steps += 1
         self._proposed = TokenTree(tuple(tokens), tuple(parents))
-        return Draft.fixed(self._proposed)
+        return Draft.fixed(self._proposed).labelled("lookahead")
 
     def observe(self, verified: Verified) -> None:
         if self._proposed is None or verified.cut or verified.tree != self._proposed:

@@ -277,7 +277,8 @@ class _NgramTrieSession(BaseSession):
             tokens.append(trie.token[v])
             parents.append(index[trie.parent[v]])
         tree = TokenTree(tuple(tokens), tuple(parents))
-        return Draft.scored(tree, [1.0, *(chance[v] for v in nodes)], send_all=not drafter.options.sized)
+        chances = [1.0, *(chance[v] for v in nodes)]
+        return Draft.scored(tree, chances, send_all=not drafter.options.sized).labelled("context")
 
     def observe(self, verified: Verified) -> None:
         key, self.drafted = self.drafted, None

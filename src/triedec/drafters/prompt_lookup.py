@@ -192,7 +192,7 @@ class _PromptLookupSession(BaseSession):
             drafter.relax(n)
             return Draft.root_only(context[-1])
         self.drafted_n = n
-        return Draft.scored(tree, chances, send_all=minimum is not None)
+        return Draft.scored(tree, chances, send_all=minimum is not None).labelled("prompt")
 
     def observe(self, verified: Verified) -> None:
         n, self.drafted_n = self.drafted_n, None

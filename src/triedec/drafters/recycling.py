@@ -552,7 +552,7 @@ class RecyclingDrafter:
         else:
             where = {node: rank for rank, node in enumerate(self._order)}
             draft = Draft.scored(tree, [self._rates[where[i]] for i in keep], send_all=self.send_all)
-        return draft, self._paper_index[keep]
+        return draft.labelled("recycling"), self._paper_index[keep]
 
     def learn(self, verified: Verified, proposed: np.ndarray | None) -> None:
         """Recycle the verified logits into the matrix; count the template nodes proposed and

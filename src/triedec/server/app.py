@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Mapping
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,8 @@ from triedec.methods import methods
 from triedec.request import Outcome
 from triedec.server.auth import ApiKeys, MaskQueryStrings, RequireKey
 from triedec.server.metrics import Metrics
+from triedec.server.playground import add_routes as add_playground
+from triedec.server.playground import info as playground_info
 from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
 from triedec.server.schemas import (
     CHAT_SHAPE,
@@ -44,6 +46,7 @@ from triedec.server.schemas import (
 from triedec.server.sharing import Sharing, SharingConfig
 from triedec.server.tenancy import ANONYMOUS, Learning, Scopes, Tenancy, tenant_file
 from triedec.text import TextStream
+from triedec.trace import StepTrace
 
 log = logging.getLogger("triedec.server")
 
@@ -154,6 +157,8 @@ class _Prepared:
     """the options a client may see (state-file paths left out)"""
     prompt_tokens: int
     stops: tuple[str, ...]
+    trace: bool = False
+    """the client asked for each step's record (``trace``)"""
 
 
 class _Service:
@@ -219,7 +224,9 @@ class _Service:
                        **options)
         files = set(find_method(method).spec.state_files(options))
         shown = {k: v for k, v in options.items() if k not in files}
-        return _Prepared(run, method, shown, len(ids), stops)
+        if req.trace:
+            run.record_steps()
+        return _Prepared(run, method, shown, len(ids), stops, req.trace)
 
     def tenant(self, request: Request, req: Generation) -> str:
         """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
@@ -275,12 +282,17 @@ class _Service:
     def extension(self, prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
         s = outcome.stats
         drafter = getattr(s, "drafter", None) or {}
-        return {"method": prepared.method, "options": prepared.options,
-                "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
-                "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
-                "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
-                "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
-                "exactness": s.exactness}
+        ext = {"method": prepared.method, "options": prepared.options,
+               "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
+               "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
+               "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
+               "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
+               "exactness": s.exactness}
+        if prepared.trace:  # the per-step stats the page checks its own counts against
+            ext["accepted_by_origin"] = dict(getattr(s, "accepted_by_origin", {}) or {})
+            ext["accepted_per_step"] = list(getattr(s, "accepted_per_step", []) or [])
+            ext["new_tokens"] = s.new_tokens
+        return ext
 
     @staticmethod
     def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:
@@ -319,17 +331,23 @@ class _Service:
     async def complete(self, request: Request, job: Job, prepared: _Prepared, shape: Shape, make: Any) -> JSONResponse:
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
+        steps: list[dict[str, Any]] = []
         while True:
             event = await self.next_event(request, job)
             if event is None:
                 return error(499, "client disconnected")
             kind, value = event
             if kind == "tokens":
-                text.tokens += value  # the text is decoded once, at the end
+                if prepared.trace:
+                    steps += _traced(text, value, job.steps)
+                else:
+                    text.tokens += value  # the text is decoded once, at the end
             elif kind == "done":
                 self.metrics.finished(shape.endpoint, prepared.method, value)
-                return JSONResponse(make(text.text, self.finish_reason(value), self.usage(prepared, value),
-                                         self.extension(prepared, value)))
+                ext = self.extension(prepared, value)
+                if prepared.trace:
+                    ext["trace"] = steps
+                return JSONResponse(make(text.text, self.finish_reason(value), self.usage(prepared, value), ext))
             else:
                 return self.failure(kind, value, prepared, shape)
 
@@ -341,7 +359,10 @@ class _Service:
             yield _sse(chunk(None, None, first=True))
             kind, value = first
             while True:
-                if kind == "tokens":
+                if kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
+                    for step in _traced(text, value, job.steps):
+                        yield _sse(chunk("".join(step["text"]), None, ext={"trace": [step]}))
+                elif kind == "tokens":
                     delta = text.add(value)
                     if delta:
                         yield _sse(chunk(delta, None))
@@ -417,6 +438,23 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+def _traced(text: TextStream, tokens: list[int], steps: Sequence[StepTrace]) -> list[dict[str, Any]]:
+    """``tokens`` added to ``text`` one at a time, as their steps' JSON records, each with
+    ``text``: the text each token added (``""`` while a character or a possible stop string is
+    incomplete; the final chunk carries what was held back). Steps that do not account for
+    exactly ``tokens`` (never expected) are replaced by one record of unknown origin."""
+    if [t for s in steps for t in s.tokens] != list(tokens):
+        steps = [StepTrace(-1, tuple(tokens), ("unknown",) * len(tokens))]
+    out = []
+    for step in steps:
+        record = step.as_json()
+        record["text"] = [text.add([t]) for t in step.tokens]
+        if "tree" in record:  # each node's own text, for pictures of the tree
+            record["tree"]["texts"] = [text.tokenizer.decode([t]) for t in record["tree"]["tokens"]]
+        out.append(record)
+    return out
+
+
 def _errors(app: FastAPI) -> None:
     """Every error as OpenAI's JSON shape with a 4xx (a 500 only for a bug)."""
 
@@ -483,6 +521,12 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         if not req.prompt:
             return error(400, "prompt must not be empty", param="prompt")
         return await service.respond(request, req, req.prompt, COMPLETION_SHAPE)
+
+    files = set(find_method(config.method).spec.state_files(config.method_options))  # the operator's, not shown
+    shown = {k: v for k, v in config.method_options.items() if k not in files}
+    add_playground(app, config.api_keys is not None,
+                   playground_info(config.model_name, config.method, shown, config.max_tokens_limit,
+                                   config.default_max_tokens, lm.adapter.exactness))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

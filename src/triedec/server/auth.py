@@ -6,16 +6,16 @@ are skipped) or, when neither is given, the ``TRIEDEC_API_KEY`` environment vari
 CLI, never by the library). A key without a name is a tenant of its own, named ``key-`` + the
 first 12 hex digits of its SHA-256 (never the key itself).
 
-With keys configured, every request except ``GET /health`` (and ``/metrics`` with
-``public_metrics``) must carry ``Authorization: Bearer KEY``, as OpenAI's API, vLLM and llama.cpp's
-server ask; a missing or wrong key gets 401 in OpenAI's error shape before the body is read. The
-presented key is hashed and compared with every configured key's hash in constant time
-(:func:`hmac.compare_digest`, no early exit), so the time to answer says nothing about how much of
-a key was right. Keys are never logged or echoed: a key sent in the URL's query string instead
-(``?api_key=...``) gets 401, and ``triedec serve``'s access log masks every query string value
-(:class:`MaskQueryStrings`). Two ``Authorization`` headers get 400 (a proxy that checks the first
-and a server that uses the last would disagree).
-"""
+With keys configured, every request except ``GET /health``, the playground's page and files
+(:data:`~triedec.server.playground.PAGE_PATHS`) and ``/metrics`` with ``public_metrics`` must carry
+``Authorization: Bearer KEY``, as OpenAI's API, vLLM and llama.cpp's server ask; a missing or wrong
+key gets 401 in OpenAI's error shape before the body is read. The presented key is hashed and
+compared with every configured key's hash in constant time (:func:`hmac.compare_digest`, no early
+exit), so the time to answer says nothing about how much of a key was right. Keys are never logged
+or echoed: a key sent in the URL's query string instead (``?api_key=...``) gets 401, and ``triedec
+serve``'s access log masks every query string value (:class:`MaskQueryStrings`). Two
+``Authorization`` headers get 400 (a proxy that checks the first and a server that uses the last
+would disagree)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,12 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from triedec.errors import TriedecError
+from triedec.server.playground import PAGE_PATHS
 from triedec.server.schemas import error
 
-OPEN_PATHS = frozenset({"/health"})
-"""paths anyone may read, keys or not"""
+OPEN_PATHS = frozenset({"/health", *PAGE_PATHS})
+"""paths anyone may read, keys or not: the health probe, and the playground's page and files (no
+data: every API call the page makes carries a key)"""
 
 
 def _digest(key: str) -> bytes:

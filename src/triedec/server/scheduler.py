@@ -33,7 +33,7 @@ import statistics
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from triedec.engine import Batch, BatchLimits, Run
 from triedec.errors import TriedecError
 from triedec.lm import LM
 from triedec.request import Outcome, Stats
+from triedec.trace import StepTrace
 
 log = logging.getLogger("triedec.server")
 
@@ -105,18 +106,23 @@ class Job:
         self.emitted = 0
         self._lock = threading.Lock()
         self._tokens: list[int] = []
+        self._steps: list[StepTrace] = []
+        self.steps: list[StepTrace] = []
+        """the step records of the tokens the last :meth:`next` returned (empty unless the run
+        records its steps); the handler reads them before it calls :meth:`next` again"""
         self._final: tuple[str, Any] | None = None
         self._signalled = False
         self._ready = asyncio.Event()
 
-    def emit(self, kind: str, value: Any) -> None:
-        """From the scheduler thread: ``("tokens", list[int])`` or a final event (``done``,
-        ``error``, ``cancelled``, ``timeout``); never blocks."""
+    def emit(self, kind: str, value: Any, steps: Sequence[StepTrace] = ()) -> None:
+        """From the scheduler thread: ``("tokens", list[int])`` with their step records, or a final
+        event (``done``, ``error``, ``cancelled``, ``timeout``); never blocks."""
         with self._lock:
             if self._final is not None:
                 return
             if kind == "tokens":
                 self._tokens += value
+                self._steps += steps
                 self.emitted += len(value)
             else:
                 self._final = (kind, value)
@@ -135,6 +141,7 @@ class Job:
             with self._lock:
                 if self._tokens:
                     tokens, self._tokens = self._tokens, []
+                    self.steps, self._steps = self._steps, []
                     return "tokens", tokens
                 if self._final is not None:
                     return self._final
@@ -327,7 +334,7 @@ class Scheduler:
         self._drop(job, "time_limit")
         fresh = job.run.take()
         if fresh:
-            job.emit("tokens", fresh)
+            job.emit("tokens", fresh, job.run.take_steps())
         if not job.emitted:
             self._finish(job, "timeout", None)
             return
@@ -361,7 +368,7 @@ class Scheduler:
         for job in self._jobs.values():
             fresh = job.run.take()
             if fresh:
-                job.emit("tokens", fresh)
+                job.emit("tokens", fresh, job.run.take_steps())
         for run in finished:
             job = self._jobs.pop(id(run))
             self._in_batch[job.tenant] -= 1

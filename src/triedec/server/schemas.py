@@ -58,6 +58,9 @@ class Generation(_Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    trace: bool = Field(default=False, description="return each decoding step: its tokens, each token's origin "
+                        "(the model, or the draft source it was accepted from) and the verified tree, in the "
+                        "triedec extension (docs/playground.md)")
     # known, unsupported
     n: int | None = None
     logprobs: bool | int | None = None
