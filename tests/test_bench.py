@@ -311,6 +311,7 @@ def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypa
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert results["requests"] == 4 and results["commit"] and results["machine"]["cpu"]
+    assert results["methods"] == ["ngram-trie:sized=false"]  # not overwritten by the generate_batch sides
     assert sorted((r["method"], r["concurrency"]) for r in results["phases"]) == [
         ("ngram-trie:sized=false", 1), ("ngram-trie:sized=false", 2)]
     assert sorted(map(tuple, results["phase_order"])) == sorted((r["method"], r["concurrency"]) for r in

@@ -260,10 +260,10 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         if n > len(requests):
             continue
         say(f"generate_batch of {n}: triedec and transformers")
-        order = ["triedec", "transformers"]
-        random.Random(config.seed + n).shuffle(order)
+        sides = ["triedec", "transformers"]
+        random.Random(config.seed + n).shuffle(sides)
         timed = {}
-        for who in order:
+        for who in sides:
             if who == "triedec":
                 first = entries[methods[0]]
                 fresh = lm.fresh()

@@ -173,8 +173,9 @@ class Answer {
       span.dataset.step = String(step.step);
       span.dataset.token = String(token);
       span.textContent = step.text[i];
-      span.title = "step " + step.step + " · " + accepted + " token" + (accepted === 1 ? "" : "s") +
-        " accepted in this step · origin: " + origin;
+      const drafts = step.origins.filter((o) => o !== "model").length;
+      span.title = "step " + step.step + " · this step produced " + accepted + " token" + (accepted === 1 ? "" : "s") +
+        " (" + drafts + " accepted draft" + (drafts === 1 ? "" : "s") + ") · origin: " + origin;
       span.addEventListener("click", () => this.select(step, span));
       this.body.appendChild(span);
       this.tokens.push(token);
