@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -134,6 +135,22 @@ def test_cli_errors_are_clear(capsys, tiny_model_dir, argv, message):
     assert code == 2
     assert message in err
     assert "Traceback" not in err and out == ""
+
+
+def test_calibrate_show_only_reads(capsys, monkeypatch, tmp_path, tiny_model_dir):
+    """With nothing cached, --show says so and measures nothing (no file appears)."""
+    monkeypatch.setenv("TRIEDEC_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show")
+    assert code == 1 and out == "" and "no calibration cached" in err and "triedec calibrate" in err
+    assert not list((tmp_path / "cache").glob("calibration/*.json"))
+
+
+def test_the_calibration_cache_is_keyed_by_host():
+    from triedec.calibration import host_key
+
+    key = host_key()
+    assert f"-{os.cpu_count()}cores-" in key and len(key.rsplit("-", 1)[1]) == 8  # CPU model, cores, flags digest
+    assert key == host_key()  # stable
 
 
 def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_path, tiny_model_dir):

@@ -1,4 +1,4 @@
-"""One client cannot exhaust or stall the server (README: Security, "Caps"): every option that
+"""One client cannot exhaust or stall the server (docs/serving.md: Security, "Caps"): every option that
 sizes memory or work has a maximum (400 past it), built methods live in an LRU bounded in count
 and learned-state bytes per tenant and overall, beam search reserves the KV it really allocates
 and yields the engine every step (its prompt in chunks), a request's time limit holds within one

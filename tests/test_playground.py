@@ -65,10 +65,11 @@ def wait(browser, condition, seconds=120):
 
 
 def load(browser, url):
+    """The page, fresh: no key stored, and the console record holding this load's messages only."""
     browser.get(url + "/")
     browser.execute_script("sessionStorage.clear()")
+    browser.get_log("browser")  # drop what the first visit logged
     browser.get(url + "/")
-    browser.get_log("browser")  # start each page with an empty console record
 
 
 def ready(browser):

@@ -1,4 +1,4 @@
-"""The server as something you can expose (README: Security), on real uvicorn servers on loopback
+"""The server as something you can expose (docs/serving.md: Security), on real uvicorn servers on loopback
 driven by the ``openai`` client, httpx and raw sockets: the auth matrix on every endpoint, learned
 state per tenant (``store_tokens`` in the stats), per-tenant caps (429 + Retry-After), the request
 time limit (length / 408, KV freed), slow bodies and clients that never read, private state

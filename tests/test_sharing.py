@@ -1,4 +1,4 @@
-"""Learned state shared by replicas (README: Scaling out): the exchanged value and its merge rules
+"""Learned state shared by replicas (docs/scaling-out.md): the exchanged value and its merge rules
 (:mod:`triedec.drafters.learned`), every drafter's export and absorb, an answer learned on one
 model drafting on another, and two real ``triedec serve`` processes sharing one real Redis
 (Debian's redis-server, started here on a loopback port): delay, tenant isolation, Redis stopped
@@ -200,7 +200,7 @@ KEYS_FILE = "key-alice-0123456789 alice\nkey-bob-0123456789 bob\nkey-carol-01234
 ALICE, BOB, CAROL = (f"Bearer key-{name}-0123456789" for name in ("alice", "bob", "carol"))
 INTERVAL = 0.2
 STATED_DELAY = INTERVAL + 2.0
-"""README's bound (one interval plus a decoding step), with room for this loaded 2-core machine"""
+"""docs/scaling-out.md's bound (one interval plus a decoding step), with room for this loaded 2-core machine"""
 AUTO = {"method": "auto", "method_options": {"sized": False}}
 
 

@@ -1,8 +1,9 @@
 """Device calibration: what a forward costs here, and the profiles methods declare. A top-layer
 module: it measures through an :class:`~triedec.lm.LM`; the values it produces
 (:class:`~triedec.costmodel.CostModel`, each method's profile) are pure and reach the engine and
-the drafters through ``ModelInfo``. Results are cached as JSON per model + device + dtype (+ CPU
-threads + kernels) under the triedec cache directory.
+the drafters through ``ModelInfo``. Results are cached as JSON per model + device (on a CPU: the
+host's CPU model, core count and feature flags, :func:`host_key`) + CPU threads + dtype + kernels
+under the triedec cache directory; :func:`read_calibration` reads one without measuring.
 
 * **cost model** (:func:`measure_cost_model`, under a minute) -- median seconds of one forward of
   T tree tokens of one request (the sizes in :data:`TREE_SIZES`), of forwards that carry B
@@ -20,9 +21,12 @@ exactly that before it builds them.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
+import platform
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -106,16 +110,47 @@ class Calibration:
             raise TriedecError(f"unreadable calibration: {exc!r}") from exc
 
 
+def host_key() -> str:
+    """This host as a cost model depends on it: the CPU's model name, its logical core count and a
+    digest of its feature flags (Linux: ``/proc/cpuinfo``; elsewhere ``platform.processor()``), so
+    that a cache directory shared by two hosts (a home directory on NFS, a copied cache) never hands
+    one host's measurements to the other."""
+    model, flags = platform.processor() or platform.machine(), ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif name.strip() == "flags" and not flags:
+                flags = value.strip()
+    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+    return f"{model}-{os.cpu_count() or 0}cores-{digest}"
+
+
 def device_key(adapter: ModelAdapter) -> str:
-    """What a cost model depends on besides the model: device (name), dtype, CPU threads, kernels."""
+    """What a cost model depends on besides the model: the device (a GPU's name, or this host:
+    :func:`host_key`), CPU threads, dtype and kernels."""
     device = adapter.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu-{host_key()}-{torch.get_num_threads()}threads"
     key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
     return "".join(c if c.isalnum() or c in "-." else "-" for c in key)
 
 
 def calibration_path(cache_dir: Path, adapter: ModelAdapter) -> Path:
     return cache_dir / "calibration" / f"{adapter.model_id}-{device_key(adapter)}.json"
+
+
+def read_calibration(cache_dir: Path, adapter: ModelAdapter) -> Calibration | None:
+    """The cached calibration of this model on this device, or None when there is none or it is
+    unreadable; measures nothing (``triedec calibrate --show``)."""
+    path = calibration_path(cache_dir, adapter)
+    if not path.is_file():
+        return None
+    try:
+        return Calibration.from_json(path.read_text())
+    except TriedecError:
+        return None
 
 
 # ---- the cost model -----------------------------------------------------------------------------

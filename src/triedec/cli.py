@@ -41,7 +41,7 @@ def cmd_methods() -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from triedec.calibration import calibration_path
+    from triedec.calibration import calibration_path, read_calibration
     from triedec.drafters.base import profile_specs
 
     for flag in ("prompts", "max_new_tokens", "repeats"):
@@ -51,11 +51,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise TriedecError("--prompts must be at least 2 (the first one warms up)")
     lm = load_model(args)
     specs = profile_specs()
-    if args.show:
-        cal = lm.calibration(frozenset({"cost", *specs}))
+    path = calibration_path(lm.cache_dir, lm.adapter)
+    if args.show:  # read only: measuring is `triedec calibrate` without --show
+        found = read_calibration(lm.cache_dir, lm.adapter)
+        if found is None:
+            print(f"no calibration cached for this model and device (looked for {path}); `triedec calibrate` "
+                  "measures it, and any method that needs it measures its part on first use", file=sys.stderr)
+            return 1
+        cal = found
     else:
         cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
-    path = calibration_path(lm.cache_dir, lm.adapter)
     cost = cal.cost
     reference = cal.details.get("reference_forward_seconds", {})
     if args.json:
@@ -87,6 +92,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               + f"; triedec's kernels: {lm.adapter.kernels} ({lm.adapter.exactness})")
     for name, profile in cal.profiles.items():
         print("\n".join(specs[name].describe(profile, cost)))
+    missing = sorted(set(specs) - set(cal.profiles))
+    if missing:
+        print(f"not measured yet: {', '.join(missing)} (measured on first use, or by `triedec calibrate`)")
     print(f"saved in {path}")
     return 0
 

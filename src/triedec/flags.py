@@ -162,11 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list decoding methods and their options with defaults")
 
     cal = sub.add_parser("calibrate", help="measure what a verification forward costs on this device and pick "
-                                           "the fastest draft-tree size (cached per model + device + dtype)")
+                                           "the fastest draft-tree size (cached per model, host, device, threads, "
+                                           "dtype and kernels)")
     cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
     cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
-    cal.add_argument("--show", action="store_true", help="print the cached calibration; measure only if none")
+    cal.add_argument("--show", action="store_true",
+                     help="print the cached calibration and measure nothing (exit status 1 if none is cached)")
     cal.add_argument("--json", action="store_true",
                      help="print the cost curve as JSON: forward_ms per tree size, hf_forward_ms (stock transformers' "
                           "own forward of 1 and 16 tokens on the same cache), and what was chosen")
@@ -259,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="max_tokens when a request gives none (default %(default)s)")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                      help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
-    sec = srv.add_argument_group("security and limits (README: Security)")
+    sec = srv.add_argument_group("security and limits (docs/serving.md: Security)")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; each its own tenant); "
                           "without --api-key or --api-keys-file, TRIEDEC_API_KEY is used if set")
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a request body must arrive within this time, else 408 (default %(default)s)")
     sec.add_argument("--send-seconds", type=float, default=60.0,
                      help="a client that takes no response data for this long is disconnected (default %(default)s)")
-    out = srv.add_argument_group("scaling out (README: Scaling out)")
+    out = srv.add_argument_group("scaling out (docs/scaling-out.md)")
     out.add_argument("--redis-url", default=None, metavar="URL",
                      help="share learned state with every replica naming the same Redis, redis://HOST:PORT/DB "
                           "(extra triedec[redis]); TRIEDEC_REDIS_URL is used if this is not given (a URL with a "
@@ -306,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds between two exchanges of learned state through Redis (default %(default)s)")
     out.add_argument("--share-max-entries", type=int, default=1_000,
                      help="entries each Redis stream of learned state keeps, about (default %(default)s)")
-    ray = srv.add_argument_group("replicas on Ray Serve (extra triedec[ray]; README: Scaling out)")
+    ray = srv.add_argument_group("replicas on Ray Serve (extra triedec[ray]; docs/scaling-out.md)")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve: engine replicas behind one HTTP endpoint, routed with affinity "
                           "(joins the Ray cluster at RAY_ADDRESS, else starts one on this machine)")
@@ -315,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="autoscale up to this many replicas on queue length (default: --replicas, fixed)")
     ray.add_argument("--gateways", type=int, default=1,
                      help="gateway replicas (the HTTP ingress that routes and relays; each takes about a core under "
-                          "load, README: Scaling out; default %(default)s)")
+                          "load, docs/scaling-out.md; default %(default)s)")
     ray.add_argument("--affinity-slack", type=int, default=None,
                      help="requests by which a conversation's replica may lead the least loaded one before "
                           "power-of-two choices takes over (default: --max-running)")

@@ -1,5 +1,5 @@
 """triedec on Ray Serve: engine replicas behind one OpenAI-compatible endpoint (``pip install
-triedec[ray]``; README: Scaling out).
+triedec[ray]``; docs/scaling-out.md).
 
     serve run triedec.ray_app:app replicas=2 threads=1 redis_url=redis://127.0.0.1:6379/0
     triedec serve --ray --replicas 2 --threads 1 --redis-url redis://127.0.0.1:6379/0

@@ -23,7 +23,7 @@ drafters' own locks, and state files are written from snapshots when the batch g
 in-flight requests finish for ``drain_seconds``, and the scheduler then cancels whatever is left
 and writes the learned state.
 
-**Security** (README: Security). With API keys (:mod:`~triedec.server.auth`) every request but
+**Security** (docs/serving.md: Security). With API keys (:mod:`~triedec.server.auth`) every request but
 ``/health`` carries ``Authorization: Bearer KEY`` (401 otherwise) and belongs to the key's tenant.
 Learned state is kept per tenant, shared, or not at all (:mod:`~triedec.server.tenancy`); the
 ``triedec`` stats' ``store_tokens`` say how many accepted tokens auto's store drafted. Per tenant,
@@ -36,7 +36,7 @@ and overall in count and learned-state bytes (``ServerConfig.decoders``), beam s
 KV its trie can grow to, a request's time limit holds within one step, and the whole calibration is
 loaded or measured before the server serves (nothing is measured on a request's path).
 
-**Scaling out** (README: Scaling out). With ``redis_url``, a thread of its own
+**Scaling out** (docs/scaling-out.md). With ``redis_url``, a thread of its own
 (:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
 naming the same Redis, per tenant (or per model under ``shared``), never on a request's path.
 :mod:`triedec.ray_app` runs this app as Ray Serve replicas behind a gateway that uses the same

