@@ -536,3 +536,11 @@ def test_server_flags_build_the_decoder_limits():
     assert config.decoders == DecoderLimits(3, 9, 10 << 20, None)
     defaults = server_config(build_parser().parse_args(["serve"]), {}).decoders
     assert defaults == DecoderLimits()
+
+
+def test_served_model_name_is_an_alias_of_model_name():
+    from triedec.flags import build_parser, server_config
+
+    for flag in ("--served-model-name", "--model-name"):
+        args = build_parser().parse_args(["serve", flag, "my-model"])
+        assert server_config(args, {}).model_name == "my-model"

@@ -135,8 +135,9 @@ def test_text_stream_holds_back_partial_stops_and_characters(lm):
     assert "".join(plain.add([t]) for t in ids) + plain.finish() == tok.decode(ids)
 
 
-def test_models_health_and_metrics(base, client):
+def test_models_health_and_metrics(base, client, lm):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == lm.max_context > 0
     health = httpx.get(f"{base}/health").json()
     assert health["status"] == "ok"
     client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)

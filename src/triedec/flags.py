@@ -144,7 +144,20 @@ def model_label(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="triedec", description=__doc__)
+    from importlib import metadata
+
+    parser = argparse.ArgumentParser(
+        prog="triedec", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Faster decoding of Hugging Face causal LMs, exactly: model-free drafts verified in one forward "
+                    "along a shared token trie,\nreturning the tokens plain decoding returns.",
+        epilog="examples:\n"
+               "  triedec generate \"Why is the sky blue?\"            the embedded default model, method auto\n"
+               "  triedec generate --method pld --max-new-tokens 64 \"def fib(n):\"\n"
+               "  triedec serve --port 8000                          OpenAI-compatible server; playground at /\n"
+               "  triedec methods                                    methods and their options\n"
+               "  triedec bench --dataset spec-bench --per-category 5 --methods hf-greedy,ar,auto\n"
+               "`triedec COMMAND --help` lists a command's flags; docs/cli.md has more.")
+    parser.add_argument("--version", action="version", version=f"triedec {metadata.version('triedec')}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
@@ -239,9 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "extra body; default auto)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     srv.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
-    srv.add_argument("--model-name", default=None,
-                     help="the model id clients send and /v1/models lists (default: the model's directory name, or "
-                          "SmolLM2-135M-Instruct for the embedded default)")
+    srv.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
+                     help="the model id clients send and /v1/models lists (--served-model-name as vLLM spells it; "
+                          "default: the model's directory name, or SmolLM2-135M-Instruct for the embedded default)")
     srv.add_argument("--max-running", type=int, default=16,
                      help="requests decoded together, one forward per step for all (default %(default)s)")
     srv.add_argument("--max-queue", type=int, default=64,

@@ -531,7 +531,7 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": created,
-                                            "owned_by": "triedec"}]}
+                                            "owned_by": "triedec", "max_model_len": lm.max_context}]}
 
     @app.head("/health", include_in_schema=False)  # probes that use HEAD get 200 too (uvicorn sends no body)
     @app.get("/health")
