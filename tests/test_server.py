@@ -159,15 +159,17 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": 3, "content": "hi"}]}, 400, "role"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages must not be empty"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "bogus": 1}, 400, "bogus"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi", "bogus": 1}]}, 400,
+     "bogus"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "method": "warp"}, 400, "unknown method"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "method_options": {"bogus": 1}}, 400,
      "unknown option"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "method_options": {"num_tokens": "x"}}, 400,
      "num_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0}, 400, "max_new_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": -3}, 400, "max_new_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, 400, "max_new_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 0}, 400, "max_tokens must be"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": -3}, 400, "max_tokens must be"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens must be"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4000}, 400, "context"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "context"),
@@ -195,6 +197,34 @@ def test_bad_input_gets_a_json_4xx(base, path, body, status, message):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"max_tokens": 4000}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"seed": -1, "temperature": 0.5}, "seed"), ({"method": "warp"}, None),
+])
+def test_errors_name_the_field_the_client_sent(base, body, param):
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **body}, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert "max_new_tokens" not in error["message"]  # the library's name never leaks to an HTTP client
+
+
+def test_unknown_top_level_fields_are_ignored_with_a_warning_header(base, client):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "bogus": 1, "x\r\nSet-Cookie: a=b": 2}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-triedec-warning"] == "unknown fields ignored: bogus, xSet-Cookieab"
+    assert "set-cookie" not in r.headers
+    plain = httpx.post(f"{base}/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4},
+                       timeout=60)
+    assert "x-triedec-warning" not in plain.headers
+    assert r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+    with httpx.stream("POST", f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                               "stream": True, "vllm_only": True}, timeout=60) as s:
+        assert s.status_code == 200 and s.headers["x-triedec-warning"] == "unknown fields ignored: vllm_only"
 
 
 def test_oversized_body_gets_413(base):

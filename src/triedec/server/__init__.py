@@ -49,7 +49,9 @@ Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`s
 (Prometheus).
 
 **Errors** are OpenAI-style JSON (``{"error": {"message", "type", "param", "code"}}``) with a 4xx
-status: malformed JSON, wrong types, unknown fields, unknown methods or options, bad numbers, an
+status (``param`` naming the field as the client sent it): malformed JSON, wrong types, unknown
+fields inside ``messages`` or ``stream_options`` (an unknown top-level field is ignored, as vLLM
+does, and named in the ``X-Triedec-Warning`` header), unknown methods or options, bad numbers, an
 empty prompt, a prompt + ``max_tokens`` beyond the context, unsupported OpenAI fields (named as
 such), a request whose KV could never fit under ``max_kv_bytes``, a body over ``max_body_bytes``
 (413), a missing or wrong API key or a key in the query string (401), two ``Authorization``

@@ -37,6 +37,7 @@ from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, Tena
 from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
+    IGNORED_HEADER,
     ChatRequest,
     CompletionRequest,
     Generation,
@@ -208,12 +209,18 @@ class _Service:
         lm, config = self.lm, self.config
         ids = lm.encode(prompt, chat=chat)
         limit = getattr(req, "max_completion_tokens", None)
+        name = "max_tokens" if limit is None else "max_completion_tokens"  # errors name the field the client sent
         limit = req.max_tokens if limit is None else limit
         if limit is None:
             room = (lm.max_context - len(ids)) if lm.max_context else config.default_max_tokens
             limit = max(1, min(config.default_max_tokens, room))
-        elif isinstance(limit, int) and limit > config.max_tokens_limit:
-            raise TriedecError(f"max_tokens {limit} exceeds this server's limit of {config.max_tokens_limit}")
+        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise FieldError(name, f"{name} must be a positive integer, got {limit!r}")
+        elif limit > config.max_tokens_limit:
+            raise FieldError(name, f"{name} {limit} exceeds this server's limit of {config.max_tokens_limit}")
+        if lm.max_context is not None and len(ids) + limit > lm.max_context:
+            raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
+                                   f"{lm.max_context} tokens")
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         sampling = {"temperature": req.temperature if req.temperature is not None else 0.0,
                     "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0,
@@ -261,7 +268,7 @@ class _Service:
             status, answer = 500, error(500, "the server's learned state for this request could not be loaded; its "
                                              "operator has the details in the server log", "server_error")
         except (TriedecError, TypeError, ValueError) as exc:  # bad input, named by the library
-            status, answer = 400, error(400, str(exc))
+            status, answer = 400, error(400, str(exc), param=_param_of(exc, req))
         except LookupError as exc:
             status, answer = 404, error(404, str(exc), "not_found_error", "model")
         except TenantBusy as exc:
@@ -434,6 +441,23 @@ class _Service:
                 job.cancel()  # a no-op once the run is done
 
 
+class FieldError(TriedecError):
+    """Bad input in one request field, named as the client sent it (``param`` of the 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _param_of(exc: Exception, req: Generation) -> str | None:
+    """The request field an error is about: a :class:`FieldError`'s, else the field the library's
+    message starts with when the client sent it (``temperature must be >= 0 ...``), else None."""
+    if isinstance(exc, FieldError):
+        return exc.param
+    first = str(exc).split(" ", 1)[0]
+    return first if first in type(req).model_fields or first == "method_options" else None
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -465,8 +489,9 @@ def _errors(app: FastAPI) -> None:
             if err.get("type") == "json_invalid":
                 return error(400, "the body is not valid JSON")
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{where or 'body'}: {err.get('msg')}")
-        return error(400, "; ".join(problems) or "invalid request")
+            problems.append((where, f"{where or 'body'}: {err.get('msg')}"))
+        return error(400, "; ".join(p for _, p in problems) or "invalid request",
+                     param=problems[0][0] or None if problems else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -477,6 +502,15 @@ def _errors(app: FastAPI) -> None:
     async def crashed(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+def _warn_ignored(req: Generation, response: Any) -> Any:
+    """``response`` with the :data:`~triedec.server.schemas.IGNORED_HEADER` naming the request's
+    ignored fields, if it had any."""
+    ignored = req.ignored()
+    if ignored:
+        response.headers[IGNORED_HEADER] = f"unknown fields ignored: {', '.join(ignored)}"
+    return response
 
 
 def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
@@ -512,15 +546,15 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request, req: ChatRequest) -> Any:
         if not req.messages:
-            return error(400, "messages must not be empty", param="messages")
+            return _warn_ignored(req, error(400, "messages must not be empty", param="messages"))
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return await service.respond(request, req, messages, CHAT_SHAPE)
+        return _warn_ignored(req, await service.respond(request, req, messages, CHAT_SHAPE))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request, req: CompletionRequest) -> Any:
         if not req.prompt:
-            return error(400, "prompt must not be empty", param="prompt")
-        return await service.respond(request, req, req.prompt, COMPLETION_SHAPE)
+            return _warn_ignored(req, error(400, "prompt must not be empty", param="prompt"))
+        return _warn_ignored(req, await service.respond(request, req, req.prompt, COMPLETION_SHAPE))
 
     files = set(find_method(config.method).spec.state_files(config.method_options))  # the operator's, not shown
     shown = {k: v for k, v in config.method_options.items() if k not in files}

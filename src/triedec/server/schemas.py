@@ -1,5 +1,6 @@
 """The server's request and response shapes: OpenAI's, with triedec's own fields in the extra body
-(unknown fields refused, OpenAI fields triedec does not support named), and OpenAI's error shape."""
+(unknown top-level fields ignored and named in a header, unknown nested fields refused, OpenAI
+fields triedec does not support named), and OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+IGNORED_HEADER = "X-Triedec-Warning"
+"""The response header that names the top-level request fields the server ignored (unknown to it),
+as vLLM ignores them: ``unknown fields ignored: a, b``."""
 
 
 class TextPart(_Body):
@@ -41,7 +47,11 @@ UNSUPPORTED_NEUTRAL: dict[str, object] = {
 
 
 class Generation(_Body):
-    """Fields both endpoints share: OpenAI's, then triedec's extra-body ones."""
+    """Fields both endpoints share: OpenAI's, then triedec's extra-body ones. A top-level field the
+    server does not know is ignored and named in the :data:`IGNORED_HEADER` response header (nested
+    objects stay strict: a typo inside ``messages`` or ``method_options`` is a 400)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -68,6 +78,13 @@ class Generation(_Body):
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+
+    def ignored(self) -> list[str]:
+        """The top-level fields the server does not know (ignored), sorted; names are cut to 64
+        characters of ``[A-Za-z0-9_.-]`` (they go into a header), at most 16 of them."""
+        known = set(UNSUPPORTED_NEUTRAL)
+        names = sorted(k for k in (self.model_extra or {}) if k not in known)
+        return ["".join(c for c in n if c.isascii() and (c.isalnum() or c in "_.-"))[:64] or "?" for n in names][:16]
 
     def unsupported(self) -> list[str]:
         given = self.model_dump(exclude_unset=True)
