@@ -220,3 +220,24 @@ def test_generate_sampling_is_reproducible_across_methods(capsys, tiny_model_dir
     code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--max-new-tokens", "8",
                            "--temperature", "0.7", "--seed", "3", "--method", "pld", "Hello")
     assert code == 0 and "seed 3" in out
+
+
+def test_chat_template_replaces_the_tokenizers(capsys, tmp_path, tiny_model_dir):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>"
+                        "{% endif %}")
+    from triedec.flags import ModelSpec, build_parser
+
+    args = build_parser().parse_args(["generate", "--model", str(tiny_model_dir), "--chat-template", str(template),
+                                      "hi"])
+    lm = ModelSpec.from_args(args).load()
+    text = lm.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                            add_generation_prompt=True)
+    assert text == "<<hello>>=>"
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--chat-template", str(broken), "hi")
+    assert code == 2 and "--chat-template does not render" in err
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--chat-template",
+                           str(tmp_path / "missing.jinja"), "hi")
+    assert code == 2 and "cannot read it" in err

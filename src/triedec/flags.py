@@ -66,6 +66,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                         help=f"torch CPU threads (default {DEFAULT_THREADS}; serve --ray: per replica, and the CPUs "
                              "Ray reserves for each)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template file that replaces the tokenizer's own (as vLLM's "
+                             "--chat-template; default: the tokenizer's)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
                         help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32) "
                              "and triedec's fixed-order tree attention (CPU), which makes every method bit-exact "
@@ -96,8 +99,9 @@ def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """What loads the model: the model flags (``--model``, ``--dtype``, ``--device``, ``--attn``,
-    ``--kernels``) and torch's CPU threads. A plain value, so that another process (a Ray replica)
-    can load the same model."""
+    ``--kernels``), torch's CPU threads and a chat template to use instead of the tokenizer's (its
+    text, read from ``--chat-template`` once). A plain value, so that another process (a Ray
+    replica) can load the same model."""
 
     model: str | None = None
     dtype: str = "float32"
@@ -105,6 +109,7 @@ class ModelSpec:
     attn: str = "sdpa"
     kernels: str = "auto"
     threads: int = DEFAULT_THREADS
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -112,7 +117,15 @@ class ModelSpec:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
-        return cls(args.model, args.dtype, args.device, args.attn, args.kernels, args.threads)
+        template = None
+        if getattr(args, "chat_template", None):
+            try:
+                template = Path(args.chat_template).read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise TriedecError(f"--chat-template {args.chat_template}: cannot read it ({exc})") from exc
+            if not template.strip():
+                raise TriedecError(f"--chat-template {args.chat_template} is empty")
+        return cls(args.model, args.dtype, args.device, args.attn, args.kernels, args.threads, template)
 
     def check(self) -> None:
         """Raise :class:`~triedec.errors.TriedecError` where :meth:`load` would refuse this model
@@ -130,8 +143,16 @@ class ModelSpec:
         from triedec.lm import load
 
         torch.set_num_threads(self.threads)
-        return load(self.model, dtype=self.dtype, device=self.device, attn_implementation=self.attn,
-                    kernels=self.kernels)
+        lm = load(self.model, dtype=self.dtype, device=self.device, attn_implementation=self.attn,
+                  kernels=self.kernels)
+        if self.chat_template is not None:
+            lm.tokenizer.chat_template = self.chat_template
+            try:  # a broken template fails here, not on a client's request
+                lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                 add_generation_prompt=True)
+            except Exception as exc:
+                raise TriedecError(f"--chat-template does not render a chat: {type(exc).__name__}: {exc}") from exc
+        return lm
 
 
 def load_model(args: argparse.Namespace) -> Any:
