@@ -241,3 +241,18 @@ def test_chat_template_replaces_the_tokenizers(capsys, tmp_path, tiny_model_dir)
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--chat-template",
                            str(tmp_path / "missing.jinja"), "hi")
     assert code == 2 and "cannot read it" in err
+
+
+def test_every_flag_states_its_default():
+    """Each command's options say their default in --help (switches default to off)."""
+    import argparse
+
+    from triedec.flags import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    silent = [f"{name} {action.option_strings[0]}" for name, parser in commands.choices.items()
+              for action in parser._actions
+              if action.option_strings and not isinstance(action, argparse._HelpAction | argparse._StoreTrueAction
+                                                          | argparse._StoreFalseAction | argparse._VersionAction)
+              and "default" not in (action.help or "")]
+    assert silent == []

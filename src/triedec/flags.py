@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
     gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     gen.add_argument("--raw", action="store_true",
                      help="tokenize the prompt as plain text instead of applying the chat template")
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
@@ -216,21 +216,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "llamacpp[:gguf=PATH] adds llama.cpp on the model's GGUF (extra triedec[llamacpp]; "
                             "quantized, tokens not compared)")
     bench.add_argument("--dataset", default="spec-bench",
-                       help="spec-bench, humaneval, mbpp or a path to a .jsonl file (fields prompt or turns)")
+                       help="spec-bench (default), humaneval, mbpp or a path to a .jsonl file (fields prompt or "
+                            "turns)")
     bench.add_argument("--per-category", type=int, default=None,
                        help="questions per category: a fixed, evenly spaced sample (default: all)")
     bench.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
     bench.add_argument("--split", choices=("evaluation", "tuning", "all"), default=None,
                        help="which part of a shipped dataset to sample: evaluation (default; never tuned on), "
                             "tuning (for tuning runs), all; a .jsonl file is sampled whole")
-    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--max-new-tokens", type=int, default=256,
+                       help="tokens per prompt (default 256); serving mode: each request's max_tokens")
     bench.add_argument("--state", choices=("cold", "warm"), default="cold",
                        help="cold (default): every method starts each prompt from no learned state (one "
                             "request); warm: learned state carries across the sample in file order, as in a "
                             "server, reset between repeats")
     bench.add_argument("--repeats", type=int, default=1,
                        help="timed runs per prompt and method, each in a fresh random order; the median is "
-                            "reported (3 for published runs)")
+                            "reported (default 1; 3 for published runs)")
     bench.add_argument("--order-seed", type=int, default=0, help="seed of the per-prompt method orders (default 0)")
     bench.add_argument("--warmup", type=int, default=1,
                        help="warm-up prompts (outside the sample) every method runs first, untimed (default 1)")
@@ -298,9 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec = srv.add_argument_group("security and limits (docs/serving.md: Security)")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; each its own tenant); "
-                          "without --api-key or --api-keys-file, TRIEDEC_API_KEY is used if set")
+                          "without --api-key or --api-keys-file, TRIEDEC_API_KEY is used if set (default: "
+                          "none: the server is open)")
     sec.add_argument("--api-keys-file", metavar="FILE",
-                     help="keys, one per line, each optionally followed by a space and its tenant's name")
+                     help="keys, one per line, each optionally followed by a space and its tenant's name "
+                          "(default: none)")
     sec.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
     sec.add_argument("--learning", choices=("shared", "tenant", "off"), default=None,
                      help="whose learned state (auto's store, the recycling matrix, acceptance rates) a request "
@@ -337,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--redis-url", default=None, metavar="URL",
                      help="share learned state with every replica naming the same Redis, redis://HOST:PORT/DB "
                           "(extra triedec[redis]); TRIEDEC_REDIS_URL is used if this is not given (a URL with a "
-                          "password stays out of the process list)")
+                          "password stays out of the process list; default: none, learned state stays in this "
+                          "process)")
     out.add_argument("--share-interval", type=float, default=0.5,
                      help="seconds between two exchanges of learned state through Redis (default %(default)s)")
     out.add_argument("--share-max-entries", type=int, default=1_000,
