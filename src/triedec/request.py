@@ -310,7 +310,7 @@ class Request:
         counts = self.stats.accepted_by_origin
         for origin in origins[: len(new)]:
             counts[origin] = counts.get(origin, 0) + 1
-        if self._trace is not None:
+        if self._trace is not None:  # sources: every node's, given when recording
             self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path))
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -408,6 +408,6 @@ class Request:
         for d in range(1, len(acceptance.path)):
             self._accepted_at[d] += 1
         self._draft = self._tree = None
-        sources = tuple(draft.sources_of(i) for i in range(tree.size))
-        origins = (*(origin_of(sources[i]) for i in acceptance.path[1:]), MODEL)
+        origins = (*(origin_of(draft.sources_of(i)) for i in acceptance.path[1:]), MODEL)
+        sources = tuple(draft.sources_of(i) for i in range(tree.size)) if self._trace is not None else ()
         self._emit(new, reason, origins, tree, sources, acceptance.path)
