@@ -330,12 +330,14 @@ def _prefill(adapter: ModelAdapter, cache: KVCache, prompt: list[int]) -> Genera
     return logits
 
 
-def _live(root: int, streamed: int, running: Sequence[tuple[int, ...]]) -> tuple[TokenTree, tuple[int, ...]]:
-    """The running beams past their first ``streamed`` tokens as one trie rooted at ``root`` (the
-    last certain token), and the path of the first (best) beam in it."""
+def _record(step: int, fresh: Sequence[int], root: int, streamed: int,
+            hypotheses: Sequence[tuple[int, ...]]) -> StepTrace:
+    """A beam step's record: the tokens that became certain (``fresh``, chosen by the model) and
+    the hypotheses past their first ``streamed`` tokens as one trie rooted at ``root`` (the last
+    certain token), the first (best) one as its path."""
     tokens, parents, index = [root], [-1], {(): 0}
     best: tuple[int, ...] = (0,)
-    for rank, beam in enumerate(running):
+    for rank, beam in enumerate(hypotheses):
         suffix = beam[streamed:]
         for i in range(1, len(suffix) + 1):
             if suffix[:i] not in index:
@@ -344,7 +346,8 @@ def _live(root: int, streamed: int, running: Sequence[tuple[int, ...]]) -> tuple
                 parents.append(index[suffix[: i - 1]])
         if rank == 0:
             best = tuple(index[suffix[:i]] for i in range(len(suffix) + 1))
-    return TokenTree(tuple(tokens), tuple(parents)), best
+    return StepTrace(step, tuple(fresh), (MODEL,) * len(fresh), TokenTree(tuple(tokens), tuple(parents)),
+                     ((),) * len(tokens), best)
 
 
 def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
@@ -363,9 +366,9 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
         prefix = scorer.stable_prefix()
         fresh = list(prefix[len(streamed) :])
         streamed = prefix if fresh else streamed
-        if steps is not None:
-            tree, best = _live(streamed[-1] if streamed else prompt[-1], len(streamed), scorer.running)
-            steps.append(StepTrace(stats.steps, tuple(fresh), (MODEL,) * len(fresh), tree, ((),) * tree.size, best))
+        if steps is not None:  # the live hypotheses
+            steps.append(_record(stats.steps, fresh, streamed[-1] if streamed else prompt[-1], len(streamed),
+                                 scorer.running))
         if scorer.done:
             if fresh:
                 yield fresh
@@ -384,10 +387,9 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
     if best[: len(streamed)] != streamed:
         raise TriedecError("internal error: the streamed prefix is not a prefix of the best hypothesis")
     if len(best) > len(streamed):
-        if steps is not None:  # the returned hypotheses as the last tree, the best one as its path
-            tree, path = _live(streamed[-1] if streamed else prompt[-1], len(streamed), [h.token_ids for h in results])
-            steps.append(StepTrace(stats.steps, best[len(streamed) :], (MODEL,) * (len(best) - len(streamed)), tree,
-                                   ((),) * tree.size, path))
+        if steps is not None:  # the returned hypotheses as the last tree
+            steps.append(_record(stats.steps, best[len(streamed) :], streamed[-1] if streamed else prompt[-1],
+                                 len(streamed), [h.token_ids for h in results]))
         yield list(best[len(streamed) :])
     adapter.synchronize()
     reason = "eos" if best and best[-1] in stop.eos_token_ids else "length"

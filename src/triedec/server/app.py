@@ -229,11 +229,9 @@ class _Service:
                     "seed": req.seed}
         run = lm.start(ids, method, max_new_tokens=limit, stop=list(stops) or None, scope=scope, **sampling,
                        **options)
-        files = set(find_method(method).spec.state_files(options))
-        shown = {k: v for k, v in options.items() if k not in files}
         if req.trace:
             run.record_steps()
-        return _Prepared(run, method, shown, len(ids), stops, req.trace)
+        return _Prepared(run, method, _shown(method, options), len(ids), stops, req.trace)
 
     def tenant(self, request: Request, req: Generation) -> str:
         """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
@@ -441,6 +439,12 @@ class _Service:
                 job.cancel()  # a no-op once the run is done
 
 
+def _shown(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` as a client may see them: learned-state file paths (the operator's) left out."""
+    files = set(find_method(method).spec.state_files(options))
+    return {k: v for k, v in options.items() if k not in files}
+
+
 class FieldError(TriedecError):
     """Bad input in one request field, named as the client sent it (``param`` of the 400)."""
 
@@ -556,11 +560,9 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
             return _warn_ignored(req, error(400, "prompt must not be empty", param="prompt"))
         return _warn_ignored(req, await service.respond(request, req, req.prompt, COMPLETION_SHAPE))
 
-    files = set(find_method(config.method).spec.state_files(config.method_options))  # the operator's, not shown
-    shown = {k: v for k, v in config.method_options.items() if k not in files}
     add_playground(app, config.api_keys is not None,
-                   playground_info(config.model_name, config.method, shown, config.max_tokens_limit,
-                                   config.default_max_tokens, lm.adapter.exactness))
+                   playground_info(config.model_name, config.method, _shown(config.method, config.method_options),
+                                   config.max_tokens_limit, config.default_max_tokens, lm.adapter.exactness))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

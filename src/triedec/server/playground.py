@@ -65,6 +65,7 @@ def add_routes(app: FastAPI, keys: bool, about: dict[str, Any]) -> None:
     """``GET /`` (the page; ``keys``: whether it must ask for an API key before any call),
     ``GET /playground/{file}`` and ``GET /triedec/info`` (``about``)."""
     html = _read("index.html").replace(b'content="KEYS"', b'content="required"' if keys else b'content="none"')
+    files = {name: _read(name) for name in FILES}  # read once: the package's files do not change
 
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
@@ -74,7 +75,7 @@ def add_routes(app: FastAPI, keys: bool, about: dict[str, Any]) -> None:
     async def asset(name: str) -> Response:
         if name not in FILES:
             return error(404, f"no playground file {name!r}", "not_found_error")
-        return Response(_read(name), media_type=FILES[name], headers=HEADERS)
+        return Response(files[name], media_type=FILES[name], headers=HEADERS)
 
     @app.get("/triedec/info")
     async def triedec_info() -> dict[str, Any]:
