@@ -21,7 +21,7 @@ from triedec.adapter import ModelAdapter
 from triedec.allocate import allocate
 from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo, Verified
-from triedec.drafters.recycling import PAPER_TEMPLATE, RecyclingProfile, best_nodes
+from triedec.drafters.template import PAPER_TEMPLATE, RecyclingProfile, best_nodes
 from triedec.engine import Batch, BatchLimits, run_alone, speculative_decode
 from triedec.request import StopRule
 from triedec.sampling import GREEDY_SAMPLING, Sampling

@@ -15,8 +15,9 @@ from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
 from triedec.drafters import drafter_spec
-from triedec.drafters.auto import KEYS, LEAD, PER_KEY, SOURCES, STORE_FORMAT, AutoDrafter, OutputStore, _Node
+from triedec.drafters.auto import SOURCES, AutoDrafter, _Node
 from triedec.drafters.state import save_state
+from triedec.drafters.store import KEYS, LEAD, PER_KEY, STORE_FORMAT, OutputStore
 from triedec.engine import StopRule, speculative_decode
 from triedec.errors import TriedecError
 from triedec.sampling import Sampling
@@ -169,7 +170,7 @@ def test_store_option_carries_outputs_across_drafters(tmp_path):
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"max_nodes": 0}, "max_nodes"), ({"n": 1}, "n must be"), ({"store_tokens": -1}, "store_tokens"),
+    ({"max_nodes": 0}, "max_nodes"), ({"n": 1}, "n must be"), ({"store_capacity": -1}, "store_capacity"),
     ({"store": 3}, "store must be"), ({"sized": "yes"}, "sized"), ({"depth": 0}, "depth"),
 ])
 def test_bad_options(bad, message):

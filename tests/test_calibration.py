@@ -15,9 +15,9 @@ import triedec
 from triedec import calibration
 from triedec.calibration import Bench, Calibration, load_or_calibrate
 from triedec.costmodel import CostModel
-from triedec.drafters import base as drafter_base
 from triedec.drafters import recycling
-from triedec.drafters.recycling import RecyclingProfile, best_nodes
+from triedec.drafters import registry as drafter_registry
+from triedec.drafters.template import RecyclingProfile, best_nodes
 from triedec.errors import TriedecError
 
 # ---- the cost model ------------------------------------------------------------------------------
@@ -104,13 +104,13 @@ def test_only_what_a_method_needs_is_measured_and_it_is_cached(tiny_lm, monkeypa
     measured = []
     monkeypatch.setattr(calibration, "measure_cost_model",
                         lambda lm, repeats: measured.append("cost") or small_cost_model(lm))
-    spec = drafter_base._REGISTRY["recycling"]
+    spec = drafter_registry._REGISTRY["recycling"]
 
     def profile(bench):
         measured.append("recycling")
         return recycling.measure_profile(Bench(bench.lm, bench.info.cost, 2, 4))
 
-    monkeypatch.setitem(drafter_base._REGISTRY, "recycling",
+    monkeypatch.setitem(drafter_registry._REGISTRY, "recycling",
                         dataclasses.replace(spec, profile=dataclasses.replace(spec.profile, measure=profile)))
     tiny_lm.generate("hi", "ar", max_new_tokens=2)
     tiny_lm.generate("hi", "ngram-trie", max_new_tokens=2, sized=False)

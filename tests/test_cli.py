@@ -256,3 +256,54 @@ def test_every_flag_states_its_default():
                                                           | argparse._StoreFalseAction | argparse._VersionAction)
               and "default" not in (action.help or "")]
     assert silent == []
+
+
+def test_the_top_level_help_imports_no_torch_and_lists_every_command():
+    """`triedec --help` and `--version` answer from the top-level parser alone, without torch or
+    transformers (a second instead of several), and it lists the same commands as the full one."""
+    import argparse
+    import subprocess
+
+    code = ("import sys\nfrom triedec.cli import main\n"
+            "for argv in (['--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as done:\n        assert done.code == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "triedec 0.1.0" in done.stdout and "{generate,methods,calibrate" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+    def commands(parser):
+        (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return [(c.dest, c.help) for c in sub._choices_actions]
+
+    assert commands(build_parser(full=False)) == commands(build_parser())
+
+
+BLOCK = "import sys\nfor m in {mods!r}:\n    sys.modules[m] = None  # as if not installed\n"
+
+
+@pytest.mark.parametrize("argv, extra", [(["serve"], "server"), (["bench", "--methods", "ar"], "bench")])
+def test_a_command_whose_extra_is_missing_says_which_to_install(argv, extra):
+    """The core install has no server or plotting stack; a command that needs one names its extra."""
+    import subprocess
+
+    code = BLOCK.format(mods=["fastapi", "matplotlib"]) + (
+        f"from triedec.cli import main\nsys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert f"pip install 'triedec[{extra}]'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_generate_needs_no_extra(tiny_model_dir):
+    """The library and `triedec generate` run with no server, plotting or HTTP client installed,
+    and import none of them."""
+    import subprocess
+
+    heavy = ["fastapi", "uvicorn", "prometheus_client", "starlette", "pydantic", "matplotlib", "httpx", "openai"]
+    code = BLOCK.format(mods=heavy) + (
+        f"from triedec.cli import main\nassert main(['generate', '--model', {str(tiny_model_dir)!r}, '--method', 'ar', "
+        "'--max-new-tokens', '4', '--json', 'hello']) == 0\n"
+        f"print('loaded:', sorted(m for m in {heavy!r} if sys.modules.get(m) is not None))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "loaded: []"

@@ -1,16 +1,17 @@
-"""The package's import graph: no circle (function-local and TYPE_CHECKING imports included), and
-the core never imports the layers above it."""
+"""The package's import graph against the floors docs/ARCHITECTURE.md draws: every module on
+exactly one floor, no import of a higher floor, no circle (function-local and TYPE_CHECKING imports
+included)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import triedec
 
 PACKAGE = Path(triedec.__file__).parent
-CORE = ("tree", "trace", "sampling", "accept", "kvcache", "costmodel", "errors", "adapter", "engine", "drafters")
-SHELLS = ("lm", "cli", "bench", "calibration", "methods", "server", "dropin")
+ARCHITECTURE = Path(__file__).parents[1] / "docs" / "ARCHITECTURE.md"
 
 
 def module_name(path: Path) -> str:
@@ -65,18 +66,61 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def layer(module: str) -> str:
-    return module.split(".")[1] if module.count(".") else module
+def drawn_floors(text: str) -> dict[str, list[str]]:
+    """The picture in ARCHITECTURE.md's first code block, as floor name -> the module patterns on
+    that floor's line, top floor first: ``x.py`` is the module ``triedec.x``; ``d/ (a, b)`` is
+    ``triedec.d.a`` and ``triedec.d.b`` (``__init__`` is the package itself); a bare ``d/`` is the
+    package ``d`` and everything in it."""
+    block = text.split("```", 2)[1]
+    floors: dict[str, list[str]] = {}
+    for line in block.splitlines():
+        words = line.split()
+        if not words or words[0] == "|":
+            continue
+        found: list[str] = []
+        for package, members in re.findall(r"(\w+)/ \(([^)]*)\)", line):
+            for m in members.split(","):
+                m = m.strip()
+                found.append(f"triedec.{package}" if m == "__init__" else f"triedec.{package}.{m}")
+        line = re.sub(r"\w+/ \([^)]*\)", " ", line)
+        for name in re.findall(r"(?<![\w/])(\w+)\.py\b", line):
+            found.append("triedec" if name == "__init__" else f"triedec.{name}")
+        found += [f"triedec.{d}.*" for d in re.findall(r"(?<![\w/])(\w+)/(?!\S)", line)]
+        floors[words[0]] = found
+    return floors
+
+
+def floor_table() -> dict[str, int]:
+    """Each module's floor (0 = the bottom) as ARCHITECTURE.md draws it."""
+    floors = list(drawn_floors(ARCHITECTURE.read_text()).values())[::-1]
+    table: dict[str, int] = {}
+    for module in graph():
+        places = [i for i, patterns in enumerate(floors) for p in patterns
+                  if p == module or (p.endswith(".*") and (module + ".").startswith(p[:-1]))]
+        assert len(places) == 1, f"{module} is drawn on {len(places)} floors of ARCHITECTURE.md, not one"
+        table[module] = places[0]
+    return table
+
+
+def test_architecture_draws_six_floors_and_places_every_module_once():
+    floors = drawn_floors(ARCHITECTURE.read_text())
+    assert list(floors) == ["shells", "API", "methods", "engine", "adapter", "core"]
+    assert "Six floors" in ARCHITECTURE.read_text()
+    drawn = [p for patterns in floors.values() for p in patterns if not p.endswith(".*")]
+    assert sorted(set(drawn)) == sorted(drawn), "a module is drawn twice"
+    assert set(drawn) <= set(graph()), f"drawn but not in the package: {set(drawn) - set(graph())}"
+    assert set(floor_table()) == set(graph())
+
+
+def test_no_module_imports_a_higher_floor():
+    table = floor_table()
+    bad = [f"{src} (floor {table[src]}) imports {dst} (floor {table[dst]})"
+           for src, targets in graph().items() for dst in targets if table[dst] > table[src]]
+    assert bad == []
 
 
 def test_the_import_graph_has_no_circle():
     assert find_cycle(graph()) is None, f"import circle: {' -> '.join(find_cycle(graph()) or [])}"
-
-
-def test_the_core_never_imports_the_layers_above_it():
-    bad = [(src, dst) for src, targets in graph().items() for dst in targets
-           if layer(src) in CORE and layer(dst) in SHELLS]
-    assert bad == []
 
 
 def test_the_checker_sees_function_local_imports_and_circles(tmp_path):
@@ -85,3 +129,10 @@ def test_the_checker_sees_function_local_imports_and_circles(tmp_path):
     assert {"triedec.lm", "triedec.cli"} <= imports_of(path)
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_picture_parser_reads_files_lists_and_packages():
+    text = "```\n top   a.py (says b.py)  pkg/ (__init__, x, y)  __init__.py\n   |\n low   whole/\n```"
+    assert drawn_floors(text) == {"top": ["triedec.pkg", "triedec.pkg.x", "triedec.pkg.y", "triedec.a", "triedec.b",
+                                          "triedec"],
+                                  "low": ["triedec.whole.*"]}

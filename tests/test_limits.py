@@ -75,9 +75,9 @@ def _rss() -> int:
 # ---- option maxima ---------------------------------------------------------------------------------
 
 def test_every_option_that_sizes_memory_or_work_has_a_maximum():
-    """The options that size a drafter's memory (k, store_tokens) or a step's work (tree sizes,
+    """The options that size a drafter's memory (k, store_capacity) or a step's work (tree sizes,
     n-gram orders, beams) declare a maximum, and a value past it is refused by name."""
-    must = {"auto": {"max_nodes", "depth", "n", "store_tokens", "k"}, "recycling": {"k", "seed_prefill"},
+    must = {"auto": {"max_nodes", "depth", "n", "store_capacity", "k"}, "recycling": {"k", "seed_prefill"},
             "ngram-trie": {"n", "num_draft"}, "pld": {"max_ngram", "num_tokens", "num_matches"},
             "lookahead": {"window", "ngram", "guesses", "budget", "depth"}, "beam": {"num_beams", "gc_every"}}
     for name, options in must.items():
@@ -102,7 +102,7 @@ def test_a_request_past_an_option_maximum_gets_400_naming_it(lm):
     with serving(create_app(lm, _config())) as url:
         for method, options, option in [("auto", {"k": 1003}, "k"), ("recycling", {"k": 1003}, "k"),
                                         ("beam", {"num_beams": 1000}, "num_beams"),
-                                        ("auto", {"store_tokens": 10**9}, "store_tokens"),
+                                        ("auto", {"store_capacity": 10**9}, "store_capacity"),
                                         ("ngram-trie", {"num_draft": 100_000}, "num_draft")]:
             got = _chat(url, method=method, method_options=options)
             assert got.status_code == 400, got.text
@@ -144,10 +144,10 @@ def test_the_lm_keeps_built_methods_within_its_limits(lm):
     assert len(fresh._decoders) == 3
     # a method whose bound alone is over a byte cap: refused with the cap named
     fresh.limit_decoders(DecoderLimits(scope_bytes=1 << 20))
-    bound = fresh.decoder("auto", scope="w", store_tokens=1000).max_learned_bytes()
+    bound = fresh.decoder("auto", scope="w", store_capacity=1000).max_learned_bytes()
     assert 0 < bound <= 1 << 20
     with pytest.raises(TriedecError, match=r"may hold .* MiB of learned state, more than the 1 MiB"):
-        fresh.decoder("auto", scope="w", store_tokens=1_000_000)
+        fresh.decoder("auto", scope="w", store_capacity=1_000_000)
 
 
 def test_twenty_option_sets_from_one_key_keep_memory_bounded(default_lm):

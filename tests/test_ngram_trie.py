@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo, drafter_spec
-from triedec.drafters.ngram_trie import NgramTrie, NgramTrieDrafter, NgramTrieOptions
+from triedec.drafters.ngram_trie import NgramTrieDrafter, NgramTrieOptions
+from triedec.drafters.trie import NgramTrie
 from triedec.errors import TriedecError
 
 

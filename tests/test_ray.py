@@ -253,7 +253,7 @@ def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluste
     time.sleep(2.0)  # ten exchange intervals: the merge takes about one (docs/scaling-out.md)
     again, second, stats = _asked(client, question, 64, user=other)
     assert second != first and again == text == default_lm.generate(question, "ar", max_new_tokens=64).text
-    assert stats["store_tokens"] > 0  # drafted from the first replica's answer, merged from Redis
+    assert stats["tokens_from_store"] > 0  # drafted from the first replica's answer, merged from Redis
 
 
 def test_ray_answers_equal_lm_generate_and_turns_stay_on_their_replica(ray_cluster, default_lm):

@@ -12,14 +12,12 @@ from hypothesis import strategies as st
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
 from triedec.drafters import ModelInfo, Verified, drafter_spec
-from triedec.drafters.recycling import (
+from triedec.drafters.matrix import AdjacencyMatrix
+from triedec.drafters.recycling import RecyclingDrafter, RecyclingOptions, _Plan, fill
+from triedec.drafters.template import (
     PAPER_TEMPLATE,
-    AdjacencyMatrix,
-    RecyclingDrafter,
-    RecyclingOptions,
     RecyclingProfile,
     TreeTemplate,
-    _Plan,
     best_nodes,
     expected_speeds,
 )
@@ -109,7 +107,7 @@ def test_expand_follows_ranks_and_marks_cold_rows():
     m.table[6] = torch.tensor([8, 9])
     m.filled[[4, 6]] = True
     t = TreeTemplate(((0,), (1,), (0, 0), (0, 1), (1, 0)))
-    tokens, usable = m.expand(4, t, _Plan.of(t, CPU))
+    tokens, usable = fill(m, 4, t, _Plan.of(t, CPU))
     assert tokens[:5] == [4, 6, 7, 8, 9]
     assert usable == [True, True, True, True, True, False]  # (1, 0) hangs off token 7: a cold row
 

@@ -1,6 +1,6 @@
 """The server as something you can expose (docs/serving.md: Security), on real uvicorn servers on loopback
 driven by the ``openai`` client, httpx and raw sockets: the auth matrix on every endpoint, learned
-state per tenant (``store_tokens`` in the stats), per-tenant caps (429 + Retry-After), the request
+state per tenant (``tokens_from_store`` in the stats), per-tenant caps (429 + Retry-After), the request
 time limit (length / 408, KV freed), slow bodies and clients that never read, private state
 files, and a schemathesis run with keys configured."""
 
@@ -174,20 +174,20 @@ def test_tenant_b_drafts_nothing_from_tenant_a_unless_shared(lm, learning):
     want = lm.generate(QUESTION, "auto", max_new_tokens=48, sized=False).text
     assert text_a == text_b == again_a == want  # exact whatever was learned
     assert stats_a["learning"] == stats_b["learning"] == learning
-    assert stats_a["store_tokens"] == 0
+    assert stats_a["tokens_from_store"] == 0
     if learning == "shared":
-        assert stats_b["store_tokens"] > 0
+        assert stats_b["tokens_from_store"] > 0
     else:
-        assert stats_b["store_tokens"] == 0
+        assert stats_b["tokens_from_store"] == 0
     # a tenant drafts from its own earlier answer, unless nothing is learned
-    assert (again_stats["store_tokens"] > 0) == (learning != "off")
+    assert (again_stats["tokens_from_store"] > 0) == (learning != "off")
 
 
 def test_without_keys_tenant_learning_follows_the_user_field(lm):
     with serving(create_app(lm.fresh(), _config(learning="tenant"))) as url:
         _ask(url, "Bearer unused", user="ann")
-        assert _ask(url, "Bearer unused", user="ben")[1]["store_tokens"] == 0
-        assert _ask(url, "Bearer unused", user="ann")[1]["store_tokens"] > 0
+        assert _ask(url, "Bearer unused", user="ben")[1]["tokens_from_store"] == 0
+        assert _ask(url, "Bearer unused", user="ann")[1]["tokens_from_store"] > 0
 
 
 def test_the_default_learning_is_tenant_with_keys_and_shared_without():

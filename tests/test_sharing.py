@@ -23,11 +23,11 @@ from helpers import random_prompts as prompts
 
 import triedec
 from triedec.drafters import drafter_spec
-from triedec.drafters.auto import LEAD, OutputStore
 from triedec.drafters.base import FROM_STORE
-from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
 from triedec.drafters.learned import Learned
-from triedec.drafters.recycling import AdjacencyMatrix
+from triedec.drafters.matrix import AdjacencyMatrix
+from triedec.drafters.rates import MovingRatio, RateTable
+from triedec.drafters.store import LEAD, OutputStore
 from triedec.errors import TriedecError
 from triedec.server import ServerConfig
 from triedec.server.sharing import SharingConfig
@@ -69,19 +69,17 @@ def test_rates_blend_as_weighted_averages_by_updates_since_the_last_export():
     assert rate.updates == 1
     rate.blend(0.2, 2.0, 3)
     assert math.isclose(rate.numerator, (0.9 + 3 * 0.2) / 4) and math.isclose(rate.denominator, (1 + 3 * 2.0) / 4)
-    table = {5: rate, 6: MovingRatio(0.8)}
-    table[6].relax(0.5)  # relaxing is not an update: not exported
-    found = export_rates(table)
-    assert [key for key, *_ in found] == [5] and found[0][3] == 1 and rate.updates == 0
-    assert export_rates(table) == ()
-    other = {}
-
-    def ratio(key):
-        return other.setdefault(key, MovingRatio(0.8))
-
-    absorb_rates(ratio, lambda key: isinstance(key, int), [*found, ("x", 0.1, 1.0, 5), (9, 0.1, 1.0, 0)])
-    assert set(other) == {5}  # an invalid key and a rate without updates change nothing
-    assert math.isclose(other[5].numerator, (0.8 + 1 * found[0][1]) / 2)
+    table = RateTable(lambda key: 0.8, 0.5, 0.5, lambda key: isinstance(key, int))
+    table.learn(5, 1.0, 1.0)
+    table.relax(6)  # relaxing is not an update: not exported
+    found = table.export()
+    assert [key for key, *_ in found] == [5] and found[0][3] == 1
+    assert table.export() == ()
+    other = RateTable(lambda key: 0.8, 0.5, 0.5, lambda key: isinstance(key, int))
+    other.absorb([*found, ("x", 0.1, 1.0, 5), (9, 0.1, 1.0, 0)])
+    assert [key for key, _ in other.items()] == [5]  # an invalid key and a rate without updates change nothing
+    assert math.isclose(other.value(5), ((0.8 + found[0][1]) / 2) / ((1 + found[0][2]) / 2))
+    assert other.value(7) == 0.8  # a key never updated reads its prior
 
 
 def test_matrix_rows_last_writer_wins_except_rows_written_here_since_the_export():
@@ -301,13 +299,13 @@ def test_an_answer_on_one_process_drafts_on_the_other_for_its_tenant_only(cluste
     question = "Tell me a story about the sea and the ships."
     before = _quiet(two, "outputs")
     text, stats = one.ask(ALICE, question)
-    assert stats["store_tokens"] == 0
+    assert stats["tokens_from_store"] == 0
     delay = _absorbed_after(two, before, STATED_DELAY, "outputs")
     print(f"process 2 absorbed process 1's answer {delay:.2f} s after it was returned")
     again, again_stats = two.ask(ALICE, question)
-    assert again == text and again_stats["store_tokens"] > 0 and again_stats["learning"] == "tenant"
+    assert again == text and again_stats["tokens_from_store"] > 0 and again_stats["learning"] == "tenant"
     other, other_stats = two.ask(BOB, question)  # bob's scope on process 2 learned nothing of alice's
-    assert other == text and other_stats["store_tokens"] == 0
+    assert other == text and other_stats["tokens_from_store"] == 0
     assert one.sharing()["redis"] == two.sharing()["redis"] == "up"
     metrics = httpx.get(f"{one.url}/metrics", headers={"Authorization": ALICE}, timeout=10).text
     assert "triedec_sharing_redis_up 1.0" in metrics
@@ -336,7 +334,7 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request_and_the_streams_ca
     _absorbed_after(two, before, 15.0, "outputs")
     assert one.sharing()["redis"] == "up" and one.sharing()["pending"] == 0
     again, again_stats = two.ask(CAROL, question)
-    assert again == text and again_stats["store_tokens"] > 0
+    assert again == text and again_stats["tokens_from_store"] > 0
 
 
 def test_a_method_built_later_in_a_followed_scope_catches_up_on_the_streams_past(cluster):

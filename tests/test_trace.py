@@ -14,6 +14,7 @@ import triedec
 from triedec.bench.load import serving
 from triedec.drafters.base import SOURCES, UNNAMED, BaseDrafter, Draft
 from triedec.errors import TriedecError
+from triedec.generation import GenerationRequest
 from triedec.methods import methods
 from triedec.request import Request, StopRule
 from triedec.server import ServerConfig, create_app
@@ -30,7 +31,7 @@ def lm(tiny_model_dir):
 
 
 def traced(lm, method, prompt=REPEATING, **kwargs):
-    run = lm.start(prompt, method, **kwargs)
+    run = lm.start(GenerationRequest.of(prompt, method, **kwargs))
     run.record_steps()
     tokens, outcome = drain(triedec.engine.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
     return tokens, outcome, run.take_steps()
@@ -116,7 +117,7 @@ def test_beam_records_its_live_hypotheses(lm):
 
 
 def test_a_plain_run_records_nothing(lm):
-    run = lm.start(REPEATING, "auto", max_new_tokens=8)
+    run = lm.start(GenerationRequest(REPEATING, "auto", max_new_tokens=8))
     drain(triedec.engine.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
     assert run.take_steps() == []
 

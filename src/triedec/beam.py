@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from triedec.adapter import ModelAdapter
-from triedec.drafters.base import at_most
+from triedec.drafters.registry import at_most
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
 from triedec.request import PREFILL_CHUNK, Stats, StopRule, prompt_chunk

@@ -39,7 +39,7 @@ import torch
 from triedec.adapter import ForwardItem, ModelAdapter, cache_keyword
 from triedec.costmodel import CostModel
 from triedec.drafters import Drafter, ModelInfo
-from triedec.drafters.base import NEEDS_COST, profile_specs
+from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.engine import run_alone
 from triedec.errors import TriedecError, positive_int
 from triedec.request import Request, StopRule
@@ -265,7 +265,7 @@ def calibration_prompts(n: int | None = None) -> list[str]:
 
 
 class Bench:
-    """What a profile's ``measure`` gets (:class:`~triedec.drafters.base.CalibrationBench`): the
+    """What a profile's ``measure`` gets (:class:`~triedec.drafters.registry.CalibrationBench`): the
     model's info with the cost model, calibration prompts and greedy decoding of one prompt alone
     with a drafter, drafts sized under that cost model."""
 

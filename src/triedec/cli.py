@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from triedec.errors import TriedecError
+from triedec.errors import TriedecError, require_extra
 from triedec.flags import (
     ModelSpec,
     build_parser,
@@ -22,14 +22,14 @@ from triedec.flags import (
     method_options,
     model_label,
     option_flags,
-    sampling_args,
+    sampling_of,
     server_config,
 )
-from triedec.methods import methods
-from triedec.sampling import Sampling
 
 
 def cmd_methods() -> int:
+    from triedec.methods import methods
+
     for name, found in methods().items():
         print(f"{name}: {found.description}")
         maxima = found.spec.maxima()
@@ -42,7 +42,7 @@ def cmd_methods() -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from triedec.calibration import calibration_path, read_calibration
-    from triedec.drafters.base import profile_specs
+    from triedec.drafters.registry import profile_specs
 
     for flag in ("prompts", "max_new_tokens", "repeats"):
         if getattr(args, flag) < 1:
@@ -100,22 +100,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from triedec.generation import GenerationRequest, vars_of
+
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise TriedecError("the prompt is empty")
-    options = method_options(args, args.method)
-    sampling = sampling_args(args)
-    Sampling(**sampling)  # bad values fail before the model loads
+    # every check that needs no model runs before the model loads
+    request = GenerationRequest(prompt, args.method, method_options(args, args.method), args.max_new_tokens,
+                                tuple(args.stop or ()), sampling=sampling_of(args))
     lm = load_model(args)
-    lm.decoder(args.method, **options)  # build (and validate) the method before any output
-    chat = not args.raw and lm.has_chat_template
-    printer = _StreamPrinter(lm.tokenizer, args.stop or ()) if not args.json else None
-    result = lm.generate(
-        prompt, args.method, max_new_tokens=args.max_new_tokens, stop=args.stop, chat=chat,
-        on_tokens=printer, **sampling, **options,
-    )
+    request = dataclasses.replace(request, chat=not args.raw and lm.has_chat_template)
+    lm.decoder(request.method, **vars_of(request.options))  # build the method (it may measure) before any output
+    printer = _StreamPrinter(lm.tokenizer, request.stop) if not args.json else None
+    result = lm.generate(request, on_tokens=printer)
     stats = result.stats
     sequences = [{"text": lm.decode_result(h.token_ids), "token_ids": list(h.token_ids), "score": h.score}
                  for h in result.sequences]
@@ -151,6 +150,7 @@ class _StreamPrinter:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    require_extra("server", "triedec serve")
     config = server_config(args, os.environ)
     logging.getLogger("triedec.server").info(
         "API keys: %s; learning: %s; learned state shared through Redis: %s",
@@ -199,7 +199,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
     from triedec.bench.report import machine_info, source_commit
     from triedec.bench.serving import ServingConfig, parse_counts, run_serving, serving_markdown, serving_plot
 
-    if not Sampling(**sampling_args(args)).plain:
+    if not sampling_of(args).plain:
         raise TriedecError("the serving benchmark is greedy: run it without --temperature and --repetition-penalty")
     from triedec.bench.serving import Entry
 
@@ -243,6 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None = None) -> int:
+    require_extra("bench", "triedec bench")
     from triedec.bench.datasets import DATASETS, load_questions, select
     from triedec.bench.harness import BenchConfig
     from triedec.bench.run import run_entries
@@ -250,7 +251,7 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
     if args.serving:
         return cmd_serving(args)
 
-    sampling = Sampling(**sampling_args(args))
+    sampling = sampling_of(args)
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
@@ -283,7 +284,10 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
 
 def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] | None = None) -> int:
     """Entry point. ``extra_runners`` lets tests add benchmark-only methods."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # no command named: the top level alone answers (--help, --version, the missing-command error)
+    # without importing torch and transformers
+    parser = build_parser(full=any(not a.startswith("-") for a in argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call (bench --serving)

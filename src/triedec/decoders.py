@@ -10,7 +10,7 @@ holds a 385 MB matrix on a 49k-token vocabulary. :class:`BuiltMethods` bounds th
   overall;
 * **bytes**: each built method declares the most learned state it can ever hold
   (:meth:`~triedec.methods.Decoder.max_learned_bytes`, from its options' bounds: a recycling
-  matrix is ``vocab x k`` ids, auto's store at most ``store_tokens`` tokens), and the sum is kept
+  matrix is ``vocab x k`` ids, auto's store at most ``store_capacity`` tokens), and the sum is kept
   under ``scope_bytes`` per scope and ``total_bytes`` overall.
 
 Past a bound, the least recently used other methods are dropped (their learned state with them;
@@ -88,7 +88,7 @@ class BuiltMethods:
             if cap is not None and nbytes > cap:
                 raise TriedecError(f"method {key[1]!r} with these options may hold {_mib(nbytes)} of learned state, "
                                    f"more than the {_mib(cap)} this process keeps {where}; use smaller options "
-                                   "(k, store_tokens)")
+                                   "(k, store_capacity)")
 
     def put(self, key: Key, decoder: Any, nbytes: int) -> None:
         """Keep ``decoder`` for ``key`` (its learned state bounded by ``nbytes``), then drop the

@@ -40,7 +40,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from triedec.errors import TriedecError
+from triedec.generation import GenerationRequest
 from triedec.lm import LM
+from triedec.sampling import Sampling
 
 _PROCESSORS = (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
                MinPLogitsWarper)
@@ -83,8 +85,8 @@ def custom_generate(
     eos = generation_config.eos_token_id
     lm = LM(model, _NoTokenizer(), kernels="plain")
     lm.eos_token_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else [int(e) for e in eos])
-    steps = lm.stream(prompt, method, max_new_tokens=max_new, **_sampling(generation_config),
-                      **dict(method_options or {}))
+    steps = lm.stream(GenerationRequest(prompt, method, dict(method_options or {}), max_new,
+                                        sampling=_sampling(generation_config)))
     streamers = [s for s in (streamer, triedec_streamer) if s is not None]
     if triedec_streamer is not None:
         triedec_streamer.put(input_ids.cpu())  # what generate does for streamer=
@@ -109,20 +111,18 @@ def _check_supported(items: Any, what: str, allowed: tuple[type, ...]) -> None:
                            "repetition_penalty")
 
 
-def _sampling(config: Any) -> dict[str, Any]:
-    """``LM.generate``'s sampling arguments from a prepared generation config (greedy unless
-    ``do_sample``); the seed comes from torch's RNG."""
-    penalty = config.repetition_penalty if config.repetition_penalty is not None else 1.0
+def _sampling(config: Any) -> Sampling:
+    """The sampling of a prepared generation config (greedy unless ``do_sample``; a parameter the
+    config leaves unset is off, as in transformers); the seed comes from torch's RNG."""
+    given: dict[str, Any] = {}
+    if config.repetition_penalty is not None:
+        given["repetition_penalty"] = float(config.repetition_penalty)
     if not config.do_sample:
-        return {"repetition_penalty": float(penalty)}
-    return {
-        "temperature": float(config.temperature if config.temperature is not None else 1.0),
-        "top_k": int(config.top_k or 0),
-        "top_p": float(config.top_p if config.top_p is not None else 1.0),
-        "min_p": float(config.min_p or 0.0),
-        "repetition_penalty": float(penalty),
-        "seed": int(torch.randint(0, 2**63 - 1, (1,))),
-    }
+        return Sampling(**given)
+    given["temperature"] = float(config.temperature if config.temperature is not None else 1.0)
+    given |= {name: kind(getattr(config, name)) for name, kind in (("top_k", int), ("top_p", float), ("min_p", float))
+              if getattr(config, name) is not None}
+    return Sampling(**given, seed=int(torch.randint(0, 2**63 - 1, (1,))))
 
 
 class _NoTokenizer:

@@ -19,6 +19,24 @@ class StateFileError(TriedecError):
     and paths are never shown to clients)."""
 
 
+EXTRAS = {
+    "server": ("fastapi", "uvicorn", "prometheus_client"),
+    "bench": ("matplotlib", "httpx", "openai", "fastapi", "uvicorn", "prometheus_client"),
+}
+"""What each optional part of triedec needs beyond the core install (pyproject's extras)."""
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Raise a clear :class:`TriedecError` naming ``pip install 'triedec[EXTRA]'`` when a module the
+    extra brings is not installed (``what`` says who needs it, e.g. ``"triedec serve"``)."""
+    import importlib.util
+
+    missing = [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TriedecError(f"{what} needs the '{extra}' extra, which is not installed (missing: "
+                           f"{', '.join(missing)}): pip install 'triedec[{extra}]'")
+
+
 def positive_int(name: str, value: object) -> int:
     """Return ``value`` if it is an int >= 1 (bools refused), else raise a clear error."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -12,9 +12,23 @@ from typing import Any
 
 from triedec.decoders import DecoderLimits
 from triedec.errors import TriedecError
-from triedec.methods import method, methods
 
 DEFAULT_THREADS = 2
+
+
+COMMANDS = {
+    "generate": "generate a completion and print it with speed stats",
+    "methods": "list decoding methods and their options with defaults",
+    "calibrate": "measure what a verification forward costs on this device and pick the fastest draft-tree size "
+                 "(cached per model, host, device, threads, dtype and kernels)",
+    "bench": "measure methods side by side on a dataset (Spec-Bench style)",
+    "compare": "compare two bench results files per prompt (refused across machines unless --cross-machine)",
+    "report": "rebuild a bench run's summary, results.md and plots from its measured samples with this version's "
+              "statistics",
+    "serve": "serve the model over an OpenAI-compatible HTTP API (chat and completions, streaming, /v1/models, "
+             "/health, /metrics)",
+}
+"""Each command and its one-line help (what `triedec --help` lists)."""
 
 
 def option_flags(method_name: str, options: type, option: str) -> list[str]:
@@ -25,6 +39,8 @@ def option_flags(method_name: str, options: type, option: str) -> list[str]:
 
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
     """One flag per method option (text, read by the method's option parser once the method is known)."""
+    from triedec.methods import methods
+
     group = parser.add_argument_group("method options (see `triedec methods`)")
     for name, found in methods().items():
         maxima = found.spec.maxima()
@@ -47,6 +63,8 @@ def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
 
 def method_options(args: argparse.Namespace, method_name: str) -> dict[str, object]:
     """The option flags given for ``method_name``, parsed; flags of other methods are refused."""
+    from triedec.methods import method
+
     given = given_options(args)
     for owner, options in given.items():
         if owner != method_name:
@@ -76,24 +94,29 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    from triedec.sampling import Sampling  # its defaults are the flags' defaults
+
     group = parser.add_argument_group("sampling (transformers' names; greedy by default)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) = greedy; > 0 samples")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep the top tokens up to this mass "
-                                                                 "(default 1 = off)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability "
-                                                                 "(default 0 = off)")
-    group.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL penalty on tokens already in "
-                                                                              "the prefix (default 1 = off)")
-    group.add_argument("--seed", type=int, default=None,
+    group.add_argument("--temperature", type=float, default=Sampling.temperature,
+                       help="> 0 samples; 0 is greedy (default %(default)s)")
+    group.add_argument("--top-k", type=int, default=Sampling.top_k,
+                       help="keep the k most likely tokens (default %(default)s = off)")
+    group.add_argument("--top-p", type=float, default=Sampling.top_p,
+                       help="nucleus: keep the top tokens up to this mass (default %(default)s = off)")
+    group.add_argument("--min-p", type=float, default=Sampling.min_p,
+                       help="drop tokens below min-p x the top probability (default %(default)s = off)")
+    group.add_argument("--repetition-penalty", type=float, default=Sampling.repetition_penalty,
+                       help="CTRL penalty on tokens already in the prefix (default %(default)s = off)")
+    group.add_argument("--seed", type=int, default=Sampling.seed,
                        help="sampling seed: the same seed gives the same text with every method "
                             "(generate: drawn and reported if absent; bench: default 0, prompt k uses seed + k)")
 
 
-def sampling_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The sampling flags as ``LM.generate`` keyword arguments."""
-    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty, "seed": args.seed}
+def sampling_of(args: argparse.Namespace) -> Any:
+    """The sampling flags as a validated :class:`~triedec.sampling.Sampling`."""
+    from triedec.sampling import SAMPLING_FIELDS, Sampling
+
+    return Sampling(**{name: getattr(args, name) for name in SAMPLING_FIELDS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +187,10 @@ def model_label(args: argparse.Namespace) -> str:
     return args.model or "SmolLM2-135M-Instruct (embedded default, fp32)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(full: bool = True) -> argparse.ArgumentParser:
+    """The ``triedec`` parser. ``full=False`` gives the top level alone (commands without their
+    flags): enough for ``triedec --help`` and ``--version``, and it imports neither torch nor
+    transformers (the method-option flags need the method registry, which does)."""
     from importlib import metadata
 
     parser = argparse.ArgumentParser(
@@ -180,11 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
                "`triedec COMMAND --help` lists a command's flags; docs/cli.md has more.")
     parser.add_argument("--version", action="version", version=f"triedec {metadata.version('triedec')}")
     sub = parser.add_subparsers(dest="command", required=True)
+    if not full:
+        for name, text in COMMANDS.items():
+            sub.add_parser(name, help=text)
+        return parser
+    from triedec.generation import MAX_NEW_TOKENS
 
-    gen = sub.add_parser("generate", help="generate a completion and print it with speed stats")
+
+    gen = sub.add_parser("generate", help=COMMANDS["generate"])
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
     gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    gen.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                     help=f"most tokens to generate (default {MAX_NEW_TOKENS})")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
     gen.add_argument("--raw", action="store_true",
                      help="tokenize the prompt as plain text instead of applying the chat template")
@@ -193,11 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_method_options(gen)
 
-    sub.add_parser("methods", help="list decoding methods and their options with defaults")
+    sub.add_parser("methods", help=COMMANDS["methods"])
 
-    cal = sub.add_parser("calibrate", help="measure what a verification forward costs on this device and pick "
-                                           "the fastest draft-tree size (cached per model, host, device, threads, "
-                                           "dtype and kernels)")
+    cal = sub.add_parser("calibrate", help=COMMANDS["calibrate"])
     cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
     cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
@@ -208,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "own forward of 1 and 16 tokens on the same cache), and what was chosen")
     _add_model_args(cal)
 
-    bench = sub.add_parser("bench", help="measure methods side by side on a dataset (Spec-Bench style)")
+    bench = sub.add_parser("bench", help=COMMANDS["bench"])
     bench.add_argument("--methods", default=None,
                        help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
                             "methods, each optionally with inline options as name:key=value:key=value "
@@ -224,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--split", choices=("evaluation", "tuning", "all"), default=None,
                        help="which part of a shipped dataset to sample: evaluation (default; never tuned on), "
                             "tuning (for tuning runs), all; a .jsonl file is sampled whole")
-    bench.add_argument("--max-new-tokens", type=int, default=256,
-                       help="tokens per prompt (default 256); serving mode: each request's max_tokens")
+    bench.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                       help="tokens per prompt (default %(default)s); serving mode: each request's max_tokens")
     bench.add_argument("--state", choices=("cold", "warm"), default="cold",
                        help="cold (default): every method starts each prompt from no learned state (one "
                             "request); warm: learned state carries across the sample in file order, as in a "
@@ -256,8 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_method_options(bench)
 
-    cmp = sub.add_parser("compare", help="compare two bench results files per prompt (refused across machines "
-                                         "unless --cross-machine)")
+    cmp = sub.add_parser("compare", help=COMMANDS["compare"])
     cmp.add_argument("a", help="results.json (or its directory): the base")
     cmp.add_argument("b", help="results.json (or its directory): compared with the base")
     cmp.add_argument("--methods", default=None, help="comma-separated methods to compare (default: every shared one)")
@@ -265,12 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compare files from different machines anyway (the report says so)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
-    rep = sub.add_parser("report", help="rebuild a bench run's summary, results.md and plots from its measured "
-                                        "samples with this version's statistics")
+    rep = sub.add_parser("report", help=COMMANDS["report"])
     rep.add_argument("out", help="the run's output directory (holding results.json)")
 
-    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat and completions, "
-                                       "streaming, /v1/models, /health, /metrics)")
+    srv = sub.add_parser("serve", help=COMMANDS["serve"])
     srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
                                                      "extra body; default auto)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -293,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="finished requests between writes of learned-state files; they are also written when "
                           "idle and at shutdown (default %(default)s)")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
-    srv.add_argument("--max-tokens", type=int, default=256,
+    srv.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS,
                      help="max_tokens when a request gives none (default %(default)s)")
     srv.add_argument("--drain-seconds", type=float, default=30.0,
                      help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
@@ -329,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="option sets kept in all (default %(default)s)")
     sec.add_argument("--max-learned-mib-per-tenant", type=int, default=(limits.scope_bytes or 0) >> 20,
                      help="learned state one tenant's methods may hold, MiB, by each method's bound (recycling matrix: "
-                          "vocab x k ids; auto's store: store_tokens); past it the least recently used is dropped, and "
-                          "one method over it alone gets 400 (default %(default)s; 0 = no cap)")
+                          "vocab x k ids; auto's store: store_capacity); past it the least recently used is dropped, "
+                          "and one method over it alone gets 400 (default %(default)s; 0 = no cap)")
     sec.add_argument("--max-learned-mib", type=int, default=(limits.total_bytes or 0) >> 20,
                      help="learned state all methods may hold, MiB (default %(default)s; 0 = no cap)")
     sec.add_argument("--body-seconds", type=float, default=30.0,

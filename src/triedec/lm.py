@@ -22,18 +22,16 @@ from triedec.calibration import Calibration, load_or_calibrate
 from triedec.costmodel import CostModel
 from triedec.decoders import BuiltMethods, DecoderLimits
 from triedec.drafters import ModelInfo
-from triedec.drafters.base import NEEDS_COST
 from triedec.drafters.learned import Learned
+from triedec.drafters.registry import NEEDS_COST
 from triedec.engine import Batch, BatchLimits, Run, run_alone
-from triedec.errors import TriedecError, positive_int
+from triedec.errors import TriedecError
+from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, checked_prompt, vars_of
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
 from triedec.models import load_hf
 from triedec.paths import cache_root
 from triedec.request import Outcome, Stats, StopRule
-from triedec.sampling import Sampling
-
-Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -140,30 +138,20 @@ class LM:
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is)."""
+        prompt = checked_prompt(prompt)
         if isinstance(prompt, str):
-            if not prompt:
-                raise TriedecError("the prompt is empty")
-            _check_unicode("the prompt", prompt)
             if chat:
                 return self.encode([{"role": "user", "content": prompt}])
             ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
-            for i, message in enumerate(prompt):
-                for key in ("role", "content"):
-                    if not isinstance(message.get(key), str):
-                        got = "missing" if key not in message else f"a {type(message[key]).__name__}"
-                        raise TriedecError(f"chat message {i}: {key!r} must be a string, got {got}")
-                    _check_unicode(f"chat message {i}'s {key}", message[key])
             text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            if any(not 0 <= t < self.adapter.vocab_size for t in ids):
-                raise TriedecError(f"token ids must lie in [0, {self.adapter.vocab_size})")
         else:
-            raise TriedecError("prompt must be a string, a list of chat messages, or a list of token ids")
+            ids = list(prompt)
+            if any(t >= self.adapter.vocab_size for t in ids):  # type: ignore[operator]
+                raise TriedecError(f"token ids must lie in [0, {self.adapter.vocab_size})")
         if not ids:
             raise TriedecError("the prompt is empty (no tokens)")
         return list(ids)
@@ -231,91 +219,48 @@ class LM:
             decoder.absorb_learned(learned)
         return len(matching)
 
-    def start(
-        self,
-        prompt: Prompt,
-        method: str = "auto",
-        *,
-        max_new_tokens: int = 256,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        context: Sequence[str | Sequence[int]] = (),
-        chat: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        scope: Hashable = None,
-        **options: object,
-    ) -> Run:
-        """One request, validated and ready for an engine :class:`~triedec.engine.Batch` (the
-        server's scheduler submits these); :meth:`generate`'s arguments, plus ``scope``: whose
-        learned state the method drafts from and teaches (:meth:`decoder`). All input is checked
-        before anything runs; building the method may measure the device first."""
-        prompt_ids, rule, documents = self._prepare(prompt, max_new_tokens, stop, stop_token_ids, context, chat)
-        sampling = _sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-        decoder = self.decoder(method, scope=scope, **options)  # after the cheap checks: building may measure
+    def start(self, request: GenerationRequest, *, scope: Hashable = None) -> Run:
+        """The one entry point: ``request``'s run, checked against this model and ready for an
+        engine :class:`~triedec.engine.Batch` (the server's scheduler submits these). ``scope``
+        says whose learned state the method drafts from and teaches (:meth:`decoder`). Every check
+        runs before anything does; building the method may measure the device first. A sampling
+        request without a seed gets a fresh one here (reported in ``stats.seed``)."""
+        if not isinstance(request, GenerationRequest):
+            raise TriedecError(f"start takes a GenerationRequest, got {type(request).__name__} "
+                               "(build one with GenerationRequest.of(prompt, method, ...))")
+        prompt_ids = self.encode(request.prompt, chat=request.chat)
+        rule, documents = self._prepare(request, len(prompt_ids))
+        sampling = request.sampling
+        if not sampling.greedy and sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        decoder = self.decoder(request.method, scope=scope, **vars_of(request.options))
         return decoder.start(prompt_ids, rule, documents, sampling)
 
-    def stream(
-        self,
-        prompt: Prompt,
-        method: str = "auto",
-        *,
-        max_new_tokens: int = 256,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        context: Sequence[str | Sequence[int]] = (),
-        chat: bool = False,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        **options: object,
-    ) -> Generator[list[int], None, Outcome]:
+    def stream(self, prompt: Prompt | GenerationRequest, method: str = DEFAULT_METHOD,
+               **kwargs: Any) -> Generator[list[int], None, Outcome]:
         """Yield new token ids as they are accepted (several per step when drafts are accepted;
         with ``method="beam"``, the best hypothesis's tokens once no live beam can change them).
-        Takes :meth:`generate`'s arguments but ``on_tokens``.
+        Takes a :class:`~triedec.generation.GenerationRequest`, or :meth:`generate`'s arguments
+        but ``on_tokens``.
 
         The generator's return value (``StopIteration.value``) is an
         :class:`~triedec.request.Outcome` (stats, and beam search's ranked sequences);
         :meth:`generate` collects it for you. All input is validated before anything runs. The
         request runs alone in an engine batch of its own: the same step as the server's.
         """
-        run = self.start(
-            prompt, method, max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
-            context=context, chat=chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, **options,
-        )
+        run = self.start(_request(prompt, method, kwargs))
         return run_alone(self.adapter, run, self.cost_model(), self.limits)
 
-    def generate(
-        self,
-        prompt: Prompt,
-        method: str = "auto",
-        *,
-        max_new_tokens: int = 256,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        context: Sequence[str | Sequence[int]] = (),
-        chat: bool = False,
-        on_tokens: Callable[[list[int]], None] | None = None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
-        **options: object,
-    ) -> GenerationResult:
+    def generate(self, prompt: Prompt | GenerationRequest, method: str = DEFAULT_METHOD, *,
+                 on_tokens: Callable[[list[int]], None] | None = None, **kwargs: Any) -> GenerationResult:
         """Generation with ``method`` (``triedec methods`` lists them and their options): a
         speculative method, or beam search with ``method="beam"`` and
         :class:`~triedec.beam.BeamOptions` (``num_beams``, ``length_penalty``, ``early_stopping``,
-        ``num_return_sequences``, ``gc_every``).
+        ``num_return_sequences``, ``gc_every``). ``prompt`` may be a whole
+        :class:`~triedec.generation.GenerationRequest` instead; otherwise the keyword arguments are
+        :meth:`GenerationRequest.of <triedec.generation.GenerationRequest.of>`'s:
+        ``max_new_tokens`` (default 256), ``stop``, ``stop_token_ids``, ``context``, ``chat``,
+        the sampling parameters, and the method's options.
 
         Output is token-for-token what greedy autoregressive decoding gives (beam search: what
         transformers' beam search gives). ``stop`` strings and
@@ -330,11 +275,8 @@ class LM:
         method returns ``ar``'s tokens for the same ``seed``, and a rerun reproduces them. Without
         a ``seed`` one is drawn and reported in ``stats.seed``.
         """
-        steps = self.stream(
-            prompt, method, max_new_tokens=max_new_tokens, stop=stop, stop_token_ids=stop_token_ids,
-            context=context, chat=chat, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed, **options,
-        )
+        request = _request(prompt, method, kwargs)
+        steps = self.stream(request)
         tokens: list[int] = []
         while True:
             try:
@@ -345,11 +287,13 @@ class LM:
             tokens += new
             if on_tokens is not None:
                 on_tokens(new)
-        return GenerationResult(self.decode_result(tokens, stop), tokens, outcome.stats, outcome.sequences)
+        return GenerationResult(self.decode_result(tokens, request.stop), tokens, outcome.stats, outcome.sequences)
 
-    def generate_batch(self, prompts: Sequence[Prompt], method: str = "auto", *, progress: bool = True,
-                       max_running: int | None = None, **kwargs: Any) -> list[GenerationResult]:
-        """:meth:`generate` for many prompts at once, with the same options for all of them:
+    def generate_batch(self, prompts: Sequence[Prompt | GenerationRequest], method: str = DEFAULT_METHOD, *,
+                       progress: bool = True, max_running: int | None = None,
+                       **kwargs: Any) -> list[GenerationResult]:
+        """:meth:`generate` for many prompts (or :class:`~triedec.generation.GenerationRequest`
+        values) at once, with the same options for all of them:
         they are decoded together by one engine batch (one forward per step for all running
         requests, drafts sized together; at most ``max_running`` at once, default the LM's
         limits), and returned in input order. Each result equals what :meth:`generate` returns
@@ -361,7 +305,8 @@ class LM:
             raise TriedecError("generate_batch takes a list of prompts")
         if "on_tokens" in kwargs:
             raise TriedecError("generate_batch takes no on_tokens; use stream() for one request")
-        runs = [self.start(p, method, **kwargs) for p in prompts]
+        requests = [_request(p, method, kwargs) for p in prompts]
+        runs = [self.start(r) for r in requests]
         limits = self.limits if max_running is None else dataclasses.replace(self.limits, max_running=max_running)
         batch = Batch(self.adapter, self.cost_model(), limits)
         tokens: list[list[int]] = [[] for _ in runs]
@@ -387,9 +332,8 @@ class LM:
             batch.close()
             if bar is not None:
                 bar.close()
-        stop = kwargs.get("stop")
-        return [GenerationResult(self.decode_result(t, stop), t, run.outcome.stats, run.outcome.sequences)
-                for t, run in zip(tokens, runs, strict=True)]
+        return [GenerationResult(self.decode_result(t, r.stop), t, run.outcome.stats, run.outcome.sequences)
+                for t, r, run in zip(tokens, requests, runs, strict=True)]
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""
@@ -397,52 +341,33 @@ class LM:
         ends = [text.find(s) + len(s) for s in _stop_strings(stop) if s in text]
         return text[: min(ends)] if ends else text
 
-    def _prepare(
-        self,
-        prompt: Prompt,
-        max_new_tokens: int,
-        stop: str | Sequence[str] | None,
-        stop_token_ids: Sequence[int] | None,
-        context: Sequence[str | Sequence[int]],
-        chat: bool,
-    ) -> tuple[list[int], StopRule, list[list[int]]]:
-        positive_int("max_new_tokens", max_new_tokens)
-        prompt_ids = self.encode(prompt, chat=chat)
-        if self.max_context is not None and len(prompt_ids) + max_new_tokens > self.max_context:
+    def _prepare(self, request: GenerationRequest, prompt_tokens: int) -> tuple[StopRule, list[list[int]]]:
+        """The checks that need this model (the context length, token ids against the
+        vocabulary), then the request's stop rule and tokenized context documents."""
+        if self.max_context is not None and prompt_tokens + request.max_new_tokens > self.max_context:
             raise TriedecError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
                 f"model's context of {self.max_context} tokens"
             )
-        for s in _stop_strings(stop):
-            if not isinstance(s, str):
-                raise TriedecError(f"stop strings must be strings, got {type(s).__name__}")
-            _check_unicode("a stop string", s)
-        extra_eos = set()
-        for t in stop_token_ids or ():
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.adapter.vocab_size:
+        for t in request.stop_token_ids:
+            if t >= self.adapter.vocab_size:
                 raise TriedecError(f"stop token id {t!r} is not in [0, {self.adapter.vocab_size})")
-            extra_eos.add(t)
         rule = StopRule(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=self.eos_token_ids | extra_eos,
-            stop_strings=_stop_strings(stop),
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=self.eos_token_ids | set(request.stop_token_ids),
+            stop_strings=request.stop,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
         )
-        if isinstance(context, str | bytes) or not isinstance(context, Sequence):
-            raise TriedecError("context must be a list of documents (strings or token-id lists), not a "
-                               f"{type(context).__name__}; wrap a single document as [text]")
         documents = []
-        for d in context:
+        for d in request.context:
             if isinstance(d, str):
-                _check_unicode("a context document", d)
                 documents.append(self.tokenizer(d, add_special_tokens=False)["input_ids"])
-            elif isinstance(d, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                 and 0 <= t < self.adapter.vocab_size for t in d):
-                documents.append(list(d))
-            else:
+            elif any(t >= self.adapter.vocab_size for t in d):
                 raise TriedecError(f"each context document must be a string or a list of token ids in "
-                                   f"[0, {self.adapter.vocab_size}), got {type(d).__name__}")
-        return prompt_ids, rule, documents
+                                   f"[0, {self.adapter.vocab_size})")
+            else:
+                documents.append(list(d))
+        return rule, documents
 
     @property
     def device(self) -> torch.device:
@@ -472,23 +397,13 @@ def options_id(options: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _sampling(temperature: float, top_k: int, top_p: float, min_p: float, repetition_penalty: float,
-              seed: int | None) -> Sampling:
-    """The validated sampling parameters; a sampling request without a seed gets a fresh one."""
-    sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
-    if not sampling.greedy and seed is None:
-        sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
-    return sampling
-
-
-def _check_unicode(what: str, text: str) -> None:
-    """Refuse text that is not valid Unicode (a lone surrogate such as ``\\ud800``, which JSON can
-    carry but no tokenizer can encode) with an error that says so."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise TriedecError(f"{what} is not valid Unicode: character {exc.start} is a lone surrogate "
-                           f"(U+{ord(text[exc.start]):04X}), which has no UTF-8 encoding") from None
+def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[str, Any]) -> GenerationRequest:
+    """A request given whole, or built from the keyword form."""
+    if isinstance(prompt, GenerationRequest):
+        if kwargs or method != DEFAULT_METHOD:
+            raise TriedecError("pass either a GenerationRequest or a prompt with keyword arguments, not both")
+        return prompt
+    return GenerationRequest.of(prompt, method, **kwargs)
 
 
 def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -98,6 +98,9 @@ class Sampling:
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+"""The sampling parameters' names (transformers' names; the server's request fields too)."""
 
 GREEDY_SAMPLING = Sampling()
 """The defaults: greedy decoding."""

@@ -52,6 +52,7 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 import shutil
@@ -69,6 +70,7 @@ from triedec.adapter import returned_cache
 from triedec.bench.datasets import Question
 from triedec.bench.stats import compare
 from triedec.errors import TriedecError, positive_int
+from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method as find_method
 from triedec.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
@@ -224,9 +226,10 @@ class TriedecRunner:
         self.lm.decoder(self.method, **self.options)
 
     def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
-        sampling = {**self.sampling.as_dict(), "seed": seed}
+        request = GenerationRequest(prompt, self.method, self.options, max_new_tokens,
+                                    sampling=dataclasses.replace(self.sampling, seed=seed))
         start = time.perf_counter()
-        out = self.lm.generate(prompt, self.method, max_new_tokens=max_new_tokens, **sampling, **self.options)
+        out = self.lm.generate(request)
         self.lm.adapter.synchronize()
         seconds = time.perf_counter() - start
         s = out.stats

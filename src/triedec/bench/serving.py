@@ -45,6 +45,7 @@ from triedec.bench.load import LoadRequest, run_load, summarize_load
 from triedec.bench.stats import ratio_interval
 from triedec.drafters import NEEDS_COST
 from triedec.errors import TriedecError, positive_int
+from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method
 
@@ -171,7 +172,7 @@ def _solo(lm: LM, entry: Entry, requests: Sequence[LoadRequest]) -> tuple[list[l
     ids, texts, seconds = [], [], 0.0
     for r in requests:
         start = time.perf_counter()
-        out = fresh.generate(list(r.messages or ()), entry.name, max_new_tokens=r.max_tokens, **entry.options)
+        out = fresh.generate(GenerationRequest(list(r.messages or ()), entry.name, entry.options, r.max_tokens))
         seconds += time.perf_counter() - start
         ids.append(out.token_ids)
         texts.append(out.text)

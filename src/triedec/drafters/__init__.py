@@ -4,20 +4,8 @@ Importing this package registers every built-in drafter.
 """
 
 from triedec.drafters import auto, autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
-from triedec.drafters.base import (
-    NEEDS_COST,
-    BaseDrafter,
-    BaseSession,
-    Draft,
-    Drafter,
-    DrafterSession,
-    MethodSpec,
-    ModelInfo,
-    Verified,
-    drafter_spec,
-    drafter_specs,
-    register,
-)
+from triedec.drafters.base import BaseDrafter, BaseSession, Draft, Drafter, DrafterSession, ModelInfo, Verified
+from triedec.drafters.registry import NEEDS_COST, MethodSpec, drafter_spec, drafter_specs, register
 
 __all__ = [
     "NEEDS_COST",

@@ -40,9 +40,8 @@ other processes (:mod:`triedec.drafters.learned`).
 from __future__ import annotations
 
 import heapq
-import os
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,24 +49,15 @@ from typing import ClassVar
 
 import torch
 
-from triedec.drafters.base import (
-    FROM_STORE,
-    MAX_TREE_NODES,
-    NEEDS_COST,
-    STATE_FILE,
-    BaseSession,
-    Draft,
-    ModelInfo,
-    Verified,
-    at_most,
-    register,
-)
-from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
+from triedec.drafters.base import FROM_STORE, MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.learned import Learned
-from triedec.drafters.ngram_trie import NgramTrie
-from triedec.drafters.recycling import AdjacencyMatrix
-from triedec.drafters.state import check_location, load_state, save_state
-from triedec.errors import StateFileError, TriedecError, positive_int
+from triedec.drafters.matrix import AdjacencyMatrix
+from triedec.drafters.rates import RateTable
+from triedec.drafters.registry import NEEDS_COST, STATE_FILE, at_most, register
+from triedec.drafters.state import check_location
+from triedec.drafters.store import LONGEST_MATCH, STORE_BYTES_PER_TOKEN, OutputStore
+from triedec.drafters.trie import NgramTrie
+from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
 METHOD = "auto"
@@ -75,25 +65,10 @@ SOURCES = ("context", "store", "recycling")
 ORIGIN_ORDER = ("store", "context", "recycling")
 """a node several sources proposed names them in this order in its draft's ``sources`` (the first
 is the origin its accepted token reports: the store's, where it had one)"""
-STORE_FORMAT = "triedec-output-store-v1"
-KEYS = (3, 8)
-"""the store is indexed by the last 3 and by the last 8 tokens (a long repeat stays findable after
-its short key has been followed by newer outputs)"""
-PER_KEY = 4
-"""occurrences kept per key in the store (the most recent)"""
-LEAD = 16
-"""prompt tokens kept before each output: the end of the question it answered, so that an answer
-is found again from its first token when a question is asked again"""
-LONGEST_MATCH = 16
-"""store matches are measured up to this length"""
 DEPTH_KEYS = 4
 """acceptance is measured per depth 1 .. DEPTH_KEYS - 1, and for all deeper nodes together"""
 RECYCLING_RANKS = (4, 2, 1)
 """candidates taken from the matrix at depths 1, 2, 3 (the latter two under the best parent only)"""
-STORE_BYTES_PER_TOKEN = 600
-"""Memory the store takes per token it keeps, its index included, rounded up from what was measured
-with tracemalloc (2026-11-25): 220-260 bytes on text-like token streams, 580 on uniformly random
-tokens (every key distinct, the worst case)"""
 SHARE_BACKLOG = 256
 """outputs finished here that wait for the next export at most (older ones are not exported)"""
 
@@ -106,7 +81,7 @@ class AutoOptions:
     """deepest continuation taken from the context and the store"""
     n: int = field(default=13, metadata=at_most(64))
     """the context trie's window (as ngram-trie's n)"""
-    store_tokens: int = field(default=200_000, metadata=at_most(1_000_000))
+    store_capacity: int = field(default=200_000, metadata=at_most(1_000_000))
     """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
     store: str = field(default="", metadata=STATE_FILE)
     """file the store is loaded from (if it exists) and saved to after every request"""
@@ -116,7 +91,7 @@ class AutoOptions:
     """size each tree by the device's cost curve (False: send every ranked node)"""
 
     def __post_init__(self) -> None:
-        for name in ("max_nodes", "depth", "store_tokens", "k"):
+        for name in ("max_nodes", "depth", "store_capacity", "k"):
             positive_int(name, getattr(self, name))
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 2:
             raise TriedecError(f"n must be an integer >= 2, got {self.n!r}")
@@ -124,122 +99,6 @@ class AutoOptions:
             raise TriedecError(f"store must be a file path, got {self.store!r}")
         if not isinstance(self.sized, bool):
             raise TriedecError(f"sized must be true or false, got {self.sized!r}")
-
-
-class OutputStore:
-    """Earlier outputs, oldest first, each after the last :data:`LEAD` tokens of its prompt (its
-    *lead*), at most ``capacity`` tokens in all (leads included). Indexed by every run of each
-    length in :data:`KEYS` that is followed by an output token -> the most recent :data:`PER_KEY`
-    places. Not thread-safe by itself: the drafter locks around it."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.docs: OrderedDict[int, tuple[tuple[int, ...], int]] = OrderedDict()  # id -> (lead + output, lead length)
-        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-        self.tokens = 0
-        self._next = 0
-        self._ids: dict[tuple[tuple[int, ...], int], int] = {}  # (lead + output, lead length) -> id
-
-    @staticmethod
-    def _keys(doc: tuple[int, ...], start: int) -> list[tuple[int, tuple[int, ...]]]:
-        """``(end, key)`` for every indexed run of ``doc``: a key of each length ending at an
-        output position (``end >= start``)."""
-        return [(end, doc[end - n : end]) for n in KEYS for end in range(max(n, start), len(doc))]
-
-    def add(self, output: Sequence[int], lead: Sequence[int] = ()) -> tuple[tuple[int, ...], int] | None:
-        """Keep ``output`` after the last :data:`LEAD` tokens of ``lead`` (its prompt); evict the
-        oldest outputs beyond the bound. An output too short to index, or longer than the whole
-        store, is not kept; one the store holds already (same lead) becomes the newest instead of
-        being kept twice. Returns what was kept: (lead + output, lead length), or None."""
-        head = tuple(int(t) for t in lead)[-LEAD:]
-        doc = head + tuple(int(t) for t in output)
-        if len(doc) <= min(KEYS) or len(doc) == len(head) or len(doc) > self.capacity:
-            return None
-        entry = (doc, len(head))
-        if entry in self._ids:
-            self._remove(self._ids[entry])
-        doc_id, self._next = self._next, self._next + 1
-        self.docs[doc_id] = entry
-        self._ids[entry] = doc_id
-        self.tokens += len(doc)
-        for end, key in self._keys(doc, len(head)):
-            places = self.index.setdefault(key, [])
-            places.append((doc_id, end))
-            if len(places) > PER_KEY:
-                del places[0]
-        while self.tokens > self.capacity:
-            self._remove(next(iter(self.docs)))
-        return entry
-
-    def _remove(self, doc_id: int) -> None:
-        doc, start = entry = self.docs.pop(doc_id)
-        del self._ids[entry]
-        self.tokens -= len(doc)
-        for _, key in self._keys(doc, start):
-            places = [p for p in self.index.get(key, ()) if p[0] != doc_id]
-            if places:
-                self.index[key] = places
-            else:
-                self.index.pop(key, None)
-
-    def continuations(self, context: Sequence[int], depth: int, count: int = 2) -> list[tuple[tuple[int, ...], int]]:
-        """Up to ``count`` distinct continuations (``depth`` tokens at most) of the places where
-        the context's last tokens (each length of :data:`KEYS`) occurred, each with its match
-        length (how many of the context's last tokens, at most :data:`LONGEST_MATCH`, precede it
-        there): longest match first, then most recent."""
-        tail = [int(t) for t in context[-LONGEST_MATCH:]]
-        seen: set[tuple[int, int]] = set()
-        places = []
-        for n in sorted(KEYS, reverse=True):
-            if len(tail) < n:
-                continue
-            for doc_id, end in reversed(self.index.get(tuple(tail[-n:]), ())):
-                if (doc_id, end) in seen:
-                    continue
-                seen.add((doc_id, end))
-                doc, m = self.docs[doc_id][0], n
-                while m < len(tail) and m < end and doc[end - m - 1] == tail[-m - 1]:
-                    m += 1
-                places.append((-m, len(places), doc[end : end + depth]))
-        found: list[tuple[tuple[int, ...], int]] = []
-        for m, _, cont in sorted(places):
-            if cont and all(cont != c for c, _ in found):
-                found.append((cont, -m))
-            if len(found) >= count:
-                break
-        return found
-
-    # ---- persistence --------------------------------------------------------------------------
-
-    def save(self, path: str | os.PathLike[str], model_id: str) -> None:
-        """Write the outputs with their leads to ``path`` (safetensors, replaced atomically),
-        tagged with the model."""
-        self.write(path, model_id, list(self.docs.values()))
-
-    @staticmethod
-    def write(path: str | os.PathLike[str], model_id: str, docs: Sequence[tuple[tuple[int, ...], int]]) -> None:
-        """Write ``docs`` (each lead + output and its lead's length) as a store file."""
-        flat = torch.tensor([t for d, _ in docs for t in d], dtype=torch.long)
-        lengths = torch.tensor([len(d) for d, _ in docs], dtype=torch.long)
-        starts = torch.tensor([start for _, start in docs], dtype=torch.long)
-        save_state(path, {"tokens": flat, "lengths": lengths, "starts": starts},
-                   {"format": STORE_FORMAT, "model_id": model_id})
-
-    def load(self, path: str | os.PathLike[str], model_id: str, vocab_size: int) -> None:
-        """Add the outputs saved in ``path``; refuse a file from another model and a corrupt one
-        with a clear error (the store is then unchanged)."""
-        meta, tensors = load_state(path, "output store", "store", STORE_FORMAT)
-        if meta.get("model_id") != model_id:
-            raise StateFileError(f"output store {path} was saved for another model ({meta.get('model_id')!r})")
-        flat, lengths = tensors.get("tokens"), tensors.get("lengths")
-        starts = tensors.get("starts", torch.zeros_like(lengths) if lengths is not None else None)  # older files
-        if (flat is None or lengths is None or flat.dim() != 1 or lengths.dim() != 1 or starts.shape != lengths.shape
-                or bool((lengths < 0).any()) or int(lengths.sum()) != flat.numel()
-                or bool(((starts < 0) | (starts > lengths)).any())
-                or bool(((flat < 0) | (flat >= vocab_size)).any())):
-            raise StateFileError(f"output store {path} is corrupt (bad tensors)")
-        for doc, start in zip(torch.split(flat, lengths.tolist()), starts.tolist(), strict=True):
-            self.add(doc[start:].tolist(), doc[:start].tolist())
 
 
 Kind = tuple[str, int]
@@ -276,7 +135,7 @@ def _needs(options: AutoOptions) -> frozenset[str]:
 
 @register(METHOD, AutoOptions, "every source (context, a store of earlier outputs, the recycling matrix) merged "
           "into one trie, scored by measured acceptance and sized for the device", needs=_needs)
-class AutoDrafter:
+class AutoDrafter(BaseDrafter):
     """Shared across requests, under ``lock``: the recycling matrix, the acceptance rates per
     :data:`Key`, the output store and the per-source counters."""
 
@@ -287,17 +146,15 @@ class AutoDrafter:
     RELAX = 0.01
     """how far a skipped key's averages move back toward the prior per step it was skipped"""
 
-    prefill_logits = 0
-
     def __init__(self, options: AutoOptions, model: ModelInfo) -> None:
         self.options = options
         self.model_id, self.vocab_size = model.model_id, model.vocab_size
         self.lock = threading.Lock()
         self.matrix = AdjacencyMatrix(model.vocab_size, min(options.k, model.vocab_size), model.device)
-        self.store = OutputStore(options.store_tokens)
+        self.store = OutputStore(options.store_capacity)
         # Key -> accepted over base of tried nodes, so that base * rate estimates a node's chance
         # given its parent whatever its base
-        self._rates: dict[Key, MovingRatio] = {}
+        self.rates: RateTable[Key] = RateTable(lambda key: self.PRIOR[key[0][0]], self.EMA, self.RELAX, _valid_key)
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
         self._finished: deque[tuple[tuple[int, ...], int]] = deque(maxlen=SHARE_BACKLOG)  # kept here, not exported
         self._unsaved = False
@@ -317,14 +174,7 @@ class AutoDrafter:
     def rate(self, key: Key) -> float:
         """Estimated chance, per unit of base, that a node of ``key`` is accepted given its parent
         was. Read without the lock: a racing update only makes it a step stale."""
-        found = self._rates.get(key)
-        return self.PRIOR[key[0][0]] if found is None else found.value
-
-    def _ratio(self, key: Key) -> MovingRatio:
-        """The rate of ``key`` (created at its source's prior), to update under the lock."""
-        if key not in self._rates:
-            self._rates[key] = MovingRatio(self.PRIOR[key[0][0]])
-        return self._rates[key]
+        return self.rates.value(key)
 
     def learn(self, outcomes: Sequence[tuple[dict[Kind, float], int, bool]], hot: bool, skipped: set[Key],
               verified: Verified | None = None) -> None:
@@ -335,12 +185,12 @@ class AutoDrafter:
                 self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
             for kinds, depth, accepted in outcomes:
                 for kind, base in kinds.items():
-                    self._ratio(self.key(kind, depth, hot)).update(float(accepted), base, self.EMA)
+                    self.rates.learn(self.key(kind, depth, hot), float(accepted), base)
                     counter = self.counters[kind[0]]
                     counter["accepted"] += int(accepted)
                     counter["contributed"] += float(accepted) / len(kinds)
             for key in skipped:
-                self._ratio(key).relax(self.RELAX)
+                self.rates.relax(key)
 
     def count_proposed(self, sent: Sequence[dict[Kind, float]]) -> None:
         with self.lock:
@@ -363,7 +213,7 @@ class AutoDrafter:
         with self.lock:
             outputs = tuple((doc[:start], doc[start:]) for doc, start in self._finished)
             self._finished.clear()
-            return Learned(outputs, self.matrix.take_written(), export_rates(self._rates))
+            return Learned(outputs, self.matrix.take_written(), self.rates.export())
 
     def absorb_learned(self, learned: Learned) -> None:
         """Merge another replica's: its outputs join the store, its matrix rows are taken unless
@@ -374,12 +224,12 @@ class AutoDrafter:
             for lead, output in learned.outputs:
                 self.store.add(output, lead)
             self._unsaved = self._unsaved or bool(learned.outputs)
-            absorb_rates(self._ratio, _valid_key, learned.rates)
+            self.rates.absorb(learned.rates)
 
     def max_learned_bytes(self) -> int:
-        """The recycling matrix plus the store at its bound (``store_tokens`` tokens at
+        """The recycling matrix plus the store at its bound (``store_capacity`` tokens at
         :data:`STORE_BYTES_PER_TOKEN`); the rates are negligible."""
-        return self.matrix.nbytes + self.options.store_tokens * STORE_BYTES_PER_TOKEN
+        return self.matrix.nbytes + self.options.store_capacity * STORE_BYTES_PER_TOKEN
 
     def persist(self) -> None:
         """Write the store to ``store`` (if set and changed): its outputs are copied under the
@@ -396,7 +246,7 @@ class AutoDrafter:
     def stats(self) -> dict[str, float]:
         with self.lock:
             out = {f"{s}_{k}": float(v) for s, c in self.counters.items() for k, v in c.items()}
-            out["store_tokens"] = float(self.store.tokens)
+            out["store_size"] = float(self.store.tokens)
             out["store_outputs"] = float(len(self.store.docs))
             return out
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from triedec.drafters.base import BaseDrafter, Draft, ModelInfo, NoOptions, register
+from triedec.drafters.base import BaseDrafter, Draft, ModelInfo
+from triedec.drafters.registry import NoOptions, register
 
 
 @register("ar", NoOptions, "greedy autoregressive decoding (the reference; one token per forward)")

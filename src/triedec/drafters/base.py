@@ -1,4 +1,5 @@
-"""The drafter protocol, per-request sessions, the option parser and the drafter registry.
+"""The drafter protocol: drafts, what the model verified, per-request sessions and the base class
+every drafter extends (the registry that finds them by name is :mod:`triedec.drafters.registry`).
 
 A drafter is model-free: it sees token ids (the context) and, after each verification, what the
 model computed for the tree it proposed. The engine treats every drafter alike.
@@ -9,18 +10,12 @@ belongs to one request lives in the :class:`DrafterSession` that ``drafter.begin
 State meant to outlive requests (Token Recycling's matrix, agreement rates) stays on the drafter,
 and every update of it is made under the drafter's lock, so concurrent requests are safe.
 
-Registering a drafter is one decorator on its class, with a frozen options dataclass whose
-``__post_init__`` validates the values::
-
-    @register("repeat-last", RepeatOptions, "drafts the last token again")
-    class RepeatLast(BaseDrafter): ...
-"""
+Every drafter extends :class:`BaseDrafter` (defaults for what it does not learn or keep) and is
+registered with one decorator (:func:`triedec.drafters.registry.register`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -32,10 +27,6 @@ from triedec.costmodel import CostModel
 from triedec.drafters.learned import Learned
 from triedec.errors import TriedecError
 from triedec.tree import TokenTree
-
-NEEDS_COST = "cost"
-"""What a method may need measured before it is built: the device's cost curve (``ModelInfo.cost``).
-Any other name asks for that method's calibrated profile (``ModelInfo.profiles[name]``)."""
 
 
 @dataclass(frozen=True)
@@ -56,23 +47,7 @@ class ModelInfo:
     profiles: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
 
-STATE_FILE = types.MappingProxyType({"state_file": True})
-"""Field metadata of an option that names a file of learned state kept across requests
-(``store: str = field(default="", metadata=STATE_FILE)``): tools that must start from no learned
-state (the benchmark's ``cold`` protocol) find such options through it."""
-
-
-
-def at_most(limit: int) -> Mapping[str, object]:
-    """Field metadata of an option that sizes memory or work (``k: int = field(default=8,
-    metadata=at_most(64))``): a larger value is refused wherever options are made
-    (:meth:`MethodSpec.make_options`: the API, the CLI, a server request's ``method_options``),
-    and ``triedec methods`` shows the bound. No request can make a drafter hold more than its
-    options' maxima allow."""
-    return types.MappingProxyType({"maximum": limit})
-
-
-FROM_STORE = "accepted_from_store"
+FROM_STORE = "tokens_from_store"
 """Key of a session's :meth:`~DrafterSession.stats`: this request's accepted draft tokens that a
 store of earlier requests' outputs proposed (auto's store); drafters without one report nothing
 (read as 0). The server returns it, so that whether learned state crossed requests is visible."""
@@ -103,8 +78,10 @@ class Draft:
     i is accepted (the root's is 1); the allocator (:mod:`triedec.allocate`) merges every running
     request's chances and decides how long a prefix of each draft one forward verifies.
     ``required``: how many leading nodes (root included) are verified whatever the allocator
-    decides: drafters with a fixed tree (lookahead) or a size the user forced (``sized=False``,
-    ``nodes=80``) set it to the whole tree. ``sources[i]``: the names of the sources that drafted
+    decides. "Verify the whole tree" is spelled ``required == tree.size`` (:attr:`whole`; built
+    with ``Draft.scored(..., whole=True)`` or :meth:`fixed`): drafters with a fixed tree
+    (lookahead) and those whose user forced a size (auto's and ngram-trie's ``sized=false``, pld's
+    ``min_expected``, recycling's ``nodes=N``) draft that way. ``sources[i]``: the names of the sources that drafted
     node i, primary first (see :data:`SOURCES`; the root's is empty), or ``()`` when the drafter
     names none (its nodes count as :data:`UNNAMED`): what a token accepted from node i reports as
     its origin (:mod:`triedec.trace`). Frozen and validated on construction."""
@@ -146,6 +123,11 @@ class Draft:
         """Nothing drafted: verifying it is one plain step."""
         return cls(TokenTree.root_only(root), (1.0,))
 
+    @property
+    def whole(self) -> bool:
+        """Whether the whole tree is verified whatever the allocator decides."""
+        return self.required == self.tree.size
+
     @classmethod
     def fixed(cls, tree: TokenTree) -> Draft:
         """A tree verified whole, without estimates (its drafts count as chance 0 when sizing the
@@ -153,10 +135,11 @@ class Draft:
         return cls(tree, (1.0,) + (0.0,) * (tree.size - 1), tree.size)
 
     @classmethod
-    def scored(cls, tree: TokenTree, chances: Sequence[float], send_all: bool = False,
+    def scored(cls, tree: TokenTree, chances: Sequence[float], whole: bool = False,
                sources: Sequence[Sequence[str]] = ()) -> Draft:
-        """A tree with estimates; ``send_all`` makes every node required (the user forced it)."""
-        return cls(tree, tuple(chances), tree.size if send_all else 1, tuple(tuple(s) for s in sources))
+        """A tree with estimates; ``whole``: the whole tree is verified (every node required: the
+        user forced a size)."""
+        return cls(tree, tuple(chances), tree.size if whole else 1, tuple(tuple(s) for s in sources))
 
     @property
     def size(self) -> int:
@@ -309,189 +292,3 @@ class BaseDrafter:
     def max_learned_bytes(self) -> int:
         """Nothing learned across requests."""
         return 0
-
-
-# ---- calibration profiles -----------------------------------------------------------------------
-
-
-class CalibrationBench(Protocol):
-    """What a drafter's profile measurement may use (given by :mod:`triedec.calibration`): the
-    model's :class:`ModelInfo` with the device's cost model, calibration prompts (never benchmark
-    prompts) as token ids, and ``decode(drafter, prompt, max_new_tokens)``, which decodes one
-    prompt greedily with ``drafter`` and returns the tokens generated."""
-
-    info: ModelInfo
-
-    def prompts(self, count: int) -> list[list[int]]: ...
-
-    def decode(self, drafter: Drafter, prompt: Sequence[int], max_new_tokens: int) -> int: ...
-
-
-@dataclass(frozen=True)
-class ProfileSpec:
-    """A calibrated, method-specific profile a drafter declares (``register(..., profile=...)``):
-    ``measure(bench)`` measures it, ``dump``/``load`` turn it into JSON values and back (``load``
-    raises :class:`~triedec.errors.TriedecError` on bad data), ``describe(profile, cost)`` gives
-    lines for ``triedec calibrate`` to print."""
-
-    measure: Callable[[CalibrationBench], Any]
-    dump: Callable[[Any], dict[str, Any]]
-    load: Callable[[Mapping[str, Any]], Any]
-    describe: Callable[[Any, CostModel], list[str]] = field(default=lambda profile, cost: [])
-
-
-# ---- options ----------------------------------------------------------------------------------
-
-
-def _field_types(options: type) -> dict[str, tuple[type, ...]]:
-    """Each option's accepted value types from its annotation (``float | None`` -> (float, None))."""
-    hints = typing.get_type_hints(options)
-    out = {}
-    for f in dataclasses.fields(options):
-        hint = hints.get(f.name, str)
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-            else (hint,)
-        out[f.name] = tuple(type(None) if a is type(None) else a for a in args)
-    return out
-
-
-def parse_option_text(text: str, kinds: tuple[type, ...]) -> object:
-    """Read an option given as text (a CLI flag, a ``name:key=value`` bench entry) as one of
-    ``kinds`` (tried in the order bool, int, float, str; ``none`` or ``auto`` read as None where
-    None is allowed)."""
-    lowered = text.strip().lower()
-    if type(None) in kinds and lowered in ("none", "auto"):
-        return None
-    if bool in kinds:
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-    for kind in (int, float):
-        if kind in kinds:
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-    if str in kinds:
-        return text
-    names = " or ".join("none" if k is type(None) else k.__name__ for k in kinds)
-    raise TriedecError(f"cannot read {text!r} as {names}")
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A registered drafter: name, options class, factory ``(options, model) -> Drafter``, and
-    ``needs(options)``: what must be measured before the factory runs (:data:`NEEDS_COST`, or a
-    method name whose calibrated profile is wanted)."""
-
-    name: str
-    options: type
-    factory: Callable[[Any, ModelInfo], Any]
-    description: str
-    needs: Callable[[Any], frozenset[str]] = field(default=lambda options: frozenset())
-    profile: ProfileSpec | None = None
-    """the calibrated profile this method can need (``needs`` then names the method itself)"""
-
-    def option_defaults(self) -> dict[str, object]:
-        return {f.name: f.default for f in dataclasses.fields(self.options)}
-
-    def state_files(self, options: Mapping[str, object]) -> list[str]:
-        """The options among ``options`` (name -> value) that name a learned-state file (fields
-        marked with :data:`STATE_FILE`) and are set."""
-        marked = {f.name for f in dataclasses.fields(self.options) if f.metadata.get("state_file")}
-        return sorted(name for name, value in options.items() if name in marked and value)
-
-    def describe(self) -> list[dict[str, object]]:
-        """Each option a client may set (learned-state files left out: those are the operator's)
-        as JSON: ``name``, ``type`` (its annotation), ``default`` (None: decided by the method) and
-        ``maximum`` where it has one (what ``triedec methods`` lists; the playground's form)."""
-        maxima = self.maxima()
-        return [{"name": f.name, "type": str(f.type), "default": f.default, "maximum": maxima.get(f.name)}
-                for f in dataclasses.fields(self.options) if not f.metadata.get("state_file")]
-
-    def maxima(self) -> dict[str, int]:
-        """The options that size memory or work, with their largest allowed values
-        (:func:`at_most`)."""
-        return {f.name: f.metadata["maximum"] for f in dataclasses.fields(self.options) if "maximum" in f.metadata}
-
-    def make_options(self, values: Mapping[str, object]) -> Any:
-        """The validated options object; unknown names and values over an option's maximum
-        (:meth:`maxima`) get a clear error."""
-        known = self.option_defaults()
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            valid = ", ".join(known) or "none"
-            raise TriedecError(f"unknown option(s) {unknown} for method {self.name!r}; valid options: {valid}")
-        options = self.options(**values)
-        for name, limit in self.maxima().items():
-            value = getattr(options, name)
-            if isinstance(value, int | float) and not isinstance(value, bool) and value > limit:
-                raise TriedecError(f"method {self.name!r}: {name} may be at most {limit} (it sizes memory or work per "
-                                   f"request), got {value!r}")
-        return options
-
-    def parse_options(self, texts: Mapping[str, str]) -> dict[str, object]:
-        """Option values given as text (``{"num_tokens": "16"}``), read as each option's type;
-        ``-`` in names is read as ``_``. The one parser behind CLI flags and bench entries."""
-        kinds = _field_types(self.options)
-        out: dict[str, object] = {}
-        for key, text in texts.items():
-            name = key.replace("-", "_")
-            if name not in kinds:
-                self.make_options({name: None})  # raises the standard unknown-option error
-            try:
-                out[name] = parse_option_text(text, kinds[name])
-            except TriedecError as exc:
-                raise TriedecError(f"method {self.name!r}, option {name}: {exc}") from exc
-        return out
-
-
-_REGISTRY: dict[str, MethodSpec] = {}
-RESERVED = frozenset({"beam"})
-"""Method names taken by loops other than the speculative one (see :mod:`triedec.methods`)."""
-GENERATION_ARGUMENTS = frozenset({
-    "prompt", "method", "max_new_tokens", "stop", "stop_token_ids", "context", "chat", "on_tokens",
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-})
-"""Keyword arguments of ``LM.generate`` itself: no method option may take one of these names."""
-
-
-def register(name: str, options: type, description: str,
-             needs: Callable[[Any], frozenset[str]] | None = None,
-             profile: ProfileSpec | None = None) -> Callable[[Callable], Callable]:
-    """Class/function decorator that registers a drafter factory under ``name``; ``needs``
-    (default: nothing) maps an options value to what must be measured before building it
-    (:data:`NEEDS_COST`, or ``name`` itself for the method's own calibrated ``profile``)."""
-
-    def wrap(factory: Callable) -> Callable:
-        if name in _REGISTRY or name in RESERVED:
-            raise TriedecError(f"method {name!r} is already registered")
-        clash = sorted(GENERATION_ARGUMENTS & {f.name for f in dataclasses.fields(options)})
-        if clash:
-            raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments; rename them")
-        extra = {} if needs is None else {"needs": needs}
-        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra, profile=profile)
-        return factory
-
-    return wrap
-
-
-def drafter_spec(name: str) -> MethodSpec | None:
-    """The registered drafter ``name``, or None."""
-    return _REGISTRY.get(name)
-
-
-def profile_specs() -> dict[str, ProfileSpec]:
-    """Every registered profile by the name of the method that declares it."""
-    return {name: spec.profile for name, spec in sorted(_REGISTRY.items()) if spec.profile is not None}
-
-
-def drafter_specs() -> dict[str, MethodSpec]:
-    """All registered drafters by name."""
-    return dict(sorted(_REGISTRY.items()))
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """A method without options."""

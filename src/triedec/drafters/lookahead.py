@@ -31,8 +31,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified, at_most, register
-from triedec.drafters.learned import Learned
+from triedec.drafters.base import MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
+from triedec.drafters.registry import at_most, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -125,10 +125,8 @@ def verification_branch(
 
 @register("lookahead", LookaheadOptions, "lookahead decoding: Jacobi n-grams from a lookahead branch, verified "
           "in the same forward (verify=independent as LADE, or trie-merged)")
-class LookaheadDrafter:
+class LookaheadDrafter(BaseDrafter):
     """No shared state: the window and the n-gram pool belong to one request (the session)."""
-
-    prefill_logits = 0
 
     def __init__(self, options: LookaheadOptions, model: ModelInfo) -> None:
         self.options = options
@@ -136,20 +134,6 @@ class LookaheadDrafter:
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> LookaheadSession:
         return LookaheadSession(self.options, prompt)
-
-    def max_learned_bytes(self) -> int:
-        """Nothing learned across requests."""
-        return 0
-
-    def persist(self) -> None:
-        """No state file."""
-
-    def export_learned(self) -> Learned:
-        """Nothing learned across requests (the window and pool are per request)."""
-        return Learned()
-
-    def absorb_learned(self, learned: Learned) -> None:
-        """Nothing to merge."""
 
 
 class LookaheadSession(BaseSession):

@@ -38,106 +38,16 @@ state: they live as long as the drafter and are updated under its lock.
 
 from __future__ import annotations
 
-import heapq
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, at_most, register
-from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
-from triedec.drafters.learned import Learned
+from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified
+from triedec.drafters.rates import RatedDrafter, RateTable
+from triedec.drafters.registry import NEEDS_COST, at_most, register
+from triedec.drafters.trie import NgramTrie
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
-
-
-@dataclass
-class TrieStream:
-    """Where insertion of one token sequence stands: its length so far and the open paths
-    ``(start position, node)`` of the keys that can still grow."""
-
-    length: int = 0
-    open: list[tuple[int, int]] = field(default_factory=list)
-
-
-class NgramTrie:
-    """The paper's n-gram trie with frequencies. Node 0 is the root; ``children[v]`` maps a token
-    to a child, ``freq[v]`` is the number of inserted keys passing through v, ``parent[v]`` and
-    ``token[v]`` describe the node. Mutated only by :meth:`add`."""
-
-    def __init__(self, n: int, prefix: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise TriedecError(f"n (window length) must be an integer >= 2, got {n!r}")
-        if isinstance(prefix, bool) or not isinstance(prefix, int) or not 1 <= prefix < n:
-            raise TriedecError(f"prefix (Lp) must be an integer in [1, n), got {prefix!r} with n={n}")
-        self.n, self.prefix = n, prefix
-        self.children: list[dict[int, int]] = [{}]
-        self.freq: list[int] = [0]
-        self.parent: list[int] = [-1]
-        self.token: list[int] = [-1]
-
-    @property
-    def size(self) -> int:
-        """Nodes, root excluded."""
-        return len(self.freq) - 1
-
-    def add(self, tokens: Sequence[int], stream: TrieStream | None = None) -> TrieStream:
-        """Insert the windows of ``tokens``, continuing ``stream`` (the same document) if given,
-        else starting a new document. Returns the stream to continue later."""
-        st = stream if stream is not None else TrieStream()
-        n, lp = self.n, self.prefix
-        for t in tokens:
-            t = int(t)
-            st.open.append((st.length, 0))
-            still = []
-            for start, node in st.open:
-                depth = st.length - start + 1
-                child = self.children[node].get(t)
-                if child is None:
-                    child = len(self.freq)
-                    self.children[node][t] = child
-                    self.children.append({})
-                    self.freq.append(0)
-                    self.parent.append(node)
-                    self.token.append(t)
-                self.freq[child] += min(lp - 1, start, n - depth) + 1
-                if depth < n:
-                    still.append((start, child))
-            st.open = still
-            st.length += 1
-        return st
-
-    def node(self, path: Sequence[int]) -> int | None:
-        """The node reached from the root by ``path``, or None."""
-        node = 0
-        for t in path:
-            node = self.children[node].get(int(t))
-            if node is None:
-                return None
-        return node
-
-    def match(self, context: Sequence[int]) -> tuple[int, int]:
-        """``(node, length)`` of the longest suffix of ``context`` (at most ``prefix`` tokens)
-        that is a trie path with continuations; ``(0, 0)`` if none."""
-        for m in range(min(self.prefix, len(context)), 0, -1):
-            node = self.node(context[-m:])
-            if node is not None and self.children[node]:
-                return node, m
-        return 0, 0
-
-    def top(self, node: int, k: int) -> list[int]:
-        """The ``k`` most frequent nodes of ``node``'s subtree (``node`` excluded), best-first
-        (highest frequency first, ties to the older node). A child's frequency never exceeds its
-        parent's, so this is the top k of the subtree, parents listed before their children."""
-        out: list[int] = []
-        frontier = [(-self.freq[c], c) for c in self.children[node].values()]
-        heapq.heapify(frontier)
-        while frontier and len(out) < k:
-            _, v = heapq.heappop(frontier)
-            out.append(v)
-            for c in self.children[v].values():
-                heapq.heappush(frontier, (-self.freq[c], c))
-        return out
 
 
 @dataclass(frozen=True)
@@ -173,7 +83,7 @@ def _needs(options: NgramTrieOptions) -> frozenset[str]:
 
 @register("ngram-trie", NgramTrieOptions, "N-Gram Trie: a frequency trie of the context's n-grams; the most "
           "frequent continuations of the longest matched suffix, sized for the device", needs=_needs)
-class NgramTrieDrafter:
+class NgramTrieDrafter(RatedDrafter):
     """Shared across requests (under ``lock``): the agreement rates ``rho`` per (matched suffix
     length, hot). Per request (the session): the trie, built in ``begin`` from the documents and
     the prompt."""
@@ -185,59 +95,23 @@ class NgramTrieDrafter:
     RELAX = 0.01
     """how far a skipped match length's averages move back toward the prior per skipped step"""
 
-    prefill_logits = 0
-
     def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
-        self.options = options
-        self.lock = threading.Lock()
         # (match length, hot) -> accepted over tried draft tokens per drafted step
-        self._agreement: dict[tuple[int, bool], MovingRatio] = {}
+        super().__init__(RateTable(lambda key: self.PRIOR_RHO, self.EMA, self.RELAX, _valid_rate_key))
+        self.options = options
 
     def rho(self, m: int, hot: bool = False) -> float:
         """Estimated chance that the model agrees with a drafted token after a length-``m`` match,
         when the previous step accepted a draft (``hot``) or not."""
-        found = self._agreement.get((m, hot))
-        return self.PRIOR_RHO if found is None else found.value
-
-    def _ratio(self, key: tuple[int, bool]) -> MovingRatio:
-        """The agreement of ``key`` (created at the prior, PRIOR_RHO), to update."""
-        if key not in self._agreement:
-            self._agreement[key] = MovingRatio(self.PRIOR_RHO)
-        return self._agreement[key]
-
-    def relax(self, key: tuple[int, bool]) -> None:
-        with self.lock:
-            self._ratio(key).relax(self.RELAX)
-
-    def learn(self, key: tuple[int, bool], accepted: int, tried: int) -> None:
-        with self.lock:
-            self._ratio(key).update(accepted, tried, self.EMA)
+        return self.rates.value((m, hot))
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _NgramTrieSession:
         return _NgramTrieSession(self, prompt, documents)
 
-    def max_learned_bytes(self) -> int:
-        """A few agreement rates (keyed by matched suffix length): negligible."""
-        return 0
-
-    def persist(self) -> None:
-        """No state file."""
-
-    def export_learned(self) -> Learned:
-        """The agreement rates updated here since the last export (:mod:`triedec.drafters.learned`)."""
-        with self.lock:
-            return Learned(rates=export_rates(self._agreement))
-
-    def absorb_learned(self, learned: Learned) -> None:
-        """Blend another replica's agreement rates into these."""
-        with self.lock:
-            absorb_rates(self._ratio, _valid_rate_key, learned.rates)
-
     def stats(self) -> dict[str, float]:
         """The agreement rate per match length."""
         with self.lock:
-            keys = sorted(self._agreement)
-            return {f"rho_m{m}" + ("_hot" if hot else ""): self.rho(m, hot) for m, hot in keys}
+            return {f"rho_m{m}" + ("_hot" if hot else ""): rate for (m, hot), rate in self.rates.items()}
 
 
 class _NgramTrieSession(BaseSession):
@@ -278,7 +152,7 @@ class _NgramTrieSession(BaseSession):
             parents.append(index[trie.parent[v]])
         tree = TokenTree(tuple(tokens), tuple(parents))
         chances = [1.0, *(chance[v] for v in nodes)]
-        return Draft.scored(tree, chances, send_all=not drafter.options.sized).labelled("context")
+        return Draft.scored(tree, chances, whole=not drafter.options.sized).labelled("context")
 
     def observe(self, verified: Verified) -> None:
         key, self.drafted = self.drafted, None

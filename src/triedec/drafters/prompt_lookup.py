@@ -21,16 +21,15 @@ loaded model and option set), updated under its lock.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from triedec.drafters.base import MAX_TREE_NODES, NEEDS_COST, BaseSession, Draft, ModelInfo, Verified, at_most, register
-from triedec.drafters.estimate import MovingRatio, absorb_rates, export_rates
-from triedec.drafters.learned import Learned
+from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified
+from triedec.drafters.rates import RatedDrafter, RateTable
+from triedec.drafters.registry import NEEDS_COST, at_most, register
 from triedec.errors import TriedecError, positive_int
 from triedec.tree import TokenTree
 
@@ -89,13 +88,18 @@ def find_matches(context: Sequence[int], options: PromptLookupOptions) -> list[t
     return found
 
 
+def _valid_rate_key(key: object) -> bool:
+    """An n-gram length."""
+    return isinstance(key, int) and not isinstance(key, bool) and key > 0
+
+
 def _needs(options: PromptLookupOptions) -> frozenset[str]:
     return frozenset({NEEDS_COST}) if options.min_expected is None else frozenset()
 
 
 @register("pld", PromptLookupOptions, "prompt lookup: continuations of suffix n-gram matches, merged into a trie",
           needs=_needs)
-class PromptLookupDrafter:
+class PromptLookupDrafter(RatedDrafter):
     """Shared across requests: the agreement rate per matched n-gram length (updated under
     ``lock``). Per request: which length the last proposal drafted."""
 
@@ -107,57 +111,23 @@ class PromptLookupDrafter:
     """how far a skipped length's averages move back toward the prior: a length whose drafts keep
     failing is probed again about once every 15-20 opportunities"""
 
-    prefill_logits = 0
-
     def __init__(self, options: PromptLookupOptions, model: ModelInfo) -> None:
+        # n-gram length -> accepted over tried draft tokens
+        super().__init__(RateTable(lambda n: self.PRIOR_RHO, self.EMA, self.RELAX, _valid_rate_key))
         self.options = options
-        self._agreement: dict[int, MovingRatio] = {}  # n-gram length -> accepted over tried draft tokens
-        self.lock = threading.Lock()
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _PromptLookupSession:
         """The context is searched afresh every step; documents are not used."""
         return _PromptLookupSession(self)
 
-    def max_learned_bytes(self) -> int:
-        """A few agreement rates (keyed by matched n-gram length): negligible."""
-        return 0
-
-    def persist(self) -> None:
-        """No state file."""
-
     def rho(self, n: int) -> float:
-        found = self._agreement.get(n)
-        return self.PRIOR_RHO if found is None else found.value
-
-    def _ratio(self, n: int) -> MovingRatio:
-        if n not in self._agreement:
-            self._agreement[n] = MovingRatio(self.PRIOR_RHO)
-        return self._agreement[n]
-
-    def relax(self, n: int) -> None:
-        """A skipped length drifts back toward the prior."""
-        with self.lock:
-            self._ratio(n).relax(self.RELAX)
-
-    def learn(self, n: int, accepted: int, tried: int) -> None:
-        with self.lock:
-            self._ratio(n).update(accepted, tried, self.EMA)
-
-    def export_learned(self) -> Learned:
-        """The agreement rates updated here since the last export (:mod:`triedec.drafters.learned`)."""
-        with self.lock:
-            return Learned(rates=export_rates(self._agreement))
-
-    def absorb_learned(self, learned: Learned) -> None:
-        """Blend another replica's agreement rates into these."""
-        with self.lock:
-            absorb_rates(self._ratio, lambda key: isinstance(key, int) and not isinstance(key, bool) and key > 0,
-                         learned.rates)
+        """Estimated chance that the model agrees with a token drafted after a length-``n`` match."""
+        return self.rates.value(n)
 
     def stats(self) -> dict[str, float]:
         """The agreement rate per matched n-gram length."""
         with self.lock:
-            return {f"rho_n{n}": r.value for n, r in sorted(self._agreement.items())}
+            return {f"rho_n{n}": rate for n, rate in self.rates.items()}
 
 
 class _PromptLookupSession(BaseSession):
@@ -192,7 +162,7 @@ class _PromptLookupSession(BaseSession):
             drafter.relax(n)
             return Draft.root_only(context[-1])
         self.drafted_n = n
-        return Draft.scored(tree, chances, send_all=minimum is not None).labelled("prompt")
+        return Draft.scored(tree, chances, whole=minimum is not None).labelled("prompt")
 
     def observe(self, verified: Verified) -> None:
         n, self.drafted_n = self.drafted_n, None

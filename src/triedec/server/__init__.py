@@ -26,7 +26,7 @@ and writes the learned state.
 **Security** (docs/serving.md: Security). With API keys (:mod:`~triedec.server.auth`) every request but
 ``/health`` carries ``Authorization: Bearer KEY`` (401 otherwise) and belongs to the key's tenant.
 Learned state is kept per tenant, shared, or not at all (:mod:`~triedec.server.tenancy`); the
-``triedec`` stats' ``store_tokens`` say how many accepted tokens auto's store drafted. Per tenant,
+``triedec`` stats' ``tokens_from_store`` say how many accepted tokens auto's store drafted. Per tenant,
 running and queued requests are capped (429 with ``Retry-After``); each request's time may be
 capped (``max_request_seconds``), ``max_tokens`` is capped server-wide, a body must arrive within
 ``body_seconds`` and a client must take its response within ``send_seconds``. Clients cannot name
@@ -61,6 +61,10 @@ slow (408), a request with no token within
 (503). A learned-state file the operator set up badly is a 500 with a generic message (the path and
 the reason go to the server's log).
 """
+
+from triedec.errors import require_extra
+
+require_extra("server", "triedec.server")  # a clear error, not a ModuleNotFoundError from deep inside
 
 from triedec.server.app import ServerConfig, create_app, serve
 from triedec.server.auth import ApiKeys

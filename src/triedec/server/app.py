@@ -21,14 +21,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from triedec.decoders import DecoderLimits
-from triedec.drafters.base import FROM_STORE, NEEDS_COST, profile_specs
+from triedec.drafters.base import FROM_STORE
+from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.drafters.state import check_location
 from triedec.engine import BatchLimits, Run
 from triedec.errors import StateFileError, TriedecError, positive_int
+from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method as find_method
 from triedec.methods import methods
 from triedec.request import Outcome
+from triedec.sampling import SAMPLING_FIELDS, Sampling
 from triedec.server.auth import ApiKeys, MaskQueryStrings, RequireKey
 from triedec.server.metrics import Metrics
 from triedec.server.playground import add_routes as add_playground
@@ -222,13 +225,9 @@ class _Service:
             raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
                                    f"{lm.max_context} tokens")
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        sampling = {"temperature": req.temperature if req.temperature is not None else 0.0,
-                    "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k or 0,
-                    "min_p": req.min_p or 0.0,
-                    "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    "seed": req.seed}
-        run = lm.start(ids, method, max_new_tokens=limit, stop=list(stops) or None, scope=scope, **sampling,
-                       **options)
+        given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+        request = GenerationRequest(ids, method, options, limit, stops, sampling=Sampling(**given))
+        run = lm.start(request, scope=scope)
         if req.trace:
             run.record_steps()
         return _Prepared(run, method, _shown(method, options), len(ids), stops, req.trace)
@@ -291,7 +290,7 @@ class _Service:
                "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
                "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
                "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
-               "store_tokens": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
+               "tokens_from_store": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
                "exactness": s.exactness}
         if prepared.trace:  # the per-step stats the page checks its own counts against
             ext["accepted_by_origin"] = dict(getattr(s, "accepted_by_origin", {}) or {})
