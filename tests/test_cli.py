@@ -276,7 +276,7 @@ def test_the_top_level_help_imports_no_torch_and_lists_every_command():
         (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         return [(c.dest, c.help) for c in sub._choices_actions]
 
-    assert commands(build_parser(full=False)) == commands(build_parser())
+    assert commands(build_parser(())) == commands(build_parser())
 
 
 BLOCK = "import sys\nfor m in {mods!r}:\n    sys.modules[m] = None  # as if not installed\n"

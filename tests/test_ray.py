@@ -98,12 +98,18 @@ def test_application_arguments_are_the_serve_flags():
     assert settings == RaySettings(replicas=2, max_replicas=4, affinity_slack=None, gateways=1)
     assert parse_pairs({"gateways": "3", "affinity_slack": "2"})[0] == RaySettings(1, None, 2, 3)
     assert model.threads == 1 and model.model is None
-    assert config.method == "pld" and config.max_running == 8 and config.tenancy().learning == "off"
+    assert config.method == "pld" and config.limits.max_running == 8 and config.tenancy().learning == "off"
     assert config.method_options == {"max_ngram": 3}
     for bad, needle in [({"port": "80"}, "Ray Serve owns"), ({"replicas": "0"}, "replicas"),
-                        ({"replicas": "3", "max_replicas": "2"}, "below"), ({"max_running": "x"}, "bad application"),
-                        ({"no_such_flag": "1"}, "bad application"), ({"public_metrics": "maybe"}, "true or false"),
+                        ({"replicas": "3", "max_replicas": "2"}, "below"),
+                        ({"max_running": "x"}, "max_running= must be an int"),
+                        ({"no_such_flag": "1"}, "unknown application argument no_such_flag"),
+                        ({"public_metrics": "maybe"}, "true or false"), ({"learning": "all"}, "must be one of"),
+                        ({"max_kv_mib": "-1"}, "--max-kv-mib must be >= 0"), ({"api_key": "sk-secret"}, None),
                         ({"method": "nope"}, "nope"), ({"gateways": "0"}, "gateways")]:
+        if needle is None:  # a valid pair, whose value is a secret: read, never echoed
+            assert parse_pairs(bad)[2].api_keys is not None
+            continue
         with pytest.raises(TriedecError, match=needle):
             parse_pairs(bad)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,6 +35,7 @@ from triedec.errors import TriedecError
 from triedec.flags import api_keys as _api_keys
 from triedec.server import ApiKeys, ServerConfig, create_app
 from triedec.server import auth as auth_module
+from triedec.server.config import SERVER_LIMITS
 from triedec.server.tenancy import tenant_file
 
 MODEL = "tiny"
@@ -200,7 +202,7 @@ def test_the_default_learning_is_tenant_with_keys_and_shared_without():
 def test_state_files_are_kept_per_tenant_and_clients_cannot_name_one(lm, tmp_path):
     store = tmp_path / "state" / "store.safetensors"
     config = _config(api_keys=ApiKeys(KEYS), method="auto", method_options={"sized": False, "store": str(store)},
-                     persist_every=1)
+                     limits=dataclasses.replace(SERVER_LIMITS, persist_every=1))
     with serving(create_app(lm.fresh(), config)) as url:
         for key in (ALICE, BOB):
             got = httpx.post(f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 24},
@@ -344,7 +346,7 @@ def test_a_slow_body_and_a_client_that_never_reads_do_not_hold_the_others(lm):
 def test_a_response_the_client_never_takes_is_given_up_after_send_seconds():
     """The transport middleware bounds every send: a client whose socket never drains (a send
     that never returns) ends the response after ``send_seconds``."""
-    from triedec.server.app import _Transport
+    from triedec.server.transport import _Transport
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 
 import triedec
 from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
+from triedec.engine import BatchLimits
 from triedec.server import ServerConfig, TextStream, create_app
 
 MODEL = "tiny"
@@ -242,7 +243,7 @@ def test_oversized_body_gets_413(base):
 
 def test_a_full_queue_answers_503(lm):
     """One running, none waiting: of eight simultaneous requests some run, the rest get 503 at once."""
-    app = create_app(lm, ServerConfig(model_name=MODEL, method="ar", max_running=1, max_queue=0))
+    app = create_app(lm, ServerConfig(model_name=MODEL, method="ar", limits=BatchLimits(max_running=1), max_queue=0))
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400}
     with serving(app) as url:
         barrier = threading.Barrier(8)

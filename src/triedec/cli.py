@@ -150,7 +150,6 @@ class _StreamPrinter:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    require_extra("server", "triedec serve")
     config = server_config(args, os.environ)
     logging.getLogger("triedec.server").info(
         "API keys: %s; learning: %s; learned state shared through Redis: %s",
@@ -285,9 +284,14 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
 def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] | None = None) -> int:
     """Entry point. ``extra_runners`` lets tests add benchmark-only methods."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # no command named: the top level alone answers (--help, --version, the missing-command error)
-    # without importing torch and transformers
-    parser = build_parser(full=any(not a.startswith("-") for a in argv))
+    # only the command named gets its flags built; with none, the top level alone answers (--help,
+    # --version, the missing-command error) without importing torch and transformers
+    named = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        parser = build_parser(() if named is None else (named,))
+    except TriedecError as exc:  # the command's extra is missing
+        print(f"triedec: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call (bench --serving)

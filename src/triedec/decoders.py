@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from triedec.errors import TriedecError, positive_int
+from triedec.settings import MIB, setting
 
 log = logging.getLogger("triedec")
 
@@ -41,13 +42,20 @@ Key = tuple[Hashable, str, Any]
 class DecoderLimits:
     """Bounds on the methods an LM keeps built (module doc). None for a byte cap: no cap."""
 
-    per_scope: int = 8
+    per_scope: int = setting(8, flag="--max-methods-per-tenant",
+                             help="option sets (built methods, each with its learned state) kept per tenant; past it "
+                                  "the least recently used is dropped")
     """built methods (option sets) kept per scope: a server's tenant"""
-    total: int = 64
+    total: int = setting(64, flag="--max-methods", help="option sets kept in all")
     """built methods kept overall"""
-    scope_bytes: int | None = 1 << 30
+    scope_bytes: int | None = setting(1 << 30, flag="--max-learned-mib-per-tenant", scale=MIB, unit="MiB",
+                                      none="no cap",
+                                      help="learned state one tenant's methods may hold, MiB, by each method's bound "
+                                           "(recycling matrix: vocab x k ids; auto's store: store_capacity); past it "
+                                           "the least recently used is dropped, and one method over it alone gets 400")
     """the most learned state (by its declared bound) the methods of one scope may hold"""
-    total_bytes: int | None = 4 << 30
+    total_bytes: int | None = setting(4 << 30, flag="--max-learned-mib", scale=MIB, unit="MiB", none="no cap",
+                                      help="learned state all methods may hold, MiB")
     """the most learned state (by its declared bound) all built methods together may hold"""
 
     def __post_init__(self) -> None:

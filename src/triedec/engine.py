@@ -38,6 +38,7 @@ from triedec.costmodel import CostModel
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
 from triedec.request import PREFILL_CHUNK, DecodeStats, Outcome, Request, Stats, StopRule
+from triedec.settings import MIB, setting
 from triedec.trace import StepTrace
 
 __all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "SoloRun", "Stats",
@@ -58,11 +59,15 @@ class BatchLimits:
     * ``persist_every``: finished requests between two writes of learned-state files.
     """
 
-    max_running: int = 16
-    max_tokens_per_forward: int = 512
-    max_prefill_tokens: int = 2 * PREFILL_CHUNK
-    max_kv_bytes: int | None = None
-    persist_every: int = 16
+    max_running: int = setting(16, help="requests decoded together, one forward per step for all")
+    max_tokens_per_forward: int = setting(512, help="tokens one forward carries at most: draft nodes and prompt "
+                                                    "chunks")
+    max_prefill_tokens: int = setting(2 * PREFILL_CHUNK, help=f"prompt tokens per forward beside the running "
+                                                              f"requests, in {PREFILL_CHUNK}-token chunks")
+    max_kv_bytes: int | None = setting(None, flag="--max-kv-mib", scale=MIB, unit="MiB", none="no cap",
+                                       help="KV cache memory the running requests may reserve, MiB")
+    persist_every: int = setting(16, help="finished requests between writes of learned-state files; they are also "
+                                          "written when idle and at shutdown")
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_tokens_per_forward", "max_prefill_tokens", "persist_every"):
@@ -71,12 +76,32 @@ class BatchLimits:
             positive_int("max_kv_bytes", self.max_kv_bytes)
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`Batch.step` did: the runs that finished during it (already closed: read
+    their ``outcome``), and what its forward carried: ``requests`` (items: prompt chunks and
+    verified trees), ``tokens``, ``prefill_tokens``, ``draft_nodes`` verified and ``proposed_nodes``
+    drafted, and the step's wall ``seconds``."""
+
+    finished: tuple[Run, ...] = ()
+    requests: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    draft_nodes: int = 0
+    proposed_nodes: int = 0
+    seconds: float = 0.0
+
+
 class Run(Protocol):
-    """What a batch runs: a :class:`~triedec.request.Request` (decoded in the shared forward) or a
-    :class:`SoloRun` (a loop of its own). ``start`` when admitted, ``take`` the tokens committed
+    """What a batch runs: a :class:`~triedec.request.Request` (decoded in the shared forward,
+    ``shares_forward`` True) or a :class:`SoloRun` (a loop of its own, ``shares_forward`` False:
+    beam search). ``start`` when admitted, ``take`` the tokens committed
     since the last call, ``done``, ``outcome`` once done, ``close`` (idempotent) to end it early or
     release it; ``kv_tokens`` is the KV it reserves. ``record_steps`` (before ``start``) makes it
     keep a :class:`~triedec.trace.StepTrace` per step, which ``take_steps`` hands over."""
+
+    shares_forward: bool
+    """whether its steps join the batch's shared forward (else it advances in a loop of its own)"""
 
     @property
     def done(self) -> bool: ...
@@ -106,6 +131,8 @@ class SoloRun:
     advances one step per batch step, beside the shared forward. Closed before its loop returned
     (cancelled, or past its time limit), its outcome holds what it lived: the tokens it emitted,
     its steps, its seconds and the reason."""
+
+    shares_forward = False
 
     def __init__(self, loop: Callable[[ModelAdapter, list[StepTrace] | None], Generator[list[int], None, Outcome]],
                  kv_tokens: int) -> None:
@@ -185,10 +212,7 @@ class Batch:
         self.limits = limits or BatchLimits()
         self.waiting: deque[Run] = deque()
         self.running: list[Run] = []
-        self.last_step: dict[str, float] = {}
-        """what the last step carried: ``requests``, ``tokens``, ``prefill_tokens``,
-        ``draft_nodes`` (verified) and ``proposed_nodes``, ``seconds``"""
-        self._dirty: dict[int, Drafter] = {}
+        self._dirty: dict[Drafter, None] = {}  # drafters with state to write, in the order they finished
         self._finished_since_persist = 0
 
     # ---- admission ----------------------------------------------------------------------------
@@ -236,12 +260,12 @@ class Batch:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def step(self) -> list[Run]:
-        """Advance every running run by one step (module doc); returns the runs that finished
-        during it (already closed: read their ``outcome``)."""
+    def step(self) -> StepReport:
+        """Advance every running run by one step (module doc); the report names the runs that
+        finished during it and what the forward carried."""
         started = time.perf_counter()
         self._admit()
-        requests = [r for r in self.running if isinstance(r, Request)]
+        requests: list[Request] = [r for r in self.running if r.shares_forward]  # type: ignore[misc]
         chunks, budget = [], self.limits.max_prefill_tokens
         for r in requests:
             if r.prefilling and (not chunks or r.chunk_tokens <= budget):
@@ -261,31 +285,28 @@ class Batch:
             for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
                 r.verified(rows)
         for run in self.running:
-            if isinstance(run, SoloRun) and not run.done:
-                run.advance()
+            if not run.shares_forward and not run.done:
+                run.advance()  # type: ignore[attr-defined]
         finished = [r for r in self.running if r.done]
         for run in finished:
             self.running.remove(run)
             self._retire(run, "")
-        self.last_step = {"requests": float(len(items)), "tokens": float(sum(i.size for i in items)),
-                          "prefill_tokens": float(sum(i.size for i in items[: len(chunks)])),
-                          "draft_nodes": float(sum(counts) - len(counts)),
-                          "proposed_nodes": float(sum(d.size - 1 for d in drafts)),
-                          "seconds": time.perf_counter() - started}
         if self.idle or self._finished_since_persist >= self.limits.persist_every:
             self.persist()
-        return finished
+        return StepReport(tuple(finished), len(items), sum(i.size for i in items),
+                          sum(i.size for i in items[: len(chunks)]), sum(counts) - len(counts),
+                          sum(d.size - 1 for d in drafts), time.perf_counter() - started)
 
     def _retire(self, run: Run, reason: str) -> None:
         run.close(reason or "cancelled")
         drafter = getattr(run, "drafter", None)
         if drafter is not None:
-            self._dirty[id(drafter)] = drafter
+            self._dirty[drafter] = None
             self._finished_since_persist += 1
 
     def persist(self) -> None:
         """Write the learned state of the drafters that finished requests since the last write."""
-        dirty, self._dirty, self._finished_since_persist = list(self._dirty.values()), {}, 0
+        dirty, self._dirty, self._finished_since_persist = list(self._dirty), {}, 0
         for drafter in dirty:
             drafter.persist()
 

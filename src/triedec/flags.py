@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from triedec.decoders import DecoderLimits
 from triedec.errors import TriedecError
 
 DEFAULT_THREADS = 2
@@ -187,10 +186,12 @@ def model_label(args: argparse.Namespace) -> str:
     return args.model or "SmolLM2-135M-Instruct (embedded default, fp32)"
 
 
-def build_parser(full: bool = True) -> argparse.ArgumentParser:
-    """The ``triedec`` parser. ``full=False`` gives the top level alone (commands without their
-    flags): enough for ``triedec --help`` and ``--version``, and it imports neither torch nor
-    transformers (the method-option flags need the method registry, which does)."""
+def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The ``triedec`` parser: every command with its flags (``commands`` None), or only the
+    named ``commands`` with theirs and the others as stubs. ``build_parser(())`` is the top level
+    alone: enough for ``triedec --help`` and ``--version``, and it imports neither torch nor
+    transformers (the method-option flags need the method registry, which does; ``serve``'s need
+    the server extra)."""
     from importlib import metadata
 
     parser = argparse.ArgumentParser(
@@ -206,14 +207,17 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
                "`triedec COMMAND --help` lists a command's flags; docs/cli.md has more.")
     parser.add_argument("--version", action="version", version=f"triedec {metadata.version('triedec')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    if not full:
-        for name, text in COMMANDS.items():
-            sub.add_parser(name, help=text)
-        return parser
+    for name, text in COMMANDS.items():
+        command = sub.add_parser(name, help=text)
+        if commands is None or name in commands:
+            _COMMAND_FLAGS[name](command)
+    return parser
+
+
+def _generate_flags(gen: argparse.ArgumentParser) -> None:
     from triedec.generation import MAX_NEW_TOKENS
 
 
-    gen = sub.add_parser("generate", help=COMMANDS["generate"])
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
     gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
     gen.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
@@ -226,9 +230,12 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_method_options(gen)
 
-    sub.add_parser("methods", help=COMMANDS["methods"])
 
-    cal = sub.add_parser("calibrate", help=COMMANDS["calibrate"])
+def _no_flags(parser: argparse.ArgumentParser) -> None:
+    """A command without flags of its own."""
+
+
+def _calibrate_flags(cal: argparse.ArgumentParser) -> None:
     cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
     cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
@@ -239,7 +246,10 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
                           "own forward of 1 and 16 tokens on the same cache), and what was chosen")
     _add_model_args(cal)
 
-    bench = sub.add_parser("bench", help=COMMANDS["bench"])
+
+def _bench_flags(bench: argparse.ArgumentParser) -> None:
+    from triedec.generation import MAX_NEW_TOKENS
+
     bench.add_argument("--methods", default=None,
                        help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
                             "methods, each optionally with inline options as name:key=value:key=value "
@@ -287,7 +297,8 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_method_options(bench)
 
-    cmp = sub.add_parser("compare", help=COMMANDS["compare"])
+
+def _compare_flags(cmp: argparse.ArgumentParser) -> None:
     cmp.add_argument("a", help="results.json (or its directory): the base")
     cmp.add_argument("b", help="results.json (or its directory): compared with the base")
     cmp.add_argument("--methods", default=None, help="comma-separated methods to compare (default: every shared one)")
@@ -295,10 +306,20 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
                      help="compare files from different machines anyway (the report says so)")
     cmp.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
-    rep = sub.add_parser("report", help=COMMANDS["report"])
+
+def _report_flags(rep: argparse.ArgumentParser) -> None:
     rep.add_argument("out", help="the run's output directory (holding results.json)")
 
-    srv = sub.add_parser("serve", help=COMMANDS["serve"])
+
+def _serve_flags(srv: argparse.ArgumentParser) -> None:
+    from triedec.errors import require_extra
+
+    require_extra("server", "triedec serve")
+    from triedec.decoders import DecoderLimits
+    from triedec.engine import BatchLimits
+    from triedec.server.config import SERVER_LIMITS, ServerConfig
+    from triedec.settings import add_flags
+
     srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
                                                      "extra body; default auto)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
@@ -306,25 +327,6 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
     srv.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                      help="the model id clients send and /v1/models lists (--served-model-name as vLLM spells it; "
                           "default: the model's directory name, or SmolLM2-135M-Instruct for the embedded default)")
-    srv.add_argument("--max-running", type=int, default=16,
-                     help="requests decoded together, one forward per step for all (default %(default)s)")
-    srv.add_argument("--max-queue", type=int, default=64,
-                     help="requests that may wait; one more gets 503 (default %(default)s)")
-    srv.add_argument("--max-tokens-per-forward", type=int, default=512,
-                     help="tokens one forward carries at most: draft nodes and prompt chunks (default %(default)s)")
-    srv.add_argument("--max-prefill-tokens", type=int, default=256,
-                     help="prompt tokens per forward beside the running requests, in 128-token chunks "
-                          "(default %(default)s)")
-    srv.add_argument("--max-kv-mib", type=int, default=4096,
-                     help="KV cache memory the running requests may reserve, MiB (default %(default)s; 0 = no cap)")
-    srv.add_argument("--persist-every", type=int, default=16,
-                     help="finished requests between writes of learned-state files; they are also written when "
-                          "idle and at shutdown (default %(default)s)")
-    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
-    srv.add_argument("--max-tokens", type=int, default=MAX_NEW_TOKENS,
-                     help="max_tokens when a request gives none (default %(default)s)")
-    srv.add_argument("--drain-seconds", type=float, default=30.0,
-                     help="on SIGTERM, how long in-flight requests may finish (default %(default)s)")
     sec = srv.add_argument_group("security and limits (docs/serving.md: Security)")
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; each its own tenant); "
@@ -334,47 +336,16 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
                      help="keys, one per line, each optionally followed by a space and its tenant's name "
                           "(default: none)")
     sec.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
-    sec.add_argument("--learning", choices=("shared", "tenant", "off"), default=None,
-                     help="whose learned state (auto's store, the recycling matrix, acceptance rates) a request "
-                          "drafts from: shared (everyone's), tenant (its own tenant's), off (nothing learned is kept); "
-                          "default: tenant with keys, shared without")
-    sec.add_argument("--max-tenants", type=int, default=64,
-                     help="tenants whose learned state is kept in memory (default %(default)s)")
-    sec.add_argument("--tenant-max-running", type=int, default=None,
-                     help="requests of one tenant decoded at once (default: up to --max-running)")
-    sec.add_argument("--tenant-max-queued", type=int, default=None,
-                     help="requests of one tenant waiting beyond those; one more gets 429 (default: up to --max-queue)")
-    sec.add_argument("--max-request-seconds", type=float, default=None,
-                     help="a request's whole time, queue included: past it, it ends with what it has "
-                          "(finish_reason length), or 408 before its first token (default: no limit)")
-    sec.add_argument("--max-tokens-limit", type=int, default=4096,
-                     help="the most max_tokens a request may ask for (default %(default)s)")
-    limits = DecoderLimits()
-    sec.add_argument("--max-methods-per-tenant", type=int, default=limits.per_scope,
-                     help="option sets (built methods, each with its learned state) kept per tenant; past it the least "
-                          "recently used is dropped (default %(default)s)")
-    sec.add_argument("--max-methods", type=int, default=limits.total,
-                     help="option sets kept in all (default %(default)s)")
-    sec.add_argument("--max-learned-mib-per-tenant", type=int, default=(limits.scope_bytes or 0) >> 20,
-                     help="learned state one tenant's methods may hold, MiB, by each method's bound (recycling matrix: "
-                          "vocab x k ids; auto's store: store_capacity); past it the least recently used is dropped, "
-                          "and one method over it alone gets 400 (default %(default)s; 0 = no cap)")
-    sec.add_argument("--max-learned-mib", type=int, default=(limits.total_bytes or 0) >> 20,
-                     help="learned state all methods may hold, MiB (default %(default)s; 0 = no cap)")
-    sec.add_argument("--body-seconds", type=float, default=30.0,
-                     help="a request body must arrive within this time, else 408 (default %(default)s)")
-    sec.add_argument("--send-seconds", type=float, default=60.0,
-                     help="a client that takes no response data for this long is disconnected (default %(default)s)")
     out = srv.add_argument_group("scaling out (docs/scaling-out.md)")
+    # every plain setting's flag, generated from its field (triedec.settings)
+    add_flags(srv, BatchLimits, SERVER_LIMITS)
+    add_flags(srv, ServerConfig, groups={"security": sec, "scaling": out})
+    add_flags(sec, DecoderLimits)
     out.add_argument("--redis-url", default=None, metavar="URL",
                      help="share learned state with every replica naming the same Redis, redis://HOST:PORT/DB "
                           "(extra triedec[redis]); TRIEDEC_REDIS_URL is used if this is not given (a URL with a "
                           "password stays out of the process list; default: none, learned state stays in this "
                           "process)")
-    out.add_argument("--share-interval", type=float, default=0.5,
-                     help="seconds between two exchanges of learned state through Redis (default %(default)s)")
-    out.add_argument("--share-max-entries", type=int, default=1_000,
-                     help="entries each Redis stream of learned state keeps, about (default %(default)s)")
     ray = srv.add_argument_group("replicas on Ray Serve (extra triedec[ray]; docs/scaling-out.md)")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve: engine replicas behind one HTTP endpoint, routed with affinity "
@@ -390,7 +361,11 @@ def build_parser(full: bool = True) -> argparse.ArgumentParser:
                           "power-of-two choices takes over (default: --max-running)")
     _add_model_args(srv)
     _add_method_options(srv)
-    return parser
+
+
+_COMMAND_FLAGS = {"generate": _generate_flags, "methods": _no_flags, "calibrate": _calibrate_flags,
+                  "bench": _bench_flags, "compare": _compare_flags, "report": _report_flags, "serve": _serve_flags}
+"""Each command's flags (a command's parser is filled only when that command runs or all are built)."""
 
 
 
@@ -405,30 +380,62 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
     return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics)
 
 
+def serve_values(pairs: Mapping[str, object]) -> argparse.Namespace:
+    """``triedec serve``'s flags given as ``key=value`` pairs (Ray Serve's application arguments):
+    each key is a flag's name with underscores (``max_running=8`` is ``--max-running``;
+    ``public_metrics=true`` a switch), each value read and checked by that flag's own declaration,
+    the others at their defaults. No command line is built; errors name the key, never the value
+    (it may be a secret)."""
+    srv = _command_parser(build_parser(("serve",)), "serve")
+    values = {a.dest: a.default for a in srv._actions if a.dest != "help"}
+    for key, given in pairs.items():
+        action = srv._option_string_actions.get("--" + str(key).replace("_", "-"))
+        if action is None:
+            raise TriedecError(f"unknown application argument {key}= (not a `triedec serve` flag)")
+        values[action.dest] = _read_flag(action, str(key), str(given))
+    return argparse.Namespace(command="serve", **values)
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def _read_flag(action: argparse.Action, key: str, text: str) -> object:
+    """``text`` as the flag ``action`` would read it (a switch takes true or false)."""
+    if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+        if text.lower() not in ("true", "false"):
+            raise TriedecError(f"{key}= must be true or false")
+        return text.lower() == "true"
+    if isinstance(action, argparse._AppendAction):
+        return [text]
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except ValueError:
+        kind = getattr(action.type, "__name__", "a value")
+        raise TriedecError(f"{key}= must be {'an' if kind == 'int' else 'a'} {kind}") from None
+    if action.choices is not None and value not in action.choices:
+        raise TriedecError(f"{key}= must be one of {', '.join(map(str, action.choices))}")
+    return value
+
+
 def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
-    """The :class:`~triedec.server.ServerConfig` the ``serve`` flags describe (API keys from the
-    flags or ``TRIEDEC_API_KEY``, the Redis URL from the flag or ``TRIEDEC_REDIS_URL``); validated."""
-    from triedec.server import ServerConfig
+    """The :class:`~triedec.server.ServerConfig` the ``serve`` flags describe: its plain settings
+    (and the engine's and built methods' limits) read from their generated flags, the method and
+    its options, the model's name, the API keys (the flags or ``TRIEDEC_API_KEY``) and the Redis
+    URL (the flag or ``TRIEDEC_REDIS_URL``); validated."""
+    from triedec.decoders import DecoderLimits
+    from triedec.engine import BatchLimits
+    from triedec.server.config import ServerConfig
+    from triedec.settings import values_of
 
     if not 0 < args.port < 65536:
         raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
-    options = method_options(args, args.method)
+    values = vars(args)
     name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
-    for flag in ("max_kv_mib", "max_learned_mib_per_tenant", "max_learned_mib"):
-        if getattr(args, flag) < 0:
-            raise TriedecError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    decoders = DecoderLimits(args.max_methods_per_tenant, args.max_methods,
-                             args.max_learned_mib_per_tenant << 20 or None, args.max_learned_mib << 20 or None)
-    return ServerConfig(method=args.method, method_options=options, model_name=name, max_running=args.max_running,
-                        max_queue=args.max_queue, max_tokens_per_forward=args.max_tokens_per_forward,
-                        max_prefill_tokens=args.max_prefill_tokens,
-                        max_kv_bytes=args.max_kv_mib << 20 if args.max_kv_mib else None,
-                        persist_every=args.persist_every, max_body_bytes=args.max_body_bytes,
-                        default_max_tokens=args.max_tokens, drain_seconds=args.drain_seconds,
-                        api_keys=api_keys(args, environ), learning=args.learning, max_tenants=args.max_tenants,
-                        tenant_max_running=args.tenant_max_running, tenant_max_queued=args.tenant_max_queued,
-                        max_request_seconds=args.max_request_seconds, max_tokens_limit=args.max_tokens_limit,
-                        body_seconds=args.body_seconds, send_seconds=args.send_seconds,
+    return ServerConfig(method=args.method, method_options=method_options(args, args.method), model_name=name,
+                        limits=BatchLimits(**values_of(BatchLimits, values)),
+                        decoders=DecoderLimits(**values_of(DecoderLimits, values)),
+                        api_keys=api_keys(args, environ),
                         redis_url=args.redis_url or environ.get("TRIEDEC_REDIS_URL") or None,
-                        share_interval=args.share_interval, share_max_entries=args.share_max_entries,
-                        decoders=decoders)
+                        **values_of(ServerConfig, values))

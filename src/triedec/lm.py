@@ -26,12 +26,13 @@ from triedec.drafters.learned import Learned
 from triedec.drafters.registry import NEEDS_COST
 from triedec.engine import Batch, BatchLimits, Run, run_alone
 from triedec.errors import TriedecError
-from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, checked_prompt, vars_of
+from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_of
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
 from triedec.models import load_hf
 from triedec.paths import cache_root
-from triedec.request import Outcome, Stats, StopRule
+from triedec.prompts import Prompts
+from triedec.request import Outcome, Stats
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,11 @@ class LM:
             [] if gen_eos is None else ([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         )
         self.max_context: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.prompts = Prompts(tokenizer, self.adapter.vocab_size)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.prompts.has_chat_template
 
     # ---- calibration --------------------------------------------------------------------------
 
@@ -138,23 +140,11 @@ class LM:
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is)."""
-        prompt = checked_prompt(prompt)
-        if isinstance(prompt, str):
-            if chat:
-                return self.encode([{"role": "user", "content": prompt}])
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt[0], Mapping):
-            if not self.has_chat_template:
-                raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = list(prompt)
-            if any(t >= self.adapter.vocab_size for t in ids):  # type: ignore[operator]
-                raise TriedecError(f"token ids must lie in [0, {self.adapter.vocab_size})")
-        if not ids:
-            raise TriedecError("the prompt is empty (no tokens)")
-        return list(ids)
+        return self.prompts.encode(prompt, chat)
+
+    def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
+        """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""
+        return self.prompts.decode_result(tokens, stop)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -228,8 +218,8 @@ class LM:
         if not isinstance(request, GenerationRequest):
             raise TriedecError(f"start takes a GenerationRequest, got {type(request).__name__} "
                                "(build one with GenerationRequest.of(prompt, method, ...))")
-        prompt_ids = self.encode(request.prompt, chat=request.chat)
-        rule, documents = self._prepare(request, len(prompt_ids))
+        prompt_ids = self.prompts.encode(request.prompt, chat=request.chat)
+        rule, documents = self.prompts.prepare(request, len(prompt_ids), self.eos_token_ids, self.max_context)
         sampling = request.sampling
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
@@ -320,7 +310,7 @@ class LM:
                 batch.submit(run)
             produced = 0
             while not batch.idle:
-                finished = batch.step()
+                finished = batch.step().finished
                 for i, run in enumerate(runs):
                     fresh = run.take()
                     tokens[i] += fresh
@@ -334,40 +324,6 @@ class LM:
                 bar.close()
         return [GenerationResult(self.decode_result(t, r.stop), t, run.outcome.stats, run.outcome.sequences)
                 for t, r, run in zip(tokens, requests, runs, strict=True)]
-
-    def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
-        """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        ends = [text.find(s) + len(s) for s in _stop_strings(stop) if s in text]
-        return text[: min(ends)] if ends else text
-
-    def _prepare(self, request: GenerationRequest, prompt_tokens: int) -> tuple[StopRule, list[list[int]]]:
-        """The checks that need this model (the context length, token ids against the
-        vocabulary), then the request's stop rule and tokenized context documents."""
-        if self.max_context is not None and prompt_tokens + request.max_new_tokens > self.max_context:
-            raise TriedecError(
-                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
-                f"model's context of {self.max_context} tokens"
-            )
-        for t in request.stop_token_ids:
-            if t >= self.adapter.vocab_size:
-                raise TriedecError(f"stop token id {t!r} is not in [0, {self.adapter.vocab_size})")
-        rule = StopRule(
-            max_new_tokens=request.max_new_tokens,
-            eos_token_ids=self.eos_token_ids | set(request.stop_token_ids),
-            stop_strings=request.stop,
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-        )
-        documents = []
-        for d in request.context:
-            if isinstance(d, str):
-                documents.append(self.tokenizer(d, add_special_tokens=False)["input_ids"])
-            elif any(t >= self.adapter.vocab_size for t in d):
-                raise TriedecError(f"each context document must be a string or a list of token ids in "
-                                   f"[0, {self.adapter.vocab_size})")
-            else:
-                documents.append(list(d))
-        return rule, documents
 
     @property
     def device(self) -> torch.device:
@@ -404,12 +360,6 @@ def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[st
             raise TriedecError("pass either a GenerationRequest or a prompt with keyword arguments, not both")
         return prompt
     return GenerationRequest.of(prompt, method, **kwargs)
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def load(

@@ -12,7 +12,7 @@ The application has two deployments:
   ongoing requests between ``--replicas`` and ``--max-replicas``.
 * The **Gateway** (the HTTP ingress, no CPU reserved; ``--gateways`` replicas) checks the key and
   bounds the body exactly as the server's own front door does
-  (:func:`~triedec.server.app.front_door`), names the request's affinity (:func:`affinity_key`)
+  (:func:`~triedec.server.transport.front_door`), names the request's affinity (:func:`affinity_key`)
   and relays the engine's ASGI messages, streaming, to the client.
   A replica that dies under a request ends it cleanly: 503 before its first byte, an error event in
   a stream already started.
@@ -47,9 +47,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from triedec.errors import TriedecError
-from triedec.flags import ModelSpec, build_parser, server_config
-from triedec.server.app import ServerConfig, create_app, front_door
+from triedec.flags import ModelSpec, serve_values, server_config
+from triedec.server.app import create_app
+from triedec.server.config import ServerConfig
 from triedec.server.schemas import error
+from triedec.server.transport import front_door
 
 log = logging.getLogger("triedec.ray")
 
@@ -88,27 +90,15 @@ class RaySettings:
 
 def parse_pairs(pairs: Mapping[str, str]) -> tuple[RaySettings, ModelSpec, ServerConfig]:
     """``serve run triedec.ray_app:app key=value ...``: each key is a ``triedec serve`` flag
-    (``max_running=8`` is ``--max-running 8``; ``public_metrics=true`` a switch), parsed and
-    validated by the same parser, and read with the same environment (``TRIEDEC_API_KEY``,
-    ``TRIEDEC_REDIS_URL``)."""
-    argv = ["serve"]
-    for key, value in pairs.items():
+    (``max_running=8`` is ``--max-running``; ``public_metrics=true`` a switch), each value read by
+    that flag's own declaration (:func:`triedec.flags.serve_values`, no command line), and the
+    settings built as ``triedec serve`` builds them, with the same environment
+    (``TRIEDEC_API_KEY``, ``TRIEDEC_REDIS_URL``)."""
+    for key in pairs:
         if key in ("host", "port", "ray"):
             raise TriedecError(f"{key}= does not apply under `serve run`: Ray Serve owns the HTTP address "
                                "(serve's http_options)")
-        flag = "--" + str(key).replace("_", "-")
-        if key == "public_metrics":
-            if str(value).lower() not in ("true", "false"):
-                raise TriedecError(f"public_metrics must be true or false, got {value!r}")
-            argv += [flag] if str(value).lower() == "true" else []
-        else:
-            argv += [flag, str(value)]
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse printed what was wrong
-        # the keys only: a value may be a secret (an API key, a Redis URL with its password)
-        raise TriedecError(f"bad application arguments (keys {', '.join(pairs)}; see the message above)") from exc
+    args = serve_values(pairs)
     return RaySettings.from_args(args), ModelSpec.from_args(args), server_config(args, os.environ)
 
 
@@ -370,15 +360,15 @@ def engine_options(settings: RaySettings, model: ModelSpec, config: ServerConfig
     autoscaled on ongoing requests (target: ``max_running`` per replica, a full batch)."""
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": model.threads},
-        "max_ongoing_requests": config.max_running + config.max_queue, "max_queued_requests": config.max_queue,
+        "max_ongoing_requests": config.limits.max_running + config.max_queue, "max_queued_requests": config.max_queue,
         "request_router_config": RequestRouterConfig(
             request_router_class=AffinityRouter,
-            request_router_kwargs={"slack": settings.affinity_slack or config.max_running}),
+            request_router_kwargs={"slack": settings.affinity_slack or config.limits.max_running}),
         "health_check_period_s": 5, "graceful_shutdown_timeout_s": config.drain_seconds + 10}
     if settings.max_replicas is not None and settings.max_replicas > settings.replicas:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=settings.replicas, initial_replicas=settings.replicas, max_replicas=settings.max_replicas,
-            target_ongoing_requests=config.max_running)
+            target_ongoing_requests=config.limits.max_running)
     else:
         options["num_replicas"] = settings.replicas
     return options

@@ -197,6 +197,9 @@ class Request:
     freed). Used by one thread at a time; shares nothing with other requests but the drafter,
     whose learned state is updated under the drafter's own lock."""
 
+    shares_forward = True
+    """its steps join the batch's shared forward (:class:`~triedec.engine.Run`)"""
+
     def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
                  documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY) -> None:
         self.prompt = [int(t) for t in prompt]

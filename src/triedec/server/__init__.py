@@ -40,7 +40,7 @@ loaded or measured before the server serves (nothing is measured on a request's 
 (:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
 naming the same Redis, per tenant (or per model under ``shared``), never on a request's path.
 :mod:`triedec.ray_app` runs this app as Ray Serve replicas behind a gateway that uses the same
-front door (:func:`~triedec.server.app.front_door`).
+front door (:func:`~triedec.server.transport.front_door`).
 
 Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
 :mod:`~triedec.server.auth`, :mod:`~triedec.server.tenancy`, :mod:`~triedec.server.sharing`,
@@ -66,8 +66,9 @@ from triedec.errors import require_extra
 
 require_extra("server", "triedec.server")  # a clear error, not a ModuleNotFoundError from deep inside
 
-from triedec.server.app import ServerConfig, create_app, serve
+from triedec.server.app import create_app, serve
 from triedec.server.auth import ApiKeys
+from triedec.server.config import ServerConfig
 from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
 from triedec.server.tenancy import Tenancy
 from triedec.text import TextStream

@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from triedec.engine import StepReport
 from triedec.request import Outcome
 
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -48,15 +49,15 @@ class Metrics:
         queue.labels("running").set_function(lambda: depth()[0])
         queue.labels("waiting").set_function(lambda: depth()[1])
 
-    def step(self, carried: dict[str, float]) -> None:
+    def step(self, carried: StepReport) -> None:
         """One engine step (called on the scheduler thread)."""
-        if not carried.get("requests"):
+        if not carried.requests:
             return
         self.steps.inc()
-        self.batch.observe(carried["requests"])
-        self.forward_tokens.observe(carried["tokens"])
-        self.budget.observe(carried["tokens"] / self.max_tokens)
-        self.draft_nodes.observe(carried["draft_nodes"])
+        self.batch.observe(carried.requests)
+        self.forward_tokens.observe(carried.tokens)
+        self.budget.observe(carried.tokens / self.max_tokens)
+        self.draft_nodes.observe(carried.draft_nodes)
 
     def finished(self, endpoint: str, method: str, outcome: Outcome) -> None:
         s = outcome.stats

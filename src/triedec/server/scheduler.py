@@ -37,10 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from triedec.engine import Batch, BatchLimits, Run
+from triedec.engine import Batch, BatchLimits, Run, StepReport
 from triedec.errors import TriedecError
 from triedec.lm import LM
-from triedec.request import Outcome, Stats
 from triedec.trace import StepTrace
 
 log = logging.getLogger("triedec.server")
@@ -156,11 +155,11 @@ class Job:
 
 class Scheduler:
     """Owns the engine's step loop on one thread (started on first use); see the module doc.
-    ``on_step`` receives what each step carried (:attr:`~triedec.engine.Batch.last_step`), on the
+    ``on_step`` receives what each step carried (a :class:`~triedec.engine.StepReport`), on the
     scheduler thread; ``tenants`` bounds each tenant's share and each request's time."""
 
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
-                 on_step: Callable[[dict[str, float]], None] | None = None,
+                 on_step: Callable[[StepReport], None] | None = None,
                  tenants: TenantLimits | None = None) -> None:
         self.lm = lm
         self.limits, self.max_queue = limits, max_queue
@@ -171,7 +170,7 @@ class Scheduler:
         self._incoming: deque[Job] = deque()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
         self._held: deque[Job] = deque()  # arrived, waiting for room in their tenant's running share
-        self._jobs: dict[int, Job] = {}  # id(run) -> job, for the jobs in the batch
+        self._jobs: dict[Run, Job] = {}  # the jobs in the batch, by their run
         self._flying: Counter[str] = Counter()  # tenant -> its jobs anywhere here (under the condition)
         self._in_batch: Counter[str] = Counter()  # tenant -> its jobs in the batch (scheduler thread)
         self._durations: deque[float] = deque(maxlen=64)  # seconds of recently finished requests
@@ -316,7 +315,7 @@ class Scheduler:
             if cap is None or self._in_batch[job.tenant] < cap:
                 self._held.remove(job)
                 self.batch.submit(job.run)
-                self._jobs[id(job.run)] = job
+                self._jobs[job.run] = job
                 self._in_batch[job.tenant] += 1
 
     def _drop(self, job: Job, reason: str) -> None:
@@ -324,7 +323,7 @@ class Scheduler:
         if job in self._held:
             self._held.remove(job)
             job.run.close(reason)
-        elif self._jobs.pop(id(job.run), None) is not None:
+        elif self._jobs.pop(job.run, None) is not None:
             self._in_batch[job.tenant] -= 1
             self.batch.cancel(job.run, reason)
 
@@ -338,11 +337,7 @@ class Scheduler:
         if not job.emitted:
             self._finish(job, "timeout", None)
             return
-        try:
-            outcome = job.run.outcome
-        except TriedecError:  # a loop of its own (beam search) has no outcome until it ends
-            outcome = Outcome(Stats(new_tokens=job.emitted, stop_reason="time_limit"))
-        self._finish(job, "done", outcome)
+        self._finish(job, "done", job.run.outcome)  # closed by _drop: every run has one
 
     def _finish(self, job: Job, kind: str, value: Any) -> None:
         """``job`` has left: hand its final event over and count it out."""
@@ -358,7 +353,7 @@ class Scheduler:
         batch = self.batch
         batch.cost = self.lm.cost_model()  # measured once a method needed it
         try:
-            finished = batch.step()
+            report = batch.step()
         except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
             log.exception("a decoding step failed")
             for job in list(self._jobs.values()):
@@ -369,12 +364,12 @@ class Scheduler:
             fresh = job.run.take()
             if fresh:
                 job.emit("tokens", fresh, job.run.take_steps())
-        for run in finished:
-            job = self._jobs.pop(id(run))
+        for run in report.finished:
+            job = self._jobs.pop(run)
             self._in_batch[job.tenant] -= 1
             self._finish(job, "done", run.outcome)
         if self.on_step is not None:
-            self.on_step(batch.last_step)
+            self.on_step(report)
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -1,0 +1,117 @@
+"""What ``triedec serve`` runs with: :class:`ServerConfig`, each setting declared once.
+
+Plain settings are fields declared with :func:`~triedec.settings.setting`: ``triedec serve``'s
+flags are generated from them (:func:`triedec.flags.build_parser`), the Ray app reads its
+``key=value`` pairs into the same fields, and nothing copies them by hand. The engine's limits are
+one :class:`~triedec.engine.BatchLimits` and the bounds on built methods one
+:class:`~triedec.decoders.DecoderLimits`, held as they are. The settings that are built from
+several flags or the environment (the method and its options, the API keys, the Redis URL, the
+model's name) are plain fields whose flags ``triedec.flags`` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from triedec.decoders import DecoderLimits
+from triedec.engine import BatchLimits
+from triedec.errors import TriedecError, positive_int
+from triedec.generation import DEFAULT_METHOD, MAX_NEW_TOKENS
+from triedec.server.auth import ApiKeys
+from triedec.server.scheduler import TenantLimits
+from triedec.server.sharing import SharingConfig
+from triedec.server.tenancy import LEARNING, Learning, Tenancy
+from triedec.settings import setting
+
+SERVER_LIMITS = BatchLimits(max_kv_bytes=4 << 30)
+"""The engine's limits a server starts with: the library's, with the KV the running requests may
+reserve capped at 4 GiB."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server runs: the default ``method`` and its ``method_options`` (a request may name
+    others), the model id clients use (``model_name``), and its limits. Validated on
+    construction."""
+
+    method: str = DEFAULT_METHOD
+    method_options: Mapping[str, object] = field(default_factory=dict)
+    model_name: str = "triedec"
+    limits: BatchLimits = SERVER_LIMITS
+    """what the engine's batch may hold and one forward may carry"""
+    max_queue: int = setting(64, help="requests that may wait; one more gets 503")
+    max_body_bytes: int = setting(1 << 20, unit="bytes", help="request body limit")
+    default_max_tokens: int = setting(MAX_NEW_TOKENS, flag="--max-tokens", help="max_tokens when a request gives none "
+                                                                                 "(cut to what the context leaves)")
+    drain_seconds: float = setting(30.0, unit="s", help="on SIGTERM, how long in-flight requests may finish before "
+                                                        "they are cancelled")
+    api_keys: ApiKeys | None = None
+    """keys every request but ``/health`` must carry (:mod:`triedec.server.auth`); None = open"""
+    learning: Learning | None = setting(None, group="security", choices=LEARNING,
+                                        none="tenant with keys, shared without",
+                                        help="whose learned state (auto's store, the recycling matrix, acceptance "
+                                             "rates) a request drafts from: shared (everyone's), tenant (its own "
+                                             "tenant's), off (nothing learned is kept)")
+    max_tenants: int = setting(64, group="security",
+                               help="tenants whose learned state is kept in memory (tenant learning)")
+    tenant_max_running: int | None = setting(None, group="security", kind=int, none="up to --max-running",
+                                             help="requests of one tenant decoded at once")
+    tenant_max_queued: int | None = setting(None, group="security", kind=int, none="up to --max-queue",
+                                            help="requests of one tenant waiting beyond those; one more gets 429")
+    max_request_seconds: float | None = setting(None, group="security", kind=float, none="no limit",
+                                                help="a request's whole time, queue included: past it, it ends with "
+                                                     "what it has (finish_reason length, stop_reason time_limit), or "
+                                                     "gets 408 before its first token")
+    max_tokens_limit: int = setting(4096, group="security",
+                                    help="the most max_tokens a request may ask for (more gets 400)")
+    body_seconds: float = setting(30.0, group="security", unit="s",
+                                  help="a request body must arrive within this time, else 408")
+    send_seconds: float = setting(60.0, group="security", unit="s",
+                                  help="a client that takes no response data for this long is disconnected (a client "
+                                       "that never reads holds nothing for long)")
+    redis_url: str | None = field(default=None, repr=False)
+    """share learned state with the other replicas that name the same Redis
+    (:mod:`triedec.server.sharing`); None = this process's own only"""
+    share_interval: float = setting(0.5, group="scaling", unit="s",
+                                    help="seconds between two exchanges of learned state through Redis")
+    share_max_entries: int = setting(1_000, group="scaling", help="entries each Redis stream of learned state keeps, "
+                                                                  "about")
+    decoders: DecoderLimits = field(default_factory=DecoderLimits)
+    """the methods (option sets) kept built, per tenant and overall, in count and learned-state
+    bytes (:mod:`triedec.decoders`); past them the least recently used are dropped"""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):
+            positive_int(name, getattr(self, name))
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise TriedecError(f"the default max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
+                               f"({self.max_tokens_limit})")
+        for name in ("body_seconds", "send_seconds"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise TriedecError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        self.tenancy()  # validates the learning mode and max_tenants
+        self.tenant_limits()  # validates the per-tenant limits
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise TriedecError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if not self.model_name:
+            raise TriedecError("model_name must not be empty")
+        if not 0 <= self.drain_seconds < float("inf"):
+            raise TriedecError(f"drain_seconds must be a finite number >= 0, got {self.drain_seconds!r}")
+        if not isinstance(self.limits, BatchLimits):
+            raise TriedecError(f"limits must be a BatchLimits, got {self.limits!r}")
+        self.sharing()  # validates the Redis URL and the exchange's settings
+        if not isinstance(self.decoders, DecoderLimits):
+            raise TriedecError(f"decoders must be a DecoderLimits, got {self.decoders!r}")
+
+    def sharing(self) -> SharingConfig | None:
+        if self.redis_url is None:
+            return None
+        return SharingConfig(self.redis_url, self.share_interval, self.share_max_entries)
+
+    def tenancy(self) -> Tenancy:
+        learning = self.learning or ("tenant" if self.api_keys is not None else "shared")
+        return Tenancy(learning, self.max_tenants)
+
+    def tenant_limits(self) -> TenantLimits:
+        return TenantLimits(self.tenant_max_running, self.tenant_max_queued, self.max_request_seconds)

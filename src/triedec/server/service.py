@@ -1,0 +1,373 @@
+"""What the server's routes do with a generation request: validate it into an engine run (on a
+worker thread; the method is built on the engine thread), submit it to the scheduler, and answer
+in OpenAI's shapes, one response or server-sent events, with triedec's stats (see
+:mod:`triedec.server`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from triedec.drafters.base import FROM_STORE
+from triedec.engine import Run, StepReport
+from triedec.errors import StateFileError, TriedecError
+from triedec.generation import GenerationRequest
+from triedec.lm import LM
+from triedec.methods import method as find_method
+from triedec.methods import methods
+from triedec.request import Outcome
+from triedec.sampling import SAMPLING_FIELDS, Sampling
+from triedec.server.config import ServerConfig
+from triedec.server.metrics import Metrics
+from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy
+from triedec.server.schemas import (
+    Generation,
+    Shape,
+    error,
+)
+from triedec.server.sharing import Sharing
+from triedec.server.tenancy import ANONYMOUS, Scopes
+from triedec.text import TextStream
+from triedec.trace import StepTrace
+
+log = logging.getLogger("triedec.server")
+
+
+@dataclass
+class _Prepared:
+    run: Run
+    method: str
+    options: dict[str, Any]
+    """the options a client may see (state-file paths left out)"""
+    prompt_tokens: int
+    stops: tuple[str, ...]
+    trace: bool = False
+    """the client asked for each step's record (``trace``)"""
+
+
+class Service:
+    """What the routes do: validate a request into an engine run, submit it to the scheduler, and
+    answer in OpenAI's shapes (one response, or server-sent events)."""
+
+    def __init__(self, lm: LM, config: ServerConfig) -> None:
+        self.lm, self.config = lm, config
+        self.known = set(methods())
+        self.metrics: Metrics | None = None
+        self.scheduler = Scheduler(lm, config.limits, config.max_queue, on_step=self._on_step,
+                                   tenants=config.tenant_limits())
+        self.scopes = Scopes(config.tenancy(), lm.forget)
+        self.metrics = Metrics(lambda: self.scheduler.depth, config.limits.max_tokens_per_forward)
+        sharing = config.sharing()
+        self.sharing = None if sharing is None else Sharing(lm, self.scheduler, sharing)
+        if self.sharing is not None:
+            self.metrics.sharing(self.sharing.status)
+
+    def _on_step(self, carried: StepReport) -> None:
+        if self.metrics is not None:
+            self.metrics.step(carried)
+
+    def method_of(self, req: Generation) -> tuple[str, dict[str, Any]]:
+        """The request's method and options; refuses unsupported fields, unknown models and
+        state-file options (files are the operator's to name, never a client's)."""
+        config = self.config
+        unsupported = req.unsupported()
+        if unsupported:
+            raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec returns one choice, "
+                               "without logprobs, tools or penalties other than repetition_penalty)")
+        if req.model is not None and req.model != config.model_name:
+            raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
+        method = req.method or config.method
+        files = find_method(method).spec.state_files(req.method_options or {})  # an unknown name: 400
+        if files:
+            raise TriedecError(f"method_options may not name learned-state files ({', '.join(files)}): "
+                               "the server's operator sets them")
+        options = dict(config.method_options) if req.method is None else {}
+        options.update(req.method_options or {})
+        return method, options
+
+    def prepare(self, req: Generation, prompt: Any, chat: bool, method: str, options: dict[str, Any],
+                scope: Hashable) -> _Prepared:
+        """Validate everything and make the request's run (in a worker thread; the method is
+        already built, on the engine thread)."""
+        lm, config = self.lm, self.config
+        ids = lm.encode(prompt, chat=chat)
+        limit = getattr(req, "max_completion_tokens", None)
+        name = "max_tokens" if limit is None else "max_completion_tokens"  # errors name the field the client sent
+        limit = req.max_tokens if limit is None else limit
+        if limit is None:
+            room = (lm.max_context - len(ids)) if lm.max_context else config.default_max_tokens
+            limit = max(1, min(config.default_max_tokens, room))
+        elif isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise FieldError(name, f"{name} must be a positive integer, got {limit!r}")
+        elif limit > config.max_tokens_limit:
+            raise FieldError(name, f"{name} {limit} exceeds this server's limit of {config.max_tokens_limit}")
+        if lm.max_context is not None and len(ids) + limit > lm.max_context:
+            raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
+                                   f"{lm.max_context} tokens")
+        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+        request = GenerationRequest(ids, method, options, limit, stops, sampling=Sampling(**given))
+        run = lm.start(request, scope=scope)
+        if req.trace:
+            run.record_steps()
+        return _Prepared(run, method, shown_options(method, options), len(ids), stops, req.trace)
+
+    def tenant(self, request: Request, req: Generation) -> str:
+        """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
+        return getattr(request.state, "tenant", None) or (f"user:{req.user}" if req.user else ANONYMOUS)
+
+    async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
+                    ) -> tuple[Job, _Prepared] | JSONResponse:
+        assert self.metrics is not None
+        label = req.method or self.config.method
+        label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
+        scope: Hashable = None
+        entered = False
+        try:
+            method, options = self.method_of(req)
+            tenant = self.tenant(request, req)
+            self.scheduler.check_tenant(tenant)  # 429 now, before any wait for the engine thread
+            scope, options = self.scopes.enter(tenant, method, options)
+            entered = True
+            if not self.lm.is_built(method, scope=scope, **options):
+                # built on the engine thread (torch ops; see the scheduler); nothing is measured on a request's path:
+                # create_app loaded the whole calibration
+                await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
+            prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat, method, options, scope)
+            seconds = self.config.max_request_seconds
+            job = Job(prepared.run, asyncio.get_running_loop(), tenant,
+                      None if seconds is None else time.perf_counter() + seconds,
+                      on_end=functools.partial(self.scopes.leave, scope))
+            self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
+            return job, prepared
+        except StateFileError:  # the operator's fault, not the client's: the detail (a path) goes to the log only
+            log.exception("a learned-state file could not be used (for tenant %r)", self.tenant(request, req))
+            status, answer = 500, error(500, "the server's learned state for this request could not be loaded; its "
+                                             "operator has the details in the server log", "server_error")
+        except (TriedecError, TypeError, ValueError) as exc:  # bad input, named by the library
+            status, answer = 400, error(400, str(exc), param=_param_of(exc, req))
+        except LookupError as exc:
+            status, answer = 404, error(404, str(exc), "not_found_error", "model")
+        except TenantBusy as exc:
+            status, answer = 429, error(429, str(exc), "rate_limit_error", code="rate_limit_exceeded",
+                                        headers={"Retry-After": str(exc.retry_after)})
+        except QueueFull as exc:
+            status, answer = 503, error(503, str(exc), "server_overloaded",
+                                        headers={"Retry-After": str(self.scheduler.retry_after())})
+        except Exception:  # a bug: answered 500 by the app's handler; the scope is left first
+            if entered:
+                self.scopes.leave(scope)
+            raise
+        if entered:
+            self.scopes.leave(scope)
+        self.metrics.requests.labels(shape.endpoint, label, str(status)).inc()
+        return answer
+
+    def extension(self, prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
+        s = outcome.stats
+        drafter = getattr(s, "drafter", None) or {}
+        ext = {"method": prepared.method, "options": prepared.options,
+               "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
+               "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
+               "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
+               "tokens_from_store": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
+               "exactness": s.exactness}
+        if prepared.trace:  # the per-step stats the page checks its own counts against
+            ext["accepted_by_origin"] = dict(getattr(s, "accepted_by_origin", {}) or {})
+            ext["accepted_per_step"] = list(getattr(s, "accepted_per_step", []) or [])
+            ext["new_tokens"] = s.new_tokens
+        return ext
+
+    @staticmethod
+    def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:
+        n = outcome.stats.new_tokens
+        return {"prompt_tokens": prepared.prompt_tokens, "completion_tokens": n,
+                "total_tokens": prepared.prompt_tokens + n}
+
+    def failure(self, kind: str, value: Any, prepared: _Prepared, shape: Shape) -> JSONResponse:
+        """The answer to a request that ended without output (``kind``: its final event)."""
+        assert self.metrics is not None
+        if kind == "timeout":
+            status, answer = 408, error(408, f"the request produced no token within {self.config.max_request_seconds}"
+                                             " s (this server's max_request_seconds)", code="timeout")
+        elif kind == "cancelled":
+            status, answer = 503, error(503, "the request was cancelled: the server is shutting down",
+                                        "server_overloaded")
+        else:
+            status, answer = 500, error(500, f"generation failed: {type(value).__name__}", "server_error")
+        self.metrics.requests.labels(shape.endpoint, prepared.method, str(status)).inc()
+        return answer
+
+    @staticmethod
+    def finish_reason(outcome: Outcome) -> str:
+        return "length" if outcome.stats.stop_reason in ("length", "time_limit") else "stop"
+
+    async def next_event(self, request: Request, job: Job) -> tuple[str, Any] | None:
+        """The job's next event, or None if the client left before it (the job is cancelled)."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.next(), timeout=0.5)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    return None
+
+    async def complete(self, request: Request, job: Job, prepared: _Prepared, shape: Shape, make: Any) -> JSONResponse:
+        assert self.metrics is not None
+        text = TextStream(self.lm.tokenizer, prepared.stops)
+        steps: list[dict[str, Any]] = []
+        while True:
+            event = await self.next_event(request, job)
+            if event is None:
+                return error(499, "client disconnected")
+            kind, value = event
+            if kind == "tokens":
+                if prepared.trace:
+                    steps += _traced(text, value, job.steps)
+                else:
+                    text.tokens += value  # the text is decoded once, at the end
+            elif kind == "done":
+                self.metrics.finished(shape.endpoint, prepared.method, value)
+                ext = self.extension(prepared, value)
+                if prepared.trace:
+                    ext["trace"] = steps
+                return JSONResponse(make(text.text, self.finish_reason(value), self.usage(prepared, value), ext))
+            else:
+                return self.failure(kind, value, prepared, shape)
+
+    async def stream(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any, include_usage: bool,
+                     first: tuple[str, Any]) -> AsyncIterator[str]:
+        assert self.metrics is not None
+        text = TextStream(self.lm.tokenizer, prepared.stops)
+        try:
+            yield _sse(chunk(None, None, first=True))
+            kind, value = first
+            while True:
+                if kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
+                    for step in _traced(text, value, job.steps):
+                        yield _sse(chunk("".join(step["text"]), None, ext={"trace": [step]}))
+                elif kind == "tokens":
+                    delta = text.add(value)
+                    if delta:
+                        yield _sse(chunk(delta, None))
+                elif kind == "done":
+                    self.metrics.finished(shape.endpoint, prepared.method, value)
+                    tail = text.finish()
+                    if tail:
+                        yield _sse(chunk(tail, None))
+                    ext = self.extension(prepared, value)
+                    yield _sse(chunk(None, self.finish_reason(value), ext=ext))
+                    if include_usage:
+                        yield _sse(chunk(None, None, usage=self.usage(prepared, value), ext=ext))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    message = "cancelled: the server is shutting down" if kind == "cancelled" else "generation failed"
+                    yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    return
+                kind, value = await job.next()
+        finally:
+            job.cancel()  # the client went away (or the stream ended): free the request at once
+
+    async def respond(self, request: Request, req: Generation, prompt: Any, shape: Shape) -> Any:
+        """Start the request, then answer in ``shape``: a stream of chunks or one response. A
+        stream starts with the request's first event, so a request that never produced a token
+        still gets a status of its own (408, 503)."""
+        started = await self.start(request, req, prompt, shape)
+        if isinstance(started, JSONResponse):
+            return started
+        job, prepared = started
+        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        model = self.config.model_name
+
+        def envelope(kind: str) -> dict[str, Any]:
+            return {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+
+        streaming = False
+        try:
+            if req.stream:
+                event = await self.next_event(request, job)
+                if event is None:
+                    return error(499, "client disconnected")
+                if event[0] not in ("tokens", "done"):
+                    return self.failure(*event, prepared, shape)
+
+                def chunk(delta: str | None, reason: str | None, first: bool = False,
+                          usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
+                    out = envelope(shape.chunk_object)
+                    if usage is not None:
+                        out["choices"], out["usage"] = [], usage
+                    else:
+                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first)]
+                    if ext is not None:
+                        out["triedec"] = ext
+                    return out
+
+                include = bool(req.stream_options and req.stream_options.include_usage)
+                streaming = True  # the stream's own finally cancels the job
+                return StreamingResponse(self.stream(job, prepared, shape, chunk, include, event),
+                                         media_type="text/event-stream")
+
+            def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
+                return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
+                        "usage": use, "triedec": ext}
+
+            return await self.complete(request, job, prepared, shape, make)
+        finally:
+            if not streaming:
+                job.cancel()  # a no-op once the run is done
+
+
+def shown_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` as a client may see them: learned-state file paths (the operator's) left out."""
+    files = set(find_method(method).spec.state_files(options))
+    return {k: v for k, v in options.items() if k not in files}
+
+
+class FieldError(TriedecError):
+    """Bad input in one request field, named as the client sent it (``param`` of the 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _param_of(exc: Exception, req: Generation) -> str | None:
+    """The request field an error is about: a :class:`FieldError`'s, else the field the library's
+    message starts with when the client sent it (``temperature must be >= 0 ...``), else None."""
+    if isinstance(exc, FieldError):
+        return exc.param
+    first = str(exc).split(" ", 1)[0]
+    return first if first in type(req).model_fields or first == "method_options" else None
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _traced(text: TextStream, tokens: list[int], steps: Sequence[StepTrace]) -> list[dict[str, Any]]:
+    """``tokens`` added to ``text`` one at a time, as their steps' JSON records, each with
+    ``text``: the text each token added (``""`` while a character or a possible stop string is
+    incomplete; the final chunk carries what was held back). Steps that do not account for
+    exactly ``tokens`` (never expected) are replaced by one record of unknown origin."""
+    if [t for s in steps for t in s.tokens] != list(tokens):
+        steps = [StepTrace(-1, tuple(tokens), ("unknown",) * len(tokens))]
+    out = []
+    for step in steps:
+        record = step.as_json()
+        record["text"] = [text.add([t]) for t in step.tokens]
+        if "tree" in record:  # each node's own text, for pictures of the tree
+            record["tree"]["texts"] = [text.tokenizer.decode([t]) for t in record["tree"]["tokens"]]
+        out.append(record)
+    return out
