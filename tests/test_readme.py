@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md"]
 TRIEDEC = str(Path(sys.executable).with_name("triedec"))
 
 
@@ -117,3 +117,16 @@ def _split(command: str) -> list[str]:
     import shlex
 
     return shlex.split(command)
+
+
+def test_the_methods_index_is_generated_from_the_registry_and_every_method_has_a_page():
+    """docs/methods/README.md holds `triedec methods --markdown` between its markers, current."""
+    from triedec.cli import methods_markdown
+    from triedec.methods import methods
+
+    text = (ROOT / "docs" / "methods" / "README.md").read_text()
+    block = text.split("<!-- methods:begin -->\n", 1)[1].split("\n<!-- methods:end -->", 1)[0]
+    assert block == methods_markdown(methods()), "regenerate it: triedec methods --markdown"
+    for name in methods():
+        page = ROOT / "docs" / "methods" / f"{name}.md"
+        assert page.exists() and f"(`{name}`)" in page.read_text().splitlines()[0]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,9 +29,14 @@ from triedec.flags import (
 )
 
 
-def cmd_methods() -> int:
+def cmd_methods(markdown: bool = False) -> int:
+    """Every registered method with its options, defaults and maxima: as text, or (``--markdown``)
+    as the index docs/methods/README.md holds between its markers."""
     from triedec.methods import methods
 
+    if markdown:
+        print(methods_markdown(methods()))
+        return 0
     for name, found in methods().items():
         print(f"{name}: {found.description}")
         maxima = found.spec.maxima()
@@ -38,6 +45,45 @@ def cmd_methods() -> int:
             bound = f", at most {maxima[field.name]}" if field.name in maxima else ""
             print(f"    {', '.join(option_flags(name, found.spec.options, field.name))}  (default {default}{bound})")
     return 0
+
+
+def methods_markdown(found: Mapping[str, Any]) -> str:
+    """The methods index as markdown: one row per method (its page, what it does, its options
+    with defaults and maxima), then each option's meaning from its options class."""
+    rows = ["| method | what it does | options: default (maximum) |", "|---|---|---|"]
+    notes = []
+    for name, method in found.items():
+        maxima = method.spec.maxima()
+        fields = dataclasses.fields(method.spec.options)
+        options = ", ".join(f"`{f.name}` {'auto' if f.default is None else repr(f.default)}"
+                            + (f" (≤ {maxima[f.name]})" if f.name in maxima else "") for f in fields) or "—"
+        rows.append(f"| [`{name}`]({name}.md) | {method.description} | {options} |")
+        docs = option_docs(method.spec.options)
+        if fields:
+            notes.append(f"\n**`{name}`**: " + "; ".join(
+                f"`{f.name}`" + (f": {docs[f.name]}" if f.name in docs else "") for f in fields) + ".")
+    return "\n".join(rows) + "\n" + "\n".join(notes)
+
+
+def option_docs(options: type) -> dict[str, str]:
+    """Each option's docstring (the string literal right after the field in its class's source),
+    on one line."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(options)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    found = {}
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            text = " ".join(after.value.value.split())
+            found[node.target.id] = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text)  # Sphinx roles as code
+    return found
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -297,7 +343,7 @@ def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call (bench --serving)
     try:
         if args.command == "methods":
-            return cmd_methods()
+            return cmd_methods(args.markdown)
         if args.command == "bench":
             return cmd_bench(args, extra_runners)
         if args.command == "calibrate":

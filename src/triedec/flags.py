@@ -231,8 +231,9 @@ def _generate_flags(gen: argparse.ArgumentParser) -> None:
     _add_method_options(gen)
 
 
-def _no_flags(parser: argparse.ArgumentParser) -> None:
-    """A command without flags of its own."""
+def _methods_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the index docs/methods/README.md holds (a table generated from the registry)")
 
 
 def _calibrate_flags(cal: argparse.ArgumentParser) -> None:
@@ -363,7 +364,7 @@ def _serve_flags(srv: argparse.ArgumentParser) -> None:
     _add_method_options(srv)
 
 
-_COMMAND_FLAGS = {"generate": _generate_flags, "methods": _no_flags, "calibrate": _calibrate_flags,
+_COMMAND_FLAGS = {"generate": _generate_flags, "methods": _methods_flags, "calibrate": _calibrate_flags,
                   "bench": _bench_flags, "compare": _compare_flags, "report": _report_flags, "serve": _serve_flags}
 """Each command's flags (a command's parser is filled only when that command runs or all are built)."""
 

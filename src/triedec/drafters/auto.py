@@ -84,7 +84,8 @@ class AutoOptions:
     store_capacity: int = field(default=200_000, metadata=at_most(1_000_000))
     """bound on the tokens the cross-request store keeps (oldest outputs evicted first)"""
     store: str = field(default="", metadata=STATE_FILE)
-    """file the store is loaded from (if it exists) and saved to after every request"""
+    """file the store is loaded from (if it exists) and written to when the engine persists learned state
+    (when idle, every few finished requests, at shutdown)"""
     k: int = field(default=8, metadata=at_most(64))
     """candidates per row of the recycling matrix"""
     sized: bool = True

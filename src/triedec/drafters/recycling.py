@@ -106,7 +106,8 @@ class RecyclingOptions:
     seed_prefill: int = field(default=512, metadata=at_most(8192))
     """also write the prefill logits of the prompt's last N tokens into the matrix (0 = off)"""
     state: str = field(default="", metadata=STATE_FILE)
-    """file to load the matrix from at start (if it exists) and save it to after every request"""
+    """file the matrix is loaded from at start (if it exists) and written to when the engine persists learned
+    state (when idle, every few finished requests, at shutdown)"""
 
     def __post_init__(self) -> None:
         positive_int("k", self.k)
