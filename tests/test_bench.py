@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from triedec.bench.datasets import load_questions, select, split
-from triedec.bench.harness import RunRecord, TriedecRunner, summarize
+from triedec.bench.runners import RunRecord, TriedecRunner
+from triedec.bench.summary import summarize
 from triedec.cli import main
 from triedec.errors import TriedecError
 

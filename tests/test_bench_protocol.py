@@ -17,8 +17,9 @@ from triedec.bench.datasets import (
     split,
     warmup_questions,
 )
-from triedec.bench.harness import BenchConfig, leader, prompt_copy_share, summarize
+from triedec.bench.harness import BenchConfig, prompt_copy_share
 from triedec.bench.stats import bootstrap_interval, compare, geometric_mean
+from triedec.bench.summary import leader, summarize
 from triedec.calibration import calibration_prompts
 from triedec.cli import main
 from triedec.errors import TriedecError

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from triedec.bench.datasets import Question, data_path
-from triedec.bench.harness import HFRunner, RunRecord, TriedecRunner, _messages, hf_generate, measured
+from triedec.bench.harness import _messages
+from triedec.bench.runners import HFRunner, RunRecord, TriedecRunner, hf_generate, measured
 from triedec.errors import TriedecError
 from triedec.lm import LM
 

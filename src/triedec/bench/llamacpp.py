@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from triedec.bench.harness import RunRecord
+from triedec.bench.runners import RunRecord
 from triedec.errors import TriedecError
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 

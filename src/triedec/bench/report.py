@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from triedec.bench.harness import LOW_REPETITION, OWN_BASELINE, REFERENCE
+from triedec.bench.runners import OWN_BASELINE, REFERENCE
 from triedec.bench.stats import ratio_interval
+from triedec.bench.summary import LOW_REPETITION
 from triedec.sampling import Sampling
 
 

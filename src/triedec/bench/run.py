@@ -27,20 +27,12 @@ from triedec.bench.datasets import (
     split,
     warmup_questions,
 )
-from triedec.bench.harness import (
-    REFERENCE,
-    SAMPLED_REFERENCE,
-    BenchConfig,
-    HFRunner,
-    Runner,
-    TriedecRunner,
-    leader,
-    run_benchmark,
-    summarize,
-)
+from triedec.bench.harness import BenchConfig, run_benchmark
 from triedec.bench.llamacpp import LABEL as LLAMACPP
 from triedec.bench.llamacpp import LlamaCppRunner
 from triedec.bench.report import machine_info, source_commit, versions, write_outputs
+from triedec.bench.runners import REFERENCE, SAMPLED_REFERENCE, HFRunner, Runner, TriedecRunner
+from triedec.bench.summary import leader, summarize
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
 from triedec.methods import BEAM_SEARCH, GREEDY, method
