@@ -19,10 +19,8 @@ class StateFileError(TriedecError):
     and paths are never shown to clients)."""
 
 
-EXTRAS = {
-    "server": ("fastapi", "uvicorn", "prometheus_client"),
-    "bench": ("matplotlib", "httpx", "openai", "fastapi", "uvicorn", "prometheus_client"),
-}
+_SERVER = ("fastapi", "uvicorn", "prometheus_client")
+EXTRAS = {"server": _SERVER, "bench": ("matplotlib", "httpx", "openai", *_SERVER)}
 """What each optional part of triedec needs beyond the core install (pyproject's extras)."""
 
 

@@ -218,7 +218,7 @@ class LM:
         if not isinstance(request, GenerationRequest):
             raise TriedecError(f"start takes a GenerationRequest, got {type(request).__name__} "
                                "(build one with GenerationRequest.of(prompt, method, ...))")
-        prompt_ids = self.prompts.encode(request.prompt, chat=request.chat)
+        prompt_ids = self.prompts.tokens(request.prompt, chat=request.chat)  # its shape was checked when built
         rule, documents = self.prompts.prepare(request, len(prompt_ids), self.eos_token_ids, self.max_context)
         sampling = request.sampling
         if not sampling.greedy and sampling.seed is None:

@@ -28,10 +28,15 @@ class Prompts:
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is)."""
-        prompt = checked_prompt(prompt)
+        return self.tokens(checked_prompt(prompt), chat)
+
+    def tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """:meth:`encode` for a prompt already checked for shape (a
+        :class:`~triedec.generation.GenerationRequest`'s): only what needs the tokenizer and the
+        vocabulary is checked here."""
         if isinstance(prompt, str):
             if chat:
-                return self.encode([{"role": "user", "content": prompt}])
+                return self.tokens(({"role": "user", "content": prompt},))
             ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:

@@ -115,13 +115,12 @@ class Service:
         if lm.max_context is not None and len(ids) + limit > lm.max_context:
             raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
                                    f"{lm.max_context} tokens")
-        stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        given = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
-        request = GenerationRequest(ids, method, options, limit, stops, sampling=Sampling(**given))
+        given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
+        request = GenerationRequest(ids, method, options, limit, req.stop, sampling=Sampling(**given))
         run = lm.start(request, scope=scope)
         if req.trace:
             run.record_steps()
-        return _Prepared(run, method, shown_options(method, options), len(ids), stops, req.trace)
+        return _Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace)
 
     def tenant(self, request: Request, req: Generation) -> str:
         """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
