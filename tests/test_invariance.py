@@ -4,7 +4,8 @@ bit (``torch.equal``), whatever tree, batch or place in the forward's row carrie
 * the kernel (:mod:`triedec.attention`): a query's output alone, inside a call of many queries,
   over its keys compacted or scattered in a bigger cache, for random shapes, groups, head sizes
   (vector and scalar paths) and dtypes;
-* whole models with ``kernels="auto"`` (GQA, sliding windows, tied and untied heads): every node of
+* whole models with ``kernels="auto"`` (GQA, sliding windows, tied and untied heads; float32,
+  bfloat16, int8 and int4 weights): every node of
   a random tree, on a prefix committed by random prompt chunks, at a random place in a forward
   beside other requests' chunks on caches of other lengths, equals plain decoding's logits for
   the same prefix, one token per forward;
@@ -41,6 +42,8 @@ from triedec.attention import key_lists, tree_attention
 from triedec.engine import BatchLimits
 from triedec.errors import TriedecError
 from triedec.methods import method
+from triedec.models import quantize
+from triedec.precision import Precision
 from triedec.request import StopRule
 from triedec.sampling import Sampling
 
@@ -108,10 +111,21 @@ def _tied_llama():
     return model
 
 
+def _in_mode(model, dtype=None, weights="float"):
+    """``model`` in a precision mode (:mod:`triedec.precision`)."""
+    precision = Precision.of(dtype, weights)
+    if precision.quantized:
+        quantize(model, precision)
+    return model.to(precision.dtype) if not precision.quantized else model
+
+
 MODELS = {
     "llama-gqa-untied": lambda: tiny_llama(seed=2),
     "llama-tied": _tied_llama,
     "gemma3-sliding-windows-tied": lambda: tiny_gemma3(seed=3, window=4),
+    "llama-bfloat16": lambda: _in_mode(tiny_llama(seed=2), "bfloat16"),
+    "llama-tied-int8": lambda: _in_mode(_tied_llama(), weights="int8"),
+    "gemma3-sliding-windows-int4": lambda: _in_mode(tiny_gemma3(seed=3, window=4), weights="int4"),
 }
 
 
@@ -265,7 +279,7 @@ def _decoder(name, options):
     return found.build(found.make_options(options), tiny_info(cost=COST, profile=fake_profile(nodes=12)))
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-untied", "gemma3-sliding-windows-tied"])
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "gemma3-sliding-windows-tied", "gemma3-sliding-windows-int4"])
 def test_sampled_methods_return_ars_tokens_at_temperature_one(exact_adapters, name):
     """Hundreds of draws from unpeaked distributions (every token has mass), where a logit that
     moved by rounding would sooner or later move a draw across a CDF edge."""

@@ -37,13 +37,15 @@ row when every op computes a row the same way whatever the number of rows. With
 whose sums run in an order fixed by each key's rank among the keys its query sees, and the linears
 are oneDNN's pre-packed ones, whose rows are bit-identical for any number of rows (MKL's
 ``nn.Linear`` is not: its small-batch paths sum in another order); every other op works row by
-row. :func:`check_row_invariance` confirms it at construction (:attr:`ModelAdapter.exactness`),
-and ``tests/test_invariance.py`` checks it on random trees and batches.
+row. In bfloat16, ``F.linear`` and torch's weight-only int8/int4 kernels (:mod:`triedec.precision`)
+are row-invariant too on the CPUs measured. :func:`check_row_invariance` confirms it at construction
+(:attr:`ModelAdapter.exactness`), and ``tests/test_invariance.py`` checks it on random trees and batches.
 
 **Kernels.** ``ModelAdapter(model, kernels="auto")`` speeds the model up in place where the
 technique applies (oneDNN pre-packed linears on CPU fp32) and runs the fixed-order attention in
 its forwards (CPU). ``kernels="plain"`` keeps stock transformers' kernels. Either way
-:attr:`ModelAdapter.kernels` names what the model runs, and the stats and calibration record it.
+:attr:`ModelAdapter.kernels` names what the model runs (quantized weights included, which the
+model brings with it from loading), and the stats and calibration record it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from triedec.attention import DTYPES, kernel_available, key_lists, tree_attentio
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.kvcache import KVCache
+from triedec.precision import precision_of
 from triedec.tree import TokenTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -182,6 +185,9 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
 def describe_kernels(model: PreTrainedModel, exact_attention: bool = False) -> str:
     """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+``."""
     used = []
+    weights = precision_of(model).weights
+    if weights != "float":
+        used.append(f"{weights}-weights")
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         used.append("onednn-packed-linear")
     if exact_attention:
@@ -403,9 +409,11 @@ class ModelAdapter:
         text = config.get_text_config()
         self.layout = AttentionLayout.from_config(text)
         head = model.get_output_embeddings()
-        self.vocab_size = int(head.out_features if isinstance(head, PackedLinear) else head.weight.shape[0])
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.precision = precision_of(model)
+        """The precision mode the model is in (:mod:`triedec.precision`): activation dtype, weights."""
+        self.dtype = self.precision.dtype
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_keyword = cache_keyword(model)
         apply_kernels(model, kernels)

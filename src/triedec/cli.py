@@ -112,6 +112,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
+            "precision": lm.adapter.precision.name,
             "exactness": lm.adapter.exactness,
             **cost.surface_ms(),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
@@ -121,7 +122,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "file": str(path),
         }, indent=1))
         return 0
-    print(f"device {cal.device}; model {cal.model_id}; each request on a {cost.context_tokens}-token cache")
+    print(f"device {cal.device}; model {cal.model_id}; precision {lm.adapter.precision.name}; "
+          f"each request on a {cost.context_tokens}-token cache")
     print("| forward of | ms | x one request's 1-token forward |")
     print("|---|---|---|")
     one = cost.seconds(1)
@@ -260,8 +262,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
     part = args.split or ("evaluation" if args.dataset in DATASETS else "all")
     questions = select(split(load_questions(args.dataset), part), args.per_category, categories)
     lm = load_model(args)
-    serve_args = [*(["--model", args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device,
-                  "--attn", args.attn, "--threads", str(args.threads), "--kernels", args.kernels]
+    serve_args = ModelSpec.from_args(args).as_flags()
     results = run_serving(lm, methods, questions, config, serve_args, model_label(args),
                           progress=None if args.no_progress else lambda text: print(f"triedec: {text}",
                                                                                     file=sys.stderr))

@@ -73,11 +73,19 @@ def method_options(args: argparse.Namespace, method_name: str) -> dict[str, obje
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    from triedec.precision import GROUP_SIZE, WEIGHTS
+
     parser.add_argument(
         "--model", default=None,
         help="HF model directory, cached hub id or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--dtype", default=None,
+                        help="activations and unquantized weights: float32 (default; bfloat16 with --weights "
+                             "int8/int4), bfloat16 or float16")
+    parser.add_argument("--weights", default="float", choices=WEIGHTS,
+                        help="linear weights: float (default: in --dtype), int8 (per output row) or int4 (groups of "
+                             f"{GROUP_SIZE}); int8 and int4 run with bfloat16 activations on CPU. Every method "
+                             "returns ar's tokens in the same mode (docs/precision.md)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
@@ -120,13 +128,14 @@ def sampling_of(args: argparse.Namespace) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """What loads the model: the model flags (``--model``, ``--dtype``, ``--device``, ``--attn``,
-    ``--kernels``), torch's CPU threads and a chat template to use instead of the tokenizer's (its
+    """What loads the model: the model flags (``--model``, ``--dtype``, ``--weights``, ``--device``,
+    ``--attn``, ``--kernels``), torch's CPU threads and a chat template to use instead of the tokenizer's (its
     text, read from ``--chat-template`` once). A plain value, so that another process (a Ray
     replica) can load the same model."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
+    weights: str = "float"
     device: str = "cpu"
     attn: str = "sdpa"
     kernels: str = "auto"
@@ -147,7 +156,14 @@ class ModelSpec:
                 raise TriedecError(f"--chat-template {args.chat_template}: cannot read it ({exc})") from exc
             if not template.strip():
                 raise TriedecError(f"--chat-template {args.chat_template} is empty")
-        return cls(args.model, args.dtype, args.device, args.attn, args.kernels, args.threads, template)
+        return cls(args.model, args.dtype, args.weights, args.device, args.attn, args.kernels, args.threads, template)
+
+    def as_flags(self) -> list[str]:
+        """The model flags that give this spec back (all but ``--chat-template``, whose text the
+        spec holds instead of a file): what a benchmark passes to the servers it starts."""
+        return [*(["--model", self.model] if self.model else []), *(["--dtype", self.dtype] if self.dtype else []),
+                "--weights", self.weights, "--device", self.device, "--attn", self.attn,
+                "--threads", str(self.threads), "--kernels", self.kernels]
 
     def check(self) -> None:
         """Raise :class:`~triedec.errors.TriedecError` where :meth:`load` would refuse this model
@@ -155,7 +171,8 @@ class ModelSpec:
         loading it: what a launcher checks before it starts the processes that load it."""
         from triedec.models import check_model
 
-        check_model(self.model, dtype=self.dtype, attn_implementation=self.attn)
+        check_model(self.model, dtype=self.dtype, weights=self.weights, device=self.device,
+                    attn_implementation=self.attn)
 
     def load(self) -> Any:
         """The :class:`~triedec.lm.LM`, with torch's CPU threads set first (on the calling thread's
@@ -165,7 +182,7 @@ class ModelSpec:
         from triedec.lm import load
 
         torch.set_num_threads(self.threads)
-        lm = load(self.model, dtype=self.dtype, device=self.device, attn_implementation=self.attn,
+        lm = load(self.model, dtype=self.dtype, weights=self.weights, device=self.device, attn_implementation=self.attn,
                   kernels=self.kernels)
         if self.chat_template is not None:
             lm.tokenizer.chat_template = self.chat_template

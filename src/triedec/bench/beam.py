@@ -228,8 +228,9 @@ def beam_markdown(results: dict[str, Any]) -> str:
         f"- command: `{results['command']}`",
         f"- model: {results['model']}; max_new_tokens {results['max_new_tokens']}; {results['prompts']} prompts",
         f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, device {m['device']}; "
-        f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; triedec kernels: "
-        f"{results.get('kernels', 'plain')}; hf-beam: stock transformers",
+        f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; triedec precision "
+        f"{results.get('precision', 'float32')}, kernels: {results.get('kernels', 'plain')}; "
+        "hf-beam: stock transformers",
         "",
         "| method | beams | tokens/s | speedup vs hf-beam | KV tokens (peak) | KV ratio trie/hf | KV KiB/token "
         "| peak-memory increase KiB/token | its ratio | peak-memory increase MB | pass@1 | mismatches |",

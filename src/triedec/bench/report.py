@@ -124,7 +124,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads, device {m['device']}"
         + (f" ({m['gpu']})" if "gpu" in m else "") + f"; {m['platform']}",
         f"- commit {results.get('commit', 'unknown')}; versions: torch {m['torch']}, transformers {m['transformers']}, "
-        f"triedec {m['triedec']}, Python {m['python']}; triedec kernels: {results.get('kernels', 'plain')} "
+        f"triedec {m['triedec']}, Python {m['python']}; triedec precision "
+        f"{results.get('precision', 'float32')}, kernels: {results.get('kernels', 'plain')} "
         f"({results.get('exactness', 'exactness not recorded')}); baselines: stock transformers",
         f"- decoding: {_sampling_text(results)}",
         f"- vs triedec ar / vs stock = per-prompt speedups (the method's tokens/s over `ar`'s, over `{reference}`'s, "

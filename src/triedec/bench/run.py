@@ -182,6 +182,7 @@ def bench(
         "model": model_name,
         "model_id": lm.adapter.model_id,
         "kernels": lm.adapter.kernels,
+        "precision": lm.adapter.precision.name,
         "exactness": lm.adapter.exactness,
         "calibration": None if calibration is None else calibration.as_dict(),
         "dataset": dataset,
@@ -237,7 +238,7 @@ def bench_beams(
     samples = run_beam_benchmark(lm, questions, widths, max_new_tokens, warmup, progress)
     results = {
         "machine": machine_info(lm.device), "model": model_name, "kernels": lm.adapter.kernels,
-        "exactness": lm.adapter.exactness, "dataset": dataset, "split": part,
+        "precision": lm.adapter.precision.name, "exactness": lm.adapter.exactness, "dataset": dataset, "split": part,
         "categories": ",".join(categories) if categories else None,
         "per_category": per_category, "commit": source_commit(), "versions": versions(),
         "max_new_tokens": max_new_tokens, "beams": widths,

@@ -289,7 +289,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
             "setups": {s: list(flags) for s, flags in setups.items()},
             "concurrencies": list(config.concurrencies), "phase_order": [[labels[m, s], c] for m, s, c in phases],
             "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
-            "generate_batch": batches, "kernels": lm.adapter.kernels, "exactness": lm.adapter.exactness,
+            "generate_batch": batches, "kernels": lm.adapter.kernels, "precision": lm.adapter.precision.name,
+            "exactness": lm.adapter.exactness,
             "cost_surface": surface}
 
 
@@ -297,9 +298,10 @@ def serving_markdown(results: dict[str, Any]) -> str:
     """The tables of a serving run."""
     lines = [f"# triedec serve under load ({results['requests']} distinct chat requests, max_tokens "
              f"{results['max_tokens']}, greedy)", "",
-             f"- machine: {results['machine']['cpu']}, {results['machine']['torch_threads']} torch threads; kernels "
-             f"{results['kernels']}; torch {results['machine']['torch']}, transformers "
-             f"{results['machine']['transformers']}; commit {results.get('commit', '?')}",
+             f"- machine: {results['machine']['cpu']}, {results['machine']['torch_threads']} torch threads; precision "
+             f"{results.get('precision', 'float32')}; kernels {results['kernels']}; torch "
+             f"{results['machine']['torch']}, transformers {results['machine']['transformers']}; "
+             f"commit {results.get('commit', '?')}",
              *_surface_lines(results.get("cost_surface")),
              "- a fresh server over fresh learned state per phase; phases in a seeded random order "
              f"({', '.join(f'{m}@{c}' for m, c in results['phase_order'])})", "",

@@ -1,0 +1,190 @@
+"""Precision modes side by side in one run: speed, quality, and exactness against ``ar``.
+
+For each mode (float32, bfloat16, int8 and int4 weights) of one model (default: the embedded
+SmolLM2-135M-Instruct), loaded in one process:
+
+* forward time at 1, 4 and 16 new tokens on a 256-token cache (a chain; the median of repeats,
+  modes interleaved), and ``ar``'s step against float32's;
+* quality against float32: along float32's greedy continuation of each prompt, the share of
+  positions where the mode's top token is float32's (teacher-forced, so one early difference does
+  not hide the rest), and the share of prompts whose whole greedy answer equals float32's;
+  perplexity of the prompts' own text;
+* decoding: ``ar`` and ``auto`` tokens/s per prompt (greedy, chat template), the (mode, method)
+  order shuffled per prompt with a fixed seed, per-prompt ratios against float32 ``ar`` (geometric
+  mean, 95% bootstrap interval); and whether ``auto`` returned ``ar``'s tokens in its own mode (it must).
+
+Learned state: each mode's ``auto`` starts cold and learns across the run's prompts, the same
+prompts in the same order for every mode (declared warm after the first). Calibration: each mode's
+own (measured on first use if not cached), recorded. Prompts: the Spec-Bench evaluation split.
+Run it with nothing else on the machine:
+
+    .venv/bin/python scripts/precision_modes.py --out benchmarks/precision-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import triedec
+from triedec.bench.datasets import load_questions, select, split
+from triedec.bench.report import machine_info, source_commit, versions
+from triedec.bench.stats import bootstrap_interval, geometric_mean
+
+MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"}}
+
+
+def forward_ms(lm: triedec.LM, rows: int, context: int = 256) -> float:
+    """One forward of ``rows`` new tokens (a chain) on a cache holding ``context`` tokens, ms."""
+    adapter = lm.adapter
+    cache = adapter.new_cache(context + rows + 1)
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, adapter.vocab_size, (context,), generator=gen)
+    adapter.prefill(cache, prefix)
+    cache.commit(list(range(context)))
+    tokens = torch.randint(0, adapter.vocab_size, (rows,), generator=gen)
+    visible = torch.ones((rows, rows), dtype=torch.bool).tril()
+    start = time.perf_counter()
+    adapter.forward(cache, tokens, torch.arange(context, context + rows), visible)
+    return (time.perf_counter() - start) * 1000
+
+
+@torch.inference_mode()
+def quality(lm: triedec.LM, reference: triedec.LM, prompts: list[str], new: int) -> dict[str, float]:
+    """Top-1 agreement with ``reference`` along its greedy continuations, whole-answer agreement,
+    and perplexity of the prompts' text."""
+    agree = total = whole = 0
+    nll = count = 0.0
+    for text in prompts:
+        theirs = reference.generate(text, "ar", max_new_tokens=new, chat=True)
+        ours = lm.generate(text, "ar", max_new_tokens=new, chat=True)
+        whole += ours.token_ids == theirs.token_ids
+        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        sequence = torch.tensor([ids + theirs.token_ids])
+        logits = lm.reference_model()(sequence).logits[0].float()
+        predicted = logits[len(ids) - 1 : -1].argmax(-1)
+        agree += int((predicted == sequence[0, len(ids):]).sum())
+        total += len(theirs.token_ids)
+        plain = torch.tensor([lm.tokenizer.encode(text)])
+        plain_logits = lm.reference_model()(plain).logits[0, :-1].float()
+        nll += float(torch.nn.functional.cross_entropy(plain_logits, plain[0, 1:], reduction="sum"))
+        count += plain.shape[1] - 1
+    return {"top1_agreement_with_float32": agree / total, "whole_answers_equal_float32": whole / len(prompts),
+            "perplexity_of_prompts": float(torch.exp(torch.tensor(nll / count)))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=15, help="forwards timed per mode and row count")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/precision-cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    say = lambda text: print(f"precision_modes: {text}", file=sys.stderr, flush=True)  # noqa: E731
+
+    questions = select(split(load_questions("spec-bench"), "evaluation"), args.per_category)
+    prompts = [q.turns[0] for q in questions]
+    lms = {}
+    for name, kwargs in MODES.items():
+        say(f"loading {name}")
+        lms[name] = triedec.load(args.model, **kwargs)
+        lms[name].generate("Hello", "auto", max_new_tokens=4)  # calibrates now if not cached
+    for lm in lms.values():
+        lm.generate("Warm up the kernels on a short request.", "ar", max_new_tokens=8)
+
+    say("forward times")
+    times: dict[str, dict[int, list[float]]] = {n: {r: [] for r in (1, 4, 16)} for n in lms}
+    for _ in range(args.repeats):
+        for rows in (1, 4, 16):
+            for name, lm in lms.items():
+                times[name][rows].append(forward_ms(lm, rows))
+    forward = {n: {str(r): statistics.median(v) for r, v in per.items()} for n, per in times.items()}
+
+    say("quality")
+    qualities = {n: quality(lm, lms["float32"], prompts, args.max_new_tokens) for n, lm in lms.items()}
+
+    say(f"decoding {len(prompts)} prompts")
+    rng = random.Random(args.seed)
+    runs: dict[str, dict[str, list[float]]] = {n: {"ar": [], "auto": []} for n in lms}
+    mismatches = {n: 0 for n in lms}
+    for i, text in enumerate(prompts):
+        order = [(n, m) for n in lms for m in ("ar", "auto")]
+        rng.shuffle(order)
+        got: dict[tuple[str, str], list[int]] = {}
+        for name, method_name in order:
+            start = time.perf_counter()
+            out = lms[name].generate(text, method_name, max_new_tokens=args.max_new_tokens, chat=True)
+            seconds = time.perf_counter() - start
+            runs[name][method_name].append(len(out.token_ids) / seconds)
+            got[name, method_name] = out.token_ids
+        for name in lms:
+            mismatches[name] += got[name, "auto"] != got[name, "ar"]
+        say(f"prompt {i + 1}/{len(prompts)}")
+    base = runs["float32"]["ar"]
+    decoding = {}
+    for name in lms:
+        decoding[name] = {"mismatches_auto_vs_ar": mismatches[name]}
+        for method_name in ("ar", "auto"):
+            ratios = [a / b for a, b in zip(runs[name][method_name], base, strict=True)]
+            point, (low, high) = geometric_mean(ratios), bootstrap_interval(ratios)
+            decoding[name][method_name] = {"tokens_per_s_median": statistics.median(runs[name][method_name]),
+                                           "vs_float32_ar": [point, low, high]}
+    results = {
+        "machine": machine_info(torch.device("cpu")), "commit": source_commit(), "versions": versions(),
+        "command": "python " + " ".join(sys.argv), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "modes": {n: {"precision": lm.adapter.precision.name, "kernels": lm.adapter.kernels,
+                      "exactness": lm.adapter.exactness,
+                      "calibration": (lm.loaded_calibration().as_dict() if lm.loaded_calibration() else None)}
+                  for n, lm in lms.items()},
+        "forward_ms": forward, "quality": qualities, "decoding": decoding, "raw_tokens_per_s": runs,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+def markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = [f"# Precision modes, side by side ({results['prompts']} Spec-Bench evaluation prompts, "
+             f"{results['max_new_tokens']} greedy tokens)", "",
+             f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads; torch {m['torch']}, "
+             f"transformers {m['transformers']}; commit {results['commit']}",
+             f"- command: `{results['command']}`", "",
+             "| mode | kernels | forward ms at 1 / 4 / 16 tokens | ar step vs float32 | top-1 agreement with "
+             "float32 | whole answers = float32 | prompt perplexity | ar tok/s (x float32 ar) | auto tok/s "
+             "(x float32 ar) | auto != ar |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    one = results["forward_ms"]["float32"]["1"]
+    for name, mode in results["modes"].items():
+        f = results["forward_ms"][name]
+        q = results["quality"][name]
+        d = results["decoding"][name]
+
+        def rate(method: str, d: dict = d) -> str:
+            point, low, high = d[method]["vs_float32_ar"]
+            return f"{d[method]['tokens_per_s_median']:.1f} ({point:.2f}x [{low:.2f}, {high:.2f}])"
+
+        lines.append(f"| {mode['precision']} | {mode['kernels']} | {f['1']:.1f} / {f['4']:.1f} / {f['16']:.1f} | "
+                     f"{one / f['1']:.2f}x | {q['top1_agreement_with_float32']:.3f} | "
+                     f"{q['whole_answers_equal_float32']:.2f} | {q['perplexity_of_prompts']:.2f} | {rate('ar')} | "
+                     f"{rate('auto')} | {d['mismatches_auto_vs_ar']} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""Precision modes (:mod:`triedec.precision`): bfloat16, int8 and int4 weights.
+
+* the quantizers: codes in range, each weight within half a step of its group's grid, a weight
+  already on a bf16 grid recovered exactly, the layers computing ``x @ dequantized.T``;
+* each kernel gives a row the same bits alone and inside calls of 2-64 rows (what keeps every
+  method lossless in the mode);
+* whole tiny models in each mode: the load-time self-test says bit-exact, and every method returns
+  ``ar``'s tokens greedy and sampled; ``ar`` returns stock transformers' greedy tokens in the same
+  mode, or departs from them first at a near-tie (a few bf16 steps apart in transformers' logits);
+* loading: the mode's defaults and refusals, what is recorded, a calibration per mode, the flags;
+* the default model: in int4 its GGUF file's own Q4_1 codes are kept, and every method returns
+  ``ar``'s tokens.
+
+(Tree-level bit-exactness in every mode is in ``test_invariance.py``, whose models include them.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EOS, alone, fake_cost, fake_profile, hf_greedy, peaked, random_prompts, tiny_info, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import triedec
+from triedec.adapter import BIT_EXACT, ModelAdapter
+from triedec.errors import TriedecError
+from triedec.methods import method
+from triedec.models import quantize
+from triedec.precision import (
+    GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    Precision,
+    dequantize_int4,
+    precision_of,
+    quantize_int4,
+    quantize_linears,
+)
+from triedec.request import StopRule
+from triedec.sampling import Sampling
+
+# ---- the mode value -----------------------------------------------------------------------------
+
+
+def test_the_mode_fills_its_dtype_and_refuses_what_no_kernel_runs():
+    assert Precision.of() == Precision(torch.float32, "float")
+    assert Precision.of("bf16") == Precision(torch.bfloat16, "float")
+    assert Precision.of(weights="int4") == Precision(torch.bfloat16, "int4")
+    assert Precision.of("bfloat16", "int8").name == "int8-bfloat16"
+    assert Precision.of(weights="int4").name == f"int4g{GROUP_SIZE}-bfloat16"
+    assert Precision.of(torch.float16).name == "float16"
+    with pytest.raises(TriedecError, match="bfloat16 activations"):
+        Precision.of("float32", "int4")
+    with pytest.raises(TriedecError, match="weights must be one of"):
+        Precision.of(weights="int3")
+    with pytest.raises(TriedecError, match="unknown dtype"):
+        Precision.of("float8")
+    with pytest.raises(TriedecError, match="not supported"):
+        Precision.of(torch.float64)
+    with pytest.raises(TriedecError, match="CPU only"):
+        Precision.of(weights="int8").check_device("cuda")
+    Precision.of("bfloat16").check_device("cuda")  # bf16 weights run anywhere
+
+
+# ---- the quantizers -----------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.sampled_from([16, 32, 48]), groups=st.integers(1, 4),
+       spread=st.floats(1e-3, 10.0))
+def test_int4_codes_stay_within_half_a_step_of_each_weight(seed, rows, groups, spread):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, groups * GROUP_SIZE, generator=gen) * spread
+    codes, scale, zero = quantize_int4(weight)
+    assert codes.dtype == torch.int32 and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    assert scale.shape == zero.shape == (groups, rows) and scale.dtype == zero.dtype == torch.bfloat16
+    error = (dequantize_int4(codes, scale, zero) - weight).abs()
+    step = scale.float().T.repeat_interleave(GROUP_SIZE, dim=1)
+    # half a step, plus the bf16 rounding of zero and scale (which can stretch the grid's ends)
+    slack = 2**-8 * (zero.float().abs().T.repeat_interleave(GROUP_SIZE, dim=1) + 8 * step)
+    assert bool((error <= step / 2 + slack + 1e-6).all())
+
+
+def test_int4_recovers_a_weight_already_on_a_bf16_grid_exactly():
+    """As a Q4_0/Q4_1 file's dequantized values: codes times a scale plus a minimum, every group
+    spanning its full 0..15 range."""
+    gen = torch.Generator().manual_seed(3)
+    rows, groups = 32, 3
+    codes = torch.randint(0, 16, (rows, groups * GROUP_SIZE), generator=gen, dtype=torch.int32)
+    codes[:, ::GROUP_SIZE], codes[:, 1::GROUP_SIZE] = 0, 15
+    scale = (torch.rand(groups, rows, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
+    zero = (torch.randn(groups, rows, generator=gen) * 0.1).to(torch.bfloat16)
+    weight = dequantize_int4(codes, scale, zero)
+    got_codes, got_scale, got_zero = quantize_int4(weight)
+    assert torch.equal(got_codes, codes)
+    assert torch.equal(dequantize_int4(got_codes, got_scale, got_zero), weight)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_layers_compute_x_times_their_dequantized_weight(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=bias)
+    x = torch.randn(5, 3, 64).to(torch.bfloat16)
+    int8, int4 = Int8Linear(linear), Int4Linear(linear)
+    codes, scale, zero = quantize_int4(linear.weight)
+    for layer, weight in ((int8, int8.dequantized()), (int4, dequantize_int4(codes, scale, zero))):
+        want = x.float() @ weight.T + (linear.bias.detach().to(torch.bfloat16).float() if bias else 0)
+        got = layer(x)
+        assert got.shape == (5, 3, 48) and got.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), want, atol=0.05, rtol=0.02)
+    # the weight each layer multiplies by is close to the float one
+    assert (int8.dequantized() - linear.weight).abs().max() <= int8.scale.float().max()
+    with pytest.raises(TriedecError, match="divisible by 16"):
+        Int4Linear(nn.Linear(64, 40))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_each_kernel_gives_a_row_the_same_bits_in_any_call(kind):
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 192)
+    layer = {"bf16": lambda: nn.Linear(576, 192).to(torch.bfloat16), "int8": lambda: Int8Linear(linear),
+             "int4": lambda: Int4Linear(linear)}[kind]()
+    x = torch.randn(64, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        alone_rows = [layer(x[i : i + 1]) for i in range(64)]
+        for m in (2, 3, 4, 5, 8, 16, 17, 32, 64):
+            out = layer(x[:m])
+            assert all(torch.equal(out[i : i + 1], alone_rows[i]) for i in range(m)), f"{kind}: {m} rows"
+
+
+def test_quantize_linears_counts_what_it_keeps_and_leaves_a_tied_embedding():
+    model = tiny_llama(seed=4)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    done = quantize_linears(model, "int4")
+    assert done.layers == 2 * 7 + 1 and done.kept == 0
+    assert isinstance(model.lm_head, Int4Linear) and torch.equal(model.model.embed_tokens.weight, embedding)
+    odd = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))  # 40 rows; 40 input features
+    assert quantize_linears(odd, "int4").kept == 2
+    with pytest.raises(TriedecError, match="int8' or 'int4"):
+        quantize_linears(model, "float")
+
+
+# ---- whole models in each mode ------------------------------------------------------------------
+
+MODES = {"bfloat16": Precision.of("bfloat16"), "int8": Precision.of(weights="int8"),
+         "int4": Precision.of(weights="int4")}
+
+
+def _in_mode(model: nn.Module, precision: Precision) -> nn.Module:
+    if precision.quantized:
+        quantize(model, precision)
+    else:
+        model.to(precision.dtype)
+    return model
+
+
+SETTINGS = {"ar": {}, "pld": {"min_expected": 0.0}, "recycling": {"nodes": 40}, "ngram-trie": {"sized": False},
+            "lookahead": {}, "auto": {}}
+
+
+def _decoders():
+    info = tiny_info(cost=fake_cost(), profile=fake_profile(nodes=12))
+    return {n: method(n).build(method(n).make_options(o), info) for n, o in SETTINGS.items()}
+
+
+def _agrees_up_to_a_near_tie(stock: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:
+    """Equal, or first different where stock's own logits for the two tokens are within a few
+    bf16 steps of each other: its attention sums in another order than triedec's, and in bf16 that
+    moves a logit by about a step (transformers is the reference up to rounding; ``ar`` is the
+    bit-exact one)."""
+    if ours == theirs:
+        return True
+    at = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b)
+    with torch.inference_mode():
+        logits = stock(torch.tensor([prompt + theirs[:at]])).logits[0, -1].float()
+    step = 2.0 ** (torch.floor(torch.log2(logits.abs().max())) - 7)
+    return bool((logits[theirs[at]] - logits[ours[at]]).abs() <= 4 * step)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_method_returns_ars_tokens_and_transformers_greedy_tokens_in_the_mode(mode):
+    precision = MODES[mode]
+    stock = _in_mode(peaked(tiny_llama(seed=8)), precision)
+    fast = _in_mode(peaked(tiny_llama(seed=8)), precision)
+    adapter = ModelAdapter(fast, "auto")
+    assert adapter.precision == precision and adapter.exactness == BIT_EXACT, adapter.invariance.detail
+    if precision.quantized:
+        assert adapter.kernels.startswith(f"{precision.weights}-weights+")
+    decoders = _decoders()
+    rule = StopRule(24, frozenset([EOS]))
+    exact = 0
+    for i, prompt in enumerate(random_prompts(seed=31, count=6)):
+        truth, _ = alone(adapter, decoders["ar"], prompt, rule)
+        reference = hf_greedy(stock, prompt, 24)
+        assert _agrees_up_to_a_near_tie(stock, prompt, truth, reference), f"ar vs transformers on prompt {i}"
+        exact += truth == reference
+        for name, decoder in decoders.items():
+            assert alone(adapter, decoder, prompt, rule)[0] == truth, f"{name} on prompt {i}"
+        sampling = Sampling(temperature=1.0, seed=i)
+        sampled, _ = alone(adapter, decoders["ar"], prompt, rule, (), sampling)
+        for name, decoder in decoders.items():
+            got, _ = alone(adapter, decoder, prompt, rule, (), sampling, cost=fake_cost())
+            assert got == sampled, f"{name} sampled on prompt {i}"
+    assert exact >= 3  # transformers' tokens, whole, on most prompts
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def test_load_in_each_mode_records_it_and_keeps_a_calibration_per_mode(tiny_model_dir, tmp_path):
+    from triedec.calibration import calibration_path
+
+    lms = {name: triedec.load(tiny_model_dir, cache_dir=tmp_path, **kwargs) for name, kwargs in
+           {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"},
+            "int4": {"weights": "int4"}}.items()}
+    assert {n: lm.adapter.precision.name for n, lm in lms.items()} == {
+        "float32": "float32", "bfloat16": "bfloat16", "int8": "int8-bfloat16", "int4": f"int4g{GROUP_SIZE}-bfloat16"}
+    assert len({calibration_path(tmp_path, lm.adapter) for lm in lms.values()}) == 4
+    assert len({lm.adapter.model_id for lm in lms.values()}) == 1  # learned state is shared across modes
+    int4 = lms["int4"]
+    assert all(lm.adapter.exactness == BIT_EXACT for lm in lms.values())
+    reference = int4.reference_model()  # stock transformers, in the same mode
+    assert reference is not int4.model and precision_of(reference) == int4.adapter.precision
+    out = int4.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0)
+    assert out.stats.kernels == int4.adapter.kernels
+    assert out.token_ids == int4.generate("Hello there", "ar", max_new_tokens=8).token_ids
+    with pytest.raises(TriedecError, match="bfloat16 activations"):
+        triedec.load(tiny_model_dir, dtype="float32", weights="int4")
+    with pytest.raises(TriedecError, match="weights must be one of"):
+        triedec.load(tiny_model_dir, weights="nf4")
+
+
+def test_the_model_flags_carry_the_mode_and_give_it_back(tiny_model_dir):
+    from triedec.flags import ModelSpec, build_parser
+
+    parser = build_parser(["generate"])
+    args = parser.parse_args(["generate", "hi", "--model", str(tiny_model_dir), "--weights", "int4"])
+    spec = ModelSpec.from_args(args)
+    assert spec.weights == "int4" and spec.dtype is None
+    again = ModelSpec.from_args(parser.parse_args(["generate", "hi", *spec.as_flags()]))
+    assert again == spec
+    spec.check()
+    with pytest.raises(TriedecError, match="bfloat16 activations"):
+        ModelSpec(str(tiny_model_dir), "float32", "int8").check()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--weights", "int2"])
+
+
+# ---- the default model --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_int4():
+    return triedec.load(weights="int4")
+
+
+@pytest.mark.default_model
+def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
+    """The file stores each linear as Q4_1 blocks (codes 0..15, an fp16 scale and minimum per 32
+    weights). int4 mode quantizes the dequantized weights with the same group size: every code is
+    the file's (rows of q and k come permuted as transformers un-permutes them)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from triedec.models import default_model_path
+
+    reader = GGUFReader(default_model_path())
+    names = {"ffn_down": "mlp.down_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj"}
+    model = default_int4.reference_model()
+    modules = dict(model.named_modules())
+    checked = 0
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name != "Q4_1":
+            continue
+        _, layer, kind, _ = tensor.name.split(".")
+        blocks = np.asarray(tensor.data).reshape(tensor.data.shape[0], -1, 20)
+        low, high = blocks[..., 4:] & 15, blocks[..., 4:] >> 4
+        file_codes = np.concatenate([low, high], axis=-1).reshape(blocks.shape[0], -1)
+        layer_module = modules[f"model.layers.{layer}.{names[kind]}"]
+        assert isinstance(layer_module, Int4Linear)
+        ours = _unpacked_codes(layer_module)
+        if kind in ("attn_q", "attn_k"):  # compare the rows as sets: the order is permuted
+            assert sorted(map(bytes, ours.astype(np.uint8))) == sorted(map(bytes, file_codes.astype(np.uint8)))
+        else:
+            assert np.array_equal(ours, file_codes), tensor.name
+        checked += 1
+    assert checked == 210
+
+
+def _unpacked_codes(layer: Int4Linear):
+    """The codes an :class:`Int4Linear` holds, read back through its own kernel: the product of
+    one-hot rows with the weight, with scale 1 and zero 8 (so ``w = q``), is ``q`` itself."""
+    eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    unit = torch.stack([torch.ones_like(layer.scales_and_zeros[..., 0]),
+                        torch.full_like(layer.scales_and_zeros[..., 1], 8.0)], dim=-1)
+    with torch.inference_mode():
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP_SIZE, unit)
+    return codes.T.float().round().to(torch.int32).numpy()
+
+
+@pytest.mark.default_model
+def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_int4):
+    assert default_int4.adapter.exactness == BIT_EXACT, default_int4.adapter.invariance.detail
+    prompts = ["Write a Python function that returns the n-th Fibonacci number.",
+               "Summarize: the cat sat on the mat because the mat was warm and the cat was cold."]
+    for prompt in prompts:
+        truth = default_int4.generate(prompt, "ar", max_new_tokens=40).token_ids
+        for name in ("auto", "pld", "recycling", "ngram-trie", "lookahead"):
+            assert default_int4.generate(prompt, name, max_new_tokens=40).token_ids == truth, name
+        sampled = default_int4.generate(prompt, "ar", max_new_tokens=40, temperature=0.7, seed=5).token_ids
+        assert default_int4.generate(prompt, "auto", max_new_tokens=40, temperature=0.7, seed=5).token_ids == sampled
