@@ -41,19 +41,26 @@ from triedec.bench.stats import bootstrap_interval, geometric_mean
 MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"}}
 
 
-def forward_ms(lm: triedec.LM, rows: int, context: int = 256) -> float:
-    """One forward of ``rows`` new tokens (a chain) on a cache holding ``context`` tokens, ms."""
+def context_cache(lm: triedec.LM, context: int = 256) -> object:
+    """A cache holding ``context`` random tokens (prefilled once per mode)."""
     adapter = lm.adapter
-    cache = adapter.new_cache(context + rows + 1)
+    cache = adapter.new_cache(context + 17)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, adapter.vocab_size, (context,), generator=gen)
-    adapter.prefill(cache, prefix)
+    adapter.prefill(cache, torch.randint(0, adapter.vocab_size, (context,), generator=gen))
     cache.commit(list(range(context)))
-    tokens = torch.randint(0, adapter.vocab_size, (rows,), generator=gen)
+    return cache
+
+
+def forward_ms(lm: triedec.LM, cache: object, rows: int) -> float:
+    """One forward of ``rows`` new tokens (a chain) on ``cache``, ms; the new tokens are dropped."""
+    adapter = lm.adapter
+    tokens = torch.randint(0, adapter.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
     visible = torch.ones((rows, rows), dtype=torch.bool).tril()
     start = time.perf_counter()
-    adapter.forward(cache, tokens, torch.arange(context, context + rows), visible)
-    return (time.perf_counter() - start) * 1000
+    adapter.forward(cache, tokens, torch.arange(cache.length, cache.length + rows), visible)
+    seconds = time.perf_counter() - start
+    cache.commit([])
+    return seconds * 1000
 
 
 @torch.inference_mode()
@@ -66,8 +73,7 @@ def quality(lm: triedec.LM, reference: triedec.LM, prompts: list[str], new: int)
         theirs = reference.generate(text, "ar", max_new_tokens=new, chat=True)
         ours = lm.generate(text, "ar", max_new_tokens=new, chat=True)
         whole += ours.token_ids == theirs.token_ids
-        ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = lm.prompts.encode(text, chat=True)
         sequence = torch.tensor([ids + theirs.token_ids])
         logits = lm.reference_model()(sequence).logits[0].float()
         predicted = logits[len(ids) - 1 : -1].argmax(-1)
@@ -106,11 +112,14 @@ def main() -> int:
 
     say("forward times")
     times: dict[str, dict[int, list[float]]] = {n: {r: [] for r in (1, 4, 16)} for n in lms}
+    caches = {name: context_cache(lm) for name, lm in lms.items()}
     for _ in range(args.repeats):
         for rows in (1, 4, 16):
             for name, lm in lms.items():
-                times[name][rows].append(forward_ms(lm, rows))
+                times[name][rows].append(forward_ms(lm, caches[name], rows))
+    del caches
     forward = {n: {str(r): statistics.median(v) for r, v in per.items()} for n, per in times.items()}
+    say(f"forward ms (median) {json.dumps(forward)}")
 
     say("quality")
     qualities = {n: quality(lm, lms["float32"], prompts, args.max_new_tokens) for n, lm in lms.items()}

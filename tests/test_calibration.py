@@ -95,7 +95,7 @@ def tiny_lm(tiny_model_dir, tmp_path):
 REAL_COST_MODEL = calibration.measure_cost_model
 
 
-def small_cost_model(lm, repeats=1):
+def small_cost_model(lm, repeats=1, progress=None):
     return REAL_COST_MODEL(lm, sizes=(1, 2, 9), batch=((2, (1, 2)),), context_tokens=16,
                                           long_context=40, repeats=1)
 
@@ -103,7 +103,7 @@ def small_cost_model(lm, repeats=1):
 def test_only_what_a_method_needs_is_measured_and_it_is_cached(tiny_lm, monkeypatch):
     measured = []
     monkeypatch.setattr(calibration, "measure_cost_model",
-                        lambda lm, repeats: measured.append("cost") or small_cost_model(lm))
+                        lambda lm, repeats, progress: measured.append("cost") or small_cost_model(lm))
     spec = drafter_registry._REGISTRY["recycling"]
 
     def profile(bench):
@@ -131,16 +131,73 @@ def test_a_stale_calibration_file_is_measured_again(tiny_lm, monkeypatch):
     path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"format": "triedec-calibration-1", "forward_seconds": {"1": 0.1}}))
-    monkeypatch.setattr(calibration, "measure_cost_model", lambda lm, repeats: fake_cost())
+    monkeypatch.setattr(calibration, "measure_cost_model", lambda lm, repeats, progress: fake_cost())
     cal = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}))
     assert cal.cost == fake_cost() and Calibration.from_json(path.read_text()).cost == fake_cost()
     with pytest.raises(TriedecError, match="nothing to calibrate"):
         load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"warp"}))
 
 
+class FakeWatch:
+    """A :class:`calibration.CpuWatch` that reports a given share."""
+
+    share = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.others_share = FakeWatch.share
+
+
+def test_a_calibration_measured_on_a_busy_machine_is_marked_and_measured_again(tiny_lm, monkeypatch):
+    measured = []
+    monkeypatch.setattr(calibration, "measure_cost_model",
+                        lambda lm, repeats, progress: measured.append("cost") or fake_cost())
+    monkeypatch.setattr(calibration, "CpuWatch", FakeWatch)
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    FakeWatch.share = 0.6
+    busy = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}))
+    assert busy.busy and busy.details["others_cpu_share"] == 0.6 and measured == ["cost"]
+    assert Calibration.from_json(path.read_text()).busy  # used for now, but the file says so
+    FakeWatch.share = 0.05
+    quiet = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}))
+    assert not quiet.busy and measured == ["cost", "cost"]  # measured again on the next load
+    load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}))
+    assert measured == ["cost", "cost"]  # a quiet one is kept
+    FakeWatch.share = None  # counters unreadable (not Linux): nothing to say, nothing marked
+    assert not dataclasses.replace(quiet, details={"others_cpu_share": None}).busy
+
+
+def test_the_cpu_watch_counts_other_processes_and_not_this_one():
+    import subprocess
+    import sys
+    import time
+
+    if calibration._cpu_counters() is None:
+        pytest.skip("no /proc/stat here")
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with calibration.CpuWatch() as watch:
+            time.sleep(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert watch.others_share is not None and watch.others_share > calibration.BUSY_SHARE
+    with calibration.CpuWatch() as own:
+        end = time.perf_counter() + 0.8
+        while time.perf_counter() < end:  # this process's own work
+            pass
+    assert own.others_share is not None and own.others_share < calibration.BUSY_SHARE
+
+
 def test_the_cost_model_is_measured_per_tree_size_and_request_count(tiny_lm):
+    ticks = []
     cost = calibration.measure_cost_model(tiny_lm, sizes=(1, 2, 17), batch=((2, (1, 4)), (3, (2,))),
-                                          context_tokens=32, long_context=100, repeats=2)
+                                          context_tokens=32, long_context=100, repeats=2,
+                                          progress=lambda done, total: ticks.append((done, total)))
+    assert ticks == [(i, 3 * 7) for i in range(1, 22)]  # (repeats + warm-up) x (6 points + long)
     assert set(cost.forward_seconds) == {1, 2, 17} and all(s > 0 for s in cost.forward_seconds.values())
     assert {b: set(row) for b, row in cost.batch_seconds.items()} == {2: {2, 8}, 3: {6}}
     assert cost.context_tokens == 32 and cost.details["repeats"] == 2 and cost.context_seconds >= 0

@@ -51,6 +51,7 @@ def test_the_mode_fills_its_dtype_and_refuses_what_no_kernel_runs():
     assert Precision.of("bfloat16", "int8").name == "int8-bfloat16"
     assert Precision.of(weights="int4").name == f"int4g{GROUP_SIZE}-bfloat16"
     assert Precision.of(torch.float16).name == "float16"
+    assert Precision("bf16", "int4") == Precision(torch.bfloat16, "int4")  # a dtype's name is resolved
     with pytest.raises(TriedecError, match="bfloat16 activations"):
         Precision.of("float32", "int4")
     with pytest.raises(TriedecError, match="weights must be one of"):
@@ -137,6 +138,10 @@ def test_quantize_linears_counts_what_it_keeps_and_leaves_a_tied_embedding():
     done = quantize_linears(model, "int4")
     assert done.layers == 2 * 7 + 1 and done.kept == 0
     assert isinstance(model.lm_head, Int4Linear) and torch.equal(model.model.embed_tokens.weight, embedding)
+    again = tiny_llama(seed=4)
+    quantize(again, Precision.of(weights="int4"))  # what load does: the LM head in int8
+    assert isinstance(again.lm_head, Int8Linear) and isinstance(again.model.layers[0].mlp.up_proj, Int4Linear)
+    assert precision_of(again) == Precision.of(weights="int4")
     odd = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))  # 40 rows; 40 input features
     assert quantize_linears(odd, "int4").kept == 2
     with pytest.raises(TriedecError, match="int8' or 'int4"):
@@ -259,9 +264,10 @@ def default_int4():
 
 @pytest.mark.default_model
 def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
-    """The file stores each linear as Q4_1 blocks (codes 0..15, an fp16 scale and minimum per 32
-    weights). int4 mode quantizes the dequantized weights with the same group size: every code is
-    the file's (rows of q and k come permuted as transformers un-permutes them)."""
+    """The file stores each linear but the head as Q4_1 blocks (codes 0..15, an fp16 scale and
+    minimum per 32 weights). int4 mode quantizes the dequantized weights with the same group size:
+    every code is the file's (rows of q and k come permuted as transformers un-permutes them), and
+    each weight is within a bf16 rounding of its group's scale and minimum of the file's value."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -273,7 +279,8 @@ def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
              "attn_output": "self_attn.o_proj"}
     model = default_int4.reference_model()
     modules = dict(model.named_modules())
-    checked = 0
+    assert isinstance(model.lm_head, Int8Linear)  # the head: int8 (the file keeps it at 8 bits, Q8_0)
+    checked, worst = 0, 0.0
     for tensor in reader.tensors:
         if tensor.tensor_type.name != "Q4_1":
             continue
@@ -288,8 +295,16 @@ def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
             assert sorted(map(bytes, ours.astype(np.uint8))) == sorted(map(bytes, file_codes.astype(np.uint8)))
         else:
             assert np.array_equal(ours, file_codes), tensor.name
+            scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+            low_end = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            file_values = file_codes.reshape(blocks.shape[0], -1, GROUP_SIZE) * scale[..., None] + low_end[..., None]
+            ours_values = dequantize_int4(torch.from_numpy(ours), layer_module.scales_and_zeros[..., 0],
+                                          layer_module.scales_and_zeros[..., 1]).numpy()
+            moved = np.abs(ours_values.reshape(file_values.shape) - file_values) / (15 * scale[..., None])
+            worst = max(worst, float(moved.max()))
         checked += 1
     assert checked == 210
+    assert worst < 2**-7  # measured: 0.49% of a group's range at most
 
 
 def _unpacked_codes(layer: Int4Linear):

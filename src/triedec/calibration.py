@@ -28,8 +28,9 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +55,9 @@ CONTEXT_TOKENS = 256
 """Tokens in each request's cache while the cost model is measured."""
 LONG_CONTEXT = 2048
 """A second cache length, for the cost of each extra context token."""
+BUSY_SHARE = 0.25
+"""The share of this machine's CPU time other processes may take while the cost model is measured;
+above it the calibration counts as taken on a busy machine (:class:`CpuWatch`)."""
 CALIBRATION_FORMAT = "triedec-calibration-3"
 PROMPTS_FILE = Path(__file__).with_name("calibration_prompts.json")
 
@@ -84,6 +88,13 @@ class Calibration:
     cost: CostModel
     profiles: Mapping[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def busy(self) -> bool:
+        """Whether other processes took more than :data:`BUSY_SHARE` of the machine's CPU while
+        the cost model was measured (then it is measured again on the next load)."""
+        share = self.details.get("others_cpu_share")
+        return isinstance(share, (int, float)) and share > BUSY_SHARE
 
     def as_dict(self) -> dict[str, Any]:
         """Everything measured, as JSON-ready values (what :meth:`to_json` writes)."""
@@ -156,6 +167,42 @@ def read_calibration(cache_dir: Path, adapter: ModelAdapter) -> Calibration | No
 # ---- the cost model -----------------------------------------------------------------------------
 
 
+def _cpu_counters() -> tuple[float, float, float] | None:
+    """``(busy, total, ours)`` in seconds: the whole machine's busy and total CPU time so far
+    (``/proc/stat``, steal counted as busy: another guest ran) and this process's own; None where
+    ``/proc/stat`` cannot be read."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+        hertz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = ticks[3] + ticks[4]
+    own = os.times()
+    return (sum(ticks) - idle) / hertz, sum(ticks) / hertz, own.user + own.system
+
+
+class CpuWatch:
+    """A context that measures how much of the machine's CPU time *other* processes took while it
+    was open: :attr:`others_share` in [0, 1], or None where the counters cannot be read (not
+    Linux). A cost model measured while others took more than :data:`BUSY_SHARE` is marked busy."""
+
+    def __init__(self) -> None:
+        self._start: tuple[float, float, float] | None = None
+        self.others_share: float | None = None
+
+    def __enter__(self) -> CpuWatch:
+        self._start = _cpu_counters()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop = _cpu_counters()
+        if self._start is None or stop is None or stop[1] <= self._start[1]:
+            return
+        busy, total, ours = (b - a for a, b in zip(self._start, stop, strict=True))
+        self.others_share = min(1.0, max(0.0, (busy - ours) / total))
+
+
 MAX_SIZE = 256
 
 
@@ -171,11 +218,12 @@ def _tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
 def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
                        batch: Sequence[tuple[int, Sequence[int]]] = BATCH_GRID,
                        context_tokens: int = CONTEXT_TOKENS, long_context: int = LONG_CONTEXT,
-                       repeats: int = 5, k: int = 8) -> CostModel:
+                       repeats: int = 5, k: int = 8,
+                       progress: Callable[[int, int], None] | None = None) -> CostModel:
     """Median seconds of forwards (module doc), each followed by the top-k of its logits that
     Token Recycling and auto do after every step. One request's cache is prefilled once; the other
     requests' caches and the long one are copies of it (what a forward costs does not depend on
-    the values in the cache)."""
+    the values in the cache). ``progress(done, total)`` is called after every forward."""
     positive_int("repeats", repeats)
     adapter = lm.adapter
     gen = torch.Generator().manual_seed(0)
@@ -195,6 +243,7 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
             points[(b, b * t)] = [_tree(t, gen, adapter.vocab_size) for _ in range(b)]
     times: dict[tuple[int, int] | str, list[float]] = {key: [] for key in points}
     times["long"] = []
+    total, done = (repeats + 1) * (len(points) + 1), 0
     for round_ in range(repeats + 1):  # round 0 warms up
         for key, trees in [*points.items(), ("long", [_tree(1, gen, adapter.vocab_size)])]:
             targets = [long] if key == "long" else caches[: len(trees)]
@@ -208,6 +257,9 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
                 times[key].append(time.perf_counter() - start)
             for c in targets:
                 c.commit([])
+            done += 1
+            if progress is not None:
+                progress(done, total)
     median = {key: statistics.median(v) for key, v in times.items()}
     forward = {t: median[(1, t)] for t in sizes}
     rows: dict[int, dict[int, float]] = {}
@@ -284,6 +336,20 @@ class Bench:
         return sum(len(new) for new in run_alone(self.lm.adapter, run, self.info.cost))
 
 
+@contextlib.contextmanager
+def _bar(description: str, unit: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress callback drawing a bar with an estimate of the time left on stderr (a terminal
+    only: tqdm stays silent otherwise)."""
+    from tqdm import tqdm
+
+    with tqdm(desc=description, unit=unit, file=sys.stderr, dynamic_ncols=True, disable=None, leave=False) as bar:
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield advance
+
+
 def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = frozenset({NEEDS_COST}),
                       force: bool = False, *, prompts: int = 6, max_new_tokens: int = 96,
                       repeats: int = 5) -> Calibration:
@@ -303,6 +369,10 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
             cached = Calibration.from_json(path.read_text())
         except TriedecError as exc:
             log.info("ignoring the cached calibration %s (%s); measuring again", path, exc)
+        if cached is not None and cached.busy:
+            log.warning("the cached calibration %s was measured while other processes took %.0f%% of this "
+                        "machine's CPU; measuring it again", path, 100 * cached.details["others_cpu_share"])
+            cached = None
     missing = sorted(set(needs) - {NEEDS_COST} - set(cached.profiles if cached else ()))
     if force:
         missing = sorted(specs)
@@ -310,12 +380,19 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
         return cached
     started = time.perf_counter()
     if cached is None:
-        log.info("measuring this device's cost model (once; cached in %s)", path)
+        log.info("measuring this device's cost model (once; cached in %s): best with nothing else running", path)
         key = (lm.adapter.model_id, device_key(lm.adapter), str(lm.adapter.dtype))
-        cached = Calibration(*key, measure_cost_model(lm, repeats=repeats))
+        with CpuWatch() as watch, _bar("calibrating: forward costs", "forward") as bar:
+            cost = measure_cost_model(lm, repeats=repeats, progress=bar)
+        cached = Calibration(*key, cost, details={"others_cpu_share": watch.others_share})
+        if cached.busy:
+            log.warning("other processes took %.0f%% of this machine's CPU while its cost model was measured: "
+                        "it is used for now, marked busy, and measured again on the next load",
+                        100 * (watch.others_share or 0.0))
         if force:
             reference = measure_reference_forward(lm.reference_model(), lm.adapter.vocab_size, repeats=repeats)
-            cached = replace(cached, details={"reference_forward_seconds": {str(t): v for t, v in reference.items()}})
+            cached = replace(cached, details={**cached.details,
+                                              "reference_forward_seconds": {str(t): v for t, v in reference.items()}})
     bench = Bench(lm, cached.cost, prompts, max_new_tokens)
     profiles = dict(cached.profiles)
     for name in missing:

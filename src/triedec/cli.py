@@ -114,6 +114,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
             "precision": lm.adapter.precision.name,
             "exactness": lm.adapter.exactness,
+            "others_cpu_share": cal.details.get("others_cpu_share"), "busy": cal.busy,
             **cost.surface_ms(),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
             "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cost.forward_seconds.items()}
@@ -140,6 +141,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               + f"; triedec's kernels: {lm.adapter.kernels} ({lm.adapter.exactness})")
     for name, profile in cal.profiles.items():
         print("\n".join(specs[name].describe(profile, cost)))
+    share = cal.details.get("others_cpu_share")
+    if share is not None:
+        print(f"other processes took {100 * share:.0f}% of this machine's CPU while the cost model was measured"
+              + (": marked busy, measured again on the next load" if cal.busy else ""))
     missing = sorted(set(specs) - set(cal.profiles))
     if missing:
         print(f"not measured yet: {', '.join(missing)} (measured on first use, or by `triedec calibrate`)")

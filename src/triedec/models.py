@@ -202,7 +202,7 @@ def quantize(model: Any, precision: Precision) -> None:
     quantized from their float32 weights, then every other floating parameter cast to the mode's
     dtype (buffers such as rotary frequencies stay as the model built them, as when it is loaded
     in that dtype directly)."""
-    quantize_linears(model, precision.weights)
+    quantize_linears(model, precision.weights, head=model.get_output_embeddings())
     with torch.no_grad():
         for param in model.parameters():
             if param.is_floating_point():
