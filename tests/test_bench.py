@@ -125,6 +125,27 @@ def test_sampled_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts):
     assert "sampling (temperature 0.8, top_p 0.9" in md and "| — |" in md
 
 
+def test_a_quantized_bench_judges_tokens_against_ar_and_records_the_mode(tmp_path, tiny_model_dir, two_prompts):
+    """--weights int4: hf-greedy stays the speed baseline, triedec's ar (bit-exact in every mode)
+    is the token reference, stock transformers' runs are not compared (bf16 near-ties), and a
+    wrong method is still caught."""
+    out = tmp_path / "int4"
+    code = main(["bench", "--model", str(tiny_model_dir), "--dataset", str(two_prompts), "--methods",
+                 "pld,ngram-trie,corrupt", "--max-new-tokens", "12", "--weights", "int4", "--out", str(out),
+                 "--no-progress"], extra_runners={"corrupt": CorruptingRunner})
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["precision"] == "int4g32-bfloat16" and results["kernels"].startswith("int4-weights")
+    assert results["reference"] == "hf-greedy" and results["token_reference"] == "ar"
+    for name in ("ar", "pld", "ngram-trie"):
+        o = results["methods"][name]["overall"]
+        assert o["mismatches"] == 0 and o["compared"] == 3 and o["speedup"] is not None
+    assert results["methods"]["hf-greedy"]["overall"]["compared"] == 0
+    assert results["methods"]["corrupt"]["overall"]["wrong"]
+    md = (out / "results.md").read_text()
+    assert "precision int4g32-bfloat16" in md and "bit-exact reference in every mode" in md
+
+
 def test_speedup_arithmetic_on_hand_made_timings():
     samples = [
         row("hf-greedy", "x", 100, 10.0, 99), row("hf-greedy", "y", 50, 2.0, 49),   # 10 and 25 tok/s

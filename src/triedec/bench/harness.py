@@ -84,6 +84,9 @@ class BenchConfig:
     sampling: Sampling = GREEDY_SAMPLING
     state: str = "cold"
     order_seed: int = 0
+    against_transformers: bool = True
+    """Whether greedy tokens are judged against stock transformers' (float32) or against
+    triedec's own ``ar`` (other precision modes; sampled runs always use ``ar``)."""
 
     def __post_init__(self) -> None:
         positive_int("--max-new-tokens", self.max_new_tokens)
@@ -103,7 +106,7 @@ class BenchConfig:
 
     @property
     def token_reference(self) -> str:
-        return REFERENCE if self.sampling.greedy else OWN_BASELINE
+        return REFERENCE if self.sampling.greedy and self.against_transformers else OWN_BASELINE
 
     def seed(self, index: int) -> int | None:
         """The seed of the run's ``index``-th prompt (None when greedy)."""

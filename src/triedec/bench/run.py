@@ -11,6 +11,7 @@ reference ``hf-greedy``) or the beam-search benchmark (:mod:`~triedec.bench.beam
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +32,14 @@ from triedec.bench.harness import BenchConfig, run_benchmark
 from triedec.bench.llamacpp import LABEL as LLAMACPP
 from triedec.bench.llamacpp import LlamaCppRunner
 from triedec.bench.report import machine_info, source_commit, versions, write_outputs
-from triedec.bench.runners import REFERENCE, SAMPLED_REFERENCE, HFRunner, Runner, TriedecRunner
+from triedec.bench.runners import (
+    REFERENCE,
+    SAMPLED_REFERENCE,
+    HFRunner,
+    Runner,
+    TriedecRunner,
+    transformers_tokens_compared,
+)
 from triedec.bench.summary import leader, summarize
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
@@ -154,9 +162,11 @@ def bench(
     The sample is ``per_category`` questions of the dataset's ``part`` (default: the evaluation
     split of a shipped dataset, all of a user's file; see :mod:`~triedec.bench.datasets`). The
     speed reference (``hf-greedy``; sampling: ``hf-sample``) and the token reference
-    (``hf-greedy``; sampling: triedec's ``ar``) always run (each added if missing).
+    (``hf-greedy``; sampling, or a precision mode other than float32: triedec's ``ar``) always run
+    (each added if missing).
     """
     config = config or BenchConfig()
+    config = dataclasses.replace(config, against_transformers=transformers_tokens_compared(lm))
     entries = [m.strip() for m in methods if m.strip()]
     if not entries:
         raise TriedecError("no methods given")

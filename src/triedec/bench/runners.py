@@ -120,6 +120,14 @@ def hf_sampling_kwargs(sampling: Sampling) -> dict[str, Any]:
             "min_p": sampling.min_p or None, "repetition_penalty": sampling.repetition_penalty}
 
 
+def transformers_tokens_compared(lm: LM) -> bool:
+    """Whether stock transformers' greedy tokens are the token reference: in float32 only. In
+    another precision mode its attention breaks near-ties (bf16 logits have 8 significant bits)
+    differently from triedec's, so triedec's own bit-exact ``ar`` is the reference there
+    (``docs/precision.md``)."""
+    return lm.adapter.precision.name == "float32"
+
+
 class HFRunner:
     """Stock transformers ``generate``, greedy or sampling as ``sampling`` says (``hf-greedy``,
     ``hf-sample``), or with its prompt lookup (``extra``: ``prompt_lookup_num_tokens``). Sampling
@@ -127,7 +135,7 @@ class HFRunner:
 
     def __init__(self, lm: LM, label: str, sampling: Sampling = GREEDY_SAMPLING, **extra: Any) -> None:
         self.lm, self.label, self.sampling, self.extra = lm, label, sampling, extra
-        self.comparable = sampling.greedy
+        self.comparable = sampling.greedy and transformers_tokens_compared(lm)
 
     def reset(self) -> None:
         """Nothing to forget: transformers keeps no state between ``generate`` calls."""
