@@ -169,6 +169,24 @@ def test_a_calibration_measured_on_a_busy_machine_is_marked_and_measured_again(t
     assert not dataclasses.replace(quiet, details={"others_cpu_share": None}).busy
 
 
+@pytest.mark.parametrize(("cores", "threads", "others", "share"), [
+    (2, 2, 0.5, 0.25),   # a 2-core machine: the others' share of it
+    (2, 2, 2.0, 1.0),
+    (64, 2, 62.0, 0.0),  # 62 busy cores elsewhere on a 64-core host take nothing from 2 threads
+    (64, 2, 63.0, 0.5),
+    (4, 8, 1.0, 0.25),   # more threads than cores: the whole machine
+])
+def test_the_cpu_watch_counts_only_the_time_others_take_from_this_processes_cores(monkeypatch, cores, threads,
+                                                                                    others, share):
+    """One second of wall time: ``cores`` CPU-seconds in all, this process used none of them."""
+    counters = iter([(0.0, 0.0, 0.0), (others, float(cores), 0.0)])
+    monkeypatch.setattr(calibration, "_cpu_counters", lambda: next(counters))
+    monkeypatch.setattr(calibration.os, "cpu_count", lambda: cores)
+    with calibration.CpuWatch(threads) as watch:
+        pass
+    assert watch.others_share == pytest.approx(share)
+
+
 def test_the_cpu_watch_counts_other_processes_and_not_this_one():
     import subprocess
     import sys
@@ -176,16 +194,20 @@ def test_the_cpu_watch_counts_other_processes_and_not_this_one():
 
     if calibration._cpu_counters() is None:
         pytest.skip("no /proc/stat here")
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    import os
+
+    cores = os.cpu_count() or 1  # measured as if this process needed every core: half of them spin
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((cores + 1) // 2)]
     try:
         time.sleep(0.3)
-        with calibration.CpuWatch() as watch:
+        with calibration.CpuWatch(cores) as watch:
             time.sleep(1.0)
     finally:
-        spinner.kill()
-        spinner.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     assert watch.others_share is not None and watch.others_share > calibration.BUSY_SHARE
-    with calibration.CpuWatch() as own:
+    with calibration.CpuWatch(cores) as own:
         end = time.perf_counter() + 0.8
         while time.perf_counter() < end:  # this process's own work
             pass

@@ -56,8 +56,9 @@ CONTEXT_TOKENS = 256
 LONG_CONTEXT = 2048
 """A second cache length, for the cost of each extra context token."""
 BUSY_SHARE = 0.25
-"""The share of this machine's CPU time other processes may take while the cost model is measured;
-above it the calibration counts as taken on a busy machine (:class:`CpuWatch`)."""
+"""The share of the CPU time of the cores triedec's threads need that other processes may take
+while the cost model is measured; above it the calibration counts as taken on a busy machine
+(:class:`CpuWatch`)."""
 CALIBRATION_FORMAT = "triedec-calibration-3"
 PROMPTS_FILE = Path(__file__).with_name("calibration_prompts.json")
 
@@ -183,11 +184,18 @@ def _cpu_counters() -> tuple[float, float, float] | None:
 
 
 class CpuWatch:
-    """A context that measures how much of the machine's CPU time *other* processes took while it
-    was open: :attr:`others_share` in [0, 1], or None where the counters cannot be read (not
-    Linux). A cost model measured while others took more than :data:`BUSY_SHARE` is marked busy."""
+    """A context that measures how much CPU time *other* processes took from this one while it was
+    open: :attr:`others_share` in [0, 1], or None where the counters cannot be read (not Linux).
 
-    def __init__(self) -> None:
+    Other processes contend only for the cores this process's ``threads`` need: on a machine with
+    ``cores`` cores, the others' CPU time that fits in the ``cores - threads`` cores left over
+    costs nothing, so ``others_share = (others' CPU time - (cores - threads) x wall time) /
+    (threads x wall time)``, clamped to [0, 1]. On a 2-core machine measured with 2 threads that
+    is simply the others' share of the machine; on a 64-core host it takes 62 busy cores before
+    it counts. A cost model measured while it exceeded :data:`BUSY_SHARE` is marked busy."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or torch.get_num_threads()
         self._start: tuple[float, float, float] | None = None
         self.others_share: float | None = None
 
@@ -200,7 +208,11 @@ class CpuWatch:
         if self._start is None or stop is None or stop[1] <= self._start[1]:
             return
         busy, total, ours = (b - a for a, b in zip(self._start, stop, strict=True))
-        self.others_share = min(1.0, max(0.0, (busy - ours) / total))
+        cores = os.cpu_count() or 1
+        threads = min(self.threads, cores)
+        wall = total / cores
+        spare = (cores - threads) * wall
+        self.others_share = min(1.0, max(0.0, (busy - ours - spare) / (threads * wall)))
 
 
 MAX_SIZE = 256
