@@ -92,8 +92,9 @@ class Calibration:
 
     @property
     def busy(self) -> bool:
-        """Whether other processes took more than :data:`BUSY_SHARE` of the machine's CPU while
-        the cost model was measured (then it is measured again on the next load)."""
+        """Whether other processes took more than :data:`BUSY_SHARE` of the CPU time of the cores
+        this process's threads needed while the cost model was measured (:class:`CpuWatch`; then it
+        is measured again on the next load)."""
         share = self.details.get("others_cpu_share")
         return isinstance(share, (int, float)) and share > BUSY_SHARE
 
@@ -382,8 +383,8 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
         except TriedecError as exc:
             log.info("ignoring the cached calibration %s (%s); measuring again", path, exc)
         if cached is not None and cached.busy:
-            log.warning("the cached calibration %s was measured while other processes took %.0f%% of this "
-                        "machine's CPU; measuring it again", path, 100 * cached.details["others_cpu_share"])
+            log.warning("the cached calibration %s was measured while other processes took %.0f%% of the "
+                        "CPU its threads needed; measuring it again", path, 100 * cached.details["others_cpu_share"])
             cached = None
     missing = sorted(set(needs) - {NEEDS_COST} - set(cached.profiles if cached else ()))
     if force:
@@ -398,7 +399,7 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
             cost = measure_cost_model(lm, repeats=repeats, progress=bar)
         cached = Calibration(*key, cost, details={"others_cpu_share": watch.others_share})
         if cached.busy:
-            log.warning("other processes took %.0f%% of this machine's CPU while its cost model was measured: "
+            log.warning("other processes took %.0f%% of the CPU its threads needed while the cost model was measured: "
                         "it is used for now, marked busy, and measured again on the next load",
                         100 * (watch.others_share or 0.0))
         if force:

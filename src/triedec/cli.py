@@ -143,7 +143,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print("\n".join(specs[name].describe(profile, cost)))
     share = cal.details.get("others_cpu_share")
     if share is not None:
-        print(f"other processes took {100 * share:.0f}% of this machine's CPU while the cost model was measured"
+        print(f"other processes took {100 * share:.0f}% of the CPU its threads needed while the cost model was measured"
               + (": marked busy, measured again on the next load" if cal.busy else ""))
     missing = sorted(set(specs) - set(cal.profiles))
     if missing:

@@ -76,9 +76,7 @@ class Precision:
     def of(cls, dtype: torch.dtype | str | None = None, weights: str = "float") -> Precision:
         """The mode for ``dtype`` (``None``: float32, or bfloat16 when ``weights`` are quantized)
         and ``weights`` (one of :data:`WEIGHTS`)."""
-        if weights not in WEIGHTS:
-            raise TriedecError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-        if dtype is None:
+        if dtype is None:  # an unknown ``weights`` is refused by the constructor
             return cls(QUANTIZED_DTYPE if weights != "float" else torch.float32, weights)
         return cls(resolve_dtype(dtype), weights)
 
@@ -137,17 +135,13 @@ class Int4Linear(nn.Module):
     features: 4-bit codes ``q`` packed for torch's CPU kernel, and ``scales_and_zeros [in /
     GROUP_SIZE, out, 2]`` (bf16 ``scale`` and ``zero``; inference only; bf16 activations)."""
 
-    def __init__(self, linear: nn.Linear, codes: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> None:
-        """Quantize ``linear``'s weight, or take its ``codes [out, in]`` (0..15) with ``scale`` and
-        ``zero`` ``[in / GROUP_SIZE, out]`` as given (a GGUF file's own blocks)."""
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         if not int4_fits(linear):
             raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
                                f"got {self.out_features}x{self.in_features}")
-        if codes is None or scale is None or zero is None:
-            codes, scale, zero = quantize_int4(linear.weight.detach())
+        codes, scale, zero = quantize_int4(linear.weight.detach())
         self.register_buffer("scales_and_zeros", torch.stack(
             [scale.to(QUANTIZED_DTYPE), zero.to(QUANTIZED_DTYPE)], dim=-1).contiguous())
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
