@@ -27,7 +27,7 @@ import triedec
 from triedec.adapter import BIT_EXACT, ModelAdapter
 from triedec.errors import TriedecError
 from triedec.methods import method
-from triedec.models import quantize
+from triedec.models import ModelSource, quantize
 from triedec.precision import (
     GROUP_SIZE,
     Int4Linear,
@@ -244,12 +244,17 @@ def test_the_model_flags_carry_the_mode_and_give_it_back(tiny_model_dir):
     parser = build_parser(["generate"])
     args = parser.parse_args(["generate", "hi", "--model", str(tiny_model_dir), "--weights", "int4"])
     spec = ModelSpec.from_args(args)
-    assert spec.weights == "int4" and spec.dtype is None
+    assert spec.source.weights == "int4" and spec.source.dtype is None
+    assert spec.source.precision == Precision(torch.bfloat16, "int4")
     again = ModelSpec.from_args(parser.parse_args(["generate", "hi", *spec.as_flags()]))
     assert again == spec
     spec.check()
-    with pytest.raises(TriedecError, match="bfloat16 activations"):
-        ModelSpec(str(tiny_model_dir), "float32", "int8").check()
+    with pytest.raises(TriedecError, match="bfloat16 activations"):  # refused as the value is built
+        ModelSource(str(tiny_model_dir), "float32", "int8")
+    with pytest.raises(TriedecError, match="not a model directory"):
+        ModelSpec(ModelSource(str(tiny_model_dir / "missing"))).check()
+    with pytest.raises(TriedecError, match="not supported"):
+        ModelSource(attn_implementation="flash_attention_2")
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "hi", "--weights", "int2"])
 

@@ -97,7 +97,7 @@ def test_application_arguments_are_the_serve_flags():
                                            "pld_max_ngram": "3"})
     assert settings == RaySettings(replicas=2, max_replicas=4, affinity_slack=None, gateways=1)
     assert parse_pairs({"gateways": "3", "affinity_slack": "2"})[0] == RaySettings(1, None, 2, 3)
-    assert model.threads == 1 and model.model is None
+    assert model.threads == 1 and model.source.model is None
     assert config.method == "pld" and config.limits.max_running == 8 and config.tenancy().learning == "off"
     assert config.method_options == {"max_ngram": 3}
     for bad, needle in [({"port": "80"}, "Ray Serve owns"), ({"replicas": "0"}, "replicas"),

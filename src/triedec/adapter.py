@@ -74,6 +74,15 @@ from triedec.tree import TokenTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
+
+
+def check_attention(attn: str) -> None:
+    """Raise :class:`TriedecError` unless a model may be loaded with attention ``attn``."""
+    if attn not in SUPPORTED_ATTENTION:
+        hint = " (flash-attention ignores custom tree masks)" if "flash" in str(attn) else ""
+        raise TriedecError(f"attention implementation {attn!r} is not supported{hint}; "
+                           f"use one of {SUPPORTED_ATTENTION}")
+
 KERNELS = ("auto", "plain")
 GQA_SDPA = "triedec_sdpa"
 """the dispatcher over grouped-query sdpa (``kernels="auto"``)"""
@@ -182,10 +191,10 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
     return kernels == "auto" and param.device.type == "cpu" and param.dtype in DTYPES and kernel_available()
 
 
-def describe_kernels(model: PreTrainedModel, exact_attention: bool = False) -> str:
-    """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+``."""
+def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_attention: bool = False) -> str:
+    """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+`` (``weights``: how
+    its linear weights are stored, :attr:`triedec.precision.Precision.weights`)."""
     used = []
-    weights = precision_of(model).weights
     if weights != "float":
         used.append(f"{weights}-weights")
     if any(isinstance(m, PackedLinear) for m in model.modules()):
@@ -397,11 +406,8 @@ class ModelAdapter:
     def __init__(self, model: PreTrainedModel, kernels: str = "plain") -> None:
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
-        if attn not in (*SUPPORTED_ATTENTION, *_BASES):
-            hint = " (flash-attention ignores custom tree masks)" if "flash" in attn else ""
-            raise TriedecError(
-                f"attention implementation {attn!r} is not supported{hint}; use one of {SUPPORTED_ATTENTION}"
-            )
+        if attn not in _BASES:
+            check_attention(attn)
         if getattr(config, "is_encoder_decoder", False):
             raise TriedecError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
         self.model = model
@@ -419,7 +425,7 @@ class ModelAdapter:
         apply_kernels(model, kernels)
         self.exact_attention = exact_attention_applies(model, kernels)
         """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
-        self.kernels = describe_kernels(model, self.exact_attention)
+        self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
         self._placeholder = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
         self.fell_back = False

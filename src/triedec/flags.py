@@ -8,9 +8,12 @@ import argparse
 import dataclasses
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triedec.errors import TriedecError
+
+if TYPE_CHECKING:
+    from triedec.models import ModelSource
 
 DEFAULT_THREADS = 2
 
@@ -128,26 +131,30 @@ def sampling_of(args: argparse.Namespace) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """What loads the model: the model flags (``--model``, ``--dtype``, ``--weights``, ``--device``,
-    ``--attn``, ``--kernels``), torch's CPU threads and a chat template to use instead of the tokenizer's (its
-    text, read from ``--chat-template`` once). A plain value, so that another process (a Ray
-    replica) can load the same model."""
+    """What loads the model: the model flags (a :class:`~triedec.models.ModelSource` from ``--model``,
+    ``--dtype``, ``--weights``, ``--device``, ``--attn``; ``--kernels``), torch's CPU threads and a chat
+    template to use instead of the tokenizer's (its text, read from ``--chat-template`` once). A plain
+    value, so that another process (a Ray replica) can load the same model."""
 
-    model: str | None = None
-    dtype: str | None = None
-    weights: str = "float"
-    device: str = "cpu"
-    attn: str = "sdpa"
+    source: ModelSource | None = None
+    """the :class:`~triedec.models.ModelSource` (``--model``, ``--dtype``, ``--weights``, ``--device``,
+    ``--attn``); None: the embedded default's"""
     kernels: str = "auto"
     threads: int = DEFAULT_THREADS
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        if self.source is None:
+            from triedec.models import ModelSource
+
+            object.__setattr__(self, "source", ModelSource())
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise TriedecError(f"--threads must be positive, got {self.threads}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
+        from triedec.models import ModelSource
+
         template = None
         if getattr(args, "chat_template", None):
             try:
@@ -156,34 +163,34 @@ class ModelSpec:
                 raise TriedecError(f"--chat-template {args.chat_template}: cannot read it ({exc})") from exc
             if not template.strip():
                 raise TriedecError(f"--chat-template {args.chat_template} is empty")
-        return cls(args.model, args.dtype, args.weights, args.device, args.attn, args.kernels, args.threads, template)
+        source = ModelSource(args.model, args.dtype, args.weights, args.device, args.attn)
+        return cls(source, args.kernels, args.threads, template)
 
     def as_flags(self) -> list[str]:
         """The model flags that give this spec back (all but ``--chat-template``, whose text the
         spec holds instead of a file): what a benchmark passes to the servers it starts."""
-        return [*(["--model", self.model] if self.model else []), *(["--dtype", self.dtype] if self.dtype else []),
-                "--weights", self.weights, "--device", self.device, "--attn", self.attn,
+        source = self.source
+        return [*(["--model", str(source.model)] if source.model else []),
+                *(["--dtype", str(source.dtype).removeprefix("torch.")] if source.dtype else []),
+                "--weights", source.weights, "--device", str(source.device), "--attn", source.attn_implementation,
                 "--threads", str(self.threads), "--kernels", self.kernels]
 
     def check(self) -> None:
         """Raise :class:`~triedec.errors.TriedecError` where :meth:`load` would refuse this model
-        (a missing path, not a causal LM, an unsupported ``--attn`` or ``--dtype``), without
-        loading it: what a launcher checks before it starts the processes that load it."""
-        from triedec.models import check_model
-
-        check_model(self.model, dtype=self.dtype, weights=self.weights, device=self.device,
-                    attn_implementation=self.attn)
+        (a missing path, not a causal LM), without loading it: what a launcher checks before it
+        starts the processes that load it (an unsupported ``--attn`` or ``--dtype`` is refused
+        when the spec is built)."""
+        self.source.check()
 
     def load(self) -> Any:
         """The :class:`~triedec.lm.LM`, with torch's CPU threads set first (on the calling thread's
         behalf: torch's thread count is per process)."""
         import torch
 
-        from triedec.lm import load
+        from triedec.lm import load_source
 
         torch.set_num_threads(self.threads)
-        lm = load(self.model, dtype=self.dtype, weights=self.weights, device=self.device, attn_implementation=self.attn,
-                  kernels=self.kernels)
+        lm = load_source(self.source, self.kernels)
         if self.chat_template is not None:
             lm.tokenizer.chat_template = self.chat_template
             try:  # a broken template fails here, not on a client's request

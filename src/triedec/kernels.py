@@ -28,26 +28,47 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and ops is not None and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
 
 
-class PackedLinear(nn.Module):
+class LinearStandIn(nn.Module):
+    """Base of the modules that stand in for an ``nn.Linear`` (inference only): a subclass gives
+    :meth:`rows`, the layer over a ``[rows, in_features]`` matrix (bias included); the reshape of
+    any leading dimensions and the repr are here. ``in_features`` and ``out_features`` are the
+    replaced linear's."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, in_features] -> [rows, out_features]``."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.rows(x.reshape(-1, self.in_features))
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}{self.repr_extra()}, "
+                f"bias={getattr(self, 'bias', None) is not None}")
+
+    def repr_extra(self) -> str:
+        """More ``, name=value`` pairs for the repr (none by default)."""
+        return ""
+
+
+class PackedLinear(LinearStandIn):
     """``y = x W^T + b`` with ``W`` pre-packed for oneDNN (fp32, CPU, inference only).
 
     The packed weight is a plain attribute, not a parameter: the module has no gradient and is not
     part of ``state_dict`` (load the model without packing to train or save it)."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), batch_hint)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -29,7 +29,7 @@ from triedec.errors import TriedecError
 from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_of
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
-from triedec.models import load_hf
+from triedec.models import ModelSource
 from triedec.paths import cache_root
 from triedec.prompts import Prompts
 from triedec.request import Outcome, Stats
@@ -373,7 +373,8 @@ def load(
     kernels: str = "auto",
 ) -> LM:
     """Load a causal LM: a local HF directory, a cached hub id, a ``.gguf`` file, or (``None``)
-    the embedded default SmolLM2-135M-Instruct. See :mod:`triedec.models`.
+    the embedded default SmolLM2-135M-Instruct. The arguments other than ``kernels`` are
+    :class:`~triedec.models.ModelSource`'s (see :mod:`triedec.models`).
 
     ``dtype`` and ``weights`` choose the precision mode (:mod:`triedec.precision`): ``float32``
     by default; ``dtype="bfloat16"``; ``weights="int8"`` or ``"int4"`` (bfloat16 activations, CPU).
@@ -383,12 +384,13 @@ def load(
     ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
     pre-packed linears on CPU fp32, triedec's fixed-order tree attention on CPU; :mod:`triedec.adapter`);
     ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
+    return load_source(ModelSource(model, dtype, weights, device, attn_implementation, cache_dir), kernels)
+
+
+def load_source(source: ModelSource, kernels: str = "auto") -> LM:
+    """:func:`load` for a :class:`~triedec.models.ModelSource` value."""
     if kernels not in KERNELS:
         raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-
-    def stock() -> Any:
-        return load_hf(model, dtype=dtype, weights=weights, device=device,
-                       attn_implementation=attn_implementation, cache_dir=cache_dir)
-
-    hf_model, tokenizer = stock()
-    return LM(hf_model, tokenizer, cache_dir=cache_dir, kernels=kernels, reference=lambda: stock()[0])
+    hf_model, tokenizer = source.load_hf()
+    return LM(hf_model, tokenizer, cache_dir=source.cache_dir, kernels=kernels,
+              reference=lambda: source.load_hf()[0])

@@ -17,12 +17,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from triedec.adapter import SUPPORTED_ATTENTION
+from triedec.adapter import check_attention
 from triedec.errors import TriedecError
 from triedec.paths import cache_root
 from triedec.precision import Precision, quantize_linears
@@ -117,84 +118,86 @@ def _check_causal(config: object, where: str) -> None:
         raise TriedecError(f"{where} is not a causal LM (architectures {archs})")
 
 
-def check_model(
-    model: str | os.PathLike[str] | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    weights: str = "float",
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> None:
-    """Raise :class:`TriedecError` where :func:`load_hf` would refuse these arguments, without
-    loading weights or converting a GGUF file (its existence is checked): what a launcher checks
-    before it starts processes that will load the model."""
-    _checked_source(model, Precision.of(dtype, weights), device, attn_implementation, cache_dir, convert=False)
+@dataclass(frozen=True)
+class ModelSource:
+    """What model to load and how: the one place the loading arguments are declared.
 
+    * ``model``: a local Hugging Face directory, a cached hub id, a ``.gguf`` file, or ``None`` for
+      the embedded default;
+    * ``dtype`` and ``weights``: the precision mode (:meth:`triedec.precision.Precision.of`), kept
+      as :attr:`precision`;
+    * ``device``; ``attn_implementation`` (one of :data:`~triedec.adapter.SUPPORTED_ATTENTION`);
+    * ``cache_dir``: where a converted GGUF is kept (default :func:`~triedec.paths.cache_root`).
 
-def _checked_source(model: str | os.PathLike[str] | None, precision: Precision, device: str | torch.device,
-                    attn_implementation: str, cache_dir: str | os.PathLike[str] | None,
-                    convert: bool) -> tuple[Path, str]:
-    """``(what to load, its name in errors)``, after every check that needs no weights: what to
-    load is a directory, except a GGUF file left unconverted (``convert=False``)."""
-    from transformers import AutoConfig
+    Construction checks what needs no file (the precision mode on this device, the attention);
+    :meth:`check` adds what needs files but no weights; :meth:`load_hf` loads."""
 
-    precision.check_device(device)
-    if attn_implementation not in SUPPORTED_ATTENTION:
-        hint = " (flash-attention ignores custom tree masks)" if "flash" in attn_implementation else ""
-        raise TriedecError(
-            f"attention implementation {attn_implementation!r} is not supported{hint}; "
-            f"use one of {SUPPORTED_ATTENTION}"
-        )
-    source = default_model_path() if model is None else Path(model)
-    where = str(model if model is not None else source)
-    if source.suffix == ".gguf":
-        if not source.is_file():
-            raise TriedecError(f"GGUF file not found: {source}")
-        if not convert:
-            return source, where
-        source = converted_gguf_dir(source, cache_dir)
-    local = source.is_dir()
-    if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
-        raise TriedecError(f"{where} is not a model directory, a .gguf file or a cached hub id")
-    try:
-        config = AutoConfig.from_pretrained(str(source), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
-    _check_causal(config, where)
-    return source, where
+    model: str | os.PathLike[str] | None = None
+    dtype: torch.dtype | str | None = None
+    weights: str = "float"
+    device: str | torch.device = "cpu"
+    attn_implementation: str = "sdpa"
+    cache_dir: str | os.PathLike[str] | None = None
+    precision: Precision = field(init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        precision = Precision.of(self.dtype, self.weights)
+        precision.check_device(self.device)
+        check_attention(self.attn_implementation)
+        object.__setattr__(self, "precision", precision)
 
-def load_hf(
-    model: str | os.PathLike[str] | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    weights: str = "float",
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> tuple[object, object]:
-    """Load ``(model, tokenizer)`` as transformers objects, in eval mode on ``device``, in the
-    precision mode ``dtype`` + ``weights`` (:meth:`triedec.precision.Precision.of`; quantized
-    linears are swapped in with :func:`triedec.precision.quantize_linears`, from float32 weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def check(self) -> None:
+        """Raise :class:`TriedecError` where :meth:`load_hf` would refuse this source, without
+        loading weights or converting a GGUF file (its existence is checked): what a launcher checks
+        before it starts processes that will load the model."""
+        self._located(convert=False)
 
-    precision = Precision.of(dtype, weights)
-    source, where = _checked_source(model, precision, device, attn_implementation, cache_dir, convert=True)
-    load_dtype = torch.float32 if precision.quantized else precision.dtype
-    try:
-        with quiet_transformers():
-            hf_model = AutoModelForCausalLM.from_pretrained(
-                str(source), dtype=load_dtype, attn_implementation=attn_implementation, local_files_only=True
-            )
-            tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise TriedecError(f"cannot load {where}: {exc}") from exc
-    if precision.quantized:
-        quantize(hf_model, precision)
-    hf_model.to(device)
-    hf_model.eval()
-    return hf_model, tokenizer
+    def _located(self, convert: bool) -> tuple[Path, str]:
+        """``(what to load, its name in errors)``, after every check that needs no weights: what to
+        load is a directory, except a GGUF file left unconverted (``convert=False``)."""
+        from transformers import AutoConfig
+
+        model = self.model
+        source = default_model_path() if model is None else Path(model)
+        where = str(model if model is not None else source)
+        if source.suffix == ".gguf":
+            if not source.is_file():
+                raise TriedecError(f"GGUF file not found: {source}")
+            if not convert:
+                return source, where
+            source = converted_gguf_dir(source, self.cache_dir)
+        local = source.is_dir()
+        if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
+            raise TriedecError(f"{where} is not a model directory, a .gguf file or a cached hub id")
+        try:
+            config = AutoConfig.from_pretrained(str(source), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
+        _check_causal(config, where)
+        return source, where
+
+    def load_hf(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` as transformers objects, in eval mode on :attr:`device`, in
+        :attr:`precision` (quantized linears are swapped in with
+        :func:`triedec.precision.quantize_linears`, from float32 weights)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        precision = self.precision
+        source, where = self._located(convert=True)
+        load_dtype = torch.float32 if precision.quantized else precision.dtype
+        try:
+            with quiet_transformers():
+                hf_model = AutoModelForCausalLM.from_pretrained(
+                    str(source), dtype=load_dtype, attn_implementation=self.attn_implementation, local_files_only=True
+                )
+                tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise TriedecError(f"cannot load {where}: {exc}") from exc
+        if precision.quantized:
+            quantize(hf_model, precision)
+        hf_model.to(self.device)
+        hf_model.eval()
+        return hf_model, tokenizer
 
 
 def quantize(model: Any, precision: Precision) -> None:

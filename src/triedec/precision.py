@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from triedec.errors import TriedecError
+from triedec.kernels import LinearStandIn
 
 WEIGHTS = ("float", "int8", "int4")
 """The weight modes: in the activation dtype, int8 per output row, int4 in groups."""
@@ -100,13 +101,12 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(LinearStandIn):
     """``y = x (q * scale)^T + b``: int8 weight ``q [out, in]``, bf16 ``scale [out]`` (inference
     only; bf16 activations)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         with torch.no_grad():
             weight = linear.weight.detach().float()
             scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
@@ -119,25 +119,17 @@ class Int8Linear(nn.Module):
         """The weight this layer multiplies by, ``[out, in]`` in float32 (exact)."""
         return self.codes.float() * self.scale.float()[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scale)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _plus_bias(torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale), self.bias)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(LinearStandIn):
     """``y = x w^T + b`` with ``w = (q - 8) * scale + zero`` per group of :data:`GROUP_SIZE` input
     features: 4-bit codes ``q`` packed for torch's CPU kernel, and ``scales_and_zeros [in /
     GROUP_SIZE, out, 2]`` (bf16 ``scale`` and ``zero``; inference only; bf16 activations)."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear)
         if not int4_fits(linear):
             raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
                                f"got {self.out_features}x{self.in_features}")
@@ -148,16 +140,12 @@ class Int4Linear(nn.Module):
             codes.to(torch.int32).contiguous(), 1))
         self.bias = _bias(linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP_SIZE, self.scales_and_zeros)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return _plus_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros),
+                          self.bias)
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={GROUP_SIZE}, "
-                f"bias={self.bias is not None}")
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}"
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -187,6 +175,10 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     per_element_zero = zero.float().T.repeat_interleave(GROUP_SIZE, dim=1)
     assert per_element_scale.shape == (out_features, in_features)
     return (codes.float() - 8) * per_element_scale + per_element_zero
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
 
 
 def _bias(linear: nn.Linear) -> nn.Parameter | None:
