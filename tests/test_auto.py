@@ -14,7 +14,7 @@ from helpers import random_prompts as prompts
 from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
-from triedec.drafters import drafter_spec
+from triedec.drafters import method_spec
 from triedec.drafters.auto import SOURCES, AutoDrafter, _Node
 from triedec.drafters.state import save_state
 from triedec.drafters.store import KEYS, LEAD, PER_KEY, STORE_FORMAT, OutputStore
@@ -24,7 +24,7 @@ from triedec.sampling import Sampling
 
 
 def build(options: dict, info):
-    spec = drafter_spec("auto")
+    spec = method_spec("auto")
     return spec.factory(spec.make_options(options), info)
 
 
@@ -55,7 +55,7 @@ def test_auto_sampled_equals_ar():
     model = peaked(tiny_llama(seed=3))
     adapter = ModelAdapter(model)
     info = tiny_info(cost=fake_cost())
-    drafter, ar = build({}, info), drafter_spec("ar").factory(drafter_spec("ar").make_options({}), info)
+    drafter, ar = build({}, info), method_spec("ar").factory(method_spec("ar").make_options({}), info)
     rule = StopRule(30, frozenset([EOS]))
     for i, prompt in enumerate(prompts(seed=5, count=6) * 2):
         sampling = Sampling(temperature=[0.3, 0.7, 1.0][i % 3], top_p=0.95, seed=i)

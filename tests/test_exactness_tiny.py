@@ -25,14 +25,14 @@ from helpers import random_prompts as prompts
 
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
-from triedec.drafters import BaseDrafter, drafter_spec
+from triedec.drafters import BaseDrafter, method_spec
 from triedec.methods import method
 from triedec.request import StopRule
 from triedec.tree import TokenTree
 
 
 def build(name: str, options: dict, info):
-    spec = drafter_spec(name)
+    spec = method_spec(name)
     return spec.factory(spec.make_options(options), info)
 
 

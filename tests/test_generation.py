@@ -41,6 +41,40 @@ def test_the_keyword_names_are_the_ones_drafter_options_may_not_take():
     assert keywords | wrapper == GENERATION_ARGUMENTS
 
 
+def test_which_loop_runs_a_method_is_declared_where_it_registers_not_read_from_its_name(monkeypatch):
+    from dataclasses import dataclass
+
+    from helpers import fake_cost, fake_profile, tiny_info
+
+    from triedec.beam import BeamSearchDecoder
+    from triedec.drafters import registry
+    from triedec.methods import SpeculativeDecoder, method
+
+    info = tiny_info(cost=fake_cost(), profile=fake_profile())
+    for name, found in methods().items():
+        decoder = found.build(found.make_options({}), info)
+        assert found.equals == ("beam-search" if found.spec.own_loop else "greedy")
+        assert isinstance(decoder, BeamSearchDecoder if found.spec.own_loop else SpeculativeDecoder), name
+    assert [name for name, found in methods().items() if found.spec.own_loop] == ["beam"]
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # registrations below are undone
+    with pytest.raises(TriedecError, match="'beam' is already registered"):
+        triedec.register("beam", registry.NoOptions, "a drafter that wants beam's name")(triedec.BaseDrafter)
+
+    @dataclass(frozen=True)
+    class Options:
+        width: int = 2
+
+    class Own(BeamSearchDecoder):  # a third method with a loop of its own, found by what it declares
+        pass
+
+    triedec.register("own-loop-test", Options, "test", own_loop=True, equals="beam-search")(Own)
+    found = method("own-loop-test")
+    assert found.equals == "beam-search" and type(found.build(Options(), info)) is Own
+    with pytest.raises(TriedecError, match="equals must be"):
+        triedec.register("bad-contract", Options, "test", equals="sampled")(triedec.BaseDrafter)
+
+
 def test_values_are_normalised_and_options_typed():
     request = GenerationRequest([1, 2, 3], "beam", {"num_beams": 3}, 5, "END", [7], ["doc", [4, 5]])
     assert request.prompt == (1, 2, 3)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
-from triedec.drafters import ModelInfo, drafter_spec
+from triedec.drafters import ModelInfo, method_spec
 from triedec.drafters.base import Verified
 from triedec.drafters.lookahead import LookaheadDrafter, LookaheadOptions, NgramPool, verification_branch
 from triedec.errors import TriedecError
@@ -84,4 +84,4 @@ def test_trie_merges_shared_prefixes():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        drafter_spec("lookahead").make_options(bad)
+        method_spec("lookahead").make_options(bad)

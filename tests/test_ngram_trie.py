@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
-from triedec.drafters import ModelInfo, drafter_spec
+from triedec.drafters import ModelInfo, method_spec
 from triedec.drafters.ngram_trie import NgramTrieDrafter, NgramTrieOptions
 from triedec.drafters.trie import NgramTrie
 from triedec.errors import TriedecError
@@ -130,8 +130,8 @@ def test_sizing_drafts_only_what_the_cost_curve_pays_for():
     for cost, expect_drafts in ((flat, True), (steep, False), (None, True)):  # None: size as for a flat curve
         d = NgramTrieDrafter(NgramTrieOptions(), info(cost)).begin(prompt)
         assert (sized(d.propose([*prompt, 1]), cost).size > 1) == expect_drafts
-    assert drafter_spec("ngram-trie").needs(NgramTrieOptions()) == {"cost"}
-    assert drafter_spec("ngram-trie").needs(NgramTrieOptions(sized=False)) == frozenset()
+    assert method_spec("ngram-trie").needs(NgramTrieOptions()) == {"cost"}
+    assert method_spec("ngram-trie").needs(NgramTrieOptions(sized=False)) == frozenset()
 
 
 def test_agreement_rate_learns_per_match_length_and_is_probed_again():
@@ -182,4 +182,4 @@ def test_update_inserts_the_output():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        drafter_spec("ngram-trie").make_options(bad)
+        method_spec("ngram-trie").make_options(bad)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from triedec.accept import Acceptance
 from triedec.costmodel import CostModel
-from triedec.drafters import ModelInfo, Verified, drafter_spec
+from triedec.drafters import ModelInfo, Verified, method_spec
 from triedec.drafters.matrix import AdjacencyMatrix
 from triedec.drafters.recycling import RecyclingDrafter, RecyclingOptions, _Plan, fill
 from triedec.drafters.template import (
@@ -171,7 +171,7 @@ def test_tree_size_comes_from_the_profile():
     assert RecyclingDrafter(RecyclingOptions(nodes=80), ModelInfo(50, CPU)).template == PAPER_TEMPLATE
     with pytest.raises(TriedecError, match="profile"):
         RecyclingDrafter(RecyclingOptions(nodes=0), ModelInfo(50, CPU))
-    spec = drafter_spec("recycling")
+    spec = method_spec("recycling")
     assert spec.needs(RecyclingOptions()) == {"cost", "recycling"} and spec.needs(RecyclingOptions(nodes=80)) == set()
 
 
@@ -181,7 +181,7 @@ def test_tree_size_comes_from_the_profile():
 )
 def test_bad_options_are_refused(bad):
     with pytest.raises(TriedecError):
-        drafter_spec("recycling").make_options(bad)
+        method_spec("recycling").make_options(bad)
 
 
 # ---- persistence -------------------------------------------------------------------------------

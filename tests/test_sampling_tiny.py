@@ -25,7 +25,7 @@ from helpers import random_prompts as prompts
 
 from triedec.accept import acceptance_rule
 from triedec.adapter import ModelAdapter
-from triedec.drafters import BaseDrafter, drafter_spec
+from triedec.drafters import BaseDrafter, method_spec
 from triedec.engine import speculative_decode
 from triedec.errors import TriedecError
 from triedec.methods import method
@@ -48,7 +48,7 @@ METHODS = [
 
 
 def build(name: str, options: dict, info):
-    spec = drafter_spec(name)
+    spec = method_spec(name)
     return spec.factory(spec.make_options(options), info)
 
 

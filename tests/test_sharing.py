@@ -22,7 +22,7 @@ from helpers import RedisServer, free_port, hf_greedy, run, tiny_info, tiny_llam
 from helpers import random_prompts as prompts
 
 import triedec
-from triedec.drafters import drafter_spec
+from triedec.drafters import method_spec
 from triedec.drafters.base import FROM_STORE
 from triedec.drafters.learned import Learned
 from triedec.drafters.matrix import AdjacencyMatrix
@@ -36,7 +36,7 @@ VOCAB = 48
 
 
 def build(name: str, options: dict | None = None, info=None):
-    spec = drafter_spec(name)
+    spec = method_spec(name)
     return spec.factory(spec.make_options(options or {}), info or tiny_info())
 
 

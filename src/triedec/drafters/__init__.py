@@ -5,7 +5,7 @@ Importing this package registers every built-in drafter.
 
 from triedec.drafters import auto, autoregressive, lookahead, ngram_trie, prompt_lookup, recycling
 from triedec.drafters.base import BaseDrafter, BaseSession, Draft, Drafter, DrafterSession, ModelInfo, Verified
-from triedec.drafters.registry import NEEDS_COST, MethodSpec, drafter_spec, drafter_specs, register
+from triedec.drafters.registry import NEEDS_COST, MethodSpec, method_spec, method_specs, register
 
 __all__ = [
     "NEEDS_COST",
@@ -19,9 +19,9 @@ __all__ = [
     "Verified",
     "auto",
     "autoregressive",
-    "drafter_spec",
-    "drafter_specs",
     "lookahead",
+    "method_spec",
+    "method_specs",
     "ngram_trie",
     "prompt_lookup",
     "recycling",

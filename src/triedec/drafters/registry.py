@@ -1,12 +1,16 @@
-"""The drafter registry: each method's name, frozen options class (parsed from text for the CLI,
-validated, bounded), factory and what it needs measured before it is built, plus the calibrated
-profiles a method may declare.
+"""The method registry: each method's name, frozen options class (parsed from text for the CLI,
+validated, bounded), factory, what it needs measured before it is built, which loop runs it and
+whose output it reproduces, plus the calibrated profiles a method may declare.
 
 Registering a drafter is one decorator on its class, with a frozen options dataclass whose
 ``__post_init__`` validates the values::
 
     @register("repeat-last", RepeatOptions, "drafts the last token again")
     class RepeatLast(BaseDrafter): ...
+
+A method with a loop of its own (beam search, :mod:`triedec.beam`) registers the same way with
+``own_loop=True``: its factory builds the whole decoder (:class:`triedec.methods.Decoder`)
+instead of a drafter for the speculative loop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from typing import Any, Protocol
 from triedec.costmodel import CostModel
 from triedec.drafters.base import Drafter, ModelInfo
 from triedec.errors import TriedecError
+
+GREEDY = "greedy"
+"""The exactness contract of a method whose output is greedy (or sampled) autoregressive decoding's."""
+BEAM_SEARCH = "beam-search"
+"""The exactness contract of a method whose output is transformers' beam search's."""
 
 NEEDS_COST = "cost"
 """What a method may need measured before it is built: the device's cost curve (``ModelInfo.cost``).
@@ -113,9 +122,11 @@ def parse_option_text(text: str, kinds: tuple[type, ...]) -> object:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A registered drafter: name, options class, factory ``(options, model) -> Drafter``, and
-    ``needs(options)``: what must be measured before the factory runs (:data:`NEEDS_COST`, or a
-    method name whose calibrated profile is wanted)."""
+    """A registered method: name, options class, factory ``(options, model) -> Drafter`` (with
+    ``own_loop``: ``-> Decoder``, a method that runs a loop of its own), and ``needs(options)``:
+    what must be measured before the factory runs (:data:`NEEDS_COST`, or a method name whose
+    calibrated profile is wanted). ``equals`` is its exactness contract: the stock decoding whose
+    output it reproduces (:data:`GREEDY` or :data:`BEAM_SEARCH`)."""
 
     name: str
     options: type
@@ -124,6 +135,9 @@ class MethodSpec:
     needs: Callable[[Any], frozenset[str]] = field(default=lambda options: frozenset())
     profile: ProfileSpec | None = None
     """the calibrated profile this method can need (``needs`` then names the method itself)"""
+    own_loop: bool = False
+    """whether the factory builds a whole decoder with a loop of its own, not a drafter"""
+    equals: str = GREEDY
 
     def option_defaults(self) -> dict[str, object]:
         return {f.name: f.default for f in dataclasses.fields(self.options)}
@@ -180,8 +194,6 @@ class MethodSpec:
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
-RESERVED = frozenset({"beam"})
-"""Method names taken by loops other than the speculative one (see :mod:`triedec.methods`)."""
 GENERATION_ARGUMENTS = frozenset({
     "prompt", "method", "max_new_tokens", "stop", "stop_token_ids", "context", "chat", "on_tokens",
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "progress", "max_running",
@@ -193,26 +205,32 @@ one of these names, or the keyword form could not pass it."""
 
 def register(name: str, options: type, description: str,
              needs: Callable[[Any], frozenset[str]] | None = None,
-             profile: ProfileSpec | None = None) -> Callable[[Callable], Callable]:
-    """Class/function decorator that registers a drafter factory under ``name``; ``needs``
+             profile: ProfileSpec | None = None, own_loop: bool = False,
+             equals: str = GREEDY) -> Callable[[Callable], Callable]:
+    """Class/function decorator that registers a method's factory under ``name``: a drafter's
+    (``(options, ModelInfo) -> Drafter``), or with ``own_loop`` a whole decoder's. ``needs``
     (default: nothing) maps an options value to what must be measured before building it
-    (:data:`NEEDS_COST`, or ``name`` itself for the method's own calibrated ``profile``)."""
+    (:data:`NEEDS_COST`, or ``name`` itself for the method's own calibrated ``profile``);
+    ``equals`` is its exactness contract (:class:`MethodSpec`)."""
 
     def wrap(factory: Callable) -> Callable:
-        if name in _REGISTRY or name in RESERVED:
+        if name in _REGISTRY:
             raise TriedecError(f"method {name!r} is already registered")
+        if equals not in (GREEDY, BEAM_SEARCH):
+            raise TriedecError(f"method {name!r}: equals must be {GREEDY!r} or {BEAM_SEARCH!r}, got {equals!r}")
         clash = sorted(GENERATION_ARGUMENTS & {f.name for f in dataclasses.fields(options)})
         if clash:
             raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments; rename them")
         extra = {} if needs is None else {"needs": needs}
-        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra, profile=profile)
+        _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra, profile=profile,
+                                     own_loop=own_loop, equals=equals)
         return factory
 
     return wrap
 
 
-def drafter_spec(name: str) -> MethodSpec | None:
-    """The registered drafter ``name``, or None."""
+def method_spec(name: str) -> MethodSpec | None:
+    """The registered method ``name`` (a drafter, or a method with its own loop), or None."""
     return _REGISTRY.get(name)
 
 
@@ -221,8 +239,8 @@ def profile_specs() -> dict[str, ProfileSpec]:
     return {name: spec.profile for name, spec in sorted(_REGISTRY.items()) if spec.profile is not None}
 
 
-def drafter_specs() -> dict[str, MethodSpec]:
-    """All registered drafters by name."""
+def method_specs() -> dict[str, MethodSpec]:
+    """All registered methods by name (drafters, and methods with their own loop: ``own_loop``)."""
     return dict(sorted(_REGISTRY.items()))
 
 
