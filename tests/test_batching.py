@@ -295,6 +295,43 @@ def test_kv_memory_admits_what_fits_and_refuses_what_never_can():
         batch.submit(ar.start(list(range(3, 40)), StopRule(400, frozenset([-1]))))
 
 
+def test_a_group_at_its_running_cap_waits_and_lets_the_others_go_first():
+    """Admission is the batch's alone: a group (a server tenant) past ``group_running`` waits while
+    later runs of other groups join; its runs join as its own finish, and each run's tokens are
+    what it gives alone."""
+    adapter = ModelAdapter(tiny_llama(seed=1))
+    ar = build("ar", {}, tiny_info())
+    rule = StopRule(6, frozenset([-1]))
+    batch = Batch(adapter, limits=BatchLimits(max_running=3), group_running=1)
+    runs = {name: ar.start([1, 2, i + 3], rule) for i, name in enumerate(["a1", "a2", "b1", "a3", "c1"])}
+    for name, run in runs.items():
+        batch.submit(run, group=name[0])
+    tokens: dict[str, list[int]] = {name: [] for name in runs}
+
+    def step() -> None:
+        batch.step()
+        for name, run in runs.items():
+            tokens[name] += run.take()
+
+    step()
+    assert batch.running == [runs["a1"], runs["b1"], runs["c1"]]
+    assert list(batch.waiting) == [runs["a2"], runs["a3"]]
+    assert (batch.running_in("a"), batch.running_in("b"), batch.running_in("z")) == (1, 1, 0)
+    batch.cancel(runs["a2"])  # a waiting run leaves at once; the group's next one is next in line
+    assert runs["a2"].done and list(batch.waiting) == [runs["a3"]]
+    most = 0
+    while not batch.idle:
+        step()
+        most = max(most, batch.running_in("a"))
+    assert most == 1 and runs["a3"].done
+    for i, name in enumerate(runs):
+        if name != "a2":
+            alone = [t for chunk in run_alone(adapter, ar.start([1, 2, i + 3], rule)) for t in chunk]
+            assert tokens[name] == alone and len(alone) == 6, name
+    with pytest.raises(TriedecError, match="group_running"):
+        Batch(adapter, group_running=0)
+
+
 def test_generate_batch_equals_generate_in_input_order(tiny_model_dir, capsys):
     lm = triedec.load(tiny_model_dir)
     texts = ["Hello there", "one two three one two three one", "Tell me a story about the sea", "def quicksort(arr):",

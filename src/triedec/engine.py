@@ -3,8 +3,8 @@
 A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's engine core). Each
 :meth:`Batch.step`:
 
-1. **admits** waiting runs at the step boundary, within :class:`BatchLimits` (running requests,
-   KV memory);
+1. **admits** waiting runs at the step boundary, oldest first, within :class:`BatchLimits`
+   (running requests, KV memory) and each group's running cap (a server tenant's share);
 2. **propose**: every decoding request's drafter proposes a scored draft;
 3. **allocate**: :func:`~triedec.allocate.allocate` sizes all drafts together under the device's
    :class:`~triedec.costmodel.CostModel` (nodes go where they are most likely to be accepted, and
@@ -26,7 +26,7 @@ the batch closes; never on the per-step path.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -202,16 +202,25 @@ class SoloRun:
 
 
 class Batch:
-    """Owns the step loop over its runs (module doc). Used by one thread at a time: the caller
-    of :meth:`step` (``LM.stream``'s generator, ``generate_batch``, the server's scheduler
-    thread). ``cost`` None sizes drafts as for a flat curve (every node with a chance goes)."""
+    """Owns the step loop over its runs (module doc), and admission: runs wait in :attr:`waiting`
+    and join at a step boundary, oldest first, while there is room (``limits``: running slots, KV
+    bytes) and their group has running room (``group_running``: most runs of one group, e.g. one
+    server tenant, running at once; None: no cap; a run whose group is full lets the ones behind it
+    go first). Used by one thread at a time: the caller of :meth:`step` (``LM.stream``'s
+    generator, ``generate_batch``, the server's scheduler thread). ``cost`` None sizes drafts as
+    for a flat curve (every node with a chance goes)."""
 
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
-                 limits: BatchLimits | None = None) -> None:
+                 limits: BatchLimits | None = None, group_running: int | None = None) -> None:
+        if group_running is not None:
+            positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
         self.limits = limits or BatchLimits()
+        self.group_running = group_running
         self.waiting: deque[Run] = deque()
         self.running: list[Run] = []
+        self._group: dict[Run, str] = {}  # every waiting or running run's group
+        self._running_in: Counter[str] = Counter()  # group -> its runs running
         self._dirty: dict[Drafter, None] = {}  # drafters with state to write, in the order they finished
         self._finished_since_persist = 0
 
@@ -227,10 +236,15 @@ class Batch:
             raise TriedecError(f"the request needs {self.kv_bytes(run) / 2**20:.0f} MiB of KV cache (prompt + "
                                f"max_new_tokens), more than this engine's cap of {cap / 2**20:.0f} MiB")
 
-    def submit(self, run: Run) -> None:
-        """Queue ``run``; it joins at the next step boundary with room."""
+    def submit(self, run: Run, group: str = "") -> None:
+        """Queue ``run`` as one of ``group``'s; it joins at the next step boundary with room."""
         self.check(run)
+        self._group[run] = group
         self.waiting.append(run)
+
+    def running_in(self, group: str) -> int:
+        """How many of ``group``'s runs are running."""
+        return self._running_in[group]
 
     def cancel(self, run: Run, reason: str = "cancelled") -> None:
         """End ``run`` now with stop reason ``reason`` (its session ends, its KV is freed; what it
@@ -240,6 +254,7 @@ class Batch:
             self._retire(run, reason)
         elif run in self.waiting:
             self.waiting.remove(run)
+            del self._group[run]
             run.close(reason)
 
     @property
@@ -249,14 +264,19 @@ class Batch:
     def _admit(self) -> None:
         cap = self.limits.max_kv_bytes
         reserved = sum(self.kv_bytes(r) for r in self.running)
-        while self.waiting and len(self.running) < self.limits.max_running:
-            run = self.waiting[0]
+        for run in list(self.waiting):
+            if len(self.running) >= self.limits.max_running:
+                break
+            group = self._group[run]
+            if self.group_running is not None and self._running_in[group] >= self.group_running:
+                continue
             if cap is not None and self.running and reserved + self.kv_bytes(run) > cap:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(run)
             reserved += self.kv_bytes(run)
             run.start(self.adapter)
             self.running.append(run)
+            self._running_in[group] += 1
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -298,6 +318,11 @@ class Batch:
                           sum(d.size - 1 for d in drafts), time.perf_counter() - started)
 
     def _retire(self, run: Run, reason: str) -> None:
+        """``run`` has left :attr:`running`: close it and count it out."""
+        group = self._group.pop(run)
+        self._running_in[group] -= 1
+        if not self._running_in[group]:
+            del self._running_in[group]
         run.close(reason or "cancelled")
         drafter = getattr(run, "drafter", None)
         if drafter is not None:

@@ -4,10 +4,11 @@ Every HTTP request becomes a :class:`Job`: its engine run (a :class:`~triedec.re
 or beam search's :class:`~triedec.engine.SoloRun`), its tenant and deadline, and the channel its
 events travel on to the handler (:meth:`Job.next`: the tokens emitted since the last call, then
 ``("done", Outcome)``, ``("error", exception)``, ``("cancelled", None)`` or ``("timeout", None)``;
-bounded, and never waited on by this thread). The scheduler thread moves new jobs into one
-:class:`~triedec.engine.Batch` at step boundaries (oldest first, while their tenant has running
-room: :class:`TenantLimits`), runs :meth:`~triedec.engine.Batch.step` (one forward for every
-running request; beam searches beside it), and hands each job its new tokens. A job cancelled by
+bounded, and never waited on by this thread). The scheduler thread hands new jobs to one
+:class:`~triedec.engine.Batch` at step boundaries. The batch owns admission: oldest first, while
+there is room and the job's tenant (the run's group) has running room (:class:`TenantLimits`).
+The thread runs :meth:`~triedec.engine.Batch.step` (one forward for every running request; beam
+searches beside it) and hands each job its new tokens. A job cancelled by
 its handler (the client left) or past its deadline leaves the batch at the next step boundary:
 its session ends and its KV is freed. Nothing per request is shared between jobs; the batch is
 touched by this thread only.
@@ -164,15 +165,13 @@ class Scheduler:
         self.lm = lm
         self.limits, self.max_queue = limits, max_queue
         self.tenants = tenants or TenantLimits()
-        self.batch = Batch(lm.adapter, lm.cost_model(), limits)
+        self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._held: deque[Job] = deque()  # arrived, waiting for room in their tenant's running share
-        self._jobs: dict[Run, Job] = {}  # the jobs in the batch, by their run
+        self._jobs: dict[Run, Job] = {}  # the jobs in the batch (waiting or running), by their run
         self._flying: Counter[str] = Counter()  # tenant -> its jobs anywhere here (under the condition)
-        self._in_batch: Counter[str] = Counter()  # tenant -> its jobs in the batch (scheduler thread)
         self._durations: deque[float] = deque(maxlen=64)  # seconds of recently finished requests
         self._depth = (0, 0)
         self._closed = False
@@ -213,7 +212,7 @@ class Scheduler:
         with self._cond:
             if self._closed:
                 raise QueueFull("the server is shutting down")
-            if len(self._jobs) + len(self._held) + len(self._incoming) >= self.limits.max_running + self.max_queue:
+            if len(self._jobs) + len(self._incoming) >= self.limits.max_running + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
             self.check_tenant(job.tenant)
             self.batch.check(job.run)
@@ -280,11 +279,11 @@ class Scheduler:
         batch = self.batch
         while True:
             with self._cond:
-                while not (self._incoming or self._held or self._jobs or self._calls or self._closed):
+                while not (self._incoming or self._jobs or self._calls or self._closed):
                     self._cond.wait()
                 if self._closed:
                     break
-                self._held.extend(self._incoming)
+                arrived = list(self._incoming)
                 self._incoming.clear()
                 calls = list(self._calls)
                 self._calls.clear()
@@ -294,38 +293,28 @@ class Scheduler:
                         future.set_result(fn())
                     except Exception as exc:  # handed to the caller
                         future.set_exception(exc)
+            for job in arrived:
+                self.batch.submit(job.run, group=job.tenant)
+                self._jobs[job.run] = job
             now = time.perf_counter()
-            for job in [*self._held, *self._jobs.values()]:
+            for job in list(self._jobs.values()):
                 if job.cancelled.is_set():
                     self._drop(job, "cancelled")
                     self._finish(job, "cancelled", None)
                 elif job.deadline is not None and now >= job.deadline:
                     self._expire(job)
-            self._admit()
             if not batch.idle:
                 self._step()
             with self._cond:
-                self._depth = (len(batch.running), len(batch.waiting) + len(self._held) + len(self._incoming))
+                self._depth = (len(batch.running), len(batch.waiting) + len(self._incoming))
         self._shutdown()
 
-    def _admit(self) -> None:
-        """Move held jobs into the batch, oldest first, while their tenant has running room."""
-        cap = self.tenants.max_running
-        for job in list(self._held):
-            if cap is None or self._in_batch[job.tenant] < cap:
-                self._held.remove(job)
-                self.batch.submit(job.run)
-                self._jobs[job.run] = job
-                self._in_batch[job.tenant] += 1
-
     def _drop(self, job: Job, reason: str) -> None:
-        """Take ``job`` out of the batch (or the held queue) now, its run ended with ``reason``."""
-        if job in self._held:
-            self._held.remove(job)
-            job.run.close(reason)
-        elif self._jobs.pop(job.run, None) is not None:
-            self._in_batch[job.tenant] -= 1
+        """Take ``job`` out of the batch now (waiting or running), its run ended with ``reason``."""
+        if self._jobs.pop(job.run, None) is not None:
             self.batch.cancel(job.run, reason)
+        else:  # never handed to the batch (shutting down)
+            job.run.close(reason)
 
     def _expire(self, job: Job) -> None:
         """``job`` ran past its deadline: it ends with what it has (stop reason ``time_limit``), or
@@ -356,7 +345,7 @@ class Scheduler:
             report = batch.step()
         except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
             log.exception("a decoding step failed")
-            for job in list(self._jobs.values()):
+            for job in [self._jobs[run] for run in list(batch.running)]:
                 self._drop(job, "cancelled")
                 self._finish(job, "error", exc)
             return
@@ -365,21 +354,19 @@ class Scheduler:
             if fresh:
                 job.emit("tokens", fresh, job.run.take_steps())
         for run in report.finished:
-            job = self._jobs.pop(run)
-            self._in_batch[job.tenant] -= 1
-            self._finish(job, "done", run.outcome)
+            self._finish(self._jobs.pop(run), "done", run.outcome)
         if self.on_step is not None:
             self.on_step(report)
 
     def _shutdown(self) -> None:
         with self._cond:
-            self._held.extend(self._incoming)
+            arrived = list(self._incoming)
             self._incoming.clear()
             calls = list(self._calls)
             self._calls.clear()
         for _, future in calls:
             future.cancel()
-        for job in [*self._held, *self._jobs.values()]:
+        for job in [*arrived, *self._jobs.values()]:
             self._drop(job, "cancelled")
             self._finish(job, "cancelled", None)
         self.batch.close()  # writes the learned state: nothing is lost at SIGTERM
