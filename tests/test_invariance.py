@@ -321,7 +321,7 @@ def test_a_layer_the_kernel_cannot_run_falls_back_to_the_models_function_and_say
     the model's own function, and the batch records that the forward was not fixed-order."""
     from types import SimpleNamespace
 
-    from triedec.adapter import _Batch
+    from triedec.dispatch import ItemBatch
     from triedec.kvcache import KVCache
 
     visible = torch.ones((2, 2), dtype=torch.bool).tril()
@@ -344,7 +344,7 @@ def test_a_layer_the_kernel_cannot_run_falls_back_to_the_models_function_and_say
              (item_with_values(8), {}, False)]
     for item, kwargs, fallback in cases:
         before = len(calls)
-        batch = _Batch([item], [{"full_attention": visible}], ("full_attention",), True, torch.float32,
+        batch = ItemBatch([item], [{"full_attention": visible}], ("full_attention",), True, torch.float32,
                        torch.device("cpu"))
         out, _ = batch.attend(module, torch.randn(1, 2, 2, 8), base, kwargs)
         assert batch.fell_back is fallback and len(calls) == before + fallback

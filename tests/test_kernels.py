@@ -14,7 +14,8 @@ from helpers import EOS, MODELS, alone, fake_cost, hf_greedy, random_prompts, ti
 from torch import nn
 
 import triedec
-from triedec.adapter import GQA_SDPA, ModelAdapter, _gqa_sdpa, cache_keyword, returned_cache
+from triedec.adapter import ModelAdapter, cache_keyword, returned_cache
+from triedec.dispatch import GQA_SDPA, _gqa_sdpa
 from triedec.errors import TriedecError
 from triedec.kernels import PackedLinear, pack_linears, packing_available
 from triedec.methods import method

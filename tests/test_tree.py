@@ -8,7 +8,7 @@ from helpers import leaves, path_to, root_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.adapter import AttentionLayout, ForwardItem, additive_mask, item_visibility
+from triedec.dispatch import AttentionLayout, ForwardItem, additive_mask, item_visibility
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
 from triedec.tree import TokenTree
