@@ -528,7 +528,8 @@ def test_maxima_show_in_the_cli_listing(capsys):
 
 
 def test_server_flags_build_the_decoder_limits():
-    from triedec.flags import build_parser, server_config
+    from triedec.flags import build_parser
+    from triedec.serve_config import server_config
 
     args = build_parser().parse_args(["serve", "--max-methods-per-tenant", "3", "--max-methods", "9",
                                       "--max-learned-mib-per-tenant", "10", "--max-learned-mib", "0"])
@@ -539,7 +540,8 @@ def test_server_flags_build_the_decoder_limits():
 
 
 def test_served_model_name_is_an_alias_of_model_name():
-    from triedec.flags import build_parser, server_config
+    from triedec.flags import build_parser
+    from triedec.serve_config import server_config
 
     for flag in ("--served-model-name", "--model-name"):
         args = build_parser().parse_args(["serve", flag, "my-model"])

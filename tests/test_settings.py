@@ -11,7 +11,8 @@ import pytest
 from triedec.decoders import DecoderLimits
 from triedec.engine import BatchLimits
 from triedec.errors import TriedecError
-from triedec.flags import build_parser, serve_values, server_config
+from triedec.flags import build_parser
+from triedec.serve_config import serve_values, server_config
 from triedec.server.config import SERVER_LIMITS, ServerConfig
 from triedec.settings import MIB, add_flags, flagged, setting, values_of
 

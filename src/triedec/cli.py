@@ -25,8 +25,8 @@ from triedec.flags import (
     model_label,
     option_flags,
     sampling_of,
-    server_config,
 )
+from triedec.serve_config import server_config
 
 
 def cmd_methods(markdown: bool = False) -> int:

@@ -47,7 +47,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from triedec.errors import TriedecError
-from triedec.flags import ModelSpec, serve_values, server_config
+from triedec.flags import ModelSpec
+from triedec.serve_config import serve_values, server_config
 from triedec.server.app import create_app
 from triedec.server.config import ServerConfig
 from triedec.server.schemas import error
@@ -91,7 +92,7 @@ class RaySettings:
 def parse_pairs(pairs: Mapping[str, str]) -> tuple[RaySettings, ModelSpec, ServerConfig]:
     """``serve run triedec.ray_app:app key=value ...``: each key is a ``triedec serve`` flag
     (``max_running=8`` is ``--max-running``; ``public_metrics=true`` a switch), each value read by
-    that flag's own declaration (:func:`triedec.flags.serve_values`, no command line), and the
+    that flag's own declaration (:func:`triedec.serve_config.serve_values`, no command line), and the
     settings built as ``triedec serve`` builds them, with the same environment
     (``TRIEDEC_API_KEY``, ``TRIEDEC_REDIS_URL``)."""
     for key in pairs:

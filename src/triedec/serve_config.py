@@ -1,0 +1,86 @@
+"""What ``triedec serve``'s flags build: the :class:`~triedec.server.ServerConfig` (and the API
+keys), from a parsed command line or from Ray Serve's ``key=value`` application arguments, read
+by the same flag declarations (:func:`triedec.flags.build_parser`). Used by :mod:`triedec.cli`
+and :mod:`triedec.ray_app`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from triedec.errors import TriedecError
+from triedec.flags import build_parser, method_options
+
+
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The server's API keys: --api-key and --api-keys-file, else ``TRIEDEC_API_KEY`` (as vLLM
+    reads ``VLLM_API_KEY``); None when there are none."""
+    from triedec.server.auth import ApiKeys
+
+    given = list(args.api_key)
+    if not given and not args.api_keys_file and environ.get("TRIEDEC_API_KEY"):
+        given = [environ["TRIEDEC_API_KEY"]]
+    return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics)
+
+
+def serve_values(pairs: Mapping[str, object]) -> argparse.Namespace:
+    """``triedec serve``'s flags given as ``key=value`` pairs (Ray Serve's application arguments):
+    each key is a flag's name with underscores (``max_running=8`` is ``--max-running``;
+    ``public_metrics=true`` a switch), each value read and checked by that flag's own declaration,
+    the others at their defaults. No command line is built; errors name the key, never the value
+    (it may be a secret)."""
+    srv = _command_parser(build_parser(("serve",)), "serve")
+    values = {a.dest: a.default for a in srv._actions if a.dest != "help"}
+    for key, given in pairs.items():
+        action = srv._option_string_actions.get("--" + str(key).replace("_", "-"))
+        if action is None:
+            raise TriedecError(f"unknown application argument {key}= (not a `triedec serve` flag)")
+        values[action.dest] = _read_flag(action, str(key), str(given))
+    return argparse.Namespace(command="serve", **values)
+
+
+def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def _read_flag(action: argparse.Action, key: str, text: str) -> object:
+    """``text`` as the flag ``action`` would read it (a switch takes true or false)."""
+    if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
+        if text.lower() not in ("true", "false"):
+            raise TriedecError(f"{key}= must be true or false")
+        return text.lower() == "true"
+    if isinstance(action, argparse._AppendAction):
+        return [text]
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except ValueError:
+        kind = getattr(action.type, "__name__", "a value")
+        raise TriedecError(f"{key}= must be {'an' if kind == 'int' else 'a'} {kind}") from None
+    if action.choices is not None and value not in action.choices:
+        raise TriedecError(f"{key}= must be one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
+    """The :class:`~triedec.server.ServerConfig` the ``serve`` flags describe: its plain settings
+    (and the engine's and built methods' limits) read from their generated flags, the method and
+    its options, the model's name, the API keys (the flags or ``TRIEDEC_API_KEY``) and the Redis
+    URL (the flag or ``TRIEDEC_REDIS_URL``); validated."""
+    from triedec.decoders import DecoderLimits
+    from triedec.engine import BatchLimits
+    from triedec.server.config import ServerConfig
+    from triedec.settings import values_of
+
+    if not 0 < args.port < 65536:
+        raise TriedecError(f"--port must lie in 1..65535, got {args.port}")
+    values = vars(args)
+    name = args.model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
+    return ServerConfig(method=args.method, method_options=method_options(args, args.method), model_name=name,
+                        limits=BatchLimits(**values_of(BatchLimits, values)),
+                        decoders=DecoderLimits(**values_of(DecoderLimits, values)),
+                        api_keys=api_keys(args, environ),
+                        redis_url=args.redis_url or environ.get("TRIEDEC_REDIS_URL") or None,
+                        **values_of(ServerConfig, values))
