@@ -12,7 +12,7 @@ import torch
 from helpers import fake_cost, monotone_rates
 
 import triedec
-from triedec import calibration
+from triedec import calibration, machine
 from triedec.calibration import Bench, Calibration, load_or_calibrate
 from triedec.costmodel import CostModel
 from triedec.drafters import recycling
@@ -139,7 +139,7 @@ def test_a_stale_calibration_file_is_measured_again(tiny_lm, monkeypatch):
 
 
 class FakeWatch:
-    """A :class:`calibration.CpuWatch` that reports a given share."""
+    """A :class:`machine.CpuWatch` that reports a given share."""
 
     share = 0.0
 
@@ -180,9 +180,9 @@ def test_the_cpu_watch_counts_only_the_time_others_take_from_this_processes_core
                                                                                     others, share):
     """One second of wall time: ``cores`` CPU-seconds in all, this process used none of them."""
     counters = iter([(0.0, 0.0, 0.0), (others, float(cores), 0.0)])
-    monkeypatch.setattr(calibration, "_cpu_counters", lambda: next(counters))
-    monkeypatch.setattr(calibration.os, "cpu_count", lambda: cores)
-    with calibration.CpuWatch(threads) as watch:
+    monkeypatch.setattr(machine, "_cpu_counters", lambda: next(counters))
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: cores)
+    with machine.CpuWatch(threads) as watch:
         pass
     assert watch.others_share == pytest.approx(share)
 
@@ -192,7 +192,7 @@ def test_the_cpu_watch_counts_other_processes_and_not_this_one():
     import sys
     import time
 
-    if calibration._cpu_counters() is None:
+    if machine._cpu_counters() is None:
         pytest.skip("no /proc/stat here")
     import os
 
@@ -200,14 +200,14 @@ def test_the_cpu_watch_counts_other_processes_and_not_this_one():
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range((cores + 1) // 2)]
     try:
         time.sleep(0.3)
-        with calibration.CpuWatch(cores) as watch:
+        with machine.CpuWatch(cores) as watch:
             time.sleep(1.0)
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
     assert watch.others_share is not None and watch.others_share > calibration.BUSY_SHARE
-    with calibration.CpuWatch(cores) as own:
+    with machine.CpuWatch(cores) as own:
         end = time.perf_counter() + 0.8
         while time.perf_counter() < end:  # this process's own work
             pass

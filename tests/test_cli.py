@@ -146,7 +146,7 @@ def test_calibrate_show_only_reads(capsys, monkeypatch, tmp_path, tiny_model_dir
 
 
 def test_the_calibration_cache_is_keyed_by_host():
-    from triedec.calibration import host_key
+    from triedec.machine import host_key
 
     key = host_key()
     assert f"-{os.cpu_count()}cores-" in key and len(key.rsplit("-", 1)[1]) == 8  # CPU model, cores, flags digest
