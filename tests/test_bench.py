@@ -349,7 +349,7 @@ def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypa
 
 
 def test_serving_tables_compare_each_method_with_ar():
-    from triedec.bench.serving import serving_markdown
+    from triedec.bench.serving_report import serving_markdown
 
     def phase(method, c, tps):
         return {"method": method, "concurrency": c, "tokens_per_s": tps, "p50_latency_s": 1.0, "p95_latency_s": 2.0,
@@ -417,7 +417,7 @@ def test_serving_plot_draws_each_point_with_its_interval():
     import matplotlib
 
     matplotlib.use("Agg")
-    from triedec.bench.serving import serving_figure, throughput_interval
+    from triedec.bench.serving_report import serving_figure, throughput_interval
 
     rng = random.Random(0)
     phases = []

@@ -249,7 +249,8 @@ def server_setups(given: Sequence[str] | None) -> tuple[tuple[str, tuple[str, ..
 def cmd_serving(args: argparse.Namespace) -> int:
     from triedec.bench.datasets import DATASETS, load_questions, select, split
     from triedec.bench.report import machine_info, source_commit
-    from triedec.bench.serving import ServingConfig, parse_counts, run_serving, serving_markdown, serving_plot
+    from triedec.bench.serving import ServingConfig, parse_counts, run_serving
+    from triedec.bench.serving_report import serving_markdown, serving_plot
 
     if not sampling_of(args).plain:
         raise TriedecError("the serving benchmark is greedy: run it without --temperature and --repetition-penalty")
