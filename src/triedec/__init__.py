@@ -26,7 +26,7 @@ _EXPORTS = {
     "GenerationRequest": "generation",
     "LM": "lm", "GenerationResult": "lm", "load": "lm",
     "Method": "methods", "method": "methods", "methods": "methods",
-    "DecodeStats": "request", "Outcome": "request", "Request": "request", "Stats": "request", "StopRule": "request",
+    "DecodeStats": "outcome", "Outcome": "outcome", "Stats": "outcome", "Request": "request", "StopRule": "request",
     "Sampling": "sampling",
     "TokenTree": "tree",
 }
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from triedec.generation import GenerationRequest
     from triedec.lm import LM, GenerationResult, load
     from triedec.methods import Method, method, methods
-    from triedec.request import DecodeStats, Outcome, Request, Stats, StopRule
+    from triedec.outcome import DecodeStats, Outcome, Stats
+    from triedec.request import Request, StopRule
     from triedec.sampling import Sampling
     from triedec.tree import TokenTree
 

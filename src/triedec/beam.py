@@ -33,7 +33,8 @@ from triedec.drafters.registry import BEAM_SEARCH, register
 from triedec.engine import SoloRun
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
-from triedec.request import PREFILL_CHUNK, Outcome, Stats, StopRule, prompt_chunk
+from triedec.outcome import Outcome, Stats
+from triedec.request import PREFILL_CHUNK, StopRule, prompt_chunk
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 from triedec.trace import MODEL, StepTrace
 from triedec.tree import TokenTree

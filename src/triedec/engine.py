@@ -37,7 +37,8 @@ from triedec.allocate import allocate
 from triedec.costmodel import CostModel
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
-from triedec.request import PREFILL_CHUNK, DecodeStats, Outcome, Request, Stats, StopRule
+from triedec.outcome import DecodeStats, Outcome, Stats
+from triedec.request import PREFILL_CHUNK, Request, StopRule
 from triedec.settings import MIB, setting
 from triedec.trace import StepTrace
 
@@ -126,7 +127,7 @@ class Run(Protocol):
 class SoloRun:
     """A method with a loop of its own (beam search verifies all its beams in one forward
     already): ``loop(adapter, steps)`` is a generator that yields committed tokens once per step
-    and returns an :class:`~triedec.request.Outcome`; ``steps`` is None, or (after
+    and returns an :class:`~triedec.outcome.Outcome`; ``steps`` is None, or (after
     :meth:`record_steps`) a list it appends a :class:`~triedec.trace.StepTrace` to per step. It
     advances one step per batch step, beside the shared forward. Closed before its loop returned
     (cancelled, or past its time limit), its outcome holds what it lived: the tokens it emitted,
@@ -345,7 +346,7 @@ class Batch:
 def run_alone(adapter: ModelAdapter, run: Run, cost: CostModel | None = None,
               limits: BatchLimits | None = None) -> Generator[list[int], None, Outcome]:
     """Decode one run in a batch of its own: yields its tokens as they are committed (non-empty
-    lists), returns its :class:`~triedec.request.Outcome`. Closing the generator early ends the
+    lists), returns its :class:`~triedec.outcome.Outcome`. Closing the generator early ends the
     run (its session ends; its learned state is written)."""
     batch = Batch(adapter, cost, limits)
     batch.submit(run)
@@ -372,6 +373,6 @@ def speculative_decode(
     """Decoding of ``prompt`` alone with drafts from ``drafter``, each step's tokens chosen by
     ``rule`` (greedy by default, or sampling: :mod:`triedec.accept`), drafts sized under ``cost``;
     exactly equal to autoregressive decoding with the same rule, whatever the drafts. Yields the
-    newly committed tokens; returns the :class:`~triedec.request.DecodeStats`."""
+    newly committed tokens; returns the :class:`~triedec.outcome.DecodeStats`."""
     outcome = yield from run_alone(adapter, Request(drafter, prompt, stop, documents, rule), cost)
     return outcome.stats

@@ -30,9 +30,9 @@ from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_o
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
 from triedec.models import ModelSource
+from triedec.outcome import Outcome, Stats
 from triedec.paths import cache_root
 from triedec.prompts import Prompts
-from triedec.request import Outcome, Stats
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class LM:
         but ``on_tokens``.
 
         The generator's return value (``StopIteration.value``) is an
-        :class:`~triedec.request.Outcome` (stats, and beam search's ranked sequences);
+        :class:`~triedec.outcome.Outcome` (stats, and beam search's ranked sequences);
         :meth:`generate` collects it for you. All input is validated before anything runs. The
         request runs alone in an engine batch of its own: the same step as the server's.
         """

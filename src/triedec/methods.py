@@ -32,7 +32,7 @@ __all__ = ["BEAM_SEARCH", "GREEDY", "Decoder", "Method", "SpeculativeDecoder", "
 class Decoder(Protocol):
     """A built method. ``start`` validates its arguments and returns the request's
     :class:`~triedec.engine.Run`, which an engine :class:`~triedec.engine.Batch` decodes; its
-    ``outcome`` is an :class:`~triedec.request.Outcome`. A decoder is shared by every request of its
+    ``outcome`` is an :class:`~triedec.outcome.Outcome`. A decoder is shared by every request of its
     (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
     (greedy by default; sampling needs its seed set). ``export_learned`` / ``absorb_learned``
     exchange its learned state with other replicas (:mod:`triedec.drafters.learned`);

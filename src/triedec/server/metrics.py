@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from triedec.engine import StepReport
-from triedec.request import Outcome
+from triedec.outcome import Outcome
 
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

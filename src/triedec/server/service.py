@@ -26,7 +26,7 @@ from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method as find_method
 from triedec.methods import methods
-from triedec.request import Outcome
+from triedec.outcome import Outcome
 from triedec.sampling import SAMPLING_FIELDS, Sampling
 from triedec.server.config import ServerConfig
 from triedec.server.metrics import Metrics
