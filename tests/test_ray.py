@@ -24,20 +24,8 @@ from ray import serve
 
 from triedec.errors import TriedecError
 from triedec.flags import ModelSpec
-from triedec.ray_app import (
-    APP_NAME,
-    REPLICA_HEADER,
-    Engine,
-    RaySettings,
-    affinity_key,
-    app,
-    build,
-    choose,
-    engine_options,
-    parse_pairs,
-    rendezvous,
-    run,
-)
+from triedec.ray_app import APP_NAME, REPLICA_HEADER, Engine, RaySettings, app, build, engine_options, parse_pairs, run
+from triedec.ray_routing import affinity_key, choose, rendezvous
 
 # -- the pure parts ----------------------------------------------------------------------------------
 

@@ -12,13 +12,13 @@ The application has two deployments:
   ongoing requests between ``--replicas`` and ``--max-replicas``.
 * The **Gateway** (the HTTP ingress, no CPU reserved; ``--gateways`` replicas) checks the key and
   bounds the body exactly as the server's own front door does
-  (:func:`~triedec.server.transport.front_door`), names the request's affinity (:func:`affinity_key`)
-  and relays the engine's ASGI messages, streaming, to the client.
+  (:func:`~triedec.server.transport.front_door`), names the request's affinity
+  (:func:`~triedec.ray_routing.affinity_key`) and relays the engine's ASGI messages, streaming, to the client.
   A replica that dies under a request ends it cleanly: 503 before its first byte, an error event in
   a stream already started.
 
-:class:`AffinityRouter` (a Ray Serve request router) sends a request to the replica its affinity key
-hashes to (rendezvous hashing: a key moves only when its replica goes away), so that a
+:class:`~triedec.ray_routing.AffinityRouter` (a Ray Serve request router) sends a request to the
+replica its affinity key hashes to (rendezvous hashing: a key moves only when its replica goes away), so that a
 conversation's turns find their drafting state warm; when that replica leads the least loaded one
 by ``affinity_slack`` requests or more, or is full, power-of-two choices takes over. Learned state
 still reaches every replica through Redis (``--redis-url``, :mod:`triedec.server.sharing`).
@@ -29,25 +29,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import random
 import signal
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
-from ray.serve.request_router import RequestRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
 from triedec.errors import TriedecError
 from triedec.flags import ModelSpec
+from triedec.ray_routing import AffinityRouter, affinity_key
 from triedec.serve_config import serve_values, server_config
 from triedec.server.app import create_app
 from triedec.server.config import ServerConfig
@@ -101,84 +99,6 @@ def parse_pairs(pairs: Mapping[str, str]) -> tuple[RaySettings, ModelSpec, Serve
                                "(serve's http_options)")
     args = serve_values(pairs)
     return RaySettings.from_args(args), ModelSpec.from_args(args), server_config(args, os.environ)
-
-
-# -- affinity ------------------------------------------------------------------------------------
-
-
-def affinity_key(body: bytes, tenant: str | None, learning: str) -> str:
-    """What keeps a request on one replica: its tenant (under ``tenant`` learning, where its
-    learned state is its own), else the body's ``user``, else a digest of the conversation's start
-    (chat: the messages up to the first user message; completions: the prompt's first 256
-    characters), which every later turn repeats. ``""`` (no affinity) for a body that is not a
-    JSON object."""
-    if learning == "tenant" and tenant:
-        return "tenant:" + tenant
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return ""
-    if not isinstance(request, dict):
-        return ""
-    user = request.get("user")
-    if isinstance(user, str) and user:
-        return "user:" + user
-    messages = request.get("messages")
-    if isinstance(messages, list):
-        start = []
-        for message in messages:
-            start.append(message)
-            if isinstance(message, dict) and message.get("role") == "user":
-                break
-        seed = json.dumps(start, sort_keys=True, default=str)
-    else:
-        prompt = request.get("prompt")
-        prompt = prompt[0] if isinstance(prompt, list) and prompt else prompt
-        seed = json.dumps(prompt, default=str)[:256]
-    return "conversation:" + hashlib.sha256(seed.encode()).hexdigest()[:32]
-
-
-def rendezvous(key: str, replicas: Sequence[str]) -> str:
-    """The replica ``key`` belongs to (highest random weight: every key keeps its replica while it
-    lives; a replica's leaving moves only its own keys, evenly)."""
-    if not replicas:
-        raise ValueError("no replica to choose from")
-    return max(replicas, key=lambda r: hashlib.sha256(f"{key}\0{r}".encode()).digest())
-
-
-class AffinityRouter(RequestRouter):
-    """Ray Serve's request router for the engine replicas: affinity by rendezvous hashing, then
-    power-of-two choices (:func:`choose`). Each request is routed to its own choice (no FIFO mixin:
-    a replica found for one request is never handed to another's)."""
-
-    def initialize_state(self, slack: int = 16, **kwargs: Any) -> None:
-        self.slack = slack
-
-    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
-        if not candidate_replicas:
-            return []
-        key = (pending_request.kwargs.get("affinity") or "") if pending_request is not None else ""
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        load = {i: self.replica_queue_len_cache.get(r.replica_id) for i, r in by_id.items()}
-        return [[by_id[i] for i in rank] for rank in choose(key, load, self.slack)]
-
-
-def choose(key: str, load: Mapping[str, int | None], slack: int, rng: random.Random | None = None) -> list[list[str]]:
-    """The router's ranking, as a pure function of the candidates' ongoing requests (``load``;
-    None = not known yet, counted as 0): the key's replica first, unless it leads the least loaded
-    one by ``slack`` or more; then two random replicas (power of two: Ray takes the less loaded
-    one that has room). No key: the two random replicas only."""
-    rng = rng or random.Random()
-    ids = sorted(load)
-    known = {i: load[i] or 0 for i in ids}
-    others = rng.sample(ids, min(2, len(ids)))
-    if not key:
-        return [others]
-    home = rendezvous(key, ids)
-    if known[home] - min(known.values()) >= slack:
-        return [others]
-    rest = [i for i in others if i != home]
-    return [[home], rest] if rest else [[home]]
 
 
 # -- deployments ---------------------------------------------------------------------------------
