@@ -20,7 +20,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, Llama
 from triedec.adapter import ModelAdapter
 from triedec.allocate import allocate
 from triedec.costmodel import CostModel
-from triedec.drafters import ModelInfo, Verified
+from triedec.drafters import BaseDrafter, ModelInfo, Verified
 from triedec.drafters.template import PAPER_TEMPLATE, RecyclingProfile, best_nodes
 from triedec.engine import Batch, BatchLimits, run_alone, speculative_decode
 from triedec.request import StopRule
@@ -393,3 +393,27 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+# ---- drafters that know the answer ----------------------------------------------------------------
+
+
+class OracleDrafter(BaseDrafter):
+    """Test-only drafter: proposes trees that mix the true greedy continuation (known in advance)
+    with wrong branches, at random depths, so every acceptance length and branch layout occurs."""
+
+    def __init__(self, truth: list[int], prompt_len: int, seed: int, vocab: int = TINY_VOCAB) -> None:
+        self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
+        self.rng = random.Random(seed)
+
+    def propose(self, context):
+        done = len(context) - self.prompt_len
+        right = self.truth[done : done + self.rng.randint(0, 8)]
+        keep = self.rng.randint(0, len(right))
+        seqs = []
+        for _ in range(self.rng.randint(0, 4)):  # wrong branches off the correct path
+            cut = self.rng.randint(0, keep)
+            seqs.append(right[:cut] + [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 4))])
+        seqs.append(right[:keep] if self.rng.random() < 0.5 else right)
+        self.rng.shuffle(seqs)
+        return TokenTree.from_sequences(context[-1], seqs)

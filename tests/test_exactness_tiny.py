@@ -3,14 +3,13 @@ drafter, must reproduce transformers' greedy output token for token."""
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
 from helpers import (
     EOS,
     MODELS,
-    TINY_VOCAB,
+    OracleDrafter,
     alone,
     fake_cost,
     fake_profile,
@@ -25,7 +24,7 @@ from helpers import random_prompts as prompts
 
 from triedec.adapter import ModelAdapter
 from triedec.costmodel import CostModel
-from triedec.drafters import BaseDrafter, method_spec
+from triedec.drafters import method_spec
 from triedec.methods import method
 from triedec.request import StopRule
 from triedec.tree import TokenTree
@@ -34,27 +33,6 @@ from triedec.tree import TokenTree
 def build(name: str, options: dict, info):
     spec = method_spec(name)
     return spec.factory(spec.make_options(options), info)
-
-
-class OracleDrafter(BaseDrafter):
-    """Test-only drafter: proposes trees that mix the true greedy continuation (known in advance)
-    with wrong branches, at random depths, so every acceptance length and branch layout occurs."""
-
-    def __init__(self, truth: list[int], prompt_len: int, seed: int, vocab: int = TINY_VOCAB) -> None:
-        self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
-        self.rng = random.Random(seed)
-
-    def propose(self, context):
-        done = len(context) - self.prompt_len
-        right = self.truth[done : done + self.rng.randint(0, 8)]
-        keep = self.rng.randint(0, len(right))
-        seqs = []
-        for _ in range(self.rng.randint(0, 4)):  # wrong branches off the correct path
-            cut = self.rng.randint(0, keep)
-            seqs.append(right[:cut] + [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 4))])
-        seqs.append(right[:keep] if self.rng.random() < 0.5 else right)
-        self.rng.shuffle(seqs)
-        return TokenTree.from_sequences(context[-1], seqs)
 
 
 @pytest.mark.parametrize("name", MODELS)
