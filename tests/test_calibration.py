@@ -169,6 +169,82 @@ def test_a_calibration_measured_on_a_busy_machine_is_marked_and_measured_again(t
     assert not dataclasses.replace(quiet, details={"others_cpu_share": None}).busy
 
 
+def test_a_measurement_stops_within_one_forward_when_asked(tiny_lm):
+    asked = []
+
+    def stop() -> bool:
+        asked.append(True)
+        return len(asked) >= 3
+
+    with pytest.raises(calibration.Interrupted, match="after 3 of"):
+        calibration.measure_cost_model(tiny_lm, sizes=(1, 2), batch=((2, (1,)),), context_tokens=16,
+                                       long_context=32, repeats=1, should_stop=stop)
+    assert len(asked) == 3
+
+
+def _fake_measure(lm, repeats, progress=None, should_stop=None):
+    return fake_cost()
+
+
+def test_a_busy_calibration_is_measured_again_in_process_with_its_profiles_kept(tiny_lm, monkeypatch):
+    monkeypatch.setattr(calibration, "CpuWatch", FakeWatch)
+    monkeypatch.setattr(calibration, "measure_cost_model", _fake_measure)
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    assert tiny_lm.remeasure_if_busy() is False  # nothing loaded yet: nothing to do
+    FakeWatch.share = 0.6
+    busy = tiny_lm.calibration()
+    profiles = {"recycling": RecyclingProfile(tuple(monotone_rates()), 8)}
+    tiny_lm._calibration = busy = dataclasses.replace(busy, profiles=profiles)
+    assert busy.busy
+    FakeWatch.share = 0.7  # still busy: measured, used, still marked
+    assert tiny_lm.remeasure_if_busy() is False and tiny_lm.loaded_calibration().busy
+    FakeWatch.share = 0.05
+    assert tiny_lm.remeasure_if_busy() is True
+    quiet = tiny_lm.loaded_calibration()
+    assert not quiet.busy and quiet.profiles == profiles and quiet.details["remeasured"] == "while idle"
+    assert Calibration.from_json(path.read_text()) == quiet  # written over the cached file
+    assert tiny_lm.remeasure_if_busy() is True  # a quiet one is left alone
+
+
+def test_an_idle_server_measures_a_busy_calibration_again_and_stops_for_work(tiny_lm, monkeypatch):
+    import threading
+    import time
+
+    from triedec.engine import BatchLimits
+    from triedec.server.scheduler import Scheduler
+
+    monkeypatch.setattr(calibration, "CpuWatch", FakeWatch)
+    monkeypatch.setattr(calibration, "measure_cost_model", _fake_measure)
+    FakeWatch.share = 0.6
+    assert tiny_lm.calibration().busy
+    measuring = threading.Event()
+
+    def until_work_arrives(lm, repeats, progress=None, should_stop=None):
+        measuring.set()
+        while not should_stop():
+            time.sleep(0.005)
+        raise calibration.Interrupted("work arrived")
+
+    monkeypatch.setattr(calibration, "measure_cost_model", until_work_arrives)
+    scheduler = Scheduler(tiny_lm, BatchLimits(), 4, remeasure_after=0.1)
+    try:
+        scheduler.call(lambda: None).result(timeout=30)  # starts the loop
+        assert measuring.wait(30)  # idle 0.1 s with a busy calibration: measuring again
+        assert scheduler.call(lambda: 42).result(timeout=30) == 42  # the call stopped it and ran
+        assert tiny_lm.loaded_calibration().busy  # nothing half-measured was kept
+        FakeWatch.share = 0.05
+        monkeypatch.setattr(calibration, "measure_cost_model", _fake_measure)
+        scheduler.call(lambda: None).result(timeout=30)  # ends a measurement begun in between
+        deadline = time.monotonic() + 30
+        while tiny_lm.loaded_calibration().busy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not tiny_lm.loaded_calibration().busy
+    finally:
+        scheduler.close()
+    with pytest.raises(TriedecError, match="remeasure_after"):
+        Scheduler(tiny_lm, BatchLimits(), 4, remeasure_after=0)
+
+
 @pytest.mark.parametrize(("cores", "threads", "others", "share"), [
     (2, 2, 0.5, 0.25),   # a 2-core machine: the others' share of it
     (2, 2, 2.0, 1.0),

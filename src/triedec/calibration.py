@@ -93,7 +93,7 @@ class Calibration:
     def busy(self) -> bool:
         """Whether other processes took more than :data:`BUSY_SHARE` of the CPU time of the cores
         this process's threads needed while the cost model was measured (:class:`CpuWatch`; then it
-        is measured again on the next load)."""
+        is measured again on the next load, or by an idle server: :func:`remeasure_cost`)."""
         share = self.details.get("others_cpu_share")
         return isinstance(share, (int, float)) and share > BUSY_SHARE
 
@@ -154,6 +154,11 @@ def read_calibration(cache_dir: Path, adapter: ModelAdapter) -> Calibration | No
 MAX_SIZE = 256
 
 
+class Interrupted(Exception):
+    """A measurement abandoned because its ``should_stop()`` said so (work arrived)."""
+
+
+
 def _tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
     """A random tree of ``size`` nodes: four children per node, breadth first (draft trees are
     wide near the root; a forward's cost hardly depends on the shape)."""
@@ -167,11 +172,15 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
                        batch: Sequence[tuple[int, Sequence[int]]] = BATCH_GRID,
                        context_tokens: int = CONTEXT_TOKENS, long_context: int = LONG_CONTEXT,
                        repeats: int = 5, k: int = 8,
-                       progress: Callable[[int, int], None] | None = None) -> CostModel:
+                       progress: Callable[[int, int], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None) -> CostModel:
     """Median seconds of forwards (module doc), each followed by the top-k of its logits that
     Token Recycling and auto do after every step. One request's cache is prefilled once; the other
     requests' caches and the long one are copies of it (what a forward costs does not depend on
-    the values in the cache). ``progress(done, total)`` is called after every forward."""
+    the values in the cache). ``progress(done, total)`` is called after every forward;
+    ``should_stop()`` too, and when it says True the measurement is abandoned
+    (:class:`Interrupted`): a server measuring between requests stops within one forward of a
+    request's arrival."""
     positive_int("repeats", repeats)
     adapter = lm.adapter
     gen = torch.Generator().manual_seed(0)
@@ -208,6 +217,8 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
             done += 1
             if progress is not None:
                 progress(done, total)
+            if should_stop is not None and should_stop():
+                raise Interrupted(f"stopped after {done} of {total} forwards")
     median = {key: statistics.median(v) for key, v in times.items()}
     forward = {t: median[(1, t)] for t in sizes}
     rows: dict[int, dict[int, float]] = {}
@@ -348,8 +359,29 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
         profiles[name] = specs[name].measure(bench)
     cached = replace(cached, profiles=profiles,
                      details={**cached.details, "seconds_taken": round(time.perf_counter() - started, 1)})
+    _write(path, cached)
+    return cached
+
+
+def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int = 5,
+                   should_stop: Callable[[], bool] | None = None) -> Calibration:
+    """``calibration`` with its cost model measured again now (its profiles kept), under a
+    :class:`~triedec.machine.CpuWatch`, and written atomically over the cached file: what a
+    server does, between requests, with a calibration that was measured busy. Raises
+    :class:`Interrupted` (and writes nothing) when ``should_stop()`` says so."""
+    started = time.perf_counter()
+    with CpuWatch() as watch:
+        cost = measure_cost_model(lm, repeats=repeats, should_stop=should_stop)
+    fresh = replace(calibration, cost=cost, details={
+        **calibration.details, "others_cpu_share": watch.others_share,
+        "seconds_taken": round(time.perf_counter() - started, 1), "remeasured": "while idle"})
+    _write(calibration_path(cache_dir, lm.adapter), fresh)
+    return fresh
+
+
+def _write(path: Path, calibration: Calibration) -> None:
+    """``calibration`` as ``path``'s JSON, replaced atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(cached.to_json())
+    tmp.write_text(calibration.to_json())
     os.replace(tmp, path)
-    return cached

@@ -18,7 +18,7 @@ import torch
 
 from triedec.adapter import KERNELS, ModelAdapter
 from triedec.beam import Hypothesis
-from triedec.calibration import Calibration, load_or_calibrate
+from triedec.calibration import Calibration, load_or_calibrate, remeasure_cost
 from triedec.costmodel import CostModel
 from triedec.decoders import BuiltMethods, DecoderLimits
 from triedec.drafters import ModelInfo
@@ -108,6 +108,21 @@ class LM:
             self._calibration = load_or_calibrate(self, self.cache_dir, frozenset({NEEDS_COST}), force=True,
                                                   **kwargs)
             return self._calibration
+
+    def remeasure_if_busy(self, should_stop: Callable[[], bool] | None = None) -> bool:
+        """If the calibration in use was measured while other processes took the CPU its threads
+        needed (:attr:`~triedec.calibration.Calibration.busy`), measure its cost model again now
+        and use it (profiles kept; :func:`~triedec.calibration.remeasure_cost`): what the server
+        does when it has been idle a while. True when the calibration in use is now a quiet one;
+        raises :class:`~triedec.calibration.Interrupted` when ``should_stop()`` says so. The
+        engine sizes drafts under the new cost model from its next step; methods already built
+        keep what they were built with."""
+        with self._lock:
+            cal = self._calibration
+            if cal is None or not cal.busy:
+                return cal is not None
+            self._calibration = remeasure_cost(self, self.cache_dir, cal, should_stop=should_stop)
+            return not self._calibration.busy
 
     def loaded_calibration(self) -> Calibration | None:
         """The calibration loaded or measured so far (None if nothing needed one yet)."""

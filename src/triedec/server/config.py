@@ -63,6 +63,10 @@ class ServerConfig:
                                                 help="a request's whole time, queue included: past it, it ends with "
                                                      "what it has (finish_reason length, stop_reason time_limit), or "
                                                      "gets 408 before its first token")
+    remeasure_after: float = setting(10.0, unit="s",
+                                     help="seconds with no request after which a calibration measured while the "
+                                          "machine was busy is measured again, stopped the moment a request arrives "
+                                          "(0: never)")
     max_tokens_limit: int = setting(4096, group="security",
                                     help="the most max_tokens a request may ask for (more gets 400)")
     body_seconds: float = setting(30.0, group="security", unit="s",
@@ -87,6 +91,8 @@ class ServerConfig:
         if self.default_max_tokens > self.max_tokens_limit:
             raise TriedecError(f"the default max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
                                f"({self.max_tokens_limit})")
+        if not 0 <= self.remeasure_after < float("inf"):
+            raise TriedecError(f"remeasure_after must be a number of seconds >= 0, got {self.remeasure_after!r}")
         for name in ("body_seconds", "send_seconds"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise TriedecError(f"{name} must be a positive number, got {getattr(self, name)!r}")

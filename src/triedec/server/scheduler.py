@@ -161,8 +161,14 @@ class Scheduler:
 
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
                  on_step: Callable[[StepReport], None] | None = None,
-                 tenants: TenantLimits | None = None) -> None:
+                 tenants: TenantLimits | None = None, remeasure_after: float | None = None) -> None:
+        if remeasure_after is not None and not 0 < remeasure_after < float("inf"):
+            raise TriedecError(f"remeasure_after must be a positive number of seconds or None, got {remeasure_after!r}")
         self.lm = lm
+        self.remeasure_after = remeasure_after
+        """seconds with no request after which a calibration measured busy is measured again, on
+        this thread, abandoned the moment work arrives (None: never; see :meth:`_remeasure`)"""
+        self._quiet_needed = remeasure_after  # grows after each attempt that found the machine busy again
         self.limits, self.max_queue = limits, max_queue
         self.tenants = tenants or TenantLimits()
         self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running)
@@ -264,7 +270,7 @@ class Scheduler:
         state, and wait for the loop to end."""
         with self._cond:
             self._closed = True
-            self._cond.notify()
+            self._cond.notify_all()
             running, thread = self._running.is_set(), self._thread
         if thread is not None:
             thread.join(timeout)
@@ -278,11 +284,22 @@ class Scheduler:
     def _loop(self) -> None:
         batch = self.batch
         while True:
+            remeasure = False
             with self._cond:
-                while not (self._incoming or self._jobs or self._calls or self._closed):
-                    self._cond.wait()
+                idle_since = time.perf_counter()
+                while not self._has_work():
+                    quiet = self._quiet_needed if self._remeasure_wanted() else None
+                    waited = time.perf_counter() - idle_since
+                    if quiet is not None and waited >= quiet:
+                        remeasure = True
+                        break
+                    self._cond.wait(None if quiet is None else quiet - waited)
                 if self._closed:
                     break
+            if remeasure:
+                self._remeasure()
+                continue
+            with self._cond:
                 arrived = list(self._incoming)
                 self._incoming.clear()
                 calls = list(self._calls)
@@ -308,6 +325,36 @@ class Scheduler:
             with self._cond:
                 self._depth = (len(batch.running), len(batch.waiting) + len(self._incoming))
         self._shutdown()
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._jobs or self._calls or self._closed)
+
+    def _remeasure_wanted(self) -> bool:
+        cal = self.lm.loaded_calibration()
+        return self.remeasure_after is not None and cal is not None and cal.busy
+
+    def _remeasure(self) -> None:
+        """The server has been idle ``remeasure_after`` seconds (more after each attempt that found
+        the machine busy again) and its calibration was measured busy: measure the cost model again
+        now (:meth:`~triedec.lm.LM.remeasure_if_busy`), abandoned within one forward when a request,
+        a call or shutdown arrives (the next quiet period tries again)."""
+        from triedec.calibration import Interrupted
+
+        try:
+            quiet = self.lm.remeasure_if_busy(should_stop=self._has_work)
+        except Interrupted:
+            log.info("re-measuring the busy calibration stopped: work arrived")
+            return
+        except Exception:  # a bug in measuring must not take the server down: stop trying
+            log.exception("re-measuring the busy calibration failed; keeping the one in use")
+            self.remeasure_after = None
+            return
+        if quiet:
+            log.info("the busy calibration was measured again while idle, on a quiet machine")
+            self._quiet_needed = self.remeasure_after
+        else:
+            self._quiet_needed = min(2 * (self._quiet_needed or 1.0), 600.0)
+            log.info("the machine was busy again while re-measuring; next try after %.0f s idle", self._quiet_needed)
 
     def _drop(self, job: Job, reason: str) -> None:
         """Take ``job`` out of the batch now (waiting or running), its run ended with ``reason``."""

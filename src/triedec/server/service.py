@@ -65,7 +65,7 @@ class Service:
         self.known = set(methods())
         self.metrics: Metrics | None = None
         self.scheduler = Scheduler(lm, config.limits, config.max_queue, on_step=self._on_step,
-                                   tenants=config.tenant_limits())
+                                   tenants=config.tenant_limits(), remeasure_after=config.remeasure_after or None)
         self.scopes = Scopes(config.tenancy(), lm.forget)
         self.metrics = Metrics(lambda: self.scheduler.depth, config.limits.max_tokens_per_forward)
         sharing = config.sharing()
