@@ -55,6 +55,41 @@ def test_prompt_chunks_in_the_same_forward_make_drafts_cheaper():
     assert beside[0] >= alone[0]
 
 
+def test_host_time_is_charged_to_every_step_so_nodes_weigh_less_against_it():
+    cost = CostModel({1: 0.1, 2: 0.2, 3: 0.21, 4: 0.4})
+    draft = [1, 0.5, 0.1, 0.1]
+    assert allocate([draft], [1], cost) == [1]  # 1.5 tokens in 0.2 s is slower than 1 in 0.1
+    assert allocate([draft], [1], cost, host_seconds=0.5) == [3]  # 1.6 in 0.71 s beats 1 in 0.6
+    sizes = [allocate([draft], [1], cost, host_seconds=h)[0] for h in (0.0, 0.01, 0.1, 0.5, 2.0)]
+    assert sizes == sorted(sizes)  # more time outside the forward never takes fewer nodes
+    with pytest.raises(TriedecError, match="host_seconds"):
+        allocate([draft], [1], cost, host_seconds=-1.0)
+
+
+def test_observed_forwards_correct_the_calibrated_surface_where_they_ran():
+    from triedec.costmodel import ObservedCost
+
+    base = CostModel({1: 0.1, 16: 0.2, 64: 0.4}, batch_seconds={4: {4: 0.15, 64: 0.5}})
+    observed = ObservedCost(base, weight=0.5, min_observations=2)
+    assert observed.seconds(16) == base.seconds(16) and observed.observations() == 0  # nothing seen: the base
+    observed.observe(1, 1, None, 0.3)
+    assert observed.seconds(1) == base.seconds(1)  # one observation is not enough
+    observed.observe(1, 1, None, 0.3)
+    assert observed.ratio(1, 1) == pytest.approx(3.0) and observed.seconds(1) == pytest.approx(0.3)
+    assert observed.ratio(1, 16) == pytest.approx(3.0)  # an unseen shape: the request count's ratio
+    assert observed.ratio(4, 8) == pytest.approx(3.0)  # an unseen request count: the overall ratio
+    for _ in range(20):  # 16-token forwards run at the calibrated speed: that cell follows them alone
+        observed.observe(16, 1, None, 0.2)
+    assert observed.ratio(1, 16) == pytest.approx(1.0, abs=1e-3) and observed.ratio(1, 1) == pytest.approx(3.0)
+    assert list(observed.seconds_many([1, 16], 1)) == pytest.approx([0.3, 0.2], abs=1e-3)
+    observed.observe(1, 1, None, 1e6)  # a wild outlier moves a cell by at most the clamp
+    assert observed.ratio(1, 1) <= ObservedCost.HIGH
+    observed.observe(1, 1, None, float("nan"))  # and nonsense is ignored
+    assert observed.observations() == 23
+    with pytest.raises(TriedecError, match="weight"):
+        ObservedCost(base, weight=0.0)
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(TriedecError):
         allocate([[1.0, 0.5]], [], FLAT16)

@@ -332,6 +332,38 @@ def test_a_group_at_its_running_cap_waits_and_lets_the_others_go_first():
         Batch(adapter, group_running=0)
 
 
+def test_a_batch_that_learns_its_cost_corrects_the_surface_and_keeps_every_token():
+    """``learn_cost``: a surface 1000x too slow is corrected by the forwards observed (clamped at
+    :attr:`ObservedCost.LOW`), the step's host time is measured, tree sizes follow, and every
+    request's tokens stay ``ar``'s; a new surface starts a new correction."""
+    from triedec.costmodel import ObservedCost
+
+    adapter = ModelAdapter(tiny_llama(seed=3))
+    info = tiny_info()
+    slow = CostModel({1: 10.0, 16: 11.0, 81: 20.0}, batch_seconds={4: {4: 10.5, 64: 20.0}})
+    rule = StopRule(16, frozenset([-1]))
+    batch = Batch(adapter, slow, learn_cost=True)
+    assert batch.sizing_cost is not slow and batch.host_seconds == 0.0
+    ar = build("ar", {}, info)
+    truths = [alone(adapter, ar, p, rule)[0] for p in prompts(seed=21, count=4)]
+    runs = [build("pld", {}, info).start(p, rule) for p in prompts(seed=21, count=4)]
+    tokens: list[list[int]] = [[] for _ in runs]
+    for run in runs:
+        batch.submit(run)
+    while not batch.idle:
+        batch.step()
+        for i, run in enumerate(runs):
+            tokens[i] += run.take()
+    assert tokens == truths
+    observed = batch.sizing_cost
+    assert isinstance(observed, ObservedCost) and observed.observations() >= 8  # a forward per step
+    assert observed.ratio(4) == ObservedCost.LOW  # tiny forwards take milliseconds, not seconds
+    assert batch.host_seconds > 0.0
+    batch.cost = CostModel({1: 0.01})  # a new calibration: a new correction over it
+    assert batch.sizing_cost.observations() == 0 and batch.host_seconds == 0.0
+    assert Batch(adapter, slow).sizing_cost is slow  # without learn_cost: the calibrated surface as is
+
+
 def test_generate_batch_equals_generate_in_input_order(tiny_model_dir, capsys):
     lm = triedec.load(tiny_model_dir)
     texts = ["Hello there", "one two three one two three one", "Tell me a story about the sea", "def quicksort(arr):",

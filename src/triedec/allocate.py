@@ -12,7 +12,10 @@ plus its accepted drafts. So the most tokens per second come from:
   most expected tokens per unit of marginal cost), each draft's nodes taken in its own order so
   that every request verifies a prefix of its draft, i.e. a tree;
 * cut where the expected tokens per second of the whole step, ``(requests + sum of chances) /
-  seconds(tokens, requests, context)``, is highest: nodes are added while they pay.
+  (seconds(tokens, requests, context) + host seconds)``, is highest: nodes are added while they
+  pay. The host seconds (the step's time outside the forward: drafting, accepting, committing,
+  measured by the engine) are paid whatever the cut, so they weigh each node's marginal forward
+  time against a longer step.
 
 At low load this is each drafter's own best tree (for one request it is exactly the old per-
 drafter rule); as requests pile up, the step's fixed cost is shared by more of them, a node's
@@ -22,25 +25,28 @@ decoding. There is no switch by batch size. Pure: numpy only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-from triedec.costmodel import CostModel
+from triedec.costmodel import ForwardCost
 from triedec.errors import TriedecError
 
 
-def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: CostModel | None, *,
+def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: ForwardCost | None, *,
              fixed_tokens: int = 0, items: int | None = None, context: int | None = None,
-             max_tokens: int | None = None) -> list[int]:
+             max_tokens: int | None = None, host_seconds: float = 0.0) -> list[int]:
     """How many leading nodes of each draft to verify (root included; at least ``required[i]``).
 
     ``chances[i]``: draft i's per-node chances (``chances[i][0]`` is its root), best first;
     ``fixed_tokens``: other tokens in the same forward (prompt chunks); ``items``: how many
     requests the forward carries in all (default: the drafts; prompt chunks count too);
     ``context``: the tokens in all their caches; ``max_tokens``: most tokens the forward may carry
-    (required nodes always go). ``cost`` None (a flat curve) takes every node with a positive
-    chance."""
+    (required nodes always go); ``host_seconds``: the step's time outside its forward. ``cost``
+    None (a flat curve) takes every node with a positive chance."""
+    if not (host_seconds >= 0 and math.isfinite(host_seconds)):
+        raise TriedecError(f"host_seconds must be a finite number >= 0, got {host_seconds!r}")
     if len(chances) != len(required):
         raise TriedecError("allocate needs one required count per draft")
     counts = [int(r) for r in required]
@@ -71,7 +77,7 @@ def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: 
         expected = len(chances) + sum(float(np.sum(c[1:r])) for r, c in zip(counts, chances, strict=True))
         gains = expected + np.concatenate([[0.0], np.cumsum(values[order])])
         tokens = base_tokens + np.arange(order.size + 1)
-        speed = gains / cost.seconds_many(tokens, max(1, forward_items), context)
+        speed = gains / (cost.seconds_many(tokens, max(1, forward_items), context) + host_seconds)
         take = int(np.argmax(speed))  # the first of equal speeds: fewer nodes
     for i in owners[order[:take]]:
         counts[int(i)] += 1

@@ -10,6 +10,10 @@ Measuring it needs a model, so it lives in :mod:`triedec.calibration`; the engin
 (:mod:`triedec.allocate`) and drafters receive the value (``None`` means "size as for a flat
 curve": every verified token free).
 
+A calibration is one machine state, measured once. :class:`ObservedCost` follows the machine as it
+runs: the engine hands it every forward's observed time, and it scales the calibrated surface by
+the moving average of observed / calibrated seconds where it has seen forwards of that shape.
+
 Imports nothing from triedec but :mod:`triedec.errors`.
 """
 
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -156,3 +160,76 @@ class CostModel:
                        data.get("batch_seconds", {}), data.get("context_seconds", 0.0))
         except (KeyError, TypeError, AttributeError) as exc:
             raise TriedecError(f"unreadable cost model: {exc!r}") from exc
+
+
+class ForwardCost(Protocol):
+    """What the allocator reads: estimated seconds of forwards (a :class:`CostModel`, or an
+    :class:`ObservedCost` over one)."""
+
+    def seconds_many(self, tokens: np.ndarray, requests: int = 1, context: int | None = None) -> np.ndarray: ...
+
+
+def _bucket(count: int) -> int:
+    """The power of two at or below ``count`` (>= 1): forwards of about the same shape share a cell."""
+    return 1 << (max(1, int(count)).bit_length() - 1)
+
+
+class ObservedCost:
+    """``base`` scaled by what forwards actually took on this machine since it was built.
+
+    :meth:`observe` records a forward's observed seconds against ``base``'s estimate for it; the
+    ratio goes into a moving average (weight ``weight`` per observation) for its cell (request
+    count and token count, each rounded down to a power of two), for its request count, and
+    overall. An estimate is ``base``'s times the ratio of the most specific of these with at
+    least ``min_observations`` observations (1 where there are none yet), clamped to
+    [:attr:`LOW`, :attr:`HIGH`]. So a surface measured while the machine was busy, or before it
+    got busier, is corrected by the first few forwards, and its shape where forwards of that
+    shape ran. Not thread-safe: one engine thread observes and reads it."""
+
+    LOW, HIGH = 0.1, 10.0
+
+    def __init__(self, base: CostModel, weight: float = 0.2, min_observations: int = 3) -> None:
+        if not 0 < weight <= 1:
+            raise TriedecError(f"weight must lie in (0, 1], got {weight!r}")
+        if isinstance(min_observations, bool) or not isinstance(min_observations, int) or min_observations < 1:
+            raise TriedecError(f"min_observations must be a positive integer, got {min_observations!r}")
+        self.base, self.weight, self.min_observations = base, weight, min_observations
+        self._ratios: dict[tuple[int, int] | int | None, tuple[float, int]] = {}  # key -> (average, count)
+
+    def observe(self, tokens: int, requests: int, context: int | None, seconds: float) -> None:
+        """A forward of ``tokens`` tokens for ``requests`` requests over ``context`` cached tokens
+        in all took ``seconds``."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        ratio = seconds / self.base.seconds(tokens, requests, context)
+        cell = (_bucket(requests), _bucket(tokens))
+        for key in (cell, cell[0], None):
+            average, count = self._ratios.get(key, (ratio, 0))
+            self._ratios[key] = (average + self.weight * (ratio - average) if count else ratio, count + 1)
+
+    def ratio(self, requests: int = 1, tokens: int | None = None) -> float:
+        """The correction applied to a forward of ``tokens`` tokens (None: any) for ``requests``
+        requests."""
+        keys: list[tuple[int, int] | int | None] = [_bucket(requests), None]
+        if tokens is not None:
+            keys.insert(0, (_bucket(requests), _bucket(tokens)))
+        for key in keys:
+            average, count = self._ratios.get(key, (1.0, 0))
+            if count >= self.min_observations:
+                return min(self.HIGH, max(self.LOW, average))
+        return 1.0
+
+    def seconds_many(self, tokens: np.ndarray, requests: int = 1, context: int | None = None) -> np.ndarray:
+        """:meth:`CostModel.seconds_many` times each forward's :meth:`ratio`."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        buckets = np.exp2(np.floor(np.log2(np.maximum(tokens, 1.0)))).astype(np.int64)
+        found, where = np.unique(buckets, return_inverse=True)
+        factors = np.array([self.ratio(requests, int(b)) for b in found])[where].reshape(tokens.shape)
+        return self.base.seconds_many(tokens, requests, context) * factors
+
+    def seconds(self, tokens: int, requests: int = 1, context: int | None = None) -> float:
+        return float(self.seconds_many(np.array([tokens]), requests, context)[0])
+
+    def observations(self) -> int:
+        """Forwards observed so far."""
+        return self._ratios.get(None, (1.0, 0))[1]

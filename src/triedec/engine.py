@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from triedec.accept import GREEDY, AcceptanceRule
 from triedec.adapter import ModelAdapter
 from triedec.allocate import allocate
-from triedec.costmodel import CostModel
+from triedec.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
 from triedec.outcome import DecodeStats, Outcome, Stats
@@ -209,15 +209,31 @@ class Batch:
     server tenant, running at once; None: no cap; a run whose group is full lets the ones behind it
     go first). Used by one thread at a time: the caller of :meth:`step` (``LM.stream``'s
     generator, ``generate_batch``, the server's scheduler thread). ``cost`` None sizes drafts as
-    for a flat curve (every node with a chance goes)."""
+    for a flat curve (every node with a chance goes).
+
+    ``learn_cost``: follow the machine as it runs. Drafts are sized under ``cost`` corrected by
+    every forward's observed time (:class:`~triedec.costmodel.ObservedCost`, rebuilt whenever
+    ``cost`` is replaced), with the step's host time (a moving average of its time outside the
+    forward: drafting, accepting, committing) charged to every step
+    (:func:`~triedec.allocate.allocate`'s ``host_seconds``). Tree sizes then depend on timing;
+    tokens never do. The server turns it on; a single ``generate`` keeps the calibrated sizes,
+    reproducible step for step."""
+
+    HOST_WEIGHT = 0.2
+    """weight of each step in the moving average of host seconds"""
 
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
-                 limits: BatchLimits | None = None, group_running: int | None = None) -> None:
+                 limits: BatchLimits | None = None, group_running: int | None = None,
+                 learn_cost: bool = False) -> None:
         if group_running is not None:
             positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
         self.limits = limits or BatchLimits()
         self.group_running = group_running
+        self.learn_cost = learn_cost
+        self._observed: ObservedCost | None = None
+        self.host_seconds = 0.0
+        """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
         self.waiting: deque[Run] = deque()
         self.running: list[Run] = []
         self._group: dict[Run, str] = {}  # every waiting or running run's group
@@ -294,13 +310,20 @@ class Batch:
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafts = [r.propose() for r in decoding]
-        counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.cost,
+        context = sum(r.context_tokens for r in (*chunks, *decoding))
+        counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
-                          context=sum(r.context_tokens for r in (*chunks, *decoding)),
-                          max_tokens=self.limits.max_tokens_per_forward)
+                          context=context, max_tokens=self.limits.max_tokens_per_forward,
+                          host_seconds=self.host_seconds)
         items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
+        forward_seconds = 0.0
         if items:
+            forward_started = time.perf_counter()
             logits = self.adapter.forward_batch(items)
+            if self._observed is not None:
+                self.adapter.synchronize()
+                forward_seconds = time.perf_counter() - forward_started
+                self._observed.observe(sum(i.size for i in items), len(items), context, forward_seconds)
             for r, rows in zip(chunks, logits, strict=False):
                 r.prefilled(rows)
             for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
@@ -314,9 +337,23 @@ class Batch:
             self._retire(run, "")
         if self.idle or self._finished_since_persist >= self.limits.persist_every:
             self.persist()
+        seconds = time.perf_counter() - started
+        if self._observed is not None and decoding:
+            self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
         return StepReport(tuple(finished), len(items), sum(i.size for i in items),
                           sum(i.size for i in items[: len(chunks)]), sum(counts) - len(counts),
-                          sum(d.size - 1 for d in drafts), time.perf_counter() - started)
+                          sum(d.size - 1 for d in drafts), seconds)
+
+    @property
+    def sizing_cost(self) -> ForwardCost | None:
+        """What drafts are sized under: ``cost``, or (``learn_cost``) ``cost`` corrected by the
+        forwards observed since it was set."""
+        if not self.learn_cost or self.cost is None:
+            self._observed = None
+            return self.cost
+        if self._observed is None or self._observed.base is not self.cost:
+            self._observed, self.host_seconds = ObservedCost(self.cost), 0.0
+        return self._observed
 
     def _retire(self, run: Run, reason: str) -> None:
         """``run`` has left :attr:`running`: close it and count it out."""

@@ -171,7 +171,8 @@ class Scheduler:
         self._quiet_needed = remeasure_after  # grows after each attempt that found the machine busy again
         self.limits, self.max_queue = limits, max_queue
         self.tenants = tenants or TenantLimits()
-        self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running)
+        self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running,
+                           learn_cost=True)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
