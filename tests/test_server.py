@@ -383,6 +383,48 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_learned_state(tmp_pat
             proc.kill()
 
 
+def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
+    """A run that raises as it starts fails its step: it and the runs that stepped get an error
+    event (never a hang), the run waiting behind its tenant's cap is untouched and runs next."""
+    import asyncio
+
+    from triedec.engine import BatchLimits, SoloRun
+    from triedec.outcome import Outcome, Stats
+    from triedec.server import Job, Scheduler, TenantLimits
+
+    def finite(steps_left: int) -> SoloRun:
+        def loop(adapter, steps):
+            for _ in range(steps_left):
+                yield [1]
+            return Outcome(Stats(new_tokens=steps_left))
+
+        return SoloRun(loop, kv_tokens=1)
+
+    class Broken(SoloRun):
+        def start(self, adapter):
+            raise RuntimeError("a bug while starting")
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        scheduler = Scheduler(lm, BatchLimits(max_running=4), max_queue=4, tenants=TenantLimits(max_running=1))
+        first, behind = Job(finite(50), loop, tenant="t"), Job(finite(2), loop, tenant="t")
+        broken = Job(Broken(lambda adapter, steps: iter(()), kv_tokens=1), loop, tenant="u")
+        for job in (first, behind, broken):
+            scheduler.submit(job)
+        events = {}
+        for name, job in (("first", first), ("broken", broken), ("behind", behind)):
+            while (event := await asyncio.wait_for(job.next(), 60))[0] == "tokens":  # never a hang
+                pass
+            events[name] = event
+        await asyncio.to_thread(scheduler.close)
+        return events
+
+    events = asyncio.run(scenario())
+    assert events["broken"][0] == "error" and "a bug while starting" in str(events["broken"][1])
+    assert events["first"][0] == "error"
+    assert events["behind"][0] == "done" and events["behind"][1].stats.new_tokens == 2
+
+
 def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_close(lm):
     """A request whose client left is closed at the scheduler's next step boundary (its loop's
     finally runs: the drafting session ends); close() cancels whatever still runs."""

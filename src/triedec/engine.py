@@ -291,7 +291,12 @@ class Batch:
                 break
             self.waiting.remove(run)
             reserved += self.kv_bytes(run)
-            run.start(self.adapter)
+            try:
+                run.start(self.adapter)
+            except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
+                del self._group[run]
+                run.close("cancelled")
+                raise
             self.running.append(run)
             self._running_in[group] += 1
 

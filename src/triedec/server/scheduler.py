@@ -393,7 +393,8 @@ class Scheduler:
             report = batch.step()
         except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
             log.exception("a decoding step failed")
-            for job in [self._jobs[run] for run in list(batch.running)]:
+            waiting = set(batch.waiting)  # the others ran in the step, or were being started when it failed
+            for job in [job for run, job in self._jobs.items() if run not in waiting]:
                 self._drop(job, "cancelled")
                 self._finish(job, "error", exc)
             return
