@@ -370,7 +370,7 @@ def test_a_response_the_client_never_takes_is_given_up_after_send_seconds():
 
 def test_the_event_channel_is_bounded_and_never_blocks_the_scheduler():
     """Tokens emitted while nobody reads coalesce into one pending list and one wake-up."""
-    from triedec.server.scheduler import Job
+    from triedec.server.jobs import Job
 
     async def scenario():
         loop = asyncio.get_running_loop()

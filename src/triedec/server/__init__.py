@@ -69,7 +69,8 @@ require_extra("server", "triedec.server")  # a clear error, not a ModuleNotFound
 from triedec.server.app import create_app, serve
 from triedec.server.auth import ApiKeys
 from triedec.server.config import ServerConfig
-from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy, TenantLimits
+from triedec.server.jobs import Job
+from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy, TenantLimits
 from triedec.server.tenancy import Tenancy
 from triedec.text import TextStream
 

@@ -29,8 +29,9 @@ from triedec.methods import methods
 from triedec.outcome import Outcome
 from triedec.sampling import SAMPLING_FIELDS, Sampling
 from triedec.server.config import ServerConfig
+from triedec.server.jobs import Job
 from triedec.server.metrics import Metrics
-from triedec.server.scheduler import Job, QueueFull, Scheduler, TenantBusy
+from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
 from triedec.server.schemas import (
     Generation,
     Shape,
