@@ -36,8 +36,9 @@ from triedec.drafters import BaseDrafter, BaseSession, Draft
 from triedec.engine import Batch, BatchLimits, run_alone
 from triedec.errors import TriedecError
 from triedec.kernels import packing_available
+from triedec.limits import PREFILL_CHUNK
 from triedec.methods import method
-from triedec.request import PREFILL_CHUNK, Request, StopRule
+from triedec.request import Request, StopRule
 from triedec.sampling import Sampling
 from triedec.tree import TokenTree
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -336,8 +337,8 @@ def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypa
     assert results["methods"] == ["ngram-trie:sized=false"]  # not overwritten by the generate_batch sides
     assert sorted((r["method"], r["concurrency"]) for r in results["phases"]) == [
         ("ngram-trie:sized=false", 1), ("ngram-trie:sized=false", 2)]
-    assert sorted(map(tuple, results["phase_order"])) == sorted((r["method"], r["concurrency"]) for r in
-                                                               results["phases"])
+    assert sorted(map(tuple, results["phase_order"])) == sorted((r["method"], r["concurrency"], r["repeat"])
+                                                               for r in results["phases"])
     for r in results["phases"]:
         assert r["identical_texts"] == 4 and r["tokens_per_s"] > 0 and r["p95_latency_s"] >= r["p50_latency_s"] > 0
         assert len(r["completion_tokens_each"]) == 4 and sum(r["completion_tokens_each"]) == r["completion_tokens"]
@@ -346,6 +347,63 @@ def test_serving_benchmark_end_to_end(tmp_path, tiny_model_dir, capsys, monkeypa
     assert (out / "serving.png").stat().st_size > 0
     assert "through the server, one at a time" in (out / "results.md").read_text()
     assert "serve under load" in capsys.readouterr().out
+
+
+def test_serving_benchmark_repeats_sampled_phases_and_pairs_them(tmp_path, tiny_model_dir, monkeypatch):
+    """Sampled and repeated: every phase twice, each on a fresh server, in one seeded order; request
+    k seeded seed + k, so every served text equals its in-process solo text; the prompts' ids, the
+    solo outputs and the sampling are recorded; the ratio to ar carries an interval over repeats."""
+    monkeypatch.setenv("TRIEDEC_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p, "category": "chat", "id": f"q{i}"}) for i, p in
+                              enumerate(["Hello there", "Tell me a story", "one two three one two"])))
+    out = tmp_path / "serving"
+    assert main(["bench", "--serving", "--model", str(tiny_model_dir), "--dataset", str(data), "--methods",
+                 "ngram-trie:sized=false,ar", "--concurrency", "2", "--repeats", "2", "--temperature", "0.9",
+                 "--seed", "5", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["repeats"] == 2 and results["sampling"]["temperature"] == 0.9 and results["sampling"]["seed"] == 5
+    assert len(results["prompt_ids"]) == 3 and results["generate_batch"] == []  # a greedy comparison: skipped
+    assert sorted((r["method"], r["repeat"]) for r in results["phases"]) == [
+        ("ar", 0), ("ar", 1), ("ngram-trie:sized=false", 0), ("ngram-trie:sized=false", 1)]
+    assert len(results["phase_order"]) == 4
+    for r in results["phases"]:
+        assert r["identical_texts"] == 3 and r["differing_texts"] == []
+    assert results["solo_outputs"]["ar"]["texts"] == results["solo_outputs"]["ngram-trie:sized=false"]["texts"]
+    md = (out / "results.md").read_text()
+    assert "sampled (temperature 0.9; request k seeded 5 + k)" in md and "2 repeat(s)" in md
+    (row,) = [line for line in md.splitlines() if line.startswith("| 2 | ")]
+    assert re.fullmatch(r"\| 2 \| \d+\.\d\dx \[\d+\.\d\d, \d+\.\d\d\] \|", row)
+
+
+def test_repeat_intervals_pair_phases_by_repeat():
+    from triedec.bench.serving_report import paired_ratio, phase_runs, serving_markdown
+    from triedec.bench.stats import repeat_interval, t_quantile
+
+    assert t_quantile(2) == 4.303 and abs(t_quantile(11) - 2.201) < 1e-3 and abs(t_quantile(60) - 2.000) < 1e-3
+    assert repeat_interval([1.2]) is None
+    low, high = repeat_interval([1.1, 1.2, 1.3])
+    assert low < 1.1 and high > 1.3  # three repeats: t = 4.30, wider than their range
+    assert repeat_interval([1.2, 1.2, 1.2]) == pytest.approx((1.2, 1.2))
+
+    def phase(method, c, tps, repeat):
+        return {"method": method, "concurrency": c, "tokens_per_s": tps, "p50_latency_s": 1.0 + repeat,
+                "p95_latency_s": 2.0, "identical_texts": 4, "requests": 4, "repeat": repeat}
+
+    phases = [phase("auto", 1, t, i) for i, t in enumerate((20.0, 24.0, 22.0))]
+    phases += [phase("ar", 1, t, i) for i, t in enumerate((10.0, 20.0, 11.0))]
+    runs = phase_runs({"phases": phases[::-1]})
+    assert [r["repeat"] for r in runs["auto", 1]] == [0, 1, 2]
+    point, ci, pairs = paired_ratio(runs, "auto", "ar", 1)
+    assert pairs == 3 and point == pytest.approx((2.0 * 1.2 * 2.0) ** (1 / 3))  # paired by repeat, not sorted
+    assert ci == repeat_interval([2.0, 1.2, 2.0])
+    results = {"requests": 4, "max_tokens": 8, "kernels": "plain", "commit": "abc", "repeats": 3,
+               "machine": {"cpu": "x", "torch_threads": 2, "torch": "2", "transformers": "5"},
+               "phase_order": [[p["method"], 1, p["repeat"]] for p in phases], "methods": ["auto", "ar"],
+               "phases": phases, "in_process_tokens_per_s": {"auto": 25.0, "ar": 11.0}, "generate_batch": []}
+    md = serving_markdown(results)
+    assert "| auto | 1 | 22.0 (20.0-24.0) | 1.00x | 2.00 | 2.00 | 12/12 |" in md
+    assert f"| 1 | {point:.2f}x [{ci[0]:.2f}, {ci[1]:.2f}] |" in md and "greedy" in md
 
 
 def test_serving_tables_compare_each_method_with_ar():

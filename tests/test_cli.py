@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from triedec.cli import build_parser, main
+from triedec.cli import main
+from triedec.flags import build_parser
 
 
 def run_cli(capsys, *argv, stdin=None, monkeypatch=None):
@@ -277,6 +278,49 @@ def test_the_top_level_help_imports_no_torch_and_lists_every_command():
         return [(c.dest, c.help) for c in sub._choices_actions]
 
     assert commands(build_parser(())) == commands(build_parser())
+
+
+def test_every_commands_help_imports_no_torch():
+    """`triedec COMMAND --help` is generated from torch-free declarations (method options are read
+    generically, the server's settings need neither its app nor the model): well under a second."""
+    import subprocess
+
+    from triedec.flags import COMMANDS
+
+    code = ("import sys\nfrom triedec.cli import main\n"
+            f"for command in {sorted(COMMANDS)!r}:\n"
+            "    try:\n        main([command, '--help'])\n"
+            "    except SystemExit as done:\n        assert done.code == 0\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy', 'fastapi') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert done.stdout.count("--METHOD-OPTION VALUE") == 3  # generate, bench, serve
+    assert "--max-kv-mib" in done.stdout and "--tenant-max-running" in done.stdout  # serve's generated flags
+
+
+def test_method_options_are_read_from_the_flags_a_command_does_not_declare():
+    from triedec.flags import given_options, method_options, parse_command_line
+
+    args = parse_command_line(["generate", "--method", "pld", "--pld-max-ngram", "5", "--max-new", "8", "hello"])
+    assert args.prompt == "hello" and args.max_new_tokens == 8  # the option's value is not the prompt
+    assert args.method_flags == [("--pld-max-ngram", "5")] and method_options(args, "pld") == {"max_ngram": 5}
+    args = parse_command_line(["generate", "--pld-max-ngram=4", "--num-beams", "3", "--beam-num-beams", "2",
+                               "--num-beams", "5", "--", "--pld-max-ngram"])
+    assert args.prompt == "--pld-max-ngram"  # after --, a token is the prompt
+    assert given_options(args) == {"pld": {"max_ngram": "4"}, "beam": {"num_beams": "5"}}  # the last one wins
+    with pytest.raises(SystemExit) as exited:
+        parse_command_line(["generate", "hello", "--pld-max-ngram"])
+    assert exited.value.code == 2
+    with pytest.raises(SystemExit):  # a command without method options refuses what it does not declare
+        parse_command_line(["calibrate", "--pld-max-ngram", "5"])
+
+
+def test_a_flag_that_is_no_method_option_is_refused_before_the_model_loads(capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", "/no/such/model", "--bogus-flag", "1", "hi")
+    assert code == 2 and "unrecognized argument --bogus-flag" in err and "triedec methods" in err
+    code, _, err = run_cli(capsys, "generate", "--model", "/no/such/model", "--method", "ar", "--pld-max-ngram", "5",
+                           "hi")
+    assert code == 2 and "--pld-max-ngram is an option of method 'pld', not 'ar'" in err
 
 
 BLOCK = "import sys\nfor m in {mods!r}:\n    sys.modules[m] = None  # as if not installed\n"

@@ -33,8 +33,9 @@ from triedec.drafters.registry import BEAM_SEARCH, register
 from triedec.engine import SoloRun
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
+from triedec.limits import PREFILL_CHUNK
 from triedec.outcome import Outcome, Stats
-from triedec.request import PREFILL_CHUNK, StopRule, prompt_chunk
+from triedec.request import StopRule, prompt_chunk
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 from triedec.trace import MODEL, StepTrace
 from triedec.tree import TokenTree
@@ -166,7 +167,7 @@ def check_request(prompt: Sequence[int], stop: StopRule, documents: Sequence[Seq
 
 
 def _prefill(adapter: ModelAdapter, cache: KVCache, prompt: list[int]) -> Generator[list[int], None, torch.Tensor]:
-    """The prompt into the empty ``cache`` in chunks of :data:`~triedec.request.PREFILL_CHUNK`
+    """The prompt into the empty ``cache`` in chunks of :data:`~triedec.limits.PREFILL_CHUNK`
     tokens at fixed offsets, one chunk per step (it yields nothing between chunks), so that a long
     prompt holds the engine no longer than one chunk's forward at a time, as a request's prefill
     does; returns the last token's logits ``[1, vocab]``. The chunks are committed."""

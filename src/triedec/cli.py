@@ -18,12 +18,12 @@ from typing import Any
 from triedec.errors import TriedecError, require_extra
 from triedec.flags import (
     ModelSpec,
-    build_parser,
     given_options,
     load_model,
     method_options,
     model_label,
     option_flags,
+    parse_command_line,
     sampling_of,
 )
 from triedec.serve_config import server_config
@@ -239,8 +239,8 @@ def server_setups(given: Sequence[str] | None) -> tuple[tuple[str, tuple[str, ..
         if bad:
             raise TriedecError(f"--server-setup may not set {', '.join(bad)}: the benchmark sets them")
         try:
-            build_parser().parse_args(["serve", *split])
-        except SystemExit as exc:
+            given_options(parse_command_line(["serve", *split]))
+        except (SystemExit, TriedecError) as exc:
             raise TriedecError(f"--server-setup {name.strip()!r}: bad flags {flags!r}") from exc
         setups.append((name.strip(), split))
     return tuple(setups)
@@ -249,18 +249,18 @@ def server_setups(given: Sequence[str] | None) -> tuple[tuple[str, tuple[str, ..
 def cmd_serving(args: argparse.Namespace) -> int:
     from triedec.bench.datasets import DATASETS, load_questions, select, split
     from triedec.bench.report import machine_info, source_commit
-    from triedec.bench.serving import ServingConfig, parse_counts, run_serving
+    from triedec.bench.serving import Entry, ServingConfig, parse_counts, run_serving
     from triedec.bench.serving_report import serving_markdown, serving_plot
-
-    if not sampling_of(args).plain:
-        raise TriedecError("the serving benchmark is greedy: run it without --temperature and --repetition-penalty")
-    from triedec.bench.serving import Entry
 
     methods = [m.strip() for m in (args.methods or "auto,ar").split(",") if m.strip()]
     for m in methods:
         Entry.parse(m)  # an unknown name or option fails before the model loads
     sizes = () if args.batch_sizes.strip().lower() == "none" else parse_counts(args.batch_sizes, "--batch-sizes")
+    sampling = sampling_of(args)
+    if not sampling.greedy and sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=0)  # request k: seed k, as the benchmark's prompt k
     config = ServingConfig(parse_counts(args.concurrency, "--concurrency"), args.max_new_tokens, sizes,
+                           seed=args.order_seed, repeats=args.repeats, sampling=sampling,
                            setups=server_setups(args.server_setup))
     categories = args.categories.split(",") if args.categories else None
     if args.split is not None and args.dataset not in DATASETS:
@@ -337,15 +337,12 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
 def main(argv: Sequence[str] | None = None, *, extra_runners: Mapping[str, Any] | None = None) -> int:
     """Entry point. ``extra_runners`` lets tests add benchmark-only methods."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # only the command named gets its flags built; with none, the top level alone answers (--help,
-    # --version, the missing-command error) without importing torch and transformers
-    named = next((a for a in argv if not a.startswith("-")), None)
     try:
-        parser = build_parser(() if named is None else (named,))
-    except TriedecError as exc:  # the command's extra is missing
+        args = parse_command_line(argv)  # --help exits here, before torch is imported
+        given_options(args)  # an unknown flag is refused before any model loads
+    except TriedecError as exc:  # the command's extra is missing, or a flag names no method option
         print(f"triedec: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="triedec: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per HTTP call (bench --serving)
     try:

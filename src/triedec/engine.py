@@ -37,44 +37,13 @@ from triedec.allocate import allocate
 from triedec.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
+from triedec.limits import BatchLimits
 from triedec.outcome import DecodeStats, Outcome, Stats
-from triedec.request import PREFILL_CHUNK, Request, StopRule
-from triedec.settings import MIB, setting
+from triedec.request import Request, StopRule
 from triedec.trace import StepTrace
 
 __all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "SoloRun", "Stats",
            "StopRule", "run_alone", "speculative_decode"]
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """What one batch may hold and one forward may carry.
-
-    * ``max_running``: requests decoded together (more wait for a slot);
-    * ``max_tokens_per_forward``: tokens one forward carries at most: prompt chunks and optional
-      draft nodes stop there (every running request's root and required nodes always go);
-    * ``max_prefill_tokens``: prompt tokens per forward, in whole chunks of
-      :data:`~triedec.request.PREFILL_CHUNK` (at least one chunk, so a prompt always progresses);
-    * ``max_kv_bytes``: KV memory the running requests may reserve (None: no cap); a request that
-      would not fit waits, one that could never fit is refused;
-    * ``persist_every``: finished requests between two writes of learned-state files.
-    """
-
-    max_running: int = setting(16, help="requests decoded together, one forward per step for all")
-    max_tokens_per_forward: int = setting(512, help="tokens one forward carries at most: draft nodes and prompt "
-                                                    "chunks")
-    max_prefill_tokens: int = setting(2 * PREFILL_CHUNK, help=f"prompt tokens per forward beside the running "
-                                                              f"requests, in {PREFILL_CHUNK}-token chunks")
-    max_kv_bytes: int | None = setting(None, flag="--max-kv-mib", scale=MIB, unit="MiB", none="no cap",
-                                       help="KV cache memory the running requests may reserve, MiB")
-    persist_every: int = setting(16, help="finished requests between writes of learned-state files; they are also "
-                                          "written when idle and at shutdown")
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "max_tokens_per_forward", "max_prefill_tokens", "persist_every"):
-            positive_int(name, getattr(self, name))
-        if self.max_kv_bytes is not None:
-            positive_int("max_kv_bytes", self.max_kv_bytes)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,27 +39,107 @@ def option_flags(method_name: str, options: type, option: str) -> list[str]:
     return [f"--{method_name}-{option.replace('_', '-')}", *([aliases[option]] if option in aliases else [])]
 
 
+METHOD_OPTIONS_HELP = (
+    "--METHOD-OPTION VALUE sets an option of the method --method names, for example --pld-max-ngram 4 or "
+    "--recycling-nodes 40 (beam's --num-beams and lookahead's --verify are short aliases); `triedec methods` lists "
+    "every method's options with their defaults and maxima. An option of another method is refused.")
+
+
 def _add_method_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per method option (text, read by the method's option parser once the method is known)."""
+    """Mark ``parser``'s command as taking method options: every flag it does not declare is kept
+    as a method option's text (:func:`parse_command_line`) and read against the method registry
+    when the command runs (:func:`given_options`). Declared generically, so that ``--help`` needs
+    no registry (which imports torch)."""
+    parser.add_argument_group("method options (see `triedec methods`)", METHOD_OPTIONS_HELP)
+    parser.set_defaults(method_flags=())
+
+
+def takes_method_options(command: argparse.ArgumentParser) -> bool:
+    return command.get_default("method_flags") is not None
+
+
+def split_method_flags(command: argparse.ArgumentParser,
+                       tokens: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """``tokens`` (a command's arguments) split into those ``command`` declares and the method
+    options' ``(flag, text)`` pairs in the order given: a ``--flag`` the command does not declare
+    (nor abbreviates), with its value (``--flag=VALUE`` or the next token). ``--`` ends the flags."""
+    known = [s for action in command._actions for s in action.option_strings if s.startswith("--")]
+    kept: list[str] = []
+    flags: list[tuple[str, str]] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            kept += tokens[i:]
+            break
+        name, has_value, value = token.partition("=")
+        if not name.startswith("--") or any(k.startswith(name) for k in known):
+            kept.append(token)
+        else:
+            if not has_value:
+                if i + 1 == len(tokens):
+                    command.error(f"argument {name}: expected one argument (a method option takes a value)")
+                i += 1
+                value = tokens[i]
+            flags.append((name, value))
+        i += 1
+    return kept, flags
+
+
+def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
+    """A ``triedec`` command line, parsed. Only the named command's flags are built (with none, the
+    top level alone answers ``--help``, ``--version`` and the missing-command error), and a command's
+    ``--help`` imports neither torch nor transformers. A command that takes method options keeps the
+    flags it does not declare in ``args.method_flags`` (``(flag, text)`` pairs, :func:`given_options`
+    reads them); argparse's own errors exit with status 2, as always."""
+    argv = list(argv)
+    named = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(() if named is None else (named,))
+    if named not in COMMANDS:
+        return parser.parse_args(argv)
+    at = argv.index(named) + 1
+    command = command_parser(parser, named)
+    if not takes_method_options(command):
+        return parser.parse_args(argv)
+    kept, flags = split_method_flags(command, argv[at:])
+    args = parser.parse_args([*argv[:at], *kept])
+    args.method_flags = flags
+    return args
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The sub-parser of command ``name`` in the ``triedec`` parser."""
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def option_table() -> dict[str, tuple[str, str]]:
+    """Every method option's flags (``--METHOD-OPTION`` and its alias) -> (method, option)."""
     from triedec.methods import methods
 
-    group = parser.add_argument_group("method options (see `triedec methods`)")
+    table: dict[str, tuple[str, str]] = {}
     for name, found in methods().items():
-        maxima = found.spec.maxima()
         for field in dataclasses.fields(found.spec.options):
-            bound = f", at most {maxima[field.name]}" if field.name in maxima else ""
-            group.add_argument(*option_flags(name, found.spec.options, field.name), dest=f"opt:{name}:{field.name}",
-                               default=None, metavar="VALUE",
-                               help=f"{name}: {field.name} (default {field.default}{bound})")
+            for flag in option_flags(name, found.spec.options, field.name):
+                table[flag] = (name, field.name)
+    return table
 
 
 def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """The method-option flags given, as text: ``{method: {option: text}}``."""
+    """The method-option flags given, as text: ``{method: {option: text}}``; a flag that names no
+    method option is refused (:class:`~triedec.errors.TriedecError`); the last of two flags for one
+    option wins, as with any flag."""
+    flags: Sequence[tuple[str, str]] = getattr(args, "method_flags", None) or ()
+    if not flags:
+        return {}
+    table = option_table()
     given: dict[str, dict[str, str]] = {}
-    for key, value in vars(args).items():
-        if key.startswith("opt:") and value is not None:
-            _, owner, option = key.split(":")
-            given.setdefault(owner, {})[option] = value
+    for flag, text in flags:
+        if flag not in table:
+            raise TriedecError(f"unrecognized argument {flag}: neither a flag of `triedec {args.command}` nor a "
+                               "method option (`triedec methods` lists those)")
+        owner, option = table[flag]
+        given.setdefault(owner, {})[option] = text
     return given
 
 
@@ -76,7 +156,7 @@ def method_options(args: argparse.Namespace, method_name: str) -> dict[str, obje
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    from triedec.precision import GROUP_SIZE, WEIGHTS
+    from triedec.params import GROUP_SIZE, WEIGHTS
 
     parser.add_argument(
         "--model", default=None,
@@ -104,7 +184,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    from triedec.sampling import Sampling  # its defaults are the flags' defaults
+    from triedec.params import Sampling  # its defaults are the flags' defaults
 
     group = parser.add_argument_group("sampling (transformers' names; greedy by default)")
     group.add_argument("--temperature", type=float, default=Sampling.temperature,
@@ -124,7 +204,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def sampling_of(args: argparse.Namespace) -> Any:
     """The sampling flags as a validated :class:`~triedec.sampling.Sampling`."""
-    from triedec.sampling import SAMPLING_FIELDS, Sampling
+    from triedec.params import SAMPLING_FIELDS, Sampling
 
     return Sampling(**{name: getattr(args, name) for name in SAMPLING_FIELDS})
 
@@ -213,9 +293,9 @@ def model_label(args: argparse.Namespace) -> str:
 def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The ``triedec`` parser: every command with its flags (``commands`` None), or only the
     named ``commands`` with theirs and the others as stubs. ``build_parser(())`` is the top level
-    alone: enough for ``triedec --help`` and ``--version``, and it imports neither torch nor
-    transformers (the method-option flags need the method registry, which does; ``serve``'s need
-    the server extra)."""
+    alone: enough for ``triedec --help`` and ``--version``. Building a command's flags imports
+    neither torch nor transformers (``serve``'s need the server extra installed, not imported).
+    Method options are read by :func:`parse_command_line`, not declared here."""
     from importlib import metadata
 
     parser = argparse.ArgumentParser(
@@ -239,8 +319,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 
 
 def _generate_flags(gen: argparse.ArgumentParser) -> None:
-    from triedec.generation import MAX_NEW_TOKENS
-
+    from triedec.params import MAX_NEW_TOKENS
 
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
     gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
@@ -273,7 +352,7 @@ def _calibrate_flags(cal: argparse.ArgumentParser) -> None:
 
 
 def _bench_flags(bench: argparse.ArgumentParser) -> None:
-    from triedec.generation import MAX_NEW_TOKENS
+    from triedec.params import MAX_NEW_TOKENS
 
     bench.add_argument("--methods", default=None,
                        help="comma-separated: hf-greedy (hf-sample with --temperature > 0), hf-pld, or triedec "
@@ -298,8 +377,10 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
                             "server, reset between repeats")
     bench.add_argument("--repeats", type=int, default=1,
                        help="timed runs per prompt and method, each in a fresh random order; the median is "
-                            "reported (default 1; 3 for published runs)")
-    bench.add_argument("--order-seed", type=int, default=0, help="seed of the per-prompt method orders (default 0)")
+                            "reported (default 1; 3 for published runs); serving mode: runs of every phase, each "
+                            "on a fresh server, with paired intervals over them")
+    bench.add_argument("--order-seed", type=int, default=0,
+                       help="seed of the per-prompt method orders; serving mode: of the phases' order (default 0)")
     bench.add_argument("--warmup", type=int, default=1,
                        help="warm-up prompts (outside the sample) every method runs first, untimed (default 1)")
     bench.add_argument("--out", default="bench-results", help="output directory (default %(default)s)")
@@ -341,7 +422,7 @@ def _serve_flags(srv: argparse.ArgumentParser) -> None:
 
     require_extra("server", "triedec serve")
     from triedec.decoders import DecoderLimits
-    from triedec.engine import BatchLimits
+    from triedec.limits import BatchLimits
     from triedec.server.config import SERVER_LIMITS, ServerConfig
     from triedec.settings import add_flags
 

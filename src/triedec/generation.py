@@ -21,14 +21,8 @@ from typing import Any
 
 from triedec.errors import TriedecError, positive_int
 from triedec.methods import method as find_method
+from triedec.params import DEFAULT_METHOD, MAX_NEW_TOKENS
 from triedec.sampling import Sampling
-
-MAX_NEW_TOKENS = 256
-"""The default number of new tokens a request may generate, everywhere: the Python API, the CLI,
-the benchmark and the server (its ``--max-tokens``)."""
-
-DEFAULT_METHOD = "auto"
-"""The method a request uses when it names none."""
 
 Prompt = str | Sequence[Mapping[str, str]] | Sequence[int]
 """A string, a list of chat messages (``{"role": ..., "content": ...}``), or token ids."""

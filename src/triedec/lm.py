@@ -55,7 +55,7 @@ class LM:
     drafter state (Token Recycling's matrix, agreement rates, auto's store) stays warm across
     requests; all per-request state lives in the request that :meth:`start` returns (and that
     :meth:`stream` decodes), so overlapping streams (threads, a server) do not disturb each other.
-    ``limits`` bound the engine's batches (:class:`~triedec.engine.BatchLimits`).
+    ``limits`` bound the engine's batches (:class:`~triedec.limits.BatchLimits`).
     """
 
     def __init__(self, model: Any, tokenizer: Any, cache_dir: str | os.PathLike[str] | None = None,

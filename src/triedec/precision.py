@@ -33,11 +33,8 @@ from torch import nn
 
 from triedec.errors import TriedecError
 from triedec.kernels import LinearStandIn
+from triedec.params import GROUP_SIZE, WEIGHTS
 
-WEIGHTS = ("float", "int8", "int4")
-"""The weight modes: in the activation dtype, int8 per output row, int4 in groups."""
-GROUP_SIZE = 32
-"""Input features per int4 group (the group size of GGUF's Q4_0 and Q4_1 blocks)."""
 QUANTIZED_DTYPE = torch.bfloat16
 """The activation dtype quantized weights run with."""
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

@@ -6,7 +6,7 @@ acceptance rule, its counters. It keeps one invariant: the KV cache holds every 
 except the newest one, which is the root of the next draft tree. The engine
 (:mod:`triedec.engine`) drives it through
 
-* **prefill**, in chunks of :data:`PREFILL_CHUNK` tokens (:meth:`Request.prefill_item`,
+* **prefill**, in chunks of :data:`~triedec.limits.PREFILL_CHUNK` tokens (:meth:`Request.prefill_item`,
   :meth:`Request.prefilled`): the last chunk's logits give the first token;
 * **propose** (:meth:`Request.propose`): the drafter session's :class:`~triedec.drafters.Draft`,
   cut to what the stop rule still allows;
@@ -16,7 +16,7 @@ except the newest one, which is the root of the next draft tree. The engine
   drafter observes what was verified, the stop rule cuts (even inside an accepted draft) and the
   cache keeps the accepted path.
 
-Chunk boundaries are fixed multiples of :data:`PREFILL_CHUNK` within the prompt and a request's
+Chunk boundaries are fixed multiples of :data:`~triedec.limits.PREFILL_CHUNK` within the prompt and a request's
 tree never depends on where it sits in a forward, so a request's arithmetic is the same whatever
 else runs beside it (see :mod:`triedec.adapter` on batch invariance).
 """
@@ -34,14 +34,10 @@ from triedec.adapter import ForwardItem, ModelAdapter
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
+from triedec.limits import PREFILL_CHUNK
 from triedec.outcome import DecodeStats, Outcome
 from triedec.trace import MODEL, StepTrace, origin_of
 from triedec.tree import TokenTree
-
-PREFILL_CHUNK = 128
-"""Prompt tokens per prefill forward: long prompts are prefilled in chunks beside other requests'
-decoding steps (a 128-token chunk costs about what a whole prompt's share does here, ~0.3 s on the
-2-core CPU measured), at fixed offsets so that a prompt's arithmetic never depends on the load."""
 
 
 def prompt_chunk(cache: KVCache, prompt: Sequence[int], start: int, stop: int, keep: int) -> ForwardItem:

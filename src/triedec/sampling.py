@@ -1,9 +1,10 @@
 """Sampling parameters, the processing of one next-token distribution, and position-keyed draws.
 
-Pure core: imports only :mod:`triedec.errors`, torch and numpy.
+Pure core: imports only :mod:`triedec.params`, torch and numpy.
 
 * :class:`Sampling` -- ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and
-  ``seed``, with transformers' names and meanings, validated on construction. ``temperature=0``
+  ``seed``, with transformers' names and meanings, validated on construction (declared in
+  :mod:`triedec.params`, which needs no torch; re-exported here). ``temperature=0``
   (the default) is greedy decoding.
 * :func:`process` -- one row of logits processed as transformers' ``generate(do_sample=True)``
   processes it, in its order: repetition penalty (over the tokens of the row's own prefix, prompt
@@ -21,89 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
 
-from triedec.errors import TriedecError
+from triedec.params import GREEDY_SAMPLING, MAX_SEED, PENALTY_RANGE, SAMPLING_FIELDS, Sampling
 
-MAX_SEED = 2**64
-"""Seeds are integers in ``[0, MAX_SEED)``."""
-PENALTY_RANGE = (1e-6, 1e6)
-"""The repetition penalties accepted: beyond them a float32 logit divided (or multiplied) by the
-penalty overflows to infinity, and a distribution with infinite logits is no distribution."""
+__all__ = ["GREEDY_SAMPLING", "MAX_SEED", "PENALTY_RANGE", "SAMPLING_FIELDS", "Sampling", "draw", "process",
+           "seen_tokens", "uniform"]
 
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TriedecError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How each next token is chosen. The defaults are greedy decoding.
-
-    * ``temperature`` >= 0: 0 = greedy (the argmax after the repetition penalty); > 0 = sampling;
-      a temperature so small that ``logits / temperature`` overflows float32 (below ~1e-37) is the
-      limit of sampling as it goes to 0: greedy's token (:func:`process`);
-    * ``top_k`` >= 0: keep the k most likely tokens (ties at the k-th kept); 0 = off;
-    * ``top_p`` in (0, 1]: keep the most likely tokens whose mass reaches top_p; 1 = off;
-    * ``min_p`` in [0, 1]: drop tokens less likely than min_p x the top token's probability; 0 = off;
-    * ``repetition_penalty`` in [1e-6, 1e6] (:data:`PENALTY_RANGE`): the logit of every token
-      already in the prefix (prompt included) is divided by it if positive, multiplied if negative
-      (transformers' CTRL penalty); 1 = off;
-    * ``seed``: an integer in [0, 2**64), or None (the API then draws one and reports it).
-
-    Unlike ``model.generate``, nothing comes from the model's generation config: a parameter left
-    at its default is off.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if _number("temperature", self.temperature) < 0:
-            raise TriedecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise TriedecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < _number("top_p", self.top_p) <= 1:
-            raise TriedecError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p!r}")
-        if not 0 <= _number("min_p", self.min_p) <= 1:
-            raise TriedecError(f"min_p must lie in [0, 1] (0 = off), got {self.min_p!r}")
-        low, high = PENALTY_RANGE
-        if not low <= _number("repetition_penalty", self.repetition_penalty) <= high:
-            raise TriedecError(f"repetition_penalty must lie in [{low:g}, {high:g}] (1 = off; beyond, float32 logits "
-                               f"overflow), got {self.repetition_penalty!r}")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
-            raise TriedecError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        """True for greedy decoding (``temperature == 0``)."""
-        return self.temperature == 0
-
-    @property
-    def plain(self) -> bool:
-        """True when the processing changes nothing that greedy decoding sees: greedy without a
-        repetition penalty (what beam search, which applies no processors, accepts)."""
-        return self.greedy and self.repetition_penalty == 1.0
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
-SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
-"""The sampling parameters' names (transformers' names; the server's request fields too)."""
-
-GREEDY_SAMPLING = Sampling()
-"""The defaults: greedy decoding."""
 
 
 def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

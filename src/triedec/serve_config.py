@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from triedec.errors import TriedecError
-from triedec.flags import build_parser, method_options
+from triedec.flags import build_parser, command_parser, method_options, option_table
 
 
 def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
@@ -31,19 +31,20 @@ def serve_values(pairs: Mapping[str, object]) -> argparse.Namespace:
     ``public_metrics=true`` a switch), each value read and checked by that flag's own declaration,
     the others at their defaults. No command line is built; errors name the key, never the value
     (it may be a secret)."""
-    srv = _command_parser(build_parser(("serve",)), "serve")
+    srv = command_parser(build_parser(("serve",)), "serve")
     values = {a.dest: a.default for a in srv._actions if a.dest != "help"}
+    method_flags: list[tuple[str, str]] = []
     for key, given in pairs.items():
-        action = srv._option_string_actions.get("--" + str(key).replace("_", "-"))
-        if action is None:
-            raise TriedecError(f"unknown application argument {key}= (not a `triedec serve` flag)")
-        values[action.dest] = _read_flag(action, str(key), str(given))
-    return argparse.Namespace(command="serve", **values)
-
-
-def _command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return commands.choices[name]
+        flag = "--" + str(key).replace("_", "-")
+        action = srv._option_string_actions.get(flag)
+        if action is not None:
+            values[action.dest] = _read_flag(action, str(key), str(given))
+        elif flag in option_table():
+            method_flags.append((flag, str(given)))
+        else:
+            raise TriedecError(f"unknown application argument {key}= (neither a `triedec serve` flag nor a method "
+                               "option)")
+    return argparse.Namespace(command="serve", **{**values, "method_flags": method_flags})
 
 
 def _read_flag(action: argparse.Action, key: str, text: str) -> object:
@@ -70,7 +71,7 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
     its options, the model's name, the API keys (the flags or ``TRIEDEC_API_KEY``) and the Redis
     URL (the flag or ``TRIEDEC_REDIS_URL``); validated."""
     from triedec.decoders import DecoderLimits
-    from triedec.engine import BatchLimits
+    from triedec.limits import BatchLimits
     from triedec.server.config import ServerConfig
     from triedec.settings import values_of
 

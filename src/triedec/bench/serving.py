@@ -4,20 +4,26 @@ server, as a user would run it.
 Protocol (one process, one loaded model):
 
 * the requests are distinct chat prompts (first turns of the selected questions), the same ones at
-  every concurrency, each asking for ``max_tokens`` tokens, greedy;
+  every concurrency, each asking for ``max_tokens`` tokens, greedy or sampled (request k seeded
+  ``seed + k``, so every method and concurrency draws the same text);
 * every (method, concurrency) phase gets a **fresh server**: a ``triedec serve`` process of its
   own, started as a user would start it (same model flags; the device calibration read from the
   shared cache), so learned state starts fresh too: a prompt answered in an earlier phase would
   otherwise be drafted from its own answer by auto's store, which measures replay, not serving.
   One warm-up request on a prompt outside the sample starts each phase (untimed);
-* the phases run in a seeded random order, so that no method or concurrency always runs first;
+* every phase runs ``repeats`` times, each a fresh server, and all of them in one seeded random
+  order, so that no method, concurrency or repeat always runs first; a method's ratio to ``ar`` at
+  a concurrency pairs the two phases of the same repeat (:mod:`triedec.bench.serving_report`);
 * clients are the ``openai`` client over loopback (:mod:`triedec.bench.load`), ``concurrency``
   requests in flight at a time; a phase's tokens/s is its completion tokens over its wall time;
   latency is request start to last byte (p50/p95);
 * ``one at a time`` through the server is compared with in-process ``lm.generate`` on the same
-  requests (fresh state, one at a time), and, with ``batch_sizes``, ``lm.generate_batch`` with
-  stock transformers' own ``generate_batch`` (continuous batching, the unmodified model), same
-  requests, same run;
+  requests (fresh state, one at a time), and, with ``batch_sizes`` (greedy runs only),
+  ``lm.generate_batch`` with stock transformers' own ``generate_batch`` (continuous batching, the
+  unmodified model), same requests, same run;
+* recorded: the prompts' ids, every method's solo outputs and each phase's texts that differ from
+  them, the sampling, the calibration the drafts were sized under (and whether it was measured on
+  a busy machine), the machine, versions and commit;
 * exactness: every response's text is compared with the same method's in-process solo text, and
   every ``generate_batch`` output's tokens with the solo tokens; a token that differs is reported
   with its position and stock transformers' top-2 logit gap there (a near-tie another arrangement
@@ -27,6 +33,7 @@ Protocol (one process, one loaded model):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import signal
 import socket
@@ -46,6 +53,7 @@ from triedec.errors import TriedecError, positive_int
 from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method
+from triedec.sampling import GREEDY_SAMPLING, MAX_SEED, Sampling
 
 WARMUP_PROMPT = "Name three colours of the rainbow."
 """The untimed request that starts each phase (not in any benchmark sample)."""
@@ -59,6 +67,10 @@ class ServingConfig:
     """request counts for generate_batch vs transformers' generate_batch (empty: skipped)"""
     seed: int = 0
     """seeds the order of the phases"""
+    repeats: int = 1
+    """timed runs of every phase, each on a fresh server"""
+    sampling: Sampling = GREEDY_SAMPLING
+    """the requests' sampling; request k is seeded ``sampling.seed + k`` (``k`` without a seed)"""
     setups: tuple[tuple[str, tuple[str, ...]], ...] = (("", ()),)
     """server setups to load: (name, extra ``triedec serve`` flags), e.g. ``("ray-2", ("--ray",
     "--replicas", "2", "--threads", "1"))``; a phase is a (method, setup, concurrency); the
@@ -73,6 +85,9 @@ class ServingConfig:
         for c in (*self.concurrencies, *self.batch_sizes):
             positive_int("a concurrency or batch size", c)
         positive_int("max_tokens", self.max_tokens)
+        positive_int("repeats", self.repeats)
+        if not isinstance(self.sampling, Sampling):
+            raise TriedecError(f"sampling must be a Sampling, got {self.sampling!r}")
 
 
 def parse_counts(text: str, what: str) -> tuple[int, ...]:
@@ -86,14 +101,31 @@ def parse_counts(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def chat_requests(questions: Sequence[Question], max_tokens: int) -> list[LoadRequest]:
-    """One distinct chat request per question (its first turn)."""
-    seen, out = set(), []
+def chat_requests(questions: Sequence[Question], max_tokens: int,
+                  sampling: Sampling = GREEDY_SAMPLING) -> tuple[list[LoadRequest], list[str]]:
+    """One distinct chat request per question (its first turn), with its question's id. Sampling
+    parameters other than greedy's defaults go in the extra body; when sampled, request k carries
+    seed :func:`request_sampling` gives it."""
+    seen, out, ids = set(), [], []
     for q in questions:
         if q.turns[0] not in seen:
             seen.add(q.turns[0])
-            out.append(LoadRequest(max_tokens, messages=[{"role": "user", "content": q.turns[0]}]))
-    return out
+            chosen = request_sampling(sampling, len(out))
+            extra = {k: v for k, v in chosen.as_dict().items()
+                     if k != "seed" and v != getattr(GREEDY_SAMPLING, k)}
+            if not chosen.greedy:
+                extra["seed"] = chosen.seed
+            out.append(LoadRequest(max_tokens, messages=[{"role": "user", "content": q.turns[0]}], extra=extra))
+            ids.append(q.id)
+    return out, ids
+
+
+def request_sampling(sampling: Sampling, k: int) -> Sampling:
+    """Request ``k``'s sampling: ``sampling`` with seed ``sampling.seed + k`` (``k`` without one),
+    the same in-process and through the server."""
+    if sampling.greedy:
+        return sampling
+    return dataclasses.replace(sampling, seed=((sampling.seed or 0) + k) % MAX_SEED)
 
 
 @dataclass(frozen=True)
@@ -163,14 +195,16 @@ def _wait_healthy(proc: subprocess.Popen[str], base: str, log: Any, timeout: flo
         time.sleep(0.2)
 
 
-def _solo(lm: LM, entry: Entry, requests: Sequence[LoadRequest]) -> tuple[list[list[int]], list[str], float]:
+def _solo(lm: LM, entry: Entry, requests: Sequence[LoadRequest],
+          sampling: Sampling = GREEDY_SAMPLING) -> tuple[list[list[int]], list[str], float]:
     """In-process ``lm.generate``, one at a time, fresh state: token ids, texts, tokens/s in total."""
     fresh = lm.fresh()
     fresh.generate([{"role": "user", "content": WARMUP_PROMPT}], entry.name, max_new_tokens=8, **entry.options)
     ids, texts, seconds = [], [], 0.0
-    for r in requests:
+    for k, r in enumerate(requests):
         start = time.perf_counter()
-        out = fresh.generate(GenerationRequest(list(r.messages or ()), entry.name, entry.options, r.max_tokens))
+        out = fresh.generate(GenerationRequest(list(r.messages or ()), entry.name, entry.options, r.max_tokens,
+                                               sampling=request_sampling(sampling, k)))
         seconds += time.perf_counter() - start
         ids.append(out.token_ids)
         texts.append(out.text)
@@ -222,40 +256,44 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
     same model as ``lm``."""
     entries = {e.label: e for e in map(Entry.parse, methods)}
     methods = list(entries)
-    requests = chat_requests(questions, config.max_tokens)
+    requests, prompt_ids = chat_requests(questions, config.max_tokens, config.sampling)
     if len(requests) < max(config.concurrencies):
         raise TriedecError(f"{len(requests)} distinct requests cannot load a concurrency of "
                            f"{max(config.concurrencies)}; select more questions")
     say = progress or (lambda text: None)
     found = {e.name: method(e.name) for e in entries.values()}
     sized = any(NEEDS_COST in found[e.name].needs(found[e.name].make_options(e.options)) for e in entries.values())
-    surface = lm.calibration().cost.surface_ms() if sized else None  # cached: every phase sizes under it
+    calibration = lm.calibration() if sized else None  # cached: every phase sizes under it
+    surface = calibration.cost.surface_ms() if calibration is not None else None
     prompts = [lm.encode(list(r.messages or ()), chat=True) for r in requests]
     solo = {}
     for m in methods:
         say(f"in-process solo: {m}")
-        solo[m] = _solo(lm, entries[m], requests)
+        solo[m] = _solo(lm, entries[m], requests, config.sampling)
     setups = dict(config.setups)
     labels = {(m, s): f"{m} {s}".strip() for m in methods for s in setups}
-    phases = [(m, s, c) for m in methods for s in setups for c in config.concurrencies]
+    phases = [(m, s, c, r) for m in methods for s in setups for c in config.concurrencies
+              for r in range(config.repeats)]
     random.Random(config.seed).shuffle(phases)
     rows = []
-    for m, s, c in phases:
-        say(f"server: {labels[m, s]} at concurrency {c}")
+    for done, (m, s, c, r) in enumerate(phases):
+        say(f"phase {done + 1}/{len(phases)}: {labels[m, s]} at concurrency {c}, repeat {r + 1}")
         with server_process([*serve_args, *setups[s]], entries[m], model_name, max(config.concurrencies)) as base:
             url = f"{base}/v1"
             run_load(url, model_name, [LoadRequest(8, messages=[{"role": "user", "content": WARMUP_PROMPT}])], 1)
             responses, seconds = run_load(url, model_name, requests, concurrency=c)
         summary = summarize_load(responses, seconds)
-        same = sum(r.text == t for r, t in zip(responses, solo[m][1], strict=True))
+        differ = [{"request": k, "text": got.text} for k, (got, want) in enumerate(zip(responses, solo[m][1],
+                                                                                         strict=True))
+                  if got.text != want]
         rows.append({"method": labels[m, s], "base_method": m, "setup": s, "server_flags": list(setups[s]),
-                     "concurrency": c, **summary, "identical_texts": same,
-                     "latencies_s": [r.seconds for r in responses],
-                     "completion_tokens_each": [r.completion_tokens for r in responses]})
+                     "concurrency": c, "repeat": r, **summary, "identical_texts": len(responses) - len(differ),
+                     "differing_texts": differ, "latencies_s": [x.seconds for x in responses],
+                     "completion_tokens_each": [x.completion_tokens for x in responses]})
     order = list(labels.values())
-    rows.sort(key=lambda r: (order.index(r["method"]), r["concurrency"]))
+    rows.sort(key=lambda row: (order.index(row["method"]), row["concurrency"], row["repeat"]))
     batches = []
-    for n in config.batch_sizes:
+    for n in config.batch_sizes if config.sampling.plain else ():  # a greedy comparison: skipped when sampled
         if n > len(requests):
             continue
         say(f"generate_batch of {n}: triedec and transformers")
@@ -284,9 +322,15 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
                                                                  timed["transformers"][0]))
         batches.append(row)
     return {"requests": len(requests), "max_tokens": config.max_tokens, "methods": order,
-            "setups": {s: list(flags) for s, flags in setups.items()},
-            "concurrencies": list(config.concurrencies), "phase_order": [[labels[m, s], c] for m, s, c in phases],
-            "in_process_tokens_per_s": {m: solo[m][2] for m in methods}, "phases": rows,
+            "prompt_ids": prompt_ids, "sampling": config.sampling.as_dict(), "repeats": config.repeats,
+            "order_seed": config.seed, "setups": {s: list(flags) for s, flags in setups.items()},
+            "concurrencies": list(config.concurrencies),
+            "phase_order": [[labels[m, s], c, r] for m, s, c, r in phases],
+            "in_process_tokens_per_s": {m: solo[m][2] for m in methods},
+            "solo_outputs": {m: {"texts": solo[m][1], "token_ids": solo[m][0]} for m in methods}, "phases": rows,
             "generate_batch": batches, "kernels": lm.adapter.kernels, "precision": lm.adapter.precision.name,
             "exactness": lm.adapter.exactness,
-            "cost_surface": surface}
+            "cost_surface": surface,
+            "calibration": None if calibration is None else {
+                "busy": calibration.busy, "others_cpu_share": calibration.details.get("others_cpu_share"),
+                "model_id": calibration.model_id, "device": calibration.device, "dtype": calibration.dtype}}

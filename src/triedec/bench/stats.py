@@ -68,6 +68,37 @@ def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], l
     return float(low), float(high)
 
 
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+"""Student's t 0.975 quantiles for 1..10 degrees of freedom (beyond: :func:`t_quantile`'s expansion)."""
+
+
+def t_quantile(df: int) -> float:
+    """Student's t 0.975 quantile with ``df`` >= 1 degrees of freedom: the table up to 10, then the
+    Cornish-Fisher expansion around the normal's 1.96 (within 0.001 of the exact value there)."""
+    if df < 1:
+        raise TriedecError(f"a t quantile needs at least 1 degree of freedom, got {df}")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def repeat_interval(ratios: Sequence[float]) -> tuple[float, float] | None:
+    """The 95% Student-t interval of the geometric mean of paired ``ratios`` (one per repeat: a
+    method's total tokens/s over the baseline's in the same repeat), on the log scale; None with
+    fewer than 2 repeats. With 3 repeats it is wide (t = 4.30): it speaks for the machine's noise
+    between runs, not for other prompts."""
+    if len(ratios) < 2:
+        return None
+    if any(r <= 0 for r in ratios):
+        raise TriedecError("repeat_interval needs positive ratios")
+    logs = [math.log(r) for r in ratios]
+    half = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Method A against baseline B on the same prompts: ``geomean`` and ``median`` of the per-prompt

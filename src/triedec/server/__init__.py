@@ -66,13 +66,37 @@ from triedec.errors import require_extra
 
 require_extra("server", "triedec.server")  # a clear error, not a ModuleNotFoundError from deep inside
 
-from triedec.server.app import create_app, serve
-from triedec.server.auth import ApiKeys
-from triedec.server.config import ServerConfig
-from triedec.server.jobs import Job
-from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy, TenantLimits
-from triedec.server.tenancy import Tenancy
-from triedec.text import TextStream
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {"create_app": "app", "serve": "app", "ApiKeys": "auth", "ServerConfig": "config", "Tenancy": "config",
+            "TenantLimits": "config", "Job": "jobs", "QueueFull": "scheduler", "Scheduler": "scheduler",
+            "TenantBusy": "scheduler"}
+"""Each name this package exports -> its module: imported on first use (PEP 562), so that reading
+the server's configuration (``triedec.server.config``: ``triedec serve --help``) does not import
+the app, torch and the model code."""
 
 __all__ = ["ApiKeys", "Job", "QueueFull", "Scheduler", "ServerConfig", "Tenancy", "TenantBusy", "TenantLimits",
            "TextStream", "create_app", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "TextStream":
+        from triedec.text import TextStream
+
+        return TextStream
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from triedec.server.app import create_app, serve
+    from triedec.server.auth import ApiKeys
+    from triedec.server.config import ServerConfig, Tenancy, TenantLimits
+    from triedec.server.jobs import Job
+    from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
+    from triedec.text import TextStream

@@ -1,9 +1,12 @@
-"""What ``triedec serve`` runs with: :class:`ServerConfig`, each setting declared once.
+"""What ``triedec serve`` runs with: :class:`ServerConfig`, each setting declared once, and the
+values it builds for the parts it configures (:class:`Tenancy`, :class:`TenantLimits`,
+:class:`SharingConfig`). Declarations only: nothing here imports torch, FastAPI or the model, so
+``triedec serve --help`` is generated from these fields in well under a second.
 
 Plain settings are fields declared with :func:`~triedec.settings.setting`: ``triedec serve``'s
 flags are generated from them (:func:`triedec.flags.build_parser`), the Ray app reads its
 ``key=value`` pairs into the same fields, and nothing copies them by hand. The engine's limits are
-one :class:`~triedec.engine.BatchLimits` and the bounds on built methods one
+one :class:`~triedec.limits.BatchLimits` and the bounds on built methods one
 :class:`~triedec.decoders.DecoderLimits`, held as they are. The settings that are built from
 several flags or the environment (the method and its options, the API keys, the Redis URL, the
 model's name) are plain fields whose flags ``triedec.flags`` writes.
@@ -13,16 +16,86 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from triedec.decoders import DecoderLimits
-from triedec.engine import BatchLimits
 from triedec.errors import TriedecError, positive_int
-from triedec.generation import DEFAULT_METHOD, MAX_NEW_TOKENS
-from triedec.server.auth import ApiKeys
-from triedec.server.scheduler import TenantLimits
-from triedec.server.sharing import SharingConfig
-from triedec.server.tenancy import LEARNING, Learning, Tenancy
+from triedec.limits import BatchLimits
+from triedec.params import DEFAULT_METHOD, MAX_NEW_TOKENS
 from triedec.settings import setting
+
+if TYPE_CHECKING:
+    from triedec.server.auth import ApiKeys
+
+Learning = Literal["shared", "tenant", "off"]
+LEARNING: tuple[Learning, ...] = ("shared", "tenant", "off")
+"""Whose learned state a request drafts from (:mod:`triedec.server.tenancy`)."""
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """The learning mode (:mod:`triedec.server.tenancy`) and how many tenants' state is kept in memory."""
+
+    learning: Learning = "shared"
+    max_tenants: int = 64
+
+    def __post_init__(self) -> None:
+        if self.learning not in LEARNING:
+            raise TriedecError(f"learning must be one of {', '.join(LEARNING)}, got {self.learning!r}")
+        positive_int("max_tenants", self.max_tenants)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """Per tenant: requests decoded at once (``max_running``; more wait for one of theirs to end,
+    whatever room the batch has) and requests waiting beyond those (``max_queued``; one more gets
+    :class:`TenantBusy`). ``max_request_seconds``: a request's whole time (queue included); past
+    it a request that has emitted tokens ends with stop reason ``time_limit``, one that has not
+    ends with a ``("timeout", None)`` event. None = no limit."""
+
+    max_running: int | None = None
+    max_queued: int | None = None
+    max_request_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
+                                      or (name == "max_running" and value == 0)):
+                raise TriedecError(f"{name} must be a positive integer (max_queued: >= 0) or None, got {value!r}")
+        seconds = self.max_request_seconds
+        if seconds is not None and not 0 < seconds < float("inf"):
+            raise TriedecError(f"max_request_seconds must be a positive number or None, got {seconds!r}")
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """Where and how often learned state is exchanged with other replicas (:mod:`triedec.server.sharing`)."""
+
+    redis_url: str
+    interval: float = 0.5
+    """seconds between two exports; also the longest a read blocks"""
+    max_entries: int = 1_000
+    """entries each stream keeps, about (Redis trims the oldest); an entry is one method's export
+    of one interval: a few KB to a few tens of KB for a busy tenant"""
+    max_pending: int = 1_000
+    """entries waiting to be published while Redis does not answer, at most"""
+    namespace: str = "triedec"
+    """prefix of the stream names"""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise TriedecError("the Redis URL must look like redis://HOST:PORT/DB (or rediss://, unix://)")
+        if not 0.01 <= self.interval <= 60:
+            raise TriedecError(f"the sharing interval must lie in [0.01, 60] seconds, got {self.interval!r}")
+        positive_int("max_entries", self.max_entries)
+        positive_int("max_pending", self.max_pending)
+        if not self.namespace or any(c.isspace() or c == ":" for c in self.namespace):
+            raise TriedecError("the stream namespace must be non-empty, without spaces or ':'")
+
+    def __repr__(self) -> str:  # the URL may carry a password
+        return f"SharingConfig(interval={self.interval}, max_entries={self.max_entries})"
+
 
 SERVER_LIMITS = BatchLimits(max_kv_bytes=4 << 30)
 """The engine's limits a server starts with: the library's, with the KV the running requests may

@@ -33,12 +33,13 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from triedec.engine import Batch, BatchLimits, Run, StepReport
+from triedec.engine import Batch, Run, StepReport
 from triedec.errors import TriedecError
+from triedec.limits import BatchLimits
 from triedec.lm import LM
+from triedec.server.config import TenantLimits
 from triedec.server.jobs import Job
 
 log = logging.getLogger("triedec.server")
@@ -55,29 +56,6 @@ class TenantBusy(Exception):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """Per tenant: requests decoded at once (``max_running``; more wait for one of theirs to end,
-    whatever room the batch has) and requests waiting beyond those (``max_queued``; one more gets
-    :class:`TenantBusy`). ``max_request_seconds``: a request's whole time (queue included); past
-    it a request that has emitted tokens ends with stop reason ``time_limit``, one that has not
-    ends with a ``("timeout", None)`` event. None = no limit."""
-
-    max_running: int | None = None
-    max_queued: int | None = None
-    max_request_seconds: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "max_queued"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0
-                                      or (name == "max_running" and value == 0)):
-                raise TriedecError(f"{name} must be a positive integer (max_queued: >= 0) or None, got {value!r}")
-        seconds = self.max_request_seconds
-        if seconds is not None and not 0 < seconds < float("inf"):
-            raise TriedecError(f"max_request_seconds must be a positive number or None, got {seconds!r}")
 
 
 class Scheduler:

@@ -50,12 +50,12 @@ import time
 import uuid
 from collections.abc import Hashable
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
 from typing import Any
 
 from triedec.drafters.learned import Learned
-from triedec.errors import TriedecError, positive_int
+from triedec.errors import TriedecError
 from triedec.lm import LM
+from triedec.server.config import SharingConfig
 from triedec.server.scheduler import QueueFull, Scheduler
 from triedec.server.tenancy import scope_name
 
@@ -67,35 +67,6 @@ MERGE_CHUNK = 32
 """entries merged at one step boundary at most"""
 MAX_BACKOFF = 5.0
 """seconds between two tries while Redis does not answer, at most"""
-
-
-@dataclass(frozen=True)
-class SharingConfig:
-    """Where and how often learned state is exchanged (module doc)."""
-
-    redis_url: str
-    interval: float = 0.5
-    """seconds between two exports; also the longest a read blocks"""
-    max_entries: int = 1_000
-    """entries each stream keeps, about (Redis trims the oldest); an entry is one method's export
-    of one interval: a few KB to a few tens of KB for a busy tenant"""
-    max_pending: int = 1_000
-    """entries waiting to be published while Redis does not answer, at most"""
-    namespace: str = "triedec"
-    """prefix of the stream names"""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.redis_url, str) or not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise TriedecError("the Redis URL must look like redis://HOST:PORT/DB (or rediss://, unix://)")
-        if not 0.01 <= self.interval <= 60:
-            raise TriedecError(f"the sharing interval must lie in [0.01, 60] seconds, got {self.interval!r}")
-        positive_int("max_entries", self.max_entries)
-        positive_int("max_pending", self.max_pending)
-        if not self.namespace or any(c.isspace() or c == ":" for c in self.namespace):
-            raise TriedecError("the stream namespace must be non-empty, without spaces or ':'")
-
-    def __repr__(self) -> str:  # the URL may carry a password
-        return f"SharingConfig(interval={self.interval}, max_entries={self.max_entries})"
 
 
 class Sharing:

@@ -25,15 +25,12 @@ import hashlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from triedec.errors import TriedecError, positive_int
+from triedec.errors import TriedecError
 from triedec.methods import method as find_method
+from triedec.server.config import Tenancy
 
-Learning = Literal["shared", "tenant", "off"]
-LEARNING: tuple[Learning, ...] = ("shared", "tenant", "off")
 ANONYMOUS = "anonymous"
 """the tenant of a request with neither an API key nor a ``user`` field"""
 
@@ -58,19 +55,6 @@ def scope_name(scope: Hashable) -> str | None:
     if isinstance(scope, tuple) and len(scope) == 2 and scope[0] == "tenant":
         return "tenant-" + _digest(str(scope[1]))
     return None
-
-
-@dataclass(frozen=True)
-class Tenancy:
-    """The learning mode (module doc) and how many tenants' state is kept in memory."""
-
-    learning: Learning = "shared"
-    max_tenants: int = 64
-
-    def __post_init__(self) -> None:
-        if self.learning not in LEARNING:
-            raise TriedecError(f"learning must be one of {', '.join(LEARNING)}, got {self.learning!r}")
-        positive_int("max_tenants", self.max_tenants)
 
 
 class Scopes:
