@@ -119,3 +119,47 @@ def test_every_request_gets_a_prefix_of_at_least_its_required_nodes(found, cap, 
         for n, r, c in zip(counts, required, chances, strict=True):
             # an optional node with no chance never goes (its expected gain is 0)
             assert all(min(c[r : i + 1]) > 0 for i in range(r, n))
+
+
+def test_a_gate_skips_drafting_after_misses_and_backs_off_until_a_node_is_verified():
+    from triedec.allocate import DraftGate
+
+    gate = DraftGate(patience=2, max_skip=4)
+    pattern = []
+    for _ in range(24):
+        drafts = gate.proposes()
+        pattern.append("d" if drafts else ".")
+        if drafts:
+            gate.verified(proposed=5, verified=0)  # a miss: nodes proposed, none verified
+    # two misses, then pauses of 1, 2, 4, 4 steps between single probes that miss again
+    assert "".join(pattern) == "dd.d..d....d....d....d.."
+    assert gate.skipped == pattern.count(".")
+    gate = DraftGate(patience=2)
+    for _ in range(10):
+        assert gate.proposes()
+        gate.verified(proposed=0, verified=0)  # nothing drafted: cheap, never a miss
+    gate.verified(5, 0)
+    gate.verified(5, 1)  # a verified node resets the count of misses in a row
+    gate.verified(5, 0)
+    assert gate.proposes() and gate.skipped == 0
+    with pytest.raises(TriedecError):
+        DraftGate(patience=0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=60))
+@settings(max_examples=60, deadline=None)
+def test_a_gate_never_pauses_longer_than_its_cap_and_a_verified_node_reopens_it(outcomes):
+    from triedec.allocate import DraftGate
+
+    gate = DraftGate(patience=2, max_skip=8)
+    run = 0
+    for proposed, verified in outcomes:
+        if not gate.proposes():
+            run += 1
+            assert run <= 8
+            continue
+        run = 0
+        verified = min(verified, proposed)
+        gate.verified(proposed, verified)
+        if verified:
+            assert gate.proposes()  # the next step drafts

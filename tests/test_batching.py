@@ -365,6 +365,69 @@ def test_a_batch_that_learns_its_cost_corrects_the_surface_and_keeps_every_token
     assert Batch(adapter, slow).sizing_cost is slow  # without learn_cost: the calibrated surface as is
 
 
+class Chain(BaseDrafter):
+    """Proposes the same 4-node chain every step, its nodes unlikely; counts its full proposals
+    and its root-only ones (a gated step)."""
+
+    def __init__(self) -> None:
+        self.full = self.rooted = 0
+
+    def begin(self, prompt, documents=()):
+        spy = self
+
+        class Session(BaseSession):
+            def propose(self, context, max_nodes=256):
+                if max_nodes <= 1:
+                    spy.rooted += 1
+                    return Draft.root_only(context[-1])
+                spy.full += 1
+                return Draft.scored(TokenTree.from_sequences(context[-1], [[3, 4, 5, 6]]), [1.0, 0.3, 0.1, 0.05, 0.02])
+
+        return Session()
+
+
+def test_a_gated_batch_stops_asking_for_drafts_that_never_pay_and_keeps_every_token():
+    """``gate_drafts``: under a surface where no draft node pays, a request stops drafting after two
+    steps whose proposal got no node verified, and probes again after pauses that double; where
+    nodes are verified it never pauses. Tokens are ``ar``'s either way."""
+    adapter = ModelAdapter(tiny_llama(seed=3))
+    steep = CostModel({1: 0.01, 16: 1.0})  # every extra token costs more than it can yield
+    rule = StopRule(40, frozenset([-1]))
+    ar = build("ar", {}, tiny_info())
+    batch_prompts = prompts(seed=22, count=3)
+    truths = [alone(adapter, ar, p, rule)[0] for p in batch_prompts]
+    for cost, gate in ((steep, False), (steep, True), (None, True)):
+        chain = Chain()
+        runs = [Request(chain, p, rule) for p in batch_prompts]
+        outs, _ = together_gated(adapter, runs, cost, gate)
+        assert [t for t, _ in outs] == truths
+        steps = sum(run.outcome.stats.steps for run in runs)
+        skipped = sum(run.outcome.stats.skipped_drafts for run in runs)
+        assert chain.full + chain.rooted == steps and skipped == chain.rooted
+        if cost is steep and gate:
+            assert chain.full <= 3 * 8 and skipped >= steps - 3 * 8  # 2 misses, then probes after 1, 2, 4, ... steps
+            assert sum(run.outcome.stats.verified_nodes for run in runs) == 0
+        else:
+            assert skipped == 0  # ungated, or drafts verified: every step drafts
+    info = tiny_info(cost=steep, profile=fake_profile(nodes=12))
+    for name, options in MIXED:  # every drafter's session answers a gated step (propose(context, 1))
+        runs = [build(name, options, info).start(p, rule) for p in batch_prompts]
+        outs, _ = together_gated(adapter, runs, steep)
+        assert [t for t, _ in outs] == truths, name
+
+
+def together_gated(adapter, runs, cost, gate=True):
+    batch = Batch(adapter, cost, gate_drafts=gate)
+    tokens: list[list[int]] = [[] for _ in runs]
+    for run in runs:
+        batch.submit(run)
+    while not batch.idle:
+        batch.step()
+        for i, run in enumerate(runs):
+            tokens[i] += run.take()
+    return [(t, r.outcome) for t, r in zip(tokens, runs, strict=True)], batch
+
+
 def test_generate_batch_equals_generate_in_input_order(tiny_model_dir, capsys):
     lm = triedec.load(tiny_model_dir)
     texts = ["Hello there", "one two three one two three one", "Tell me a story about the sea", "def quicksort(arr):",

@@ -82,3 +82,45 @@ def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: 
     for i in owners[order[:take]]:
         counts[int(i)] += 1
     return counts
+
+
+class DraftGate:
+    """Whether one request proposes a draft this step: a request whose drafts stopped paying is not
+    asked to draft at all, so its step costs what ``ar``'s does, until a probe says otherwise.
+
+    A *miss* is a step whose proposal held draft nodes of which :func:`allocate` verified none (the
+    step's budget judged that none pays; an empty proposal is no miss: drafting found nothing,
+    which is cheap). After ``patience`` misses in a row the request skips drafting for ``skip``
+    steps, then proposes again (a probe); each further miss doubles the skip, up to ``max_skip``
+    steps; a step with any node verified resets it. Skipping changes no token (every method's
+    tokens are ``ar``'s whatever it verifies), only the host time spent drafting. One per request;
+    the engine calls :meth:`proposes` before each step's proposal and :meth:`verified` after it.
+    """
+
+    def __init__(self, patience: int = 2, max_skip: int = 32) -> None:
+        if patience < 1 or max_skip < 1:
+            raise TriedecError(f"patience and max_skip must be >= 1, got {patience}, {max_skip}")
+        self.patience, self.max_skip = patience, max_skip
+        self.misses = 0
+        self.skip = 1
+        self.waiting = 0
+        self.skipped = 0
+        """steps this request did not draft (a counter for stats)"""
+
+    def proposes(self) -> bool:
+        """True if the request drafts this step (False: it skips, and one skipped step is spent)."""
+        if self.waiting > 0:
+            self.waiting -= 1
+            self.skipped += 1
+            return False
+        return True
+
+    def verified(self, proposed: int, verified: int) -> None:
+        """A step's outcome: ``proposed`` draft nodes (root excluded), ``verified`` of them."""
+        if verified > 0:
+            self.misses, self.skip = 0, 1
+        elif proposed > 0:
+            self.misses += 1
+            if self.misses >= self.patience:
+                self.waiting, self.misses = self.skip, self.patience - 1  # a missed probe backs off at once
+                self.skip = min(2 * self.skip, self.max_skip)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from triedec.accept import GREEDY, AcceptanceRule
 from triedec.adapter import ModelAdapter
-from triedec.allocate import allocate
+from triedec.allocate import DraftGate, allocate
 from triedec.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
@@ -185,21 +185,24 @@ class Batch:
     ``cost`` is replaced), with the step's host time (a moving average of its time outside the
     forward: drafting, accepting, committing) charged to every step
     (:func:`~triedec.allocate.allocate`'s ``host_seconds``). Tree sizes then depend on timing;
-    tokens never do. The server turns it on; a single ``generate`` keeps the calibrated sizes,
-    reproducible step for step."""
+    tokens never do. ``gate_drafts``: a request whose drafts stopped paying (steps in a row whose
+    proposal got no node verified) is not asked to draft for a while, so its step costs what
+    ``ar``'s does, and probes again after a growing pause (:class:`~triedec.allocate.DraftGate`);
+    tokens never change. The server turns both on; a single ``generate`` keeps the calibrated
+    sizes and drafts every step, reproducible step for step."""
 
     HOST_WEIGHT = 0.2
     """weight of each step in the moving average of host seconds"""
 
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
                  limits: BatchLimits | None = None, group_running: int | None = None,
-                 learn_cost: bool = False) -> None:
+                 learn_cost: bool = False, gate_drafts: bool = False) -> None:
         if group_running is not None:
             positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
         self.limits = limits or BatchLimits()
         self.group_running = group_running
-        self.learn_cost = learn_cost
+        self.learn_cost, self.gate_drafts = learn_cost, gate_drafts
         self._observed: ObservedCost | None = None
         self.host_seconds = 0.0
         """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
@@ -266,6 +269,8 @@ class Batch:
                 del self._group[run]
                 run.close("cancelled")
                 raise
+            if self.gate_drafts and run.shares_forward:
+                run.gate = DraftGate()  # type: ignore[attr-defined]
             self.running.append(run)
             self._running_in[group] += 1
 

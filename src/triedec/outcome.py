@@ -85,7 +85,9 @@ class DecodeStats(Stats):
     * ``accepted_by_origin``: the tokens returned, counted by origin (:mod:`triedec.trace`):
       ``model`` for those the forward chose itself, else the source that drafted them; the counts
       add up to ``new_tokens``;
-    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens.
+    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens;
+    * ``skipped_drafts``: steps on which the request did not draft because its drafts had stopped
+      paying (:class:`~triedec.allocate.DraftGate`: batches that gate drafting, as the server's).
     """
 
     mean_accepted: float = 0.0
@@ -96,6 +98,7 @@ class DecodeStats(Stats):
     drafter: dict[str, float] = field(default_factory=dict)
     accepted_by_origin: dict[str, int] = field(default_factory=dict)
     seed: int | None = None
+    skipped_drafts: int = 0
 
     def _steps_text(self) -> str:
         seed = "" if self.seed is None else f", seed {self.seed}"

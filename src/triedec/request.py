@@ -31,6 +31,7 @@ import torch
 
 from triedec.accept import GREEDY, Acceptance, AcceptanceRule
 from triedec.adapter import ForwardItem, ModelAdapter
+from triedec.allocate import DraftGate
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
 from triedec.errors import TriedecError, positive_int
 from triedec.kvcache import KVCache
@@ -124,6 +125,8 @@ class Request:
         self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
         self._trace: list[StepTrace] | None = None
         self._closed = False
+        self.gate: DraftGate | None = None
+        """set by a batch that gates drafting (:class:`~triedec.allocate.DraftGate`); None: always drafts"""
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class Request:
         stats.acceptance_by_depth = [a / r for a, r in zip(self._accepted_at[1:], self._reached[1:], strict=True) if r]
         if self.session is not None:
             stats.drafter = self.session.stats()
+        if self.gate is not None:
+            stats.skipped_drafts = self.gate.skipped
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
@@ -265,10 +270,12 @@ class Request:
     # ---- propose -> verify -> accept -> commit ------------------------------------------------
 
     def propose(self) -> Draft:
-        """The drafter's proposal, without nodes past what ``max_new_tokens`` still allows."""
+        """The drafter's proposal, without nodes past what ``max_new_tokens`` still allows; the root
+        alone (``propose(context, 1)``) on a step its :attr:`gate` skips."""
         assert self.session is not None
         self._context = self.prompt + self.generated
-        draft = self.session.propose(self._context, MAX_TREE_NODES)
+        drafting = self.gate is None or self.gate.proposes()
+        draft = self.session.propose(self._context, MAX_TREE_NODES if drafting else 1)
         if not isinstance(draft, Draft):
             raise TriedecError(f"drafter session {type(self.session).__name__} returned a "
                                f"{type(draft).__name__}, not a Draft")
@@ -293,6 +300,8 @@ class Request:
         assert tree is not None and cache is not None and session is not None and draft is not None
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
         session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
+        if self.gate is not None:
+            self.gate.verified(draft.size - 1, tree.size - 1)
         new, reason = self.stop.cut(self.generated, acceptance.tokens)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats

@@ -336,6 +336,9 @@ class AutoSession(BaseSession):
         if len(context) > self.fed:
             self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
+        if max_nodes <= 1:  # the root alone (a step the engine's gate skips): no candidate is looked up
+            self._sent, self._depths, self.context = [{}], [0], context
+            return Draft.scored(TokenTree((int(context[-1]),), (-1,)), [1.0], not o.sized, [()])
         nodes = self._candidates(context)
         chance = self.score(nodes)
         count = min(o.max_nodes, max_nodes - 1)

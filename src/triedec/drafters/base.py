@@ -196,7 +196,9 @@ class DrafterSession(Protocol):
       ``prefill_logits`` tokens as verified chains with their prefill logits, one per prompt chunk
       that holds some of them, in order;
     * per step, ``propose(context, max_nodes)`` -- a :class:`Draft` of at most ``max_nodes`` nodes
-      rooted at ``context[-1]`` (context = prompt + generated), best first -- then
+      rooted at ``context[-1]`` (context = prompt + generated), best first; ``max_nodes`` is 1 on
+      a step whose drafting a server batch skips (:class:`~triedec.allocate.DraftGate`), where
+      the root alone is the answer and the cheaper the better -- then
       ``observe(verified)`` -- what the model computed for the part of it that was verified
       (:class:`Verified` says which part);
     * ``end()`` -- the request is over (also when the caller stops early or the request is

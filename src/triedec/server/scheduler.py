@@ -76,7 +76,7 @@ class Scheduler:
         self.limits, self.max_queue = limits, max_queue
         self.tenants = tenants or TenantLimits()
         self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running,
-                           learn_cost=True)
+                           learn_cost=True, gate_drafts=True)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
