@@ -208,11 +208,14 @@ def alone(adapter, decoder, prompt, stop, documents=(), sampling: Sampling = GRE
     return drain(run_alone(adapter, decoder.start(prompt, stop, documents, sampling), cost))
 
 
-def together(adapter, runs, cost=None, limits: BatchLimits | None = None, arrivals=None, cancel=None):
+def together(adapter, runs, cost=None, limits: BatchLimits | None = None, arrivals=None, cancel=None,
+             batch: Batch | None = None):
     """Several runs decoded by one engine batch (one forward per step for all of them): run i is
     submitted before step ``arrivals[i]`` (default 0) and, if ``cancel`` maps it to a step, cancelled
-    before that step. Each run's (tokens, outcome or None if cancelled), and the batch's step count."""
-    batch = Batch(adapter, cost, limits)
+    before that step. ``batch``: one the caller built (with its own cost, limits and options; then
+    ``cost`` and ``limits`` are not used). Each run's (tokens, outcome or None if cancelled), and the
+    batch's step count."""
+    batch = batch if batch is not None else Batch(adapter, cost, limits)
     arrivals = arrivals or [0] * len(runs)
     cancel = cancel or {}
     tokens: list[list[int]] = [[] for _ in runs]

@@ -348,14 +348,8 @@ def test_a_batch_that_learns_its_cost_corrects_the_surface_and_keeps_every_token
     ar = build("ar", {}, info)
     truths = [alone(adapter, ar, p, rule)[0] for p in prompts(seed=21, count=4)]
     runs = [build("pld", {}, info).start(p, rule) for p in prompts(seed=21, count=4)]
-    tokens: list[list[int]] = [[] for _ in runs]
-    for run in runs:
-        batch.submit(run)
-    while not batch.idle:
-        batch.step()
-        for i, run in enumerate(runs):
-            tokens[i] += run.take()
-    assert tokens == truths
+    outs, _ = together(adapter, runs, batch=batch)
+    assert [t for t, _ in outs] == truths
     observed = batch.sizing_cost
     assert isinstance(observed, ObservedCost) and observed.observations() >= 8  # a forward per step
     assert observed.ratio(4) == ObservedCost.LOW  # tiny forwards take milliseconds, not seconds
@@ -399,7 +393,7 @@ def test_a_gated_batch_stops_asking_for_drafts_that_never_pay_and_keeps_every_to
     for cost, gate in ((steep, False), (steep, True), (None, True)):
         chain = Chain()
         runs = [Request(chain, p, rule) for p in batch_prompts]
-        outs, _ = together_gated(adapter, runs, cost, gate)
+        outs, _ = together(adapter, runs, batch=Batch(adapter, cost, gate_drafts=gate))
         assert [t for t, _ in outs] == truths
         steps = sum(run.outcome.stats.steps for run in runs)
         skipped = sum(run.outcome.stats.skipped_drafts for run in runs)
@@ -412,20 +406,8 @@ def test_a_gated_batch_stops_asking_for_drafts_that_never_pay_and_keeps_every_to
     info = tiny_info(cost=steep, profile=fake_profile(nodes=12))
     for name, options in MIXED:  # every drafter's session answers a gated step (propose(context, 1))
         runs = [build(name, options, info).start(p, rule) for p in batch_prompts]
-        outs, _ = together_gated(adapter, runs, steep)
+        outs, _ = together(adapter, runs, batch=Batch(adapter, steep, gate_drafts=True))
         assert [t for t, _ in outs] == truths, name
-
-
-def together_gated(adapter, runs, cost, gate=True):
-    batch = Batch(adapter, cost, gate_drafts=gate)
-    tokens: list[list[int]] = [[] for _ in runs]
-    for run in runs:
-        batch.submit(run)
-    while not batch.idle:
-        batch.step()
-        for i, run in enumerate(runs):
-            tokens[i] += run.take()
-    return [(t, r.outcome) for t, r in zip(tokens, runs, strict=True)], batch
 
 
 def test_generate_batch_equals_generate_in_input_order(tiny_model_dir, capsys):

@@ -34,12 +34,15 @@ def serve_values(pairs: Mapping[str, object]) -> argparse.Namespace:
     srv = command_parser(build_parser(("serve",)), "serve")
     values = {a.dest: a.default for a in srv._actions if a.dest != "help"}
     method_flags: list[tuple[str, str]] = []
+    options: dict[str, tuple[str, str]] | None = None  # the method options' flags, read once if needed
     for key, given in pairs.items():
         flag = "--" + str(key).replace("_", "-")
         action = srv._option_string_actions.get(flag)
         if action is not None:
             values[action.dest] = _read_flag(action, str(key), str(given))
-        elif flag in option_table():
+            continue
+        options = option_table() if options is None else options
+        if flag in options:
             method_flags.append((flag, str(given)))
         else:
             raise TriedecError(f"unknown application argument {key}= (neither a `triedec serve` flag nor a method "
