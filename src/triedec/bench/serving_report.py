@@ -31,8 +31,9 @@ def paired_ratio(runs: dict[tuple[str, int], list[dict[str, Any]]], method: str,
     """``method``'s total tokens/s over ``baseline``'s at ``concurrency``, pairing the phases of the
     same repeat: the geometric mean of the per-repeat ratios, its 95% Student-t interval over
     repeats (:func:`~triedec.bench.stats.repeat_interval`; None with one repeat), and the pairs."""
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[method, concurrency],
-                                                                     runs[baseline, concurrency], strict=False)]
+    base = {r.get("repeat", 0): r["tokens_per_s"] for r in runs[baseline, concurrency]}
+    ratios = [r["tokens_per_s"] / base[r.get("repeat", 0)] for r in runs[method, concurrency]
+              if r.get("repeat", 0) in base]  # only repeats both ran, each with its own pair
     return geometric_mean(ratios), repeat_interval(ratios), len(ratios)
 
 
