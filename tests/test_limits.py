@@ -150,6 +150,39 @@ def test_the_lm_keeps_built_methods_within_its_limits(lm):
         fresh.decoder("auto", scope="w", store_capacity=1_000_000)
 
 
+def test_a_dropped_method_and_its_requests_are_freed_at_once_without_the_cycle_collector(lm):
+    """The LRU's memory bound holds only if a dropped method's learned state (auto's 24 MiB matrix
+    on the default model) is freed the moment the last reference goes: no method, drafter or
+    finished request may sit in a reference cycle waiting for ``gc``. With the collector off, every
+    method built, used and forgotten is gone, and nothing it made is left as cyclic garbage."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        for name in methods():
+            options = {"num_beams": 2} if name == "beam" else {}
+            decoder = lm.decoder(name, scope=("drop", name), **options)
+            held = [weakref.ref(decoder)]
+            if getattr(decoder, "drafter", None) is not None:
+                held.append(weakref.ref(decoder.drafter))
+            lm.generate("the sea and the ships and the sea", name, max_new_tokens=6, **options)  # default scope
+            run = lm.start(triedec.GenerationRequest([5, 6, 7, 5, 6], name, options, 6), scope=("drop", name))
+            held.append(weakref.ref(run))
+            drain(lm.stream(triedec.GenerationRequest([5, 6, 7, 5, 6], name, options, 6)))
+            del decoder, run
+            assert lm.forget(("drop", name)) == 1
+            assert [ref() for ref in held] == [None] * len(held), f"{name}: kept alive after it was dropped"
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        assert gc.garbage == [], f"reference cycles left: {sorted({type(o).__name__ for o in gc.garbage})}"
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 def test_twenty_option_sets_from_one_key_keep_memory_bounded(default_lm):
     """The red-team's first finding: each new option set built a method kept for good (auto with
     k=1003 and up: 385 MB each). With the maxima and the LRU, 20 distinct option sets from one

@@ -155,7 +155,10 @@ class AutoDrafter(BaseDrafter):
         self.store = OutputStore(options.store_capacity)
         # Key -> accepted over base of tried nodes, so that base * rate estimates a node's chance
         # given its parent whatever its base
-        self.rates: RateTable[Key] = RateTable(lambda key: self.PRIOR[key[0][0]], self.EMA, self.RELAX, _valid_key)
+        # (the prior reads the class's table, not self: a closure over self would make a reference
+        # cycle, and a dropped drafter would hold its matrix until the cycle collector ran)
+        prior = self.PRIOR
+        self.rates: RateTable[Key] = RateTable(lambda key: prior[key[0][0]], self.EMA, self.RELAX, _valid_key)
         self.counters = {s: {"proposed": 0, "accepted": 0, "contributed": 0.0} for s in SOURCES}
         self._finished: deque[tuple[tuple[int, ...], int]] = deque(maxlen=SHARE_BACKLOG)  # kept here, not exported
         self._unsaved = False

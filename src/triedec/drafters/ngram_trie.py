@@ -97,7 +97,7 @@ class NgramTrieDrafter(RatedDrafter):
 
     def __init__(self, options: NgramTrieOptions, model: ModelInfo) -> None:
         # (match length, hot) -> accepted over tried draft tokens per drafted step
-        super().__init__(RateTable(lambda key: self.PRIOR_RHO, self.EMA, self.RELAX, _valid_rate_key))
+        super().__init__(RateTable(lambda key, rho=self.PRIOR_RHO: rho, self.EMA, self.RELAX, _valid_rate_key))
         self.options = options
 
     def rho(self, m: int, hot: bool = False) -> float:

@@ -113,7 +113,7 @@ class PromptLookupDrafter(RatedDrafter):
 
     def __init__(self, options: PromptLookupOptions, model: ModelInfo) -> None:
         # n-gram length -> accepted over tried draft tokens
-        super().__init__(RateTable(lambda n: self.PRIOR_RHO, self.EMA, self.RELAX, _valid_rate_key))
+        super().__init__(RateTable(lambda n, rho=self.PRIOR_RHO: rho, self.EMA, self.RELAX, _valid_rate_key))
         self.options = options
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> _PromptLookupSession:
