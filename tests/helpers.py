@@ -221,12 +221,14 @@ def together(adapter, runs, cost=None, limits: BatchLimits | None = None, arriva
     tokens: list[list[int]] = [[] for _ in runs]
     pending = sorted(range(len(runs)), key=lambda i: arrivals[i])
     step = 0
+    ids: dict[int, str] = {}
     while pending or not batch.idle:
         while pending and arrivals[pending[0]] <= step:
-            batch.submit(runs[pending.pop(0)])
+            i = pending.pop(0)
+            ids[i] = batch.submit(runs[i], request_id=f"request-{i}")
         for i, when in cancel.items():
             if when == step:
-                batch.cancel(runs[i])
+                batch.cancel(ids[i])
         batch.step()
         for i, r in enumerate(runs):
             tokens[i] += r.take()

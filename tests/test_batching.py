@@ -296,6 +296,36 @@ def test_kv_memory_admits_what_fits_and_refuses_what_never_can():
         batch.submit(ar.start(list(range(3, 40)), StopRule(400, frozenset([-1]))))
 
 
+def test_runs_are_known_by_request_id():
+    """A batch knows each run by its request id: ids it makes are distinct, a given id is kept, an
+    id in use or an empty one is refused before the run is queued, a step reports the ids that
+    finished (and they leave :attr:`Batch.runs`), cancelling by id ends that run alone, and an id
+    no longer in the batch cancels nothing."""
+    adapter = ModelAdapter(tiny_llama(seed=1))
+    ar = build("ar", {}, tiny_info())
+    batch = Batch(adapter)
+    short, long, doomed = (ar.start([1, 2, 3], StopRule(n, frozenset([-1]))) for n in (2, 6, 6))
+    made = batch.submit(short)
+    assert made.startswith("run-") and batch.runs == {made: short}
+    assert batch.submit(long, request_id="chatcmpl-1") == "chatcmpl-1"
+    for bad in ("chatcmpl-1", made, ""):
+        with pytest.raises(TriedecError, match="request id"):
+            batch.submit(doomed, request_id=bad)
+    assert batch.submit(doomed) not in (made, "chatcmpl-1") and len(batch.runs) == 3
+    finished: list[str] = []
+    while made not in finished:
+        finished += batch.step().finished
+    assert finished == [made] and made not in batch.runs and short.done
+    batch.cancel(made)  # gone already: nothing happens
+    doomed_id = next(i for i, r in batch.runs.items() if r is doomed)
+    batch.cancel(doomed_id)
+    assert doomed.done and doomed.outcome.stats.stop_reason == "cancelled" and not long.done
+    assert set(batch.runs) == {"chatcmpl-1"} and batch.running == ["chatcmpl-1"]
+    while not batch.idle:
+        finished += batch.step().finished
+    assert finished == [made, "chatcmpl-1"] and long.outcome.stats.new_tokens == 6
+
+
 def test_a_group_at_its_running_cap_waits_and_lets_the_others_go_first():
     """Admission is the batch's alone: a group (a server tenant) past ``group_running`` waits while
     later runs of other groups join; its runs join as its own finish, and each run's tokens are
@@ -306,7 +336,7 @@ def test_a_group_at_its_running_cap_waits_and_lets_the_others_go_first():
     batch = Batch(adapter, limits=BatchLimits(max_running=3), group_running=1)
     runs = {name: ar.start([1, 2, i + 3], rule) for i, name in enumerate(["a1", "a2", "b1", "a3", "c1"])}
     for name, run in runs.items():
-        batch.submit(run, group=name[0])
+        assert batch.submit(run, group=name[0], request_id=name) == name
     tokens: dict[str, list[int]] = {name: [] for name in runs}
 
     def step() -> None:
@@ -315,11 +345,11 @@ def test_a_group_at_its_running_cap_waits_and_lets_the_others_go_first():
             tokens[name] += run.take()
 
     step()
-    assert batch.running == [runs["a1"], runs["b1"], runs["c1"]]
-    assert list(batch.waiting) == [runs["a2"], runs["a3"]]
+    assert batch.running == ["a1", "b1", "c1"] and batch.runs["b1"] is runs["b1"]
+    assert list(batch.waiting) == ["a2", "a3"]
     assert (batch.running_in("a"), batch.running_in("b"), batch.running_in("z")) == (1, 1, 0)
-    batch.cancel(runs["a2"])  # a waiting run leaves at once; the group's next one is next in line
-    assert runs["a2"].done and list(batch.waiting) == [runs["a3"]]
+    batch.cancel("a2")  # a waiting run leaves at once; the group's next one is next in line
+    assert runs["a2"].done and list(batch.waiting) == ["a3"] and "a2" not in batch.runs
     most = 0
     while not batch.idle:
         step()

@@ -299,7 +299,8 @@ def test_every_commands_help_imports_no_torch():
 
 
 def test_method_options_are_read_from_the_flags_a_command_does_not_declare():
-    from triedec.flags import given_options, method_options, parse_command_line
+    from triedec.flags import parse_command_line
+    from triedec.method_flags import given_options, method_options
 
     args = parse_command_line(["generate", "--method", "pld", "--pld-max-ngram", "5", "--max-new", "8", "hello"])
     assert args.prompt == "hello" and args.max_new_tokens == 8  # the option's value is not the prompt

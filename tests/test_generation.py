@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import triedec
 from triedec.beam import BeamOptions
-from triedec.drafters.registry import GENERATION_ARGUMENTS
+from triedec.drafters.base import BaseDrafter
+from triedec.drafters.registry import register, reserved_option_names
 from triedec.errors import TriedecError
 from triedec.generation import MAX_NEW_TOKENS, GenerationRequest
 from triedec.lm import LM
@@ -35,10 +36,23 @@ def test_defaults_live_in_one_place():
 
 
 def test_the_keyword_names_are_the_ones_drafter_options_may_not_take():
+    """Every named keyword of the keyword forms is reserved (declared from their signatures, no
+    list by hand), and registering a method whose options take one is refused, naming the form."""
     keywords = set(inspect.signature(GenerationRequest.of).parameters) - {"options"}
     wrapper = {name for f in (LM.generate, LM.stream, LM.generate_batch) for name in inspect.signature(f).parameters}
     wrapper -= {"self", "kwargs", "prompts"}
-    assert keywords | wrapper == GENERATION_ARGUMENTS
+    reserved = reserved_option_names()
+    assert set(reserved) == keywords | wrapper
+    assert {"seed", "max_new_tokens", "progress", "max_running", "on_tokens", "prompt", "method"} <= set(reserved)
+    assert reserved["progress"] == "LM.generate_batch" and reserved["seed"] == "GenerationRequest.of"
+
+    @dataclasses.dataclass(frozen=True)
+    class Clashing:
+        max_running: int = 1
+
+    with pytest.raises(TriedecError, match=r"\['max_running'\] are generation arguments of LM.generate_batch"):
+        register("clashing-max-running", Clashing, "test")(BaseDrafter)
+    assert "clashing-max-running" not in methods()
 
 
 def test_which_loop_runs_a_method_is_declared_where_it_registers_not_read_from_its_name(monkeypatch):

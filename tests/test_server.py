@@ -388,8 +388,9 @@ def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
     event (never a hang), the run waiting behind its tenant's cap is untouched and runs next."""
     import asyncio
 
-    from triedec.engine import BatchLimits, SoloRun
+    from triedec.engine import BatchLimits
     from triedec.outcome import Outcome, Stats
+    from triedec.runs import SoloRun
     from triedec.server import Job, Scheduler, TenantLimits
 
     def finite(steps_left: int) -> SoloRun:
@@ -430,7 +431,8 @@ def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_clo
     finally runs: the drafting session ends); close() cancels whatever still runs."""
     import asyncio
 
-    from triedec.engine import BatchLimits, SoloRun
+    from triedec.engine import BatchLimits
+    from triedec.runs import SoloRun
     from triedec.server import Job, Scheduler
 
     ended = {"a": threading.Event(), "b": threading.Event()}

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Batch": "engine", "BatchLimits": "engine", "speculative_decode": "engine",
     "TriedecError": "errors",
     "GenerationRequest": "generation",
-    "LM": "lm", "GenerationResult": "lm", "load": "lm",
+    "LM": "lm", "GenerationResult": "lm", "load": "loading",
     "Method": "methods", "method": "methods", "methods": "methods",
     "DecodeStats": "outcome", "Outcome": "outcome", "Stats": "outcome", "Request": "request", "StopRule": "request",
     "Sampling": "sampling",
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from triedec.engine import Batch, BatchLimits, speculative_decode
     from triedec.errors import TriedecError
     from triedec.generation import GenerationRequest
-    from triedec.lm import LM, GenerationResult, load
+    from triedec.lm import LM, GenerationResult
+    from triedec.loading import load
     from triedec.methods import Method, method, methods
     from triedec.outcome import DecodeStats, Outcome, Stats
     from triedec.request import Request, StopRule

@@ -30,12 +30,12 @@ from triedec.beamscore import BeamOptions, BeamScorer, Hypothesis
 from triedec.drafters.base import ModelInfo
 from triedec.drafters.learned import Learned
 from triedec.drafters.registry import BEAM_SEARCH, register
-from triedec.engine import SoloRun
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
 from triedec.limits import PREFILL_CHUNK
 from triedec.outcome import Outcome, Stats
 from triedec.request import StopRule, prompt_chunk
+from triedec.runs import SoloRun
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 from triedec.trace import MODEL, StepTrace
 from triedec.tree import TokenTree
@@ -143,7 +143,7 @@ def beam_search(
     The returned generator yields once per forward (a prompt chunk, or one step of all beams): the
     tokens of the best hypothesis that became certain since (the stable prefix of all candidates;
     often none), and the rest at the end; it returns the hypotheses and stats. So whoever drives it
-    (the engine's :class:`~triedec.engine.SoloRun`) gets control back after every forward, and a
+    (the engine's :class:`~triedec.runs.SoloRun`) gets control back after every forward, and a
     time limit or a cancel takes effect within one. Stops at EOS / stop tokens
     (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop strings and context documents are
     refused here, before anything runs. With ``steps`` (a list), it appends a
@@ -256,7 +256,7 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
           "trie-shaped KV cache", own_loop=True, equals=BEAM_SEARCH)
 class BeamSearchDecoder:
     """Trie beam search with fixed :class:`~triedec.beamscore.BeamOptions`, in a loop of its own
-    (all beams in one forward already; :class:`~triedec.engine.SoloRun`). It applies no logits
+    (all beams in one forward already; :class:`~triedec.runs.SoloRun`). It applies no logits
     processors, so it refuses sampling and the repetition penalty."""
 
     def __init__(self, options: BeamOptions, model: ModelInfo) -> None:

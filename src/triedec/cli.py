@@ -16,16 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from triedec.errors import TriedecError, require_extra
-from triedec.flags import (
-    ModelSpec,
-    given_options,
-    load_model,
-    method_options,
-    model_label,
-    option_flags,
-    parse_command_line,
-    sampling_of,
-)
+from triedec.flags import ModelSpec, load_model, model_label, parse_command_line, sampling_of
+from triedec.method_flags import given_options, method_options, option_flags
 from triedec.serve_config import server_config
 
 

@@ -12,7 +12,7 @@ A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's eng
 4. **verify**: one forward (:meth:`~triedec.adapter.ModelAdapter.forward_batch`) carries every
    request's tree and up to ``max_prefill_tokens`` of prompt chunks of requests still prefilling;
 5. **accept** and **commit**, per request (:class:`~triedec.request.Request`);
-6. runs with a loop of their own (beam search, :class:`SoloRun`) advance one step each, beside;
+6. runs with a loop of their own (beam search, :class:`~triedec.runs.SoloRun`) advance one step each, beside;
 7. finished runs leave at once: their session ends, their KV is freed.
 
 Single-request decoding is the same step with one request (:func:`run_alone`), so ``generate``,
@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from triedec.accept import GREEDY, AcceptanceRule
 from triedec.adapter import ModelAdapter
@@ -40,20 +40,21 @@ from triedec.errors import TriedecError, positive_int
 from triedec.limits import BatchLimits
 from triedec.outcome import DecodeStats, Outcome, Stats
 from triedec.request import Request, StopRule
-from triedec.trace import StepTrace
+from triedec.runs import Run
 
-__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "SoloRun", "Stats",
+__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "Stats", "StepReport",
            "StopRule", "run_alone", "speculative_decode"]
 
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one :meth:`Batch.step` did: the runs that finished during it (already closed: read
-    their ``outcome``), and what its forward carried: ``requests`` (items: prompt chunks and
+    """What one :meth:`Batch.step` did: the request ids of the runs that finished during it
+    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), and
+    what its forward carried: ``requests`` (items: prompt chunks and
     verified trees), ``tokens``, ``prefill_tokens``, ``draft_nodes`` verified and ``proposed_nodes``
     drafted, and the step's wall ``seconds``."""
 
-    finished: tuple[Run, ...] = ()
+    finished: tuple[str, ...] = ()
     requests: int = 0
     tokens: int = 0
     prefill_tokens: int = 0
@@ -62,117 +63,10 @@ class StepReport:
     seconds: float = 0.0
 
 
-class Run(Protocol):
-    """What a batch runs: a :class:`~triedec.request.Request` (decoded in the shared forward,
-    ``shares_forward`` True) or a :class:`SoloRun` (a loop of its own, ``shares_forward`` False:
-    beam search). ``start`` when admitted, ``take`` the tokens committed
-    since the last call, ``done``, ``outcome`` once done, ``close`` (idempotent) to end it early or
-    release it; ``kv_tokens`` is the KV it reserves. ``record_steps`` (before ``start``) makes it
-    keep a :class:`~triedec.trace.StepTrace` per step, which ``take_steps`` hands over."""
-
-    shares_forward: bool
-    """whether its steps join the batch's shared forward (else it advances in a loop of its own)"""
-
-    @property
-    def done(self) -> bool: ...
-
-    @property
-    def kv_tokens(self) -> int: ...
-
-    @property
-    def outcome(self) -> Outcome: ...
-
-    def start(self, adapter: ModelAdapter) -> None: ...
-
-    def take(self) -> list[int]: ...
-
-    def record_steps(self) -> None: ...
-
-    def take_steps(self) -> list[StepTrace]: ...
-
-    def close(self, reason: str = "cancelled") -> None: ...
-
-
-class SoloRun:
-    """A method with a loop of its own (beam search verifies all its beams in one forward
-    already): ``loop(adapter, steps)`` is a generator that yields committed tokens once per step
-    and returns an :class:`~triedec.outcome.Outcome`; ``steps`` is None, or (after
-    :meth:`record_steps`) a list it appends a :class:`~triedec.trace.StepTrace` to per step. It
-    advances one step per batch step, beside the shared forward. Closed before its loop returned
-    (cancelled, or past its time limit), its outcome holds what it lived: the tokens it emitted,
-    its steps, its seconds and the reason."""
-
-    shares_forward = False
-
-    def __init__(self, loop: Callable[[ModelAdapter, list[StepTrace] | None], Generator[list[int], None, Outcome]],
-                 kv_tokens: int) -> None:
-        self._loop = loop
-        self._trace: list[StepTrace] | None = None
-        self._steps: Generator[list[int], None, Outcome] | None = None
-        self._kv_tokens = kv_tokens
-        self._fresh: list[int] = []
-        self._outcome: Outcome | None = None
-        self._closed = False
-        self._started = 0.0
-        self._advances = 0
-        self._emitted = 0
-
-    @property
-    def done(self) -> bool:
-        return self._outcome is not None or self._closed
-
-    @property
-    def kv_tokens(self) -> int:
-        return self._kv_tokens
-
-    @property
-    def outcome(self) -> Outcome:
-        if self._outcome is None:
-            raise TriedecError("the run has not finished")
-        return self._outcome
-
-    def start(self, adapter: ModelAdapter) -> None:
-        self._started = time.perf_counter()
-        self._steps = self._loop(adapter, self._trace)
-
-    def advance(self) -> None:
-        assert self._steps is not None
-        self._advances += 1
-        try:
-            fresh = next(self._steps)
-            self._fresh += fresh
-            self._emitted += len(fresh)
-        except StopIteration as finished:
-            self._outcome = finished.value
-
-    def take(self) -> list[int]:
-        fresh, self._fresh = self._fresh, []
-        return fresh
-
-    def record_steps(self) -> None:
-        if self._trace is None:
-            self._trace = []
-
-    def take_steps(self) -> list[StepTrace]:
-        if not self._trace:
-            return []
-        steps = list(self._trace)
-        self._trace.clear()  # the loop keeps appending to this same list
-        return steps
-
-    def close(self, reason: str = "cancelled") -> None:
-        if not self._closed and self._outcome is None:
-            seconds = time.perf_counter() - self._started if self._started else 0.0
-            self._outcome = Outcome(Stats(new_tokens=self._emitted, steps=self._advances, seconds=seconds,
-                                          tokens_per_s=self._emitted / seconds if seconds else 0.0,
-                                          stop_reason=reason))
-        self._closed = True
-        if self._steps is not None:
-            self._steps.close()
-
-
 class Batch:
-    """Owns the step loop over its runs (module doc), and admission: runs wait in :attr:`waiting`
+    """Owns the step loop over its runs (module doc), and admission. Every run is known by its
+    request id (given to :meth:`submit`, or one the batch makes): :attr:`runs` holds each waiting
+    or running run by id, :attr:`waiting` and :attr:`running` hold ids. Runs wait
     and join at a step boundary, oldest first, while there is room (``limits``: running slots, KV
     bytes) and their group has running room (``group_running``: most runs of one group, e.g. one
     server tenant, running at once; None: no cap; a run whose group is full lets the ones behind it
@@ -206,9 +100,14 @@ class Batch:
         self._observed: ObservedCost | None = None
         self.host_seconds = 0.0
         """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
-        self.waiting: deque[Run] = deque()
-        self.running: list[Run] = []
-        self._group: dict[Run, str] = {}  # every waiting or running run's group
+        self.runs: dict[str, Run] = {}
+        """every waiting or running run, by its request id"""
+        self.waiting: deque[str] = deque()
+        """ids of the runs waiting to join, oldest first"""
+        self.running: list[str] = []
+        """ids of the runs running, in the order they joined"""
+        self._group: dict[str, str] = {}  # every waiting or running run's group, by id
+        self._made_ids = 0  # ids this batch made for runs submitted without one
         self._running_in: Counter[str] = Counter()  # group -> its runs running
         self._dirty: dict[Drafter, None] = {}  # drafters with state to write, in the order they finished
         self._finished_since_persist = 0
@@ -225,26 +124,39 @@ class Batch:
             raise TriedecError(f"the request needs {self.kv_bytes(run) / 2**20:.0f} MiB of KV cache (prompt + "
                                f"max_new_tokens), more than this engine's cap of {cap / 2**20:.0f} MiB")
 
-    def submit(self, run: Run, group: str = "") -> None:
-        """Queue ``run`` as one of ``group``'s; it joins at the next step boundary with room."""
+    def submit(self, run: Run, group: str = "", request_id: str | None = None) -> str:
+        """Queue ``run`` as one of ``group``'s, under ``request_id`` (None: the batch makes one,
+        ``"run-N"``); it joins at the next step boundary with room. Returns the id. A
+        :class:`~triedec.errors.TriedecError` for an id that a waiting or running run has, or a
+        run that could never be admitted (:meth:`check`)."""
+        if request_id is None:
+            self._made_ids += 1
+            request_id = f"run-{self._made_ids}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise TriedecError(f"a request id is a non-empty string, got {request_id!r}")
+        if request_id in self.runs:
+            raise TriedecError(f"request id {request_id!r} is already in this batch")
         self.check(run)
-        self._group[run] = group
-        self.waiting.append(run)
+        self.runs[request_id] = run
+        self._group[request_id] = group
+        self.waiting.append(request_id)
+        return request_id
 
     def running_in(self, group: str) -> int:
         """How many of ``group``'s runs are running."""
         return self._running_in[group]
 
-    def cancel(self, run: Run, reason: str = "cancelled") -> None:
-        """End ``run`` now with stop reason ``reason`` (its session ends, its KV is freed; what it
-        generated so far stays in its outcome); it emits nothing more."""
-        if run in self.running:
-            self.running.remove(run)
-            self._retire(run, reason)
-        elif run in self.waiting:
-            self.waiting.remove(run)
-            del self._group[run]
-            run.close(reason)
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End the run of ``request_id`` now with stop reason ``reason`` (its session ends, its KV
+        is freed; what it generated so far stays in its outcome); it emits nothing more. An id
+        not in the batch (finished, or never submitted) is a no-op."""
+        if request_id in self.running:
+            self.running.remove(request_id)
+            self._retire(request_id, reason)
+        elif request_id in self.waiting:
+            self.waiting.remove(request_id)
+            del self._group[request_id]
+            self.runs.pop(request_id).close(reason)
 
     @property
     def idle(self) -> bool:
@@ -252,26 +164,26 @@ class Batch:
 
     def _admit(self) -> None:
         cap = self.limits.max_kv_bytes
-        reserved = sum(self.kv_bytes(r) for r in self.running)
-        for run in list(self.waiting):
+        reserved = sum(self.kv_bytes(self.runs[i]) for i in self.running)
+        for rid in list(self.waiting):
             if len(self.running) >= self.limits.max_running:
                 break
-            group = self._group[run]
+            run, group = self.runs[rid], self._group[rid]
             if self.group_running is not None and self._running_in[group] >= self.group_running:
                 continue
             if cap is not None and self.running and reserved + self.kv_bytes(run) > cap:
                 break
-            self.waiting.remove(run)
+            self.waiting.remove(rid)
             reserved += self.kv_bytes(run)
             try:
                 run.start(self.adapter)
             except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
-                del self._group[run]
+                del self._group[rid], self.runs[rid]
                 run.close("cancelled")
                 raise
             if self.gate_drafts and run.shares_forward:
                 run.gate = DraftGate()  # type: ignore[attr-defined]
-            self.running.append(run)
+            self.running.append(rid)
             self._running_in[group] += 1
 
     # ---- the step -----------------------------------------------------------------------------
@@ -281,7 +193,8 @@ class Batch:
         finished during it and what the forward carried."""
         started = time.perf_counter()
         self._admit()
-        requests: list[Request] = [r for r in self.running if r.shares_forward]  # type: ignore[misc]
+        running = [self.runs[i] for i in self.running]
+        requests: list[Request] = [r for r in running if r.shares_forward]  # type: ignore[misc]
         chunks, budget = [], self.limits.max_prefill_tokens
         for r in requests:
             if r.prefilling and (not chunks or r.chunk_tokens <= budget):
@@ -307,13 +220,13 @@ class Batch:
                 r.prefilled(rows)
             for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
                 r.verified(rows)
-        for run in self.running:
+        for run in running:
             if not run.shares_forward and not run.done:
                 run.advance()  # type: ignore[attr-defined]
-        finished = [r for r in self.running if r.done]
-        for run in finished:
-            self.running.remove(run)
-            self._retire(run, "")
+        finished = [i for i in self.running if self.runs[i].done]
+        for rid in finished:
+            self.running.remove(rid)
+            self._retire(rid, "")
         if self.idle or self._finished_since_persist >= self.limits.persist_every:
             self.persist()
         seconds = time.perf_counter() - started
@@ -334,9 +247,9 @@ class Batch:
             self._observed, self.host_seconds = ObservedCost(self.cost), 0.0
         return self._observed
 
-    def _retire(self, run: Run, reason: str) -> None:
-        """``run`` has left :attr:`running`: close it and count it out."""
-        group = self._group.pop(run)
+    def _retire(self, request_id: str, reason: str) -> None:
+        """The run of ``request_id`` has left :attr:`running`: close it and count it out."""
+        run, group = self.runs.pop(request_id), self._group.pop(request_id)
         self._running_in[group] -= 1
         if not self._running_in[group]:
             del self._running_in[group]
@@ -354,8 +267,8 @@ class Batch:
 
     def close(self) -> None:
         """Cancel every run and write the learned state (idempotent)."""
-        for run in [*self.running, *self.waiting]:
-            self.cancel(run)
+        for rid in [*self.running, *self.waiting]:
+            self.cancel(rid)
         self.persist()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triedec.errors import TriedecError
+from triedec.method_flags import add_method_options, split_method_flags, takes_method_options
 
 if TYPE_CHECKING:
     from triedec.models import ModelSource
@@ -33,65 +34,12 @@ COMMANDS = {
 """Each command and its one-line help (what `triedec --help` lists)."""
 
 
-def option_flags(method_name: str, options: type, option: str) -> list[str]:
-    """``--METHOD-OPTION``, plus the short alias the options class declares (``CLI_ALIASES``)."""
-    aliases = getattr(options, "CLI_ALIASES", {})
-    return [f"--{method_name}-{option.replace('_', '-')}", *([aliases[option]] if option in aliases else [])]
-
-
-METHOD_OPTIONS_HELP = (
-    "--METHOD-OPTION VALUE sets an option of the method --method names, for example --pld-max-ngram 4 or "
-    "--recycling-nodes 40 (beam's --num-beams and lookahead's --verify are short aliases); `triedec methods` lists "
-    "every method's options with their defaults and maxima. An option of another method is refused.")
-
-
-def _add_method_options(parser: argparse.ArgumentParser) -> None:
-    """Mark ``parser``'s command as taking method options: every flag it does not declare is kept
-    as a method option's text (:func:`parse_command_line`) and read against the method registry
-    when the command runs (:func:`given_options`). Declared generically, so that ``--help`` needs
-    no registry (which imports torch)."""
-    parser.add_argument_group("method options (see `triedec methods`)", METHOD_OPTIONS_HELP)
-    parser.set_defaults(method_flags=())
-
-
-def takes_method_options(command: argparse.ArgumentParser) -> bool:
-    return command.get_default("method_flags") is not None
-
-
-def split_method_flags(command: argparse.ArgumentParser,
-                       tokens: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """``tokens`` (a command's arguments) split into those ``command`` declares and the method
-    options' ``(flag, text)`` pairs in the order given: a ``--flag`` the command does not declare
-    (nor abbreviates), with its value (``--flag=VALUE`` or the next token). ``--`` ends the flags."""
-    known = [s for action in command._actions for s in action.option_strings if s.startswith("--")]
-    kept: list[str] = []
-    flags: list[tuple[str, str]] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if token == "--":
-            kept += tokens[i:]
-            break
-        name, has_value, value = token.partition("=")
-        if not name.startswith("--") or any(k.startswith(name) for k in known):
-            kept.append(token)
-        else:
-            if not has_value:
-                if i + 1 == len(tokens):
-                    command.error(f"argument {name}: expected one argument (a method option takes a value)")
-                i += 1
-                value = tokens[i]
-            flags.append((name, value))
-        i += 1
-    return kept, flags
-
-
 def parse_command_line(argv: Sequence[str]) -> argparse.Namespace:
     """A ``triedec`` command line, parsed. Only the named command's flags are built (with none, the
     top level alone answers ``--help``, ``--version`` and the missing-command error), and a command's
     ``--help`` imports neither torch nor transformers. A command that takes method options keeps the
-    flags it does not declare in ``args.method_flags`` (``(flag, text)`` pairs, :func:`given_options`
-    reads them); argparse's own errors exit with status 2, as always."""
+    flags it does not declare in ``args.method_flags`` (``(flag, text)`` pairs,
+    :func:`~triedec.method_flags.given_options` reads them); argparse's own errors exit with status 2, as always."""
     argv = list(argv)
     named = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(() if named is None else (named,))
@@ -111,48 +59,6 @@ def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Argum
     """The sub-parser of command ``name`` in the ``triedec`` parser."""
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return commands.choices[name]
-
-
-def option_table() -> dict[str, tuple[str, str]]:
-    """Every method option's flags (``--METHOD-OPTION`` and its alias) -> (method, option)."""
-    from triedec.methods import methods
-
-    table: dict[str, tuple[str, str]] = {}
-    for name, found in methods().items():
-        for field in dataclasses.fields(found.spec.options):
-            for flag in option_flags(name, found.spec.options, field.name):
-                table[flag] = (name, field.name)
-    return table
-
-
-def given_options(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """The method-option flags given, as text: ``{method: {option: text}}``; a flag that names no
-    method option is refused (:class:`~triedec.errors.TriedecError`); the last of two flags for one
-    option wins, as with any flag."""
-    flags: Sequence[tuple[str, str]] = getattr(args, "method_flags", None) or ()
-    if not flags:
-        return {}
-    table = option_table()
-    given: dict[str, dict[str, str]] = {}
-    for flag, text in flags:
-        if flag not in table:
-            raise TriedecError(f"unrecognized argument {flag}: neither a flag of `triedec {args.command}` nor a "
-                               "method option (`triedec methods` lists those)")
-        owner, option = table[flag]
-        given.setdefault(owner, {})[option] = text
-    return given
-
-
-def method_options(args: argparse.Namespace, method_name: str) -> dict[str, object]:
-    """The option flags given for ``method_name``, parsed; flags of other methods are refused."""
-    from triedec.methods import method
-
-    given = given_options(args)
-    for owner, options in given.items():
-        if owner != method_name:
-            flag = option_flags(owner, method(owner).spec.options, next(iter(options)))[-1]
-            raise TriedecError(f"{flag} is an option of method {owner!r}, not {method_name!r}")
-    return method(method_name).spec.parse_options(given.get(method_name, {}))
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -267,7 +173,7 @@ class ModelSpec:
         behalf: torch's thread count is per process)."""
         import torch
 
-        from triedec.lm import load_source
+        from triedec.loading import load_source
 
         torch.set_num_threads(self.threads)
         lm = load_source(self.source, self.kernels)
@@ -331,7 +237,7 @@ def _generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--json", action="store_true", help="print the result and stats as JSON")
     _add_sampling_args(gen)
     _add_model_args(gen)
-    _add_method_options(gen)
+    add_method_options(gen)
 
 
 def _methods_flags(parser: argparse.ArgumentParser) -> None:
@@ -401,7 +307,7 @@ def _bench_flags(bench: argparse.ArgumentParser) -> None:
                             "(default %(default)s; 'none' skips)")
     _add_sampling_args(bench)
     _add_model_args(bench)
-    _add_method_options(bench)
+    add_method_options(bench)
 
 
 def _compare_flags(cmp: argparse.ArgumentParser) -> None:
@@ -466,7 +372,7 @@ def _serve_flags(srv: argparse.ArgumentParser) -> None:
                      help="requests by which a conversation's replica may lead the least loaded one before "
                           "power-of-two choices takes over (default: --max-running)")
     _add_model_args(srv)
-    _add_method_options(srv)
+    add_method_options(srv)
 
 
 _COMMAND_FLAGS = {"generate": _generate_flags, "methods": _methods_flags, "calibrate": _calibrate_flags,

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from triedec.drafters.registry import keyword_names, reserve_option_names
 from triedec.errors import TriedecError, positive_int
 from triedec.methods import method as find_method
 from triedec.params import DEFAULT_METHOD, MAX_NEW_TOKENS
@@ -106,6 +107,9 @@ class GenerationRequest:
         return cls(prompt=prompt, method=method, options=options, max_new_tokens=max_new_tokens,
                    stop=stop, stop_token_ids=stop_token_ids, context=context, chat=chat,  # type: ignore[arg-type]
                    sampling=sampling)
+
+
+reserve_option_names(keyword_names(GenerationRequest.of, "options"), "GenerationRequest.of")
 
 
 def vars_of(options: Any) -> dict[str, object]:

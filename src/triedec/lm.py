@@ -16,23 +16,23 @@ from typing import Any
 
 import torch
 
-from triedec.adapter import KERNELS, ModelAdapter
+from triedec.adapter import ModelAdapter
 from triedec.beam import Hypothesis
 from triedec.calibration import Calibration, load_or_calibrate, remeasure_cost
 from triedec.costmodel import CostModel
 from triedec.decoders import BuiltMethods, DecoderLimits
 from triedec.drafters import ModelInfo
 from triedec.drafters.learned import Learned
-from triedec.drafters.registry import NEEDS_COST
-from triedec.engine import Batch, BatchLimits, Run, run_alone
+from triedec.drafters.registry import NEEDS_COST, keyword_names, reserve_option_names
+from triedec.engine import Batch, BatchLimits, run_alone
 from triedec.errors import TriedecError
 from triedec.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_of
 from triedec.methods import Decoder
 from triedec.methods import method as find_method
-from triedec.models import ModelSource
 from triedec.outcome import Outcome, Stats
 from triedec.paths import cache_root
 from triedec.prompts import Prompts
+from triedec.runs import Run
 
 
 @dataclass(frozen=True)
@@ -359,6 +359,12 @@ class LM:
             return self._reference
 
 
+# the keyword forms' own keywords (GenerationRequest.of reserves the ones it shares with them)
+for _form in (LM.generate, LM.stream, LM.generate_batch):
+    reserve_option_names(keyword_names(_form, "prompt", "prompts"), f"LM.{_form.__name__}")
+del _form
+
+
 def options_id(options: Any) -> str:
     """A method's options as a short stable id, equal across processes for equal values; options
     that name a learned-state file are left out (each replica has its own files)."""
@@ -376,36 +382,3 @@ def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[st
         return prompt
     return GenerationRequest.of(prompt, method, **kwargs)
 
-
-def load(
-    model: str | os.PathLike[str] | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    weights: str = "float",
-    device: str | torch.device = "cpu",
-    attn_implementation: str = "sdpa",
-    cache_dir: str | os.PathLike[str] | None = None,
-    kernels: str = "auto",
-) -> LM:
-    """Load a causal LM: a local HF directory, a cached hub id, a ``.gguf`` file, or (``None``)
-    the embedded default SmolLM2-135M-Instruct. The arguments other than ``kernels`` are
-    :class:`~triedec.models.ModelSource`'s (see :mod:`triedec.models`).
-
-    ``dtype`` and ``weights`` choose the precision mode (:mod:`triedec.precision`): ``float32``
-    by default; ``dtype="bfloat16"``; ``weights="int8"`` or ``"int4"`` (bfloat16 activations, CPU).
-    Every method returns the tokens ``ar`` returns in the same mode. The stock copy the benchmark
-    and tests compare against (:meth:`LM.reference_model`) is loaded in the same mode.
-
-    ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
-    pre-packed linears on CPU fp32, triedec's fixed-order tree attention on CPU; :mod:`triedec.adapter`);
-    ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
-    return load_source(ModelSource(model, dtype, weights, device, attn_implementation, cache_dir), kernels)
-
-
-def load_source(source: ModelSource, kernels: str = "auto") -> LM:
-    """:func:`load` for a :class:`~triedec.models.ModelSource` value."""
-    if kernels not in KERNELS:
-        raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    hf_model, tokenizer = source.load_hf()
-    return LM(hf_model, tokenizer, cache_dir=source.cache_dir, kernels=kernels,
-              reference=lambda: source.load_hf()[0])

@@ -5,7 +5,7 @@ class, what must be measured before it is built, its exactness contract) and a b
 ``(options, ModelInfo) -> Decoder``. Every registered drafter is a method whose requests join the
 engine's shared forward (:class:`~triedec.request.Request`); a method that declares a loop of its
 own (``own_loop``: ``beam``, trie beam search, which verifies all its beams in one forward of its
-own, :class:`~triedec.engine.SoloRun`, run beside the batch) builds its decoder itself.
+own, :class:`~triedec.runs.SoloRun`, run beside the batch) builds its decoder itself.
 Callers (the API, the CLI, the benchmark, the server) look a method up, build it once and call
 ``decoder.start(...)`` for each request; none of them branches on which method it is.
 """
@@ -21,9 +21,9 @@ from triedec.accept import acceptance_rule
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, method_specs
 from triedec.drafters.learned import Learned
 from triedec.drafters.registry import BEAM_SEARCH, GREEDY
-from triedec.engine import Run
 from triedec.errors import TriedecError
 from triedec.request import Request, StopRule
+from triedec.runs import Run
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 __all__ = ["BEAM_SEARCH", "GREEDY", "Decoder", "Method", "SpeculativeDecoder", "method", "methods"]
@@ -31,7 +31,7 @@ __all__ = ["BEAM_SEARCH", "GREEDY", "Decoder", "Method", "SpeculativeDecoder", "
 
 class Decoder(Protocol):
     """A built method. ``start`` validates its arguments and returns the request's
-    :class:`~triedec.engine.Run`, which an engine :class:`~triedec.engine.Batch` decodes; its
+    :class:`~triedec.runs.Run`, which an engine :class:`~triedec.engine.Batch` decodes; its
     ``outcome`` is an :class:`~triedec.outcome.Outcome`. A decoder is shared by every request of its
     (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
     (greedy by default; sampling needs its seed set). ``export_learned`` / ``absorb_learned``

@@ -98,7 +98,7 @@ class Request:
     whose learned state is updated under the drafter's own lock."""
 
     shares_forward = True
-    """its steps join the batch's shared forward (:class:`~triedec.engine.Run`)"""
+    """its steps join the batch's shared forward (:class:`~triedec.runs.Run`)"""
 
     def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
                  documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from triedec.errors import TriedecError
-from triedec.flags import build_parser, command_parser, method_options, option_table
+from triedec.flags import build_parser, command_parser
+from triedec.method_flags import method_options, option_table
 
 
 def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -194,13 +194,40 @@ class MethodSpec:
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
-GENERATION_ARGUMENTS = frozenset({
-    "prompt", "method", "max_new_tokens", "stop", "stop_token_ids", "context", "chat", "on_tokens",
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "progress", "max_running",
-})
-"""The keyword form's own arguments (``GenerationRequest.of``, and ``LM.generate`` / ``stream`` /
-``generate_batch``; a test keeps this list equal to their signatures): no method option may take
-one of these names, or the keyword form could not pass it."""
+_RESERVED: dict[str, str] = {}  # option name -> the keyword form that takes it for itself
+
+
+def reserve_option_names(names: Iterable[str], by: str) -> None:
+    """Declare ``names`` as the keyword arguments of a keyword form above the registry (``by``:
+    ``GenerationRequest.of``, ``LM.generate``, ...), which hands every other keyword to the method
+    as an option: no method option may take one of them, or that form could not pass it. Checked
+    now against every registered method, and at :func:`register` for every later one. The forms
+    declare their own signatures (:func:`keyword_names`), so nothing here lists them by hand."""
+    for name in names:
+        _RESERVED.setdefault(name, by)
+    for spec in _REGISTRY.values():
+        _check_option_names(spec.name, spec.options)
+
+
+def reserved_option_names() -> dict[str, str]:
+    """Every reserved name, with the keyword form that takes it (:func:`reserve_option_names`)."""
+    return dict(_RESERVED)
+
+
+def keyword_names(fn: Callable[..., Any], *leave: str) -> set[str]:
+    """The named parameters of ``fn`` (its ``**kwargs`` and ``self``/``cls`` aside), less ``leave``."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    return {p.name for p in params if p.kind is not p.VAR_KEYWORD and p.name not in {"self", *leave}}
+
+
+def _check_option_names(name: str, options: type) -> None:
+    clash = sorted(set(_RESERVED) & {f.name for f in dataclasses.fields(options)})
+    if clash:
+        forms = sorted({_RESERVED[c] for c in clash})
+        raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments of "
+                           f"{', '.join(forms)}; rename them")
 
 
 def register(name: str, options: type, description: str,
@@ -218,9 +245,7 @@ def register(name: str, options: type, description: str,
             raise TriedecError(f"method {name!r} is already registered")
         if equals not in (GREEDY, BEAM_SEARCH):
             raise TriedecError(f"method {name!r}: equals must be {GREEDY!r} or {BEAM_SEARCH!r}, got {equals!r}")
-        clash = sorted(GENERATION_ARGUMENTS & {f.name for f in dataclasses.fields(options)})
-        if clash:
-            raise TriedecError(f"method {name!r}: option name(s) {clash} are generation arguments; rename them")
+        _check_option_names(name, options)
         extra = {} if needs is None else {"needs": needs}
         _REGISTRY[name] = MethodSpec(name, options, factory, description, **extra, profile=profile,
                                      own_loop=own_loop, equals=equals)

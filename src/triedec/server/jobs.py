@@ -7,15 +7,16 @@ import asyncio
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from triedec.engine import Run
+from triedec.runs import Run
 from triedec.trace import StepTrace
 
 
 class Job:
-    """One request's run, its tenant and deadline, and the channel its events travel on to its
+    """One request's id and run, its tenant and deadline, and the channel its events travel on to its
     HTTP handler.
 
     The channel is bounded whatever the handler does: the scheduler thread never waits on it. New
@@ -25,7 +26,11 @@ class Job:
     token at once, then the final event."""
 
     def __init__(self, run: Run, loop: asyncio.AbstractEventLoop, tenant: str = "",
-                 deadline: float | None = None, on_end: Callable[[], None] | None = None) -> None:
+                 deadline: float | None = None, on_end: Callable[[], None] | None = None,
+                 request_id: str | None = None) -> None:
+        self.id = request_id or f"job-{uuid.uuid4().hex}"
+        """the request's id (the response's ``id`` over HTTP): the scheduler and the engine batch
+        know the job by it"""
         self.run = run
         self.loop = loop
         self.tenant = tenant

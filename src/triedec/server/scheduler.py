@@ -1,7 +1,7 @@
 """The server's scheduler: one thread that owns the engine's step loop.
 
 Every HTTP request becomes a :class:`~triedec.server.jobs.Job`: its engine run (a :class:`~triedec.request.Request`,
-or beam search's :class:`~triedec.engine.SoloRun`), its tenant and deadline, and the channel its
+or beam search's :class:`~triedec.runs.SoloRun`), its tenant and deadline, and the channel its
 events travel on to the handler (:meth:`~triedec.server.jobs.Job.next`: the tokens emitted since the last call, then
 ``("done", Outcome)``, ``("error", exception)``, ``("cancelled", None)`` or ``("timeout", None)``;
 bounded, and never waited on by this thread). The scheduler thread hands new jobs to one
@@ -35,7 +35,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from triedec.engine import Batch, Run, StepReport
+from triedec.engine import Batch, StepReport
 from triedec.errors import TriedecError
 from triedec.limits import BatchLimits
 from triedec.lm import LM
@@ -81,7 +81,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
-        self._jobs: dict[Run, Job] = {}  # the jobs in the batch (waiting or running), by their run
+        self._jobs: dict[str, Job] = {}  # the jobs in the batch (waiting or running), by request id
         self._flying: Counter[str] = Counter()  # tenant -> its jobs anywhere here (under the condition)
         self._durations: deque[float] = deque(maxlen=64)  # seconds of recently finished requests
         self._depth = (0, 0)
@@ -125,6 +125,8 @@ class Scheduler:
                 raise QueueFull("the server is shutting down")
             if len(self._jobs) + len(self._incoming) >= self.limits.max_running + self.max_queue:
                 raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
+            if job.id in self._jobs or any(job.id == j.id for j in self._incoming):
+                raise TriedecError(f"request id {job.id!r} is already in use")
             self.check_tenant(job.tenant)
             self.batch.check(job.run)
             self._incoming.append(job)
@@ -216,8 +218,13 @@ class Scheduler:
                     except Exception as exc:  # handed to the caller
                         future.set_exception(exc)
             for job in arrived:
-                self.batch.submit(job.run, group=job.tenant)
-                self._jobs[job.run] = job
+                try:
+                    self.batch.submit(job.run, group=job.tenant, request_id=job.id)
+                except TriedecError as exc:  # checked in submit(); kept from reaching the loop's thread
+                    job.run.close("cancelled")
+                    self._finish(job, "error", exc)
+                    continue
+                self._jobs[job.id] = job
             now = time.perf_counter()
             for job in list(self._jobs.values()):
                 if job.cancelled.is_set():
@@ -263,8 +270,8 @@ class Scheduler:
 
     def _drop(self, job: Job, reason: str) -> None:
         """Take ``job`` out of the batch now (waiting or running), its run ended with ``reason``."""
-        if self._jobs.pop(job.run, None) is not None:
-            self.batch.cancel(job.run, reason)
+        if self._jobs.pop(job.id, None) is not None:
+            self.batch.cancel(job.id, reason)
         else:  # never handed to the batch (shutting down)
             job.run.close(reason)
 
@@ -298,7 +305,7 @@ class Scheduler:
         except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
             log.exception("a decoding step failed")
             waiting = set(batch.waiting)  # the others ran in the step, or were being started when it failed
-            for job in [job for run, job in self._jobs.items() if run not in waiting]:
+            for job in [job for rid, job in self._jobs.items() if rid not in waiting]:
                 self._drop(job, "cancelled")
                 self._finish(job, "error", exc)
             return
@@ -306,8 +313,9 @@ class Scheduler:
             fresh = job.run.take()
             if fresh:
                 job.emit("tokens", fresh, job.run.take_steps())
-        for run in report.finished:
-            self._finish(self._jobs.pop(run), "done", run.outcome)
+        for rid in report.finished:
+            job = self._jobs.pop(rid)
+            self._finish(job, "done", job.run.outcome)
         if self.on_step is not None:
             self.on_step(report)
 

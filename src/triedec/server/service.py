@@ -20,13 +20,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from triedec.drafters.base import FROM_STORE
-from triedec.engine import Run, StepReport
+from triedec.engine import StepReport
 from triedec.errors import StateFileError, TriedecError
 from triedec.generation import GenerationRequest
 from triedec.lm import LM
 from triedec.methods import method as find_method
 from triedec.methods import methods
 from triedec.outcome import Outcome
+from triedec.runs import Run
 from triedec.sampling import SAMPLING_FIELDS, Sampling
 from triedec.server.config import ServerConfig
 from triedec.server.jobs import Job
@@ -148,7 +149,8 @@ class Service:
             seconds = self.config.max_request_seconds
             job = Job(prepared.run, asyncio.get_running_loop(), tenant,
                       None if seconds is None else time.perf_counter() + seconds,
-                      on_end=functools.partial(self.scopes.leave, scope))
+                      on_end=functools.partial(self.scopes.leave, scope),
+                      request_id=f"{shape.id_prefix}-{uuid.uuid4().hex}")
             self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
             return job, prepared
         except StateFileError:  # the operator's fault, not the client's: the detail (a path) goes to the log only
@@ -288,7 +290,7 @@ class Service:
         if isinstance(started, JSONResponse):
             return started
         job, prepared = started
-        rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+        rid = job.id
         model = self.config.model_name
 
         def envelope(kind: str) -> dict[str, Any]:
