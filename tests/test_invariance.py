@@ -2,8 +2,8 @@
 bit (``torch.equal``), whatever tree, batch or place in the forward's row carries them.
 
 * the kernel (:mod:`triedec.attention`): a query's output alone, inside a call of many queries,
-  over its keys compacted or scattered in a bigger cache, for random shapes, groups, head sizes
-  (vector and scalar paths) and dtypes;
+  over its keys compacted or scattered in a bigger cache, one head alone or beside the heads that
+  share its K/V, for random shapes, groups, head sizes (vector and scalar paths) and dtypes;
 * whole models with ``kernels="auto"`` (GQA, sliding windows, tied and untied heads; float32,
   bfloat16, int8 and int4 weights): every node of
   a random tree, on a prefix committed by random prompt chunks, at a random place in a forward
@@ -54,7 +54,7 @@ from triedec.sampling import Sampling
 @given(data=st.data())
 def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
     kv_heads = data.draw(st.integers(1, 3), label="kv_heads")
-    group = data.draw(st.integers(1, 3), label="group")
+    group = data.draw(st.integers(1, 7), label="group")  # heads sharing K/V are computed as teams of 1-3
     dim = data.draw(st.sampled_from([4, 8, 12, 16, 64]), label="dim")  # 4, 12: the scalar path
     slots = data.draw(st.integers(1, 90), label="slots")
     queries = data.draw(st.integers(1, 10), label="queries")
@@ -84,6 +84,13 @@ def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
         scattered = tree_attention(q[:, :, t : t + 1], big_k.narrow(2, 0, spread), big_v.narrow(2, 0, spread),
                                    key_lists(row), scale)
         assert torch.equal(scattered[0, 0], together[0, t]), f"query {t} over its keys scattered"
+        # one head alone on its key/value head (no team: the single-output path) gives the bits
+        # its team gave
+        h = data.draw(st.integers(0, kv_heads * group - 1), label="head")
+        g = h // group
+        single = tree_attention(q[:, h : h + 1, t : t + 1], k[:, g : g + 1], v[:, g : g + 1],
+                                key_lists(visible[t : t + 1]), scale)
+        assert torch.equal(single[0, 0, 0], together[0, t, h]), f"query {t}, head {h} alone"
     mask = visible[None, None]
     reference = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1), attn_mask=mask,
