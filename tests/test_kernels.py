@@ -17,7 +17,15 @@ import triedec
 from triedec.adapter import ModelAdapter, cache_keyword, returned_cache
 from triedec.dispatch import GQA_SDPA, _gqa_sdpa
 from triedec.errors import TriedecError
-from triedec.kernels import PackedLinear, pack_linears, packing_available
+from triedec.kernels import (
+    PackedLinear,
+    SplitLinear,
+    invariant_linear,
+    pack_linears,
+    packing_available,
+    row_invariant,
+    split_linears,
+)
 from triedec.methods import method
 from triedec.request import StopRule
 
@@ -126,8 +134,11 @@ def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
     out = fast.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0)
     assert out.stats.kernels == fast.adapter.kernels and out.stats.exactness == "bit-exact"
     assert out.token_ids == plain.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0).token_ids
-    bf16 = triedec.load(tiny_model_dir, dtype="bfloat16")  # no packed linears for bf16: the plain path
-    assert "onednn" not in bf16.adapter.kernels and "fixed-order-attention" in bf16.adapter.kernels
+    bf16 = triedec.load(tiny_model_dir, dtype="bfloat16")  # packed bf16 linears where oneDNN has bf16 kernels
+    packed_bf16 = packing_available(torch.device("cpu"), torch.bfloat16)
+    assert ("onednn" in bf16.adapter.kernels) == packed_bf16 and "fixed-order-attention" in bf16.adapter.kernels
+    assert any(isinstance(m, PackedLinear) for m in bf16.model.modules()) == packed_bf16
+    assert bf16.adapter.exactness == "bit-exact"
     eager = triedec.load(tiny_model_dir, attn_implementation="eager")  # triedec's attention in its forwards too
     assert "gqa-sdpa" not in eager.adapter.kernels and "fixed-order-attention" in eager.adapter.kernels
     assert plain.adapter.exactness == "up to rounding"
@@ -164,3 +175,46 @@ def test_beam_search_on_fast_kernels_equals_stock_transformers(name):
     for prompt in random_prompts(seed=5, count=4):
         tokens, _ = alone(adapter, decoder, prompt, StopRule(20, frozenset([EOS])))
         assert tokens == hf_beam(stock, prompt, BeamOptions(num_beams=4), 20, EOS)[0][0]
+
+
+class _OrderByBatch(nn.Module):
+    """A stand-in kernel like oneDNN on an AVX-512 EPYC: one row is summed over its input features
+    in one order, several rows (past 32 input features) in another, so a row's bits depend on its
+    batch; at most 32 features it is row-invariant."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.shape[0] == 1 or w.shape[1] <= 32:
+            return torch.stack([(row[None] * w).sum(-1) for row in x])
+        return torch.stack([(row[None] * w).flip(-1).sum(-1) for row in x])
+
+
+def test_a_linear_whose_rows_depend_on_the_batch_is_split_into_pieces_that_do_not():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 24)
+    assert not row_invariant(_OrderByBatch(linear), 96, torch.float32)  # the probe can fail
+    verdicts: dict = {}
+    fixed = invariant_linear(linear, _OrderByBatch, verdicts)
+    assert isinstance(fixed, SplitLinear) and fixed.bounds == [(0, 32), (32, 64), (64, 96)]
+    assert verdicts == {(24, 96): 3} and row_invariant(fixed, 96, torch.float32)
+    x = torch.randn(5, 96)
+    assert torch.allclose(fixed(x), linear(x), atol=1e-5)  # the same layer up to rounding, bias included
+    assert isinstance(invariant_linear(nn.Linear(96, 24), _OrderByBatch, verdicts), SplitLinear)  # by shape
+    small = nn.Linear(32, 8)
+    assert isinstance(invariant_linear(small, _OrderByBatch), _OrderByBatch)  # invariant whole: kept whole
+
+
+def test_split_pieces_sit_on_64_feature_boundaries_and_cover_the_input():
+    for features, pieces, bounds in [(1536, 2, [(0, 768), (768, 1536)]), (1000, 3, [(0, 384), (384, 768), (768, 1000)]),
+                                     (40, 3, [(0, 14), (14, 28), (28, 40)])]:
+        split = SplitLinear(nn.Linear(features, 4, bias=False), pieces, lambda part: part)
+        assert split.bounds == bounds and "pieces" in repr(split)
+
+
+def test_bf16_linears_stay_whole_where_they_are_row_invariant():
+    model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
+    assert split_linears(model) == 0 and type(model[0]) is nn.Linear

@@ -76,7 +76,7 @@ from triedec.dispatch import (
     item_visibility,
 )
 from triedec.errors import TriedecError
-from triedec.kernels import PackedLinear, pack_linears, packing_available
+from triedec.kernels import PackedLinear, pack_linears, packing_available, split_linears
 from triedec.kvcache import KVCache
 from triedec.precision import precision_of
 from triedec.tree import TokenTree
@@ -119,6 +119,8 @@ def apply_kernels(model: PreTrainedModel, kernels: str) -> None:
     param = next(model.parameters())
     if kernels == "auto" and packing_available(param.device, param.dtype):
         pack_linears(model)
+    elif kernels == "auto" and param.device.type == "cpu" and param.dtype != torch.float32:
+        split_linears(model)  # bf16 linears too long to be row-invariant whole on this CPU, in pieces
     attn = model.config._attn_implementation
     if attn in ("sdpa", STOCK_SDPA, GQA_SDPA):
         model.set_attn_implementation(GQA_SDPA if kernels == "auto" else STOCK_SDPA)

@@ -14,18 +14,26 @@ as between any two fp32 GEMM kernels (summation order differs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+"""Weight dtypes :class:`PackedLinear` packs (bf16 where the CPU has oneDNN's bf16 kernels)."""
 
 BATCH_HINT = 16
 """Rows oneDNN's weight layout is chosen for: the tree sizes verified on a CPU (1-32 tokens)."""
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether oneDNN pre-packed linears can run here: CPU, fp32, and a torch build with oneDNN."""
+    """Whether oneDNN pre-packed linears can run here: CPU, a dtype of :data:`PACKED_DTYPES` (bf16
+    only where oneDNN says the CPU has bf16 kernels), and a torch build with oneDNN."""
     ops = getattr(torch.ops, "mkldnn", None)
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and ops is not None and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
+    if not (device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+            and ops is not None and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(getattr(ops, "_is_mkldnn_bf16_supported", lambda: False)())
 
 
 class LinearStandIn(nn.Module):
@@ -71,6 +79,83 @@ class PackedLinear(LinearStandIn):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+PROBE_ROWS = (2, 3, 5, 8, 17)
+"""Row counts :func:`row_invariant` compares with rows computed one at a time."""
+MAX_PIECES = 8
+"""Most pieces :func:`invariant_linear` splits a layer's input features into."""
+
+
+def row_invariant(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                  seed: int = 0) -> bool:
+    """Whether ``layer`` (``[rows, in_features] -> [rows, out]``) gives each row the same bits
+    alone as inside calls of :data:`PROBE_ROWS` rows, on seeded random rows. GEMM kernels choose
+    their blocking by shape, so this answers for every input of that shape on this machine."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=gen).to(dtype)
+    with torch.no_grad():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+        return all(torch.equal(layer(x[:m]), alone[:m]) for m in PROBE_ROWS)
+
+
+class SplitLinear(LinearStandIn):
+    """``y = x[:, K_0] W_0^T + x[:, K_1] W_1^T + ... (+ b)``: the layer over consecutive pieces of
+    its input features, each piece a layer of its own (``make`` of the piece's ``nn.Linear``), the
+    partial outputs added in piece order, the bias last. Some GEMM kernels sum a long input in
+    another order for one row than for several (oneDNN on an AVX-512 EPYC, fp32 and bf16, past
+    1024 input features, measured), so a row's output would depend on its batch; each piece short
+    enough is row-invariant, and so is their sum. The outputs differ from the whole layer's by
+    rounding only."""
+
+    def __init__(self, linear: nn.Linear, pieces: int, make: Callable[[nn.Linear], nn.Module]) -> None:
+        super().__init__(linear)
+        size = -(-self.in_features // pieces)
+        size = -(-size // 64) * 64 if size > 64 else size  # pieces on 64-feature boundaries where they can be
+        self.bounds = [(a, min(a + size, self.in_features)) for a in range(0, self.in_features, size)]
+        weight = linear.weight.detach()
+        parts = []
+        for a, b in self.bounds:
+            part = nn.Linear(b - a, self.out_features, bias=False, device=weight.device, dtype=weight.dtype)
+            with torch.no_grad():
+                part.weight.copy_(weight[:, a:b])
+            parts.append(make(part))
+        self.parts = nn.ModuleList(parts)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        out = None
+        for (a, b), part in zip(self.bounds, self.parts, strict=True):
+            piece = part(x[:, a:b])
+            out = piece if out is None else out + piece
+        assert out is not None
+        return out if self.bias is None else out + self.bias
+
+    def repr_extra(self) -> str:
+        return f", pieces={len(self.bounds)}"
+
+
+def invariant_linear(linear: nn.Linear, make: Callable[[nn.Linear], nn.Module],
+                     verdicts: dict[tuple[int, int], int] | None = None) -> nn.Module:
+    """``make(linear)`` if it is :func:`row_invariant`, else a :class:`SplitLinear` over the
+    fewest pieces (2 to :data:`MAX_PIECES`) whose pieces are; else ``make(linear)`` all the same
+    (the load-time self-test then reports ``up to rounding``). ``verdicts`` caches the pieces
+    chosen per ``(out_features, in_features)``, which is all the choice depends on."""
+    verdicts = {} if verdicts is None else verdicts
+    shape = (linear.out_features, linear.in_features)
+    dtype = linear.weight.dtype
+    if shape not in verdicts:
+        verdicts[shape] = 1
+        whole = make(linear)
+        if not row_invariant(whole, linear.in_features, dtype):
+            for pieces in range(2, min(MAX_PIECES, linear.in_features) + 1):
+                if row_invariant(SplitLinear(linear, pieces, make), linear.in_features, dtype):
+                    verdicts[shape] = pieces
+                    break
+        if verdicts[shape] == 1:
+            return whole
+    pieces = verdicts[shape]
+    return make(linear) if pieces == 1 else SplitLinear(linear, pieces, make)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of ``model`` (fp32, CPU) for a :class:`PackedLinear`, in place.
 
@@ -83,13 +168,31 @@ def pack_linears(model: nn.Module) -> int:
     shared = {id(p) for name, m in model.named_modules() if not isinstance(m, nn.Linear)
               for p in m.parameters(recurse=False)}
     added = 0
+    verdicts: dict[tuple[int, int], int] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKED_DTYPES:
                 if id(child.weight) in shared:
                     added += child.weight.numel() * child.weight.element_size()
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, invariant_linear(child, PackedLinear, verdicts))
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()
     return added
+
+
+def split_linears(model: nn.Module) -> int:
+    """Swap every CPU ``nn.Linear`` of ``model`` whose rows are not :func:`row_invariant` (bf16
+    ``F.linear`` past 1024 input features on an AVX-512 EPYC, measured) for a
+    :class:`SplitLinear` of ``nn.Linear`` pieces that are, in place; returns how many were
+    swapped. Layers that are invariant whole stay as they are."""
+    verdicts: dict[tuple[int, int], int] = {}
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.device.type == "cpu":
+                replaced = invariant_linear(child, lambda part: part, verdicts)
+                if isinstance(replaced, SplitLinear):
+                    setattr(parent, name, replaced)
+                    swapped += 1
+    return swapped
