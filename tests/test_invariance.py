@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from triedec.adapter import BIT_EXACT, UP_TO_ROUNDING, ForwardItem, ModelAdapter, check_row_invariance
-from triedec.attention import key_lists, tree_attention
+from triedec.attention import key_lists, tree_attention, tree_attention_items
 from triedec.engine import BatchLimits
 from triedec.errors import TriedecError
 from triedec.methods import method
@@ -97,6 +97,41 @@ def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
         scale=scale).transpose(1, 2)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(together.float(), reference, atol=tol, rtol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_kernel_gives_each_item_of_a_many_item_call_the_bits_of_a_call_of_its_own(data):
+    """One call for every request of a forward (:func:`tree_attention_items`), each request on its
+    own K/V of its own length, with or without key lists: every output equals its item's own call."""
+    kv_heads = data.draw(st.integers(1, 3), label="kv_heads")
+    group = data.draw(st.integers(1, 4), label="group")
+    dim = data.draw(st.sampled_from([8, 12, 64]), label="dim")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
+    sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=5), label="sizes")
+    query = torch.randn(1, kv_heads * group, sum(sizes), dim, generator=gen).to(dtype)
+    caches, seen, alone = [], [], []
+    at = 0
+    for size in sizes:
+        slots = data.draw(st.integers(1, 70), label="slots")
+        k = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
+        v = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
+        if data.draw(st.booleans(), label="listed"):
+            visible = torch.rand(size, slots, generator=gen) < 0.5
+            visible[torch.arange(size), torch.randint(0, slots, (size,), generator=gen)] = True
+            lists = key_lists(visible)
+        else:
+            lists = None
+        caches.append((k, v))
+        seen.append(lists)
+        alone.append(tree_attention(query[:, :, at : at + size], k, v, lists, dim**-0.5))
+        at += size
+    edges = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    together = tree_attention_items(query, caches, edges, seen, dim**-0.5)
+    assert torch.equal(together, torch.cat(alone, dim=1))
+    with pytest.raises(RuntimeError, match="bounds"):
+        tree_attention_items(query, caches, [0, *edges[1:-1], edges[-1] + 1], seen, dim**-0.5)
 
 
 def test_kernel_refuses_a_query_that_sees_nothing_and_unsupported_dtypes():

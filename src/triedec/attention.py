@@ -24,6 +24,7 @@ import platform
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -147,3 +148,20 @@ def tree_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     out = kernel.tree_attention(query[0], keys[0], values[0], offsets, indices, float(scale), float(softcap or 0.0))
     return out[None]
 
+
+
+def tree_attention_items(query: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         bounds: Sequence[int], seen: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                         scale: float, softcap: float | None = None) -> torch.Tensor:
+    """:func:`tree_attention` for several items in one call (one parallel loop, one crossing into
+    C++): item k's queries are ``query[:, :, bounds[k]:bounds[k + 1]]`` and attend over its own
+    ``caches[k]`` (keys, values ``[1, kv_heads, S_k, dim]``) with its own ``seen[k]``. Every
+    output is bit-identical to what :func:`tree_attention` gives that item alone. Returns ``[1, T,
+    heads, dim]``; nothing is mutated."""
+    if query.dtype not in DTYPES:
+        raise TriedecError(f"tree attention runs {[str(d) for d in DTYPES]}, not {query.dtype}")
+    kernel = load_kernel()
+    out = kernel.tree_attention_items(query[0], [k[0] for k, _ in caches], [v[0] for _, v in caches], list(bounds),
+                                      [None if s is None else s[0] for s in seen],
+                                      [None if s is None else s[1] for s in seen], float(scale), float(softcap or 0.0))
+    return out[None]

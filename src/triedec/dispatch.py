@@ -29,7 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from triedec.attention import key_lists, tree_attention
+from triedec.attention import key_lists, tree_attention_items
 from triedec.errors import TriedecError
 from triedec.kvcache import KVCache
 
@@ -207,19 +207,17 @@ class ItemBatch:
             kwargs.get(k) is not None for k in _UNSUPPORTED_BY_TREE_ATTENTION)
         if self.exact and not exact:
             self.fell_back = True
-        outs = []
-        for index, (item, (start, stop)) in enumerate(zip(self.items, self.bounds, strict=True)):
-            keys, values = item.cache.view(layer)
-            if exact and not keys.shape[-1] == values.shape[-1] == query.shape[-1]:
-                exact, self.fell_back = False, True  # values of another head size (latent attention)
-            seen = self._seen(index, kind, exact)
-            if exact:
-                scaling = kwargs.get("scaling")
-                scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-                out = tree_attention(query[:, :, start:stop], keys, values, seen, scale, kwargs.get("softcap"))
-            else:
-                out, _ = base(module, query[:, :, start:stop], keys, values, seen, **kwargs)
-            outs.append(out)
+        caches = [item.cache.view(layer) for item in self.items]
+        if exact and not all(k.shape[-1] == v.shape[-1] == query.shape[-1] for k, v in caches):
+            exact, self.fell_back = False, True  # values of another head size (latent attention)
+        seen = [self._seen(index, kind, exact) for index in range(len(self.items))]
+        if exact:  # every item in one call of the kernel
+            scaling = kwargs.get("scaling")
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            edges = [start for start, _ in self.bounds] + [self.bounds[-1][1]]
+            return tree_attention_items(query, caches, edges, seen, scale, kwargs.get("softcap")), None
+        outs = [base(module, query[:, :, start:stop], keys, values, visible, **kwargs)[0]
+                for (start, stop), (keys, values), visible in zip(self.bounds, caches, seen, strict=True)]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
