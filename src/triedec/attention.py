@@ -149,7 +149,6 @@ def tree_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out[None]
 
 
-
 def tree_attention_items(query: torch.Tensor, caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                          bounds: Sequence[int], seen: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
                          scale: float, softcap: float | None = None) -> torch.Tensor:
