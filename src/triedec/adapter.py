@@ -43,8 +43,9 @@ are row-invariant too on the CPUs measured. :func:`check_row_invariance` confirm
 (:attr:`ModelAdapter.exactness`), and ``tests/test_invariance.py`` checks it on random trees and batches.
 
 **Kernels.** ``ModelAdapter(model, kernels="auto")`` speeds the model up in place where the
-technique applies (oneDNN pre-packed linears on CPU fp32) and runs the fixed-order attention in
-its forwards (CPU). ``kernels="plain"`` keeps stock transformers' kernels. Either way
+technique applies (oneDNN pre-packed linears on CPU: fp32, and bf16 where oneDNN has bf16
+kernels) and runs the fixed-order attention in its forwards (CPU). ``kernels="plain"`` keeps
+stock transformers' kernels. Either way
 :attr:`ModelAdapter.kernels` names what the model runs (quantized weights included, which the
 model brings with it from loading), and the stats and calibration record it.
 """

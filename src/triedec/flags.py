@@ -84,7 +84,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file that replaces the tokenizer's own (as vLLM's "
                              "--chat-template; default: the tokenizer's)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "plain"),
-                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU fp32) "
+                        help="auto (default): faster kernels where they apply (oneDNN pre-packed linears on CPU: fp32, "
+                             "and bf16 where oneDNN has bf16 kernels) "
                              "and triedec's fixed-order tree attention (CPU), which makes every method bit-exact "
                              "against ar; plain: stock transformers (exact up to rounding)")
 

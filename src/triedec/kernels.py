@@ -6,10 +6,13 @@ the 2-core AMD EPYC measured here a 2-row matmul costs twice a 1-row one and a 1
 verifying a tree of a few tokens cost ~2x a plain step. oneDNN with weights reordered once into its
 blocked layout ("pre-packed") streams them faster at every batch size and is nearly flat from 1 to
 16 rows (``benchmarks/verifier-cpu``). :class:`PackedLinear` is an ``nn.Linear`` whose weight is
-stored that way; :func:`pack_linears` swaps every ``nn.Linear`` of a model for one.
+stored that way (fp32, and bf16 where oneDNN has bf16 kernels for the CPU); :func:`pack_linears`
+swaps every ``nn.Linear`` of a model for one. A layer whose rows are not bit-identical alone and in
+a batch on this CPU (checked per shape at load, :func:`row_invariant`) is split along its input
+features into pieces that are (:class:`SplitLinear`).
 
-Pure torch (nothing here knows transformers). Outputs equal ``nn.Linear``'s up to fp32 rounding,
-as between any two fp32 GEMM kernels (summation order differs).
+Pure torch (nothing here knows transformers). Outputs equal ``nn.Linear``'s up to rounding, as
+between any two GEMM kernels (summation order differs).
 """
 
 from __future__ import annotations
@@ -141,23 +144,24 @@ def invariant_linear(linear: nn.Linear, make: Callable[[nn.Linear], nn.Module],
     chosen per ``(out_features, in_features)``, which is all the choice depends on."""
     verdicts = {} if verdicts is None else verdicts
     shape = (linear.out_features, linear.in_features)
+    if shape in verdicts:
+        pieces = verdicts[shape]
+        return make(linear) if pieces == 1 else SplitLinear(linear, pieces, make)
     dtype = linear.weight.dtype
-    if shape not in verdicts:
-        verdicts[shape] = 1
-        whole = make(linear)
-        if not row_invariant(whole, linear.in_features, dtype):
-            for pieces in range(2, min(MAX_PIECES, linear.in_features) + 1):
-                if row_invariant(SplitLinear(linear, pieces, make), linear.in_features, dtype):
-                    verdicts[shape] = pieces
-                    break
-        if verdicts[shape] == 1:
-            return whole
-    pieces = verdicts[shape]
-    return make(linear) if pieces == 1 else SplitLinear(linear, pieces, make)
-
+    chosen = make(linear)
+    verdicts[shape] = 1
+    if not row_invariant(chosen, linear.in_features, dtype):
+        for pieces in range(2, min(MAX_PIECES, linear.in_features) + 1):
+            candidate = SplitLinear(linear, pieces, make)
+            if row_invariant(candidate, linear.in_features, dtype):  # the probed layer is the one kept
+                verdicts[shape], chosen = pieces, candidate
+                break
+    return chosen
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` of ``model`` (fp32, CPU) for a :class:`PackedLinear`, in place.
+    """Swap every ``nn.Linear`` of ``model`` (CPU, a dtype of :data:`PACKED_DTYPES`) for a
+    :class:`PackedLinear` (or, where its rows are not invariant whole, a :class:`SplitLinear` of
+    them: :func:`invariant_linear`), in place.
 
     A linear whose weight is shared with another module (a tied LM head) gets a packed copy; the
     other module keeps the original. The parameters left (embeddings, norms) are then copied into

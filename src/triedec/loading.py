@@ -33,8 +33,9 @@ def load(
     and tests compare against (:meth:`LM.reference_model`) is loaded in the same mode.
 
     ``kernels="auto"`` (default) runs the loaded model on faster kernels where they apply (oneDNN
-    pre-packed linears on CPU fp32, triedec's fixed-order tree attention on CPU; :mod:`triedec.adapter`);
-    ``"plain"`` keeps stock transformers. ``lm.adapter.kernels`` says which ran."""
+    pre-packed linears on CPU: fp32, and bf16 where oneDNN has bf16 kernels; triedec's fixed-order
+    tree attention on CPU; :mod:`triedec.adapter`); ``"plain"`` keeps stock transformers.
+    ``lm.adapter.kernels`` says which ran."""
     return load_source(ModelSource(model, dtype, weights, device, attn_implementation, cache_dir), kernels)
 
 
