@@ -387,14 +387,19 @@ def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
     """A run that raises as it starts fails its step: it and the runs that stepped get an error
     event (never a hang), the run waiting behind its tenant's cap is untouched and runs next."""
     import asyncio
+    import threading
 
     from triedec.engine import BatchLimits
     from triedec.outcome import Outcome, Stats
     from triedec.runs import SoloRun
     from triedec.server import Job, Scheduler, TenantLimits
 
+    all_submitted = threading.Event()  # the first run keeps stepping until every job is in
+
     def finite(steps_left: int) -> SoloRun:
         def loop(adapter, steps):
+            while not all_submitted.is_set():
+                yield [1]
             for _ in range(steps_left):
                 yield [1]
             return Outcome(Stats(new_tokens=steps_left))
@@ -412,6 +417,7 @@ def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
         broken = Job(Broken(lambda adapter, steps: iter(()), kv_tokens=1), loop, tenant="u")
         for job in (first, behind, broken):
             scheduler.submit(job)
+        all_submitted.set()
         events = {}
         for name, job in (("first", first), ("broken", broken), ("behind", behind)):
             while (event := await asyncio.wait_for(job.next(), 60))[0] == "tokens":  # never a hang
