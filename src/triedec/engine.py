@@ -52,7 +52,8 @@ class StepReport:
     (already closed and out of the batch: the caller that holds a run reads its ``outcome``), and
     what its forward carried: ``requests`` (items: prompt chunks and
     verified trees), ``tokens``, ``prefill_tokens``, ``draft_nodes`` verified and ``proposed_nodes``
-    drafted, and the step's wall ``seconds``."""
+    drafted, the step's wall ``seconds`` and its forward's ``forward_seconds`` (the rest is host
+    time: drafting, allocating, accepting, committing)."""
 
     finished: tuple[str, ...] = ()
     requests: int = 0
@@ -61,6 +62,7 @@ class StepReport:
     draft_nodes: int = 0
     proposed_nodes: int = 0
     seconds: float = 0.0
+    forward_seconds: float = 0.0
 
 
 class Batch:
@@ -212,9 +214,9 @@ class Batch:
         if items:
             forward_started = time.perf_counter()
             logits = self.adapter.forward_batch(items)
+            self.adapter.synchronize()
+            forward_seconds = time.perf_counter() - forward_started
             if self._observed is not None:
-                self.adapter.synchronize()
-                forward_seconds = time.perf_counter() - forward_started
                 self._observed.observe(sum(i.size for i in items), len(items), context, forward_seconds)
             for r, rows in zip(chunks, logits, strict=False):
                 r.prefilled(rows)
@@ -234,7 +236,7 @@ class Batch:
             self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
         return StepReport(tuple(finished), len(items), sum(i.size for i in items),
                           sum(i.size for i in items[: len(chunks)]), sum(counts) - len(counts),
-                          sum(d.size - 1 for d in drafts), seconds)
+                          sum(d.size - 1 for d in drafts), seconds, forward_seconds)
 
     @property
     def sizing_cost(self) -> ForwardCost | None:
