@@ -146,6 +146,52 @@ def test_a_gate_skips_drafting_after_misses_and_backs_off_until_a_node_is_verifi
         DraftGate(patience=0)
 
 
+def test_a_gate_with_a_pace_pauses_drafts_that_no_longer_pay_for_their_host_time():
+    """Given the batch's pace, verified drafts that are rarely accepted stop paying once the
+    accepted tokens' worth (a moving average, from a prior of 1) falls below the drafting's host
+    time; alone (a token costs a whole forward) the same drafts keep going much longer, and an
+    accepted probe reopens the gate."""
+    from triedec.allocate import DraftGate, Pace
+
+    def steps_until_paused(token_seconds: float) -> int:
+        pace = Pace()
+        pace.observe(token_seconds * 10, 10)
+        assert pace.token_seconds == pytest.approx(token_seconds)
+        gate = DraftGate(patience=2, pace=pace)
+        for step in range(200):
+            if not gate.proposes():
+                return step
+            gate.verified(proposed=4, verified=2, accepted=0, draft_seconds=0.0007)
+        return 200
+
+    crowded, alone = steps_until_paused(0.005), steps_until_paused(0.040)
+    assert crowded == 10  # 0.8**9 * 5 ms < 0.7 ms at the 9th drafted step, then a second miss
+    assert alone == 20  # 0.8**19 * 40 ms < 0.7 ms
+    gate = DraftGate(patience=2, pace=Pace())
+    for _ in range(30):  # no pace yet (no step seen): verified nodes keep it open, as without a pace
+        assert gate.proposes()
+        gate.verified(4, 2, 0, 0.0007)
+    gate.pace.observe(0.005, 1)
+    gate.verified(4, 2, 0, 0.0007)
+    gate.verified(4, 2, 0, 0.0007)
+    assert not gate.proposes()  # two misses at this pace: one step skipped
+    assert gate.proposes()
+    gate.verified(4, 4, 4, 0.0007)  # the probe accepted 4 tokens: it pays again
+    assert gate.misses == 0 and gate.skip == 1 and gate.proposes()
+    gate.verified(0, 0, 0, 0.0)  # nothing drafted: no evidence
+    assert gate.accepted > 0.7
+    with pytest.raises(TriedecError):
+        Pace(weight=0)
+    with pytest.raises(TriedecError):
+        DraftGate(weight=1.5)
+    pace = Pace()
+    pace.observe(1.0, 0)  # a step that committed nothing teaches nothing
+    assert pace.token_seconds == 0.0
+    pace.observe(0.010, 2)
+    pace.observe(0.020, 2)
+    assert pace.token_seconds == pytest.approx(0.005 + 0.2 * 0.005)
+
+
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=60))
 @settings(max_examples=60, deadline=None)
 def test_a_gate_never_pauses_longer_than_its_cap_and_a_verified_node_reopens_it(outcomes):

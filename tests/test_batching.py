@@ -414,8 +414,9 @@ class Chain(BaseDrafter):
 
 def test_a_gated_batch_stops_asking_for_drafts_that_never_pay_and_keeps_every_token():
     """``gate_drafts``: under a surface where no draft node pays, a request stops drafting after two
-    steps whose proposal got no node verified, and probes again after pauses that double; where
-    nodes are verified it never pauses. Tokens are ``ar``'s either way."""
+    steps whose proposal got no node verified, and probes again after pauses that double; drafts
+    that are always accepted never pause. Tokens are ``ar``'s either way (whether verified drafts
+    that are never accepted pause depends on timing: their host time against the batch's pace)."""
     adapter = ModelAdapter(tiny_llama(seed=3))
     steep = CostModel({1: 0.01, 16: 1.0})  # every extra token costs more than it can yield
     rule = StopRule(40, frozenset([-1]))
@@ -433,8 +434,13 @@ def test_a_gated_batch_stops_asking_for_drafts_that_never_pay_and_keeps_every_to
         if cost is steep and gate:
             assert chain.full <= 3 * 8 and skipped >= steps - 3 * 8  # 2 misses, then probes after 1, 2, 4, ... steps
             assert sum(run.outcome.stats.verified_nodes for run in runs) == 0
-        else:
-            assert skipped == 0  # ungated, or drafts verified: every step drafts
+        elif not gate:
+            assert skipped == 0  # ungated: every step drafts
+    runs = [Request(Oracle(t, len(p)), p, rule) for p, t in zip(batch_prompts, truths, strict=True)]
+    outs, _ = together(adapter, runs, batch=Batch(adapter, None, gate_drafts=True))
+    assert [t for t, _ in outs] == truths
+    assert sum(run.outcome.stats.skipped_drafts for run in runs) == 0  # accepted every step: never paused
+    assert sum(run.outcome.stats.steps for run in runs) < sum(len(t) for t in truths) / 2
     info = tiny_info(cost=steep, profile=fake_profile(nodes=12))
     for name, options in MIXED:  # every drafter's session answers a gated step (propose(context, 1))
         runs = [build(name, options, info).start(p, rule) for p in batch_prompts]

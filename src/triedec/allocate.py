@@ -84,28 +84,66 @@ def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: 
     return counts
 
 
+class Pace:
+    """What a committed token costs the batch right now: a moving average (weight ``weight``) of a
+    step's wall seconds over the tokens it committed, updated once per step by the batch and read by
+    every request's :class:`DraftGate`. 0 until the first step (the gate then judges by verified
+    nodes alone)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        if not 0 < weight <= 1:
+            raise TriedecError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.token_seconds = 0.0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step: ``seconds`` of wall time committed ``tokens`` tokens (a step that committed
+        none, a prefill-only step, teaches nothing)."""
+        if tokens <= 0 or seconds < 0:
+            return
+        per_token = seconds / tokens
+        self.token_seconds = per_token if not self.token_seconds else (
+            self.token_seconds + self.weight * (per_token - self.token_seconds))
+
+
 class DraftGate:
     """Whether one request proposes a draft this step: a request whose drafts stopped paying is not
     asked to draft at all, so its step costs what ``ar``'s does, until a probe says otherwise.
 
-    A *miss* is a step whose proposal held draft nodes of which :func:`allocate` verified none (the
-    step's budget judged that none pays; an empty proposal is no miss: drafting found nothing,
-    which is cheap). After ``patience`` misses in a row the request skips drafting for ``skip``
-    steps, then proposes again (a probe); each further miss doubles the skip, up to ``max_skip``
-    steps; a step with any node verified resets it. Skipping changes no token (every method's
-    tokens are ``ar``'s whatever it verifies), only the host time spent drafting. One per request;
-    the engine calls :meth:`proposes` before each step's proposal and :meth:`verified` after it.
+    A *miss* is a step whose proposal held draft nodes that did not pay: :func:`allocate` verified
+    none of them (the step's budget judged that none pays), or, given a :class:`Pace`, the
+    request's drafting stopped paying for its own host time: the moving average (weight
+    ``weight``, over the steps it drafted) of the draft tokens it had accepted, times what a
+    committed token costs the batch now (``pace.token_seconds``), fell below the moving average of
+    the host seconds its drafter took (propose + observe). An empty proposal is no miss: drafting
+    found nothing, which is cheap. After ``patience`` misses in a row the request skips drafting
+    for ``skip`` steps, then proposes again (a probe); each further miss doubles the skip, up to
+    ``max_skip`` steps; a step that pays resets it. Skipping changes no token (every method's tokens
+    are ``ar``'s whatever it verifies), only the host time spent drafting. One per request; the
+    engine calls :meth:`proposes` before each step's proposal and :meth:`verified` after it.
+
+    Alone, a token costs a whole forward (~40 ms here) against well under a millisecond of
+    drafting, so one accepted token in ~50 drafted steps pays; at 16 requests in a forward a token
+    costs ~5 ms and drafting has to earn ~10x more to go on.
     """
 
-    def __init__(self, patience: int = 2, max_skip: int = 32) -> None:
+    def __init__(self, patience: int = 2, max_skip: int = 32, pace: Pace | None = None,
+                 weight: float = 0.2) -> None:
         if patience < 1 or max_skip < 1:
             raise TriedecError(f"patience and max_skip must be >= 1, got {patience}, {max_skip}")
-        self.patience, self.max_skip = patience, max_skip
+        if not 0 < weight <= 1:
+            raise TriedecError(f"weight must be in (0, 1], got {weight}")
+        self.patience, self.max_skip, self.pace, self.weight = patience, max_skip, pace, weight
         self.misses = 0
         self.skip = 1
         self.waiting = 0
         self.skipped = 0
         """steps this request did not draft (a counter for stats)"""
+        self.accepted = 1.0
+        """moving average of the draft tokens accepted per drafted step, from a prior of 1 (a new
+        request is given the benefit of the doubt for its first steps)"""
+        self.draft_seconds: float | None = None
+        """moving average of the host seconds a drafted step's drafting took (None before the first)"""
 
     def proposes(self) -> bool:
         """True if the request drafts this step (False: it skips, and one skipped step is spent)."""
@@ -115,12 +153,26 @@ class DraftGate:
             return False
         return True
 
-    def verified(self, proposed: int, verified: int) -> None:
-        """A step's outcome: ``proposed`` draft nodes (root excluded), ``verified`` of them."""
-        if verified > 0:
+    def pays(self) -> bool:
+        """Whether the request's drafting pays for its host time at the batch's pace (True without
+        a pace, or before anything is known)."""
+        if self.pace is None or not self.pace.token_seconds or self.draft_seconds is None:
+            return True
+        return self.accepted * self.pace.token_seconds >= self.draft_seconds
+
+    def verified(self, proposed: int, verified: int, accepted: int = 0, draft_seconds: float = 0.0) -> None:
+        """A step's outcome: ``proposed`` draft nodes (root excluded), ``verified`` of them,
+        ``accepted`` of those, and the host seconds drafting took (propose + observe)."""
+        if proposed <= 0:
+            return  # nothing drafted: no evidence either way
+        w = self.weight
+        self.accepted += w * (accepted - self.accepted)
+        self.draft_seconds = (draft_seconds if self.draft_seconds is None
+                              else self.draft_seconds + w * (draft_seconds - self.draft_seconds))
+        if verified > 0 and self.pays():
             self.misses, self.skip = 0, 1
-        elif proposed > 0:
-            self.misses += 1
-            if self.misses >= self.patience:
-                self.waiting, self.misses = self.skip, self.patience - 1  # a missed probe backs off at once
-                self.skip = min(2 * self.skip, self.max_skip)
+            return
+        self.misses += 1
+        if self.misses >= self.patience:
+            self.waiting, self.misses = self.skip, self.patience - 1  # a missed probe backs off at once
+            self.skip = min(2 * self.skip, self.max_skip)

@@ -33,7 +33,7 @@ from typing import Any
 
 from triedec.accept import GREEDY, AcceptanceRule
 from triedec.adapter import ModelAdapter
-from triedec.allocate import DraftGate, allocate
+from triedec.allocate import DraftGate, Pace, allocate
 from triedec.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.errors import TriedecError, positive_int
@@ -82,8 +82,10 @@ class Batch:
     forward: drafting, accepting, committing) charged to every step
     (:func:`~triedec.allocate.allocate`'s ``host_seconds``). Tree sizes then depend on timing;
     tokens never do. ``gate_drafts``: a request whose drafts stopped paying (steps in a row whose
-    proposal got no node verified) is not asked to draft for a while, so its step costs what
-    ``ar``'s does, and probes again after a growing pause (:class:`~triedec.allocate.DraftGate`);
+    proposal got no node verified, or whose accepted drafts no longer pay for the drafter's host
+    time at what a committed token costs the batch now, :class:`~triedec.allocate.Pace`) is not
+    asked to draft for a while, so its step costs what ``ar``'s does, and probes again after a
+    growing pause (:class:`~triedec.allocate.DraftGate`);
     tokens never change. The server turns both on; a single ``generate`` keeps the calibrated
     sizes and drafts every step, reproducible step for step."""
 
@@ -100,6 +102,7 @@ class Batch:
         self.group_running = group_running
         self.learn_cost, self.gate_drafts = learn_cost, gate_drafts
         self._observed: ObservedCost | None = None
+        self._pace = Pace()  # what a committed token costs now, for the gates (``gate_drafts``)
         self.host_seconds = 0.0
         """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
         self.runs: dict[str, Run] = {}
@@ -184,7 +187,7 @@ class Batch:
                 run.close("cancelled")
                 raise
             if self.gate_drafts and run.shares_forward:
-                run.gate = DraftGate()  # type: ignore[attr-defined]
+                run.gate = DraftGate(pace=self._pace)  # type: ignore[attr-defined]
             self.running.append(rid)
             self._running_in[group] += 1
 
@@ -204,6 +207,7 @@ class Batch:
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafts = [r.propose() for r in decoding]
+        before = sum(len(r.generated) for r in decoding)
         context = sum(r.context_tokens for r in (*chunks, *decoding))
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
@@ -232,6 +236,8 @@ class Batch:
         if self.idle or self._finished_since_persist >= self.limits.persist_every:
             self.persist()
         seconds = time.perf_counter() - started
+        if self.gate_drafts and decoding:
+            self._pace.observe(seconds, sum(len(r.generated) for r in decoding) - before)
         if self._observed is not None and decoding:
             self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
         return StepReport(tuple(finished), len(items), sum(i.size for i in items),

@@ -119,6 +119,7 @@ class Request:
         self._draft: Draft | None = None
         self._kept: tuple[int, ...] = ()
         self._proposed = 0
+        self._draft_seconds = 0.0  # host seconds of the last proposal (the gate weighs drafting by them)
         self._tree: TokenTree | None = None
         self._context: list[int] = []
         self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
@@ -275,7 +276,9 @@ class Request:
         assert self.session is not None
         self._context = self.prompt + self.generated
         drafting = self.gate is None or self.gate.proposes()
+        started = time.perf_counter()
         draft = self.session.propose(self._context, MAX_TREE_NODES if drafting else 1)
+        self._draft_seconds = time.perf_counter() - started
         if not isinstance(draft, Draft):
             raise TriedecError(f"drafter session {type(self.session).__name__} returned a "
                                f"{type(draft).__name__}, not a Draft")
@@ -299,9 +302,11 @@ class Request:
         tree, cache, session, draft = self._tree, self.cache, self.session, self._draft
         assert tree is not None and cache is not None and session is not None and draft is not None
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
+        started = time.perf_counter()
         session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
         if self.gate is not None:
-            self.gate.verified(draft.size - 1, tree.size - 1)
+            self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
+                               self._draft_seconds + time.perf_counter() - started)
         new, reason = self.stop.cut(self.generated, acceptance.tokens)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
