@@ -124,7 +124,7 @@ class DraftGate:
 
     Alone, a token costs a whole forward (~40 ms here) against well under a millisecond of
     drafting, so one accepted token in ~50 drafted steps pays; at 16 requests in a forward a token
-    costs ~5 ms and drafting has to earn ~10x more to go on.
+    costs ~5 ms and drafting has to earn ~8x more to go on.
     """
 
     def __init__(self, patience: int = 2, max_skip: int = 32, pace: Pace | None = None,
