@@ -207,7 +207,7 @@ class Batch:
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafts = [r.propose() for r in decoding]
-        before = sum(len(r.generated) for r in decoding)
+        before = sum(len(r.generated) for r in decoding) if self.gate_drafts else 0  # tokens so far, for the pace
         context = sum(r.context_tokens for r in (*chunks, *decoding))
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
