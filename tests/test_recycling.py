@@ -92,12 +92,12 @@ def test_update_writes_topk_rows_and_last_write_wins():
     logits[0, [7, 1]] = torch.tensor([5.0, 4.0])  # token 3 at position 0 -> (7, 1)
     logits[1, [2, 9]] = torch.tensor([3.0, 6.0])  # token 5 -> (9, 2)
     logits[2, [4, 8]] = torch.tensor([1.0, 2.0])  # token 3 again at position 2 -> (8, 4): wins
-    m.update(torch.tensor([3, 5, 3]), logits)
+    m.update([3, 5, 3], logits)
     assert m.table[3].tolist() == [8, 4]
     assert m.table[5].tolist() == [9, 2]
     assert m.filled.nonzero().flatten().tolist() == [3, 5]
     assert m.table[0].tolist() == [0, 0] and m.filled_share() == pytest.approx(0.2)
-    m.update(torch.tensor([5]), logits[:1])  # a later step overwrites the whole row
+    m.update([5], logits[:1])  # a later step overwrites the whole row
     assert m.table[5].tolist() == [7, 1]
 
 

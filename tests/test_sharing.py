@@ -86,10 +86,10 @@ def test_matrix_rows_last_writer_wins_except_rows_written_here_since_the_export(
     a, b = AdjacencyMatrix(VOCAB, 2, torch.device("cpu")), AdjacencyMatrix(VOCAB, 2, torch.device("cpu"))
     logits = torch.zeros(3, VOCAB)
     logits[0, 10], logits[0, 11], logits[1, 12], logits[1, 13], logits[2, 14], logits[2, 15] = 9, 8, 9, 8, 9, 8
-    a.update(torch.tensor([1, 2, 3]), logits)
+    a.update([1, 2, 3], logits)
     rows = a.take_written()
     assert rows == ((1, (10, 11)), (2, (12, 13)), (3, (14, 15))) and a.take_written() == ()
-    b.update(torch.tensor([2]), logits[2:])  # b wrote row 2 itself after its last export: it keeps it
+    b.update([2], logits[2:])  # b wrote row 2 itself after its last export: it keeps it
     b.put_rows(rows)
     assert b.table[1].tolist() == [10, 11] and b.table[3].tolist() == [14, 15] and b.table[2].tolist() == [14, 15]
     assert bool(b.filled[1]) and not bool(b.filled[4])

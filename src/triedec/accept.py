@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from triedec.errors import TriedecError
+from triedec.rowops import argmax
 from triedec.sampling import Sampling, draw, penalize, process, seen_tokens, uniform
 from triedec.tree import TokenTree
 
@@ -121,7 +122,7 @@ class GreedyRule:
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
         if self.repetition_penalty == 1.0:
-            return accept_greedy(tree, logits.argmax(dim=-1).tolist())
+            return accept_greedy(tree, argmax(logits))
         nodes = _PerNode(tree, logits, context, penalized=True)
         return walk(tree, _memo(lambda i: int(penalize(nodes.row(i), nodes.seen(i), self.repetition_penalty).argmax())))
 

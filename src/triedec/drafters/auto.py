@@ -47,8 +47,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-import torch
-
 from triedec.drafters.base import FROM_STORE, MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.learned import Learned
 from triedec.drafters.matrix import AdjacencyMatrix
@@ -186,7 +184,7 @@ class AutoDrafter(BaseDrafter):
         the skipped keys toward their prior, and recycle the verified logits (if given)."""
         with self.lock:
             if verified is not None:
-                self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+                self.matrix.update(verified.tree.tokens, verified.logits)
             for kinds, depth, accepted in outcomes:
                 for kind, base in kinds.items():
                     self.rates.learn(self.key(kind, depth, hot), float(accepted), base)

@@ -34,6 +34,7 @@ import numpy as np
 from triedec.drafters.base import MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.registry import at_most, register
 from triedec.errors import TriedecError, positive_int
+from triedec.rowops import argmax
 from triedec.tree import TokenTree
 
 VERIFY_MODES = ("independent", "trie")
@@ -184,8 +185,8 @@ class LookaheadSession(BaseSession):
     def observe(self, verified: Verified) -> None:
         if self._proposed is None or verified.cut or verified.tree != self._proposed:
             return
-        argmax = verified.logits.argmax(dim=-1).tolist()
-        new = [int(argmax[i]) for i in self._tops]
+        best = argmax(verified.logits)
+        new = [best[i] for i in self._tops]
         for c in range(self.options.window):
             self.pool.add([*(self.window[j][c] for j in range(self.levels)), new[c]])
         self.window = [*self.window[1:], new]

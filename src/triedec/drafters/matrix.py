@@ -15,6 +15,7 @@ import torch
 from triedec.drafters.learned import Row
 from triedec.drafters.state import load_state, save_state
 from triedec.errors import StateFileError, TriedecError, positive_int
+from triedec.rowops import topk_indices
 
 STATE_FORMAT = "triedec-recycling-1"
 """The format tag of a saved matrix (recycling's ``state=`` file)."""
@@ -37,16 +38,14 @@ class AdjacencyMatrix:
         self.written = torch.zeros(vocab_size, dtype=torch.bool, device=device)
 
     @torch.inference_mode()
-    def update(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Write ``topk(logits[i]).indices`` into row ``tokens[i]`` for every i (``tokens [T]``,
-        ``logits [T, vocab]``). Duplicate tokens: the last position wins. Vectorised."""
-        tokens = tokens.to(self.device)
-        top = logits.to(self.device).topk(self.k, dim=-1).indices  # [T, k]
-        rows, inverse = torch.unique(tokens, return_inverse=True)
-        order = torch.arange(tokens.numel(), device=self.device)
-        last = torch.full((rows.numel(),), -1, dtype=torch.long, device=self.device)
-        last.scatter_reduce_(0, inverse, order, reduce="amax")
-        self.table[rows] = top[last]
+    def update(self, tokens: Sequence[int], logits: torch.Tensor) -> None:
+        """Write the indices of ``logits[i]``'s top k (:func:`~triedec.rowops.topk_indices`) into
+        row ``tokens[i]`` for every i (``tokens [T]``, ``logits [T, vocab]``). Duplicate tokens:
+        the last position wins."""
+        top = topk_indices(logits.to(self.device), self.k)  # [T, k]
+        last = {int(t): i for i, t in enumerate(tokens)}  # each token's last position
+        rows = torch.tensor(list(last), dtype=torch.long, device=self.device)
+        self.table[rows] = top[torch.tensor(list(last.values()), dtype=torch.long, device=self.device)]
         self.filled[rows] = True
         self.written[rows] = True
 

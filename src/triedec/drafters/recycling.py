@@ -301,7 +301,7 @@ class RecyclingDrafter(BaseDrafter):
         accepted when the whole proposal was verified (``proposed``: the paper index of each
         proposed node, None for the prefill)."""
         with self.lock:
-            self.matrix.update(torch.tensor(verified.tree.tokens), verified.logits)
+            self.matrix.update(verified.tree.tokens, verified.logits)
             if proposed is not None and not verified.cut and len(proposed) == verified.tree.size:
                 self.steps += 1
                 self.node_proposed[proposed[1:]] += 1
