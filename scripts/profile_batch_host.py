@@ -3,7 +3,7 @@
 drafters' ``propose`` and ``observe`` and the rest, for ``ar`` and ``auto`` on tuning-split chat
 prompts (never the published ones), fresh learned state per method.
 
-    .venv/bin/python scripts/profile_batch_host.py [--requests 16] [--tokens 96] [--profile]
+    .venv/bin/python scripts/profile_batch_host.py [--requests 16] [--slots 8] [--tokens 96] [--profile]
 
 Without ``--profile`` only wall clocks run (no profiler overhead): host ms per request-step is
 (sum of step seconds - sum of forward seconds) / request-steps.
@@ -22,17 +22,20 @@ import triedec
 from triedec.bench.datasets import load_questions, split
 from triedec.engine import Batch
 from triedec.generation import GenerationRequest
+from triedec.limits import BatchLimits
 
 
-def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: bool, gate: bool, top: int) -> None:
+def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: bool, gate: bool, top: int,
+        slots: int) -> None:
     runs = [lm.start(GenerationRequest.of([{"role": "user", "content": p}], method, max_new_tokens=tokens))
             for p in prompts]
-    batch = Batch(lm.adapter, lm.cost_model(), learn_cost=True, gate_drafts=gate)
+    batch = Batch(lm.adapter, lm.cost_model(), BatchLimits(max_running=slots), learn_cost=True, gate_drafts=gate)
     for r in runs:
         batch.submit(r)
     profiler = cProfile.Profile() if profile else None
     step_s = forward_s = 0.0
-    request_steps = steps = 0
+    request_steps = steps = prefill_steps = 0
+    prefill_s = 0.0
     started = time.perf_counter()
     if profiler:
         profiler.enable()
@@ -40,6 +43,8 @@ def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: b
         decoding = sum(1 for i in batch.running if not batch.runs[i].prefilling) if batch.running else 0
         report = batch.step()
         if report.prefill_tokens:
+            prefill_steps += 1
+            prefill_s += report.seconds
             continue  # steps that carry prompt chunks are prefill, not decoding
         steps += 1
         request_steps += decoding
@@ -53,7 +58,8 @@ def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: b
     host_ms = (step_s - forward_s) / request_steps * 1e3
     print(f"{method}: {produced} tokens in {wall:.1f} s ({produced / wall:.1f} tok/s); {steps} decode steps, "
           f"{request_steps} request-steps, {skipped} drafts skipped; host {host_ms:.2f} ms per request-step "
-          f"(step {step_s / steps * 1e3:.1f} ms, forward {forward_s / steps * 1e3:.1f} ms per step)")
+          f"(step {step_s / steps * 1e3:.1f} ms, forward {forward_s / steps * 1e3:.1f} ms per step); "
+          f"{prefill_steps} steps with prompt chunks, {prefill_s:.1f} s")
     if profiler:
         stats = pstats.Stats(profiler)
         for name in ("propose", "observe", "verified", "accept", "commit", "forward_batch", "allocate", "cut"):
@@ -67,6 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--slots", type=int, default=0,
+                        help="requests running at once, the rest waiting for a slot as in a server (0: all)")
     parser.add_argument("--methods", default="ar,auto")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-gate", action="store_true", help="draft every step (the gate off)")
@@ -78,7 +86,8 @@ def main() -> None:
     prompts = [q.turns[0] for q in questions[1 : 1 + args.requests]]
     lm.generate(questions[0].turns[0], "auto", max_new_tokens=8)  # builds and warms up
     for method in args.methods.split(","):
-        run(lm.fresh(), method, prompts, args.tokens, args.profile, not args.no_gate, args.top)
+        run(lm.fresh(), method, prompts, args.tokens, args.profile, not args.no_gate, args.top,
+            args.slots or args.requests)
 
 
 if __name__ == "__main__":
