@@ -465,7 +465,9 @@ def test_bench_plots_carry_each_bar_interval_and_n_from_results_json():
             if r["method"] == name:
                 t, s = rows.get(r["id"], (0, 0))
                 rows[r["id"]] = (t + max(r["new_tokens"] - 1, 0), s + r["steps"])
-        low, high = ratio_interval([t for t, _ in rows.values()], [s for _, s in rows.values()])
+        question = {r["id"]: str(r.get("question", r["id"])) for r in results["samples"]}
+        low, high = ratio_interval([t for t, _ in rows.values()], [s for _, s in rows.values()],
+                                   units=[question[k] for k in rows])
         assert low <= results["methods"][name]["overall"]["mean_accepted"] <= high
         assert (segment[0][1], segment[1][1]) == pytest.approx((low, high))
         assert text.get_text() == f"n={len(rows)}"
@@ -481,12 +483,12 @@ def test_serving_plot_draws_each_point_with_its_interval():
     phases = []
     for method in ("auto", "ar"):
         for c in (1, 4):
-            tokens = [rng.randint(60, 128) for _ in range(8)]
+            tokens = [rng.randint(60, 128) for _ in range(12)]  # MIN_UNITS requests or more get an interval
             latencies = [t / rng.uniform(10, 30) * c for t in tokens]
             phases.append({"method": method, "concurrency": c, "tokens_per_s": sum(tokens) / sum(latencies) * c,
                            "p50_latency_s": 1.0, "p95_latency_s": 2.0, "latencies_s": latencies,
                            "completion_tokens_each": tokens})
-    results = {"methods": ["auto", "ar"], "phases": phases, "requests": 8, "max_tokens": 128}
+    results = {"methods": ["auto", "ar"], "phases": phases, "requests": 12, "max_tokens": 128}
     left = serving_figure(results).axes[0]
     assert "95% bootstrap interval" in left.get_title()
     lines = [c for c in left.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]

@@ -18,7 +18,14 @@ from triedec.bench.datasets import (
     warmup_questions,
 )
 from triedec.bench.harness import BenchConfig, prompt_copy_share
-from triedec.bench.stats import bootstrap_interval, compare, geometric_mean
+from triedec.bench.stats import (
+    MIN_UNITS,
+    bootstrap_coverage,
+    bootstrap_interval,
+    compare,
+    geometric_mean,
+    ratio_interval,
+)
 from triedec.bench.summary import leader, summarize
 from triedec.calibration import calibration_prompts
 from triedec.cli import main
@@ -95,46 +102,76 @@ def test_bootstrap_interval_matches_a_hand_computation():
 def test_comparisons_pair_prompts():
     # Speeds that vary 100-fold between prompts but are exactly 2x per prompt: paired, the interval
     # is [2, 2]; any unpaired statistic would straddle 1.
-    base = {"p1": 1.0, "p2": 10.0, "p3": 100.0, "p4": 3.0, "p5": 0.5}
+    base = {f"p{i}": v for i, v in enumerate([1.0, 10.0, 100.0, 3.0, 0.5, 7.0, 2.0, 40.0, 0.2, 9.0])}
     fast = {k: 2 * v for k, v in base.items()}
     c = compare(fast, base)
-    assert (c.geomean, c.median, c.low, c.high, c.prompts) == pytest.approx((2.0, 2.0, 2.0, 2.0, 5))
+    assert (c.geomean, c.median, c.low, c.high, c.prompts, c.units) == pytest.approx((2.0, 2.0, 2.0, 2.0, 10, 10))
     assert c.verdict == "faster" and compare(base, fast).verdict == "slower"
-    ones = dict.fromkeys("abcde", 1.0)
-    mixed = compare({"a": 1.2, "b": 0.8, "c": 1.1, "d": 0.9, "e": 1.0}, ones)
+    ones = {k: 1.0 for k in base}
+    mixed = compare(dict(zip(base, [1.2, 0.8, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 1.1, 0.9], strict=True)), ones)
     assert mixed.low < 1 < mixed.high and mixed.verdict == "no difference shown"
     few = compare({"x": 1.0, "only-here": 5.0}, {"x": 2.0})  # unpaired prompts are left out
     assert few.prompts == 1 and few.low is None and few.verdict == "too few prompts"
     assert compare({"x": 1.0}, {"y": 1.0}) is None
+    # MIN_UNITS independent units, not prompts: 10 prompts that are 5 questions' two turns get none
+    turns = {k: f"q{i // 2}" for i, k in enumerate(base)}
+    paired = compare(fast, base, turns)
+    assert (paired.prompts, paired.units, paired.low, paired.verdict) == (10, 5, None, "too few prompts")
+    assert MIN_UNITS == 10
+
+
+def test_a_question_s_turns_are_resampled_together():
+    # Ten questions of two turns: turn 1 ratio 1, turn 2 ratio 4, so every question's mean log
+    # ratio is log 2 and any resample of whole questions has geometric mean exactly 2; resampling
+    # the 20 turns one by one mixes 1s and 4s and gives a wide interval.
+    ratios = [1.0, 4.0] * 10
+    questions = [str(i // 2) for i in range(20)]
+    assert bootstrap_interval(ratios, units=questions) == pytest.approx((2.0, 2.0))
+    low, high = bootstrap_interval(ratios)
+    assert low < 1.8 and high > 2.2
+    # a ratio of totals, by question: each question holds 1 + 3 tokens over 2 + 2 steps
+    num, den = [1.0, 3.0] * 10, [2.0, 2.0] * 10
+    assert ratio_interval(num, den, units=questions) == pytest.approx((1.0, 1.0))
+    assert ratio_interval(num[:18], den[:18], units=questions[:18]) is None  # 9 questions
+    with pytest.raises(TriedecError):
+        bootstrap_interval(ratios, units=questions[:3])
+
+
+def test_bootstrap_coverage_falls_short_on_few_units():
+    # The reason for MIN_UNITS: over 5 units the nominal 95% interval holds the truth far less often
+    few, many = bootstrap_coverage(5, trials=400, resamples=500), bootstrap_coverage(30, trials=400, resamples=500)
+    assert few < 0.9 < many
 
 
 def test_summary_pairs_per_prompt_and_reports_turns_and_the_low_repetition_slice():
     def r(method, id_, cat, tok_s, turn=1, turns=1, rep=0.0, copy=0.0):
-        return {"id": id_, "method": method, "category": cat, "turn": turn, "turns": turns, "new_tokens": 100,
-                "seconds": 100 / tok_s, "steps": 50, "computed_tokens": 60, "identical_to_reference": True,
-                "peak_mem_mb": 1.0, "kv_mb": 1.0, "repeated_4grams": rep, "prompt_copy_4grams": copy}
+        question = id_.split("-turn")[0]
+        return {"id": id_, "question": question, "method": method, "category": cat, "turn": turn, "turns": turns,
+                "new_tokens": 100, "seconds": 100 / tok_s, "steps": 50, "computed_tokens": 60,
+                "identical_to_reference": True, "peak_mem_mb": 1.0, "kv_mb": 1.0, "repeated_4grams": rep,
+                "prompt_copy_4grams": copy}
 
     samples = []
-    for i, (base, rep) in enumerate([(10, 0.0), (20, 0.5), (40, 0.1)]):
+    for i, (base, rep) in enumerate([(10, 0.0), (20, 0.5), (40, 0.1)] * 3):
         samples += [r("hf-greedy", f"q{i}", "x", base, rep=rep), r("ar", f"q{i}", "x", 2 * base, rep=rep),
                     r("auto", f"q{i}", "x", 6 * base, rep=rep)]
     for t in (1, 2):
         samples += [r("hf-greedy", f"m-turn{t}", "mt", 10, t, 2), r("ar", f"m-turn{t}", "mt", 20, t, 2),
                     r("auto", f"m-turn{t}", "mt", 20 * t, t, 2, copy=0.9 if t == 2 else 0.0)]
     res = summarize(samples)["auto"]
-    assert res["overall"]["vs_reference"]["prompts"] == 5
+    assert res["overall"]["vs_reference"]["prompts"] == 11 and res["overall"]["vs_reference"]["units"] == 10
     assert res["by_category"]["x"]["vs_ar"]["geomean"] == pytest.approx(3.0)
-    assert res["by_category"]["x"]["vs_reference"]["ci95"] is None  # 3 prompts: no interval
+    assert res["by_category"]["x"]["vs_reference"]["ci95"] is None  # 9 questions: no interval
     assert res["overall"]["vs_ar"]["ci95"] is not None
     assert res["by_turn"]["mt turn 1"]["vs_reference"]["geomean"] == pytest.approx(2.0)
     assert res["by_turn"]["mt turn 2"]["vs_reference"]["geomean"] == pytest.approx(4.0)
     assert res["by_category"]["mt"]["vs_reference"]["geomean"] == pytest.approx(8 ** 0.5)  # both turns
-    # the slice is judged on the reference's outputs (hf-greedy here): q1 repeats too much
-    assert res["slices"]["low_repetition"]["samples"] == 4
+    # the slice is judged on the reference's outputs (hf-greedy here): the q with rep 0.5 repeat too much
+    assert res["slices"]["low_repetition"]["samples"] == 8
     assert "by_turn" not in summarize([s for s in samples if s["category"] == "x"])["auto"]
     lead = leader(samples, summarize(samples))
-    assert lead["method"] == "auto"  # per-prompt ratios over ar: 3, 3, 3, 1, 2
-    assert lead["against"]["ar"]["geomean"] == pytest.approx(54 ** 0.2)
+    assert lead["method"] == "auto"  # per-prompt ratios over ar: 3 (nine times), 1, 2
+    assert lead["against"]["ar"]["geomean"] == pytest.approx((3 ** 9 * 2) ** (1 / 11))
     assert set(lead["against"]) == {"hf-greedy", "ar"}
 
 
@@ -286,3 +323,49 @@ def test_llamacpp_baseline_runs_the_default_gguf(tmp_path, capsys):
     o = results["methods"]["llamacpp"]["overall"]
     assert o["compared"] == 0 and o["new_tokens"] > 0 and o["tokens_per_s"] > 0
     assert "llama.cpp" in (out / "results.md").read_text()
+
+
+def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkeypatch):
+    """``llamacpp:lookup=N`` builds llama.cpp with ``LlamaPromptLookupDecoding(num_pred_tokens=N)``
+    as its draft model, and a run stops at EOS and at the token cap as plain llama.cpp's does (a
+    stand-in for llama-cpp-python: the wiring, not llama.cpp, is under test here)."""
+    import sys
+    import types
+
+    from triedec.bench.llamacpp import LlamaCppRunner
+
+    made: list[dict] = []
+
+    class Lookup:
+        def __init__(self, num_pred_tokens: int) -> None:
+            self.num_pred_tokens = num_pred_tokens
+
+    class Llama:
+        def __init__(self, **kwargs) -> None:
+            made.append(kwargs)
+
+        def token_eos(self) -> int:
+            return 2
+
+        def reset(self) -> None:
+            pass
+
+        def generate(self, prompt, **kwargs):
+            yield from [5, 6, 7, 2, 9]
+
+    module = types.ModuleType("llama_cpp")
+    module.Llama = Llama
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = Lookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    runner = LlamaCppRunner(gguf, "llamacpp:lookup=4", frozenset(), 64, lookup=4)
+    assert isinstance(made[-1]["draft_model"], Lookup) and made[-1]["draft_model"].num_pred_tokens == 4
+    assert runner.run([1, 2], 16).tokens == [5, 6, 7, 2]  # the file's EOS ends it and counts, as triedec's does
+    assert runner.run([1, 2], 2).tokens == [5, 6]
+    LlamaCppRunner(gguf, "llamacpp", frozenset(), 64)
+    assert "draft_model" not in made[-1]
+    with pytest.raises(TriedecError, match="lookup"):
+        LlamaCppRunner(gguf, "llamacpp:lookup=-1", frozenset(), 64, lookup=-1)

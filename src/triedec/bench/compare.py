@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from triedec.bench.stats import compare
+from triedec.bench.summary import units
 from triedec.errors import TriedecError
 
 MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "device", "gpu", "platform")
@@ -68,7 +69,7 @@ def compare_results(a: Mapping[str, Any], b: Mapping[str, Any], methods: Sequenc
         raise TriedecError("the two files share no method")
     rows: dict[str, Any] = {}
     for m in common:
-        pair = compare(_speeds(b, m), _speeds(a, m))
+        pair = compare(_speeds(b, m), _speeds(a, m), {**units(a["samples"]), **units(b["samples"])})
         rows[m] = {
             "b_over_a": None if pair is None else pair.as_dict(),
             "a_vs_stock": _vs_stock(a, m),
@@ -78,7 +79,7 @@ def compare_results(a: Mapping[str, Any], b: Mapping[str, Any], methods: Sequenc
 
 
 def _vs_stock(results: Mapping[str, Any], method: str) -> dict[str, Any] | None:
-    pair = compare(_speeds(results, method), _speeds(results, results["reference"]))
+    pair = compare(_speeds(results, method), _speeds(results, results["reference"]), units(results["samples"]))
     return None if pair is None else pair.as_dict()
 
 

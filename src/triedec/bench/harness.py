@@ -14,7 +14,8 @@ Protocol (one process, one loaded model):
 * speed is compared with the stock transformers baseline (``hf-greedy``; with sampling,
   ``hf-sample``) and with triedec's own ``ar``, both as Spec-Bench does (ratio of mean tokens/s)
   and paired per prompt (geometric mean and median of per-prompt speedups, with a 95% bootstrap
-  interval over prompts; :mod:`triedec.bench.stats`);
+  interval over questions, the turns of one question drawn together, none under 10 questions;
+  :mod:`triedec.bench.stats`);
 * every method's tokens are compared with the token reference for the same prompt: ``hf-greedy``,
   or with sampling triedec's ``ar`` at the same seed (sampled text depends only on the seed, so any
   difference is a bug; transformers' own sampled runs draw from torch's RNG and are not compared);

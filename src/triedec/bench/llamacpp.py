@@ -5,8 +5,14 @@ runs the GGUF file itself, with its quantized weights and its own kernels, so it
 not those of the fp32 model triedec decodes: they are never compared (``comparable = False``)
 and its speed answers "is this faster than llama.cpp", not "is this exact". It decodes greedily
 (or samples with the run's settings and seed, from llama.cpp's own sampler), from the same
-prompt token ids, on as many threads as torch uses, with its KV cache cleared before every run
-(llama-cpp-python otherwise reuses the previous run's matching prefix).
+prompt token ids, its EOS counted as one of its tokens (as triedec's and transformers' are) and
+capped at the same ``max_new_tokens``, on as many threads as torch uses, with its KV cache
+cleared before every run (llama-cpp-python otherwise reuses the previous run's matching prefix).
+
+``llamacpp:lookup=N`` adds llama-cpp-python's own prompt-lookup decoding
+(``LlamaPromptLookupDecoding(num_pred_tokens=N)`` as its draft model): the anchor a llama.cpp user
+would reach for against triedec's drafters. Its tokens are not compared either (a trial on 12
+prompts found them differing from llama.cpp's own plain decoding on 9).
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ class LlamaCppRunner:
     comparable = False
 
     def __init__(self, gguf: str | Path, label: str, eos: frozenset[int], context: int,
-                 sampling: Sampling = GREEDY_SAMPLING) -> None:
+                 sampling: Sampling = GREEDY_SAMPLING, lookup: int = 0) -> None:
+        if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+            raise TriedecError(f"lookup (prompt-lookup draft tokens) must be an integer >= 0, got {lookup!r}")
         try:
             from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         except ImportError as exc:
             raise TriedecError("the llamacpp baseline needs llama-cpp-python: pip install 'triedec[llamacpp]'") from exc
         path = Path(gguf)
@@ -39,8 +48,9 @@ class LlamaCppRunner:
             raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
                                ".gguf, or the entry llamacpp:gguf=PATH)")
         self.label, self.sampling = label, sampling
+        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)} if lookup else {}
         self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=torch.get_num_threads(),
-                         n_threads_batch=torch.get_num_threads(), verbose=False)
+                         n_threads_batch=torch.get_num_threads(), verbose=False, **draft)
         self.eos = frozenset(eos) | {int(self.llm.token_eos())}
 
     def reset(self) -> None:
@@ -56,10 +66,8 @@ class LlamaCppRunner:
         tokens: list[int] = []
         start = time.perf_counter()
         for token in self.llm.generate(prompt, repeat_penalty=s.repetition_penalty, reset=True, **options):
-            if token in self.eos:
-                break
-            tokens.append(int(token))
-            if len(tokens) >= max_new_tokens:
+            tokens.append(int(token))  # an EOS counts, as it does in triedec's and transformers' outputs
+            if token in self.eos or len(tokens) >= max_new_tokens:
                 break
         seconds = time.perf_counter() - start
         return RunRecord(tokens, seconds, max(len(tokens) - 1, 0), max(len(tokens) - 1, 0), 0)

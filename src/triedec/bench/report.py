@@ -14,7 +14,7 @@ import torch
 
 from triedec.bench.runners import OWN_BASELINE, REFERENCE
 from triedec.bench.stats import ratio_interval
-from triedec.bench.summary import LOW_REPETITION
+from triedec.bench.summary import LOW_REPETITION, units
 from triedec.sampling import Sampling
 
 
@@ -137,7 +137,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"({results.get('exactness', 'exactness not recorded')}); baselines: stock transformers",
         f"- decoding: {_sampling_text(results)}",
         f"- vs triedec ar / vs stock = per-prompt speedups (the method's tokens/s over `ar`'s, over `{reference}`'s, "
-        "on the same prompt): geometric mean [95% bootstrap interval over prompts]; Spec-Bench speedup = mean "
+        "on the same prompt): geometric mean [95% bootstrap interval over questions, a question's turns drawn "
+        "together; none under 10 questions: (n=prompts)]; Spec-Bench speedup = mean "
         f"tokens/s / mean tokens/s of `{reference}`; MAT = tokens per decoding step; computed/token = tokens through "
         f"the model (prompt excluded) per generated token; mismatches = prompts whose tokens differ from "
         f"`{token_reference}`'s"
@@ -319,7 +320,9 @@ def accepted_figure(results: dict[str, Any], samples: Sequence[dict]) -> Any:
                 tokens_steps = per_prompt.setdefault(str(r["id"]), [0.0, 0.0])
                 tokens_steps[0] += max(r["new_tokens"] - 1, 0)
                 tokens_steps[1] += r["steps"]
-        ci = ratio_interval([t for t, _ in per_prompt.values()], [s for _, s in per_prompt.values()])
+        question = units(samples)
+        ci = ratio_interval([t for t, _ in per_prompt.values()], [s for _, s in per_prompt.values()],
+                            units=[question.get(k, k) for k in per_prompt])
         vals.append(value)
         low.append(value - ci[0] if ci else 0.0)
         high.append(ci[1] - value if ci else 0.0)

@@ -105,11 +105,15 @@ def make_runner(
                                f"{sampling.temperature:g} the baseline is {wanted}")
         return HFRunner(lm, entry, sampling)
     if name == LLAMACPP:
-        unknown = set(inline) - {"gguf"}
+        unknown = set(inline) - {"gguf", "lookup"}
         if unknown:
-            raise TriedecError(f"unknown option(s) {sorted(unknown)} for {LLAMACPP}; valid options: gguf")
+            raise TriedecError(f"unknown option(s) {sorted(unknown)} for {LLAMACPP}; valid options: gguf, lookup")
         gguf = inline.get("gguf") or model_path or str(default_model_path())
-        return LlamaCppRunner(gguf, entry, lm.eos_token_ids, lm.max_context or 4096, sampling)
+        try:
+            lookup = int(inline.get("lookup", "0"))
+        except ValueError as exc:
+            raise TriedecError(f"{entry}: lookup must be an integer >= 0 (prompt-lookup draft tokens)") from exc
+        return LlamaCppRunner(gguf, entry, lm.eos_token_ids, lm.max_context or 4096, sampling, lookup)
     if name == "hf-pld":
         unknown = set(inline) - {"num_tokens"}
         if unknown:

@@ -55,6 +55,12 @@ def _speeds(rows: Sequence[dict]) -> dict[str, float]:
     return {r["id"]: r["new_tokens"] / r["seconds"] for r in rows if r["seconds"] > 0}
 
 
+def units(samples: Sequence[dict]) -> dict[str, str]:
+    """Each prompt id's unit for resampling: its question (the turns of one MT-bench question are
+    not independent: the second continues the first answer)."""
+    return {r["id"]: str(r.get("question", r["id"])) for r in samples}
+
+
 def summarize(samples: Sequence[dict], reference: str = REFERENCE,
               token_reference: str = REFERENCE) -> dict[str, dict[str, Any]]:
     """Per-method metrics over groups of prompts: ``overall``, ``by_category`` (MT-bench with both
@@ -64,7 +70,9 @@ def summarize(samples: Sequence[dict], reference: str = REFERENCE,
     ``by_pass``. Each group has :func:`_metrics`, Spec-Bench's ``speedup`` (ratio of mean tokens/s)
     over the speed ``reference`` and over ``ar`` (``speedup_vs_ar``), and paired per-prompt
     comparisons with bootstrap intervals against both (``vs_reference``, ``vs_ar``; see
-    :mod:`triedec.bench.stats`). A method whose tokens differ from the reference gets no speedup."""
+    :mod:`triedec.bench.stats`: a question's turns are resampled together, and fewer than
+    :data:`~triedec.bench.stats.MIN_UNITS` questions get no interval). A method whose tokens
+    differ from the reference gets no speedup."""
     methods = list(dict.fromkeys(r["method"] for r in samples))
     categories = list(dict.fromkeys(r["category"] for r in samples))
     passes = list(dict.fromkeys(c.split(":", 1)[0] for c in categories)) \
@@ -79,6 +87,7 @@ def summarize(samples: Sequence[dict], reference: str = REFERENCE,
     groups += [("by_pass", p, lambda r, p=p: r["category"].split(":", 1)[0] == p) for p in passes]
     groups += [("slices", "low_repetition", lambda r: r["id"] in low)]
 
+    question_of = units(samples)
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         result: dict[str, Any] = {"by_category": {}, **({"by_turn": {}} if turns else {}),
@@ -96,7 +105,8 @@ def summarize(samples: Sequence[dict], reference: str = REFERENCE,
                 if key == "speedup":
                     metrics["speedup_if_correct"] = ratio
                 metrics[key] = None if metrics["wrong"] else ratio
-                paired = compare(_speeds(rows), _speeds(base_rows)) if base_rows and not metrics["wrong"] else None
+                paired = compare(_speeds(rows), _speeds(base_rows), question_of) \
+                    if base_rows and not metrics["wrong"] else None
                 metrics["vs_reference" if key == "speedup" else "vs_ar"] = None if paired is None else paired.as_dict()
             if kind == "overall":
                 result["overall"] = metrics
@@ -120,6 +130,6 @@ def leader(samples: Sequence[dict], summary: dict[str, dict[str, Any]], referenc
     against = {}
     for m in summary:
         if m != best:
-            c = compare(mine, _speeds([r for r in samples if r["method"] == m]))
+            c = compare(mine, _speeds([r for r in samples if r["method"] == m]), units(samples))
             against[m] = None if c is None else c.as_dict()
     return {"method": best, "against": against}
