@@ -26,9 +26,10 @@ from triedec.limits import BatchLimits
 
 
 def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: bool, gate: bool, top: int,
-        slots: int) -> None:
-    runs = [lm.start(GenerationRequest.of([{"role": "user", "content": p}], method, max_new_tokens=tokens))
-            for p in prompts]
+        slots: int, temperature: float) -> None:
+    runs = [lm.start(GenerationRequest.of([{"role": "user", "content": p}], method, max_new_tokens=tokens,
+                                          temperature=temperature, seed=k if temperature else None))
+            for k, p in enumerate(prompts)]
     batch = Batch(lm.adapter, lm.cost_model(), BatchLimits(max_running=slots), learn_cost=True, gate_drafts=gate)
     for r in runs:
         batch.submit(r)
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=0,
                         help="requests running at once, the rest waiting for a slot as in a server (0: all)")
     parser.add_argument("--methods", default="ar,auto")
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0 samples (request k seeded k)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-gate", action="store_true", help="draft every step (the gate off)")
     parser.add_argument("--top", type=int, default=0, help="with --profile: print the N costliest functions")
@@ -87,7 +89,7 @@ def main() -> None:
     lm.generate(questions[0].turns[0], "auto", max_new_tokens=8)  # builds and warms up
     for method in args.methods.split(","):
         run(lm.fresh(), method, prompts, args.tokens, args.profile, not args.no_gate, args.top,
-            args.slots or args.requests)
+            args.slots or args.requests, args.temperature)
 
 
 if __name__ == "__main__":
