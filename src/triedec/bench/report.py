@@ -312,6 +312,7 @@ def accepted_figure(results: dict[str, Any], samples: Sequence[dict]) -> Any:
     names = list(results["methods"])
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names) + 2), 3.8))
     vals, low, high, counts, tops = [], [], [], [], []
+    question = units(samples)  # each prompt id's question: its unit of resampling
     for name in names:
         value = results["methods"][name]["overall"]["mean_accepted"]
         per_prompt: dict[str, list[float]] = {}
@@ -320,7 +321,6 @@ def accepted_figure(results: dict[str, Any], samples: Sequence[dict]) -> Any:
                 tokens_steps = per_prompt.setdefault(str(r["id"]), [0.0, 0.0])
                 tokens_steps[0] += max(r["new_tokens"] - 1, 0)
                 tokens_steps[1] += r["steps"]
-        question = units(samples)
         ci = ratio_interval([t for t, _ in per_prompt.values()], [s for _, s in per_prompt.values()],
                             units=[question.get(k, k) for k in per_prompt])
         vals.append(value)

@@ -48,15 +48,16 @@ def _unit_index(count: int, units: Sequence[str] | None) -> tuple[np.ndarray, in
     return np.asarray([names[u] for u in units], dtype=np.int64), len(names)
 
 
-def _resample_sums(values: np.ndarray, units: Sequence[str] | None, resamples: int,
-                   seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per resample (``resamples`` draws of as many units as there are, with replacement, seeded):
-    the sum of ``values`` over the items of the drawn units, and how many items that was."""
-    index, count = _unit_index(len(values), units)
-    sums = np.bincount(index, weights=values, minlength=count)
-    sizes = np.bincount(index, minlength=count).astype(np.float64)
+def _resample_sums(values: Sequence[np.ndarray], units: Sequence[str] | None, resamples: int,
+                   seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """One set of draws (``resamples`` draws of as many units as there are, with replacement,
+    seeded) applied to every array of ``values`` (each one value per item): per array, the sum of
+    its values over the items of each draw's units; and how many items each draw held."""
+    index, count = _unit_index(len(values[0]), units)
     draws = np.random.default_rng(seed).integers(0, count, size=(resamples, count))
-    return sums[draws].sum(axis=1), sizes[draws].sum(axis=1)
+    sums = [np.bincount(index, weights=v, minlength=count)[draws].sum(axis=1) for v in values]
+    sizes = np.bincount(index, minlength=count).astype(np.float64)[draws].sum(axis=1)
+    return sums, sizes
 
 
 def bootstrap_interval(ratios: Sequence[float], level: float = LEVEL, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -67,7 +68,7 @@ def bootstrap_interval(ratios: Sequence[float], level: float = LEVEL, resamples:
     taking all its units' prompts."""
     if not ratios or any(r <= 0 for r in ratios):
         raise TriedecError("bootstrap needs positive ratios")
-    sums, sizes = _resample_sums(np.log(np.asarray(ratios, dtype=np.float64)), units, resamples, seed)
+    (sums,), sizes = _resample_sums([np.log(np.asarray(ratios, dtype=np.float64))], units, resamples, seed)
     means = np.exp(sums / sizes)
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
@@ -102,8 +103,7 @@ def ratio_interval(numerators: Sequence[float], denominators: Sequence[float], l
     num, den = np.asarray(numerators, dtype=np.float64), np.asarray(denominators, dtype=np.float64)
     if np.any(den <= 0):
         raise TriedecError("ratio_interval needs positive denominators")
-    top, _ = _resample_sums(num, units, resamples, seed)
-    bottom, _ = _resample_sums(den, units, resamples, seed)  # the same draws (same seed and units)
+    (top, bottom), _ = _resample_sums([num, den], units, resamples, seed)  # paired: the same draws
     ratios = top / bottom
     tail = (1 - level) / 2
     low, high = np.quantile(ratios, [tail, 1 - tail])
@@ -171,11 +171,6 @@ class Comparison:
         ci = None if self.low is None else [self.low, self.high]
         return {"geomean": self.geomean, "median": self.median, "ci95": ci, "prompts": self.prompts,
                 "units": self.units, "verdict": self.verdict}
-
-
-def paired_ratios(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> list[float]:
-    """Per-prompt speedups over the prompts both sides ran (keys: prompt ids), in a fixed order."""
-    return [speeds[k] / baseline[k] for k in _paired(speeds, baseline)]
 
 
 def _paired(speeds: Mapping[str, float], baseline: Mapping[str, float]) -> list[str]:

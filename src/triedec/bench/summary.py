@@ -127,9 +127,10 @@ def leader(samples: Sequence[dict], summary: dict[str, dict[str, Any]], referenc
         return None
     best = max(exact, key=lambda m: summary[m]["overall"]["vs_reference"]["geomean"])
     mine = _speeds([r for r in samples if r["method"] == best])
+    question_of = units(samples)
     against = {}
     for m in summary:
         if m != best:
-            c = compare(mine, _speeds([r for r in samples if r["method"] == m]), units(samples))
+            c = compare(mine, _speeds([r for r in samples if r["method"] == m]), question_of)
             against[m] = None if c is None else c.as_dict()
     return {"method": best, "against": against}
