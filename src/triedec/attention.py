@@ -8,115 +8,21 @@ sliding windows or grouped-query heads. torch's sdpa gives no such promise (on t
 alone and the same query inside a call of 2-64 queries differ in the last bits), and a torch
 upgrade could change how any of its kernels sum, so invariance rests on this file instead.
 
-The kernel is C++ built with ``torch.utils.cpp_extension`` the first time it is needed (``make``
-builds it during setup; about a minute with the C++ compiler; ``ninja`` comes with triedec's
-dependencies) and cached under ``kernels/`` in triedec's cache (:func:`triedec.paths.cache_root`,
-``~/.cache/triedec`` by default), one build per source, flags, torch version, Python and CPU.
-Pure torch: nothing here knows transformers.
+The kernel is C++ (``csrc/tree_attention.cpp``), built with triedec's other kernels the first
+time one is needed (:mod:`triedec.native`). Pure torch: nothing here knows transformers.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
-import threading
 from collections.abc import Sequence
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from triedec.errors import TriedecError
-from triedec.paths import cache_root
+from triedec.native import load_kernel
 
-SOURCE = Path(__file__).parent / "csrc" / "tree_attention.cpp"
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native")
-"""``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
-lane as in a scalar tail); the kernel's own fused ones are explicit. ``-march=native``: the build is
-for the CPU it runs on (the build directory names that CPU)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Dtypes the kernel runs (it computes in float32 and rounds each output once)."""
-
-_log = logging.getLogger("triedec")
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_failure: str | None = None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def build_directory() -> Path:
-    """Where the kernel for this source, these flags, this torch, this Python and this CPU is
-    built: ``<cache>/kernels/tree_attention-<hash>`` under :func:`triedec.paths.cache_root`."""
-    root = cache_root()
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode(), platform.machine().encode(), _cpu_name().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    return root / "kernels" / f"tree_attention-{digest.hexdigest()[:16]}"
-
-
-def _put_ninja_on_path() -> None:
-    """torch builds with the ``ninja`` found on PATH; triedec depends on the ``ninja`` package,
-    whose binary is not on PATH when the virtual environment is not activated. Prepend it then."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja  # type: ignore[import-untyped]
-    except ImportError:
-        return
-    os.environ["PATH"] = os.pathsep.join([str(ninja.BIN_DIR), os.environ.get("PATH", "")])
-
-
-def load_kernel(verbose: bool = False) -> ModuleType:
-    """The compiled kernel, built on first use (thread-safe; later calls return it at once).
-    Raises :class:`TriedecError` with the compiler's reason when it cannot be built."""
-    global _module, _failure
-    if _module is not None:
-        return _module
-    with _lock:
-        if _module is None:
-            if _failure is not None:
-                raise TriedecError(_failure)
-            from torch.utils import cpp_extension
-
-            _put_ninja_on_path()
-            where = build_directory()
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fresh = not any(where.glob("*.so"))
-            if fresh:
-                _log.warning("building triedec's tree-attention kernel in %s (once per machine, ~1 min)", where)
-            try:
-                _module = cpp_extension.load(name="triedec_tree_attention", sources=[str(SOURCE)],
-                                             extra_cflags=list(CFLAGS), build_directory=str(where), verbose=verbose)
-            except Exception as exc:  # compiler missing or failing: say so once, keep the reason
-                _failure = (f"triedec's tree-attention kernel could not be built ({type(exc).__name__}: "
-                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
-                            "run scripts/setup.sh (it installs a C++ compiler)")
-                raise TriedecError(_failure) from exc
-    return _module
-
-
-def kernel_available() -> bool:
-    """Whether the kernel is built or can be built here (builds it if needed)."""
-    try:
-        load_kernel()
-    except TriedecError:
-        return False
-    return True
 
 
 def key_lists(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

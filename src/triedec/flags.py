@@ -70,10 +70,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default=None,
                         help="activations and unquantized weights: float32 (default; bfloat16 with --weights "
-                             "int8/int4), bfloat16 or float16")
+                             "int8/int4/int4-a8), bfloat16 or float16")
     parser.add_argument("--weights", default="float", choices=WEIGHTS,
-                        help="linear weights: float (default: in --dtype), int8 (per output row) or int4 (groups of "
-                             f"{GROUP_SIZE}); int8 and int4 run with bfloat16 activations on CPU. Every method "
+                        help="linear weights: float (default: in --dtype), int8 (per output row), int4 (groups of "
+                             f"{GROUP_SIZE}) or int4-a8 (int4's weights, dot products on 8-bit activations as "
+                             "llama.cpp); quantized weights run with bfloat16 activations on CPU. Every method "
                              "returns ar's tokens in the same mode (docs/precision.md)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")

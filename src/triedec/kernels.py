@@ -54,8 +54,8 @@ class LinearStandIn(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.rows(x.reshape(-1, self.in_features))
-        return out.reshape(*x.shape[:-1], self.out_features)
+        shape = x.shape
+        return self.rows(x.reshape(-1, shape[-1])).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}{self.repr_extra()}, "
@@ -77,9 +77,10 @@ class PackedLinear(LinearStandIn):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), batch_hint)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._op = torch.ops.mkldnn._linear_pointwise.default
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self._op(x, self.packed, self._parameters.get("bias"), "none", [], "")
 
 
 PROBE_ROWS = (2, 3, 5, 8, 17)

@@ -21,8 +21,9 @@ the benchmark and the server (its ``--max-tokens``)."""
 DEFAULT_METHOD = "auto"
 """The method a request uses when it names none."""
 
-WEIGHTS = ("float", "int8", "int4")
-"""The weight modes: in the activation dtype, int8 per output row, int4 in groups."""
+WEIGHTS = ("float", "int8", "int4", "int4-a8")
+"""The weight modes: in the activation dtype, int8 per output row, int4 in groups, and int4 whose
+dot products run on activations quantized to int8 per group (as llama.cpp runs a Q4 file)."""
 GROUP_SIZE = 32
 """Input features per int4 group (the group size of GGUF's Q4_0 and Q4_1 blocks)."""
 

@@ -10,7 +10,11 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
   consecutive input features, affine (per group a bf16 ``scale`` and bf16 ``zero``, ``w = (q - 8)
   * scale + zero`` with ``q`` in 0..15, the layout torch's int4 CPU kernel reads), the LM head
   int8 as above (see :func:`quantize_linears`). Q4_0/Q4_1 GGUF files use the same group size, so
-  their codes are recovered (see ``docs/precision.md``).
+  their codes are recovered (see ``docs/precision.md``);
+* ``int4-a8``: int4's weights (the same codes, scales and zeros), whose dot products run on the
+  activations quantized to int8 per row and group of :data:`GROUP_SIZE` features, as llama.cpp
+  runs a Q4 file: triedec's own kernel (``csrc/int4_linear.cpp``; AVX512-VNNI where the CPU has it,
+  a portable path giving the same bits elsewhere); the LM head int8 as in ``int4``.
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
 ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
@@ -33,9 +37,12 @@ from torch import nn
 
 from triedec.errors import TriedecError
 from triedec.kernels import LinearStandIn
+from triedec.native import load_kernel
 from triedec.params import GROUP_SIZE, WEIGHTS
 
 QUANTIZED_DTYPE = torch.bfloat16
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 """The activation dtype quantized weights run with."""
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -84,8 +91,10 @@ class Precision:
 
     @property
     def name(self) -> str:
-        """``float32``, ``bfloat16``, ``int8-bfloat16``, ``int4g32-bfloat16``: what results record."""
-        weights = {"float": "", "int8": "int8-", "int4": f"int4g{GROUP_SIZE}-"}[self.weights]
+        """``float32``, ``bfloat16``, ``int8-bfloat16``, ``int4g32-bfloat16``, ``int4g32a8-bfloat16``:
+        what results record."""
+        weights = {"float": "", "int8": "int8-", "int4": f"int4g{GROUP_SIZE}-", "int4-a8": f"int4g{GROUP_SIZE}a8-"}[
+            self.weights]
         return f"{weights}{_name(self.dtype)}"
 
     def check_device(self, device: torch.device | str) -> None:
@@ -117,7 +126,8 @@ class Int8Linear(LinearStandIn):
         return self.codes.float() * self.scale.float()[:, None]
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return _plus_bias(torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale), self.bias)
+        buffers = self._buffers  # read directly: a module attribute lookup costs ~1 us, 211 layers a step
+        return _plus_bias(_INT8_MM(x, buffers["codes"], buffers["scale"]), self.bias)
 
 
 class Int4Linear(LinearStandIn):
@@ -138,11 +148,152 @@ class Int4Linear(LinearStandIn):
         self.bias = _bias(linear)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return _plus_bias(torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros),
-                          self.bias)
+        buffers = self._buffers
+        return _plus_bias(_INT4_MM(x, buffers["packed"], GROUP_SIZE, buffers["scales_and_zeros"]), self.bias)
 
     def repr_extra(self) -> str:
         return f", group_size={GROUP_SIZE}"
+
+
+class Int4A8Linear(LinearStandIn):
+    """``y = x w^T + b`` with :class:`Int4Linear`'s weights (the same codes, scales and zeros),
+    computed by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE`
+    features (``csrc/int4_linear.cpp`` gives the exact arithmetic): integer dot products per group,
+    exact in any order, then a fixed float32 sum over the groups, so a row gets the same bits in any
+    call, on any CPU. Codes, scales and zeros are stored packed for the kernel
+    (:func:`pack_int4`, :func:`pack_scales_zeros`). Inference only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
+                               f"got {self.out_features}x{self.in_features}")
+        load_kernel()  # refused here, with the reason, when triedec's kernels cannot be built
+        codes, scale, zero = quantize_int4(linear.weight.detach())
+        self.register_buffer("packed", pack_int4(codes))
+        self.register_buffer("scales_zeros", pack_scales_zeros(scale, zero))
+        self.bias = _bias(linear)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes ``[out, in]`` (int32, 0..15)."""
+        return unpack_int4(self.packed)
+
+    def scale_and_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bf16 ``scale`` and ``zero`` ``[in / GROUP_SIZE, out]``."""
+        return unpack_scales_zeros(self.scales_zeros)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        out = load_kernel().int4_linear(x, buffers["packed"], buffers["scales_zeros"], False)
+        return _plus_bias(out, self.bias)
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}, activations=int8"
+
+
+class Int8A8Linear(LinearStandIn):
+    """``y = x (q * scale)^T + b`` with :class:`Int8Linear`'s weights (the same codes and scales),
+    computed by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE`
+    features (``csrc/a8_linears.cpp``): the LM head of ``int4-a8`` mode. Output rows a multiple of
+    16, input features of :data:`GROUP_SIZE`. Inference only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"the int8 kernel on 8-bit activations needs output rows divisible by 16 and input "
+                               f"features by {GROUP_SIZE}, got {self.out_features}x{self.in_features}")
+        load_kernel()
+        reference = Int8Linear(linear)
+        self.register_buffer("packed", pack_int8(reference.codes))
+        self.register_buffer("scale", reference.scale)
+        self.bias = reference.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (exact)."""
+        return unpack_int8(self.packed).float() * self.scale.float()[:, None]
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return _plus_bias(load_kernel().int8_linear(x, buffers["packed"], buffers["scale"], False), self.bias)
+
+    def repr_extra(self) -> str:
+        return ", activations=int8"
+
+
+BLOCK = 64
+"""Outputs per block of the int4 kernel's packed weight (one sequential stream per block)."""
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes [N, K]`` (0..15; N a multiple of 16, K of :data:`GROUP_SIZE`) in the order
+    triedec's int4 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs
+    (the last may hold fewer), per group of 32 features, per step of 8, per 16 outputs: 64 bytes,
+    byte ``4i + j`` holding output ``i``'s feature ``j`` of the step in its low nibble and feature
+    ``4 + j`` in its high one. Shape ``[N, K / 2]`` uint8, bytes in that order."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8)
+    parts = []
+    for b in range(0, n, BLOCK):
+        block = c[b : b + BLOCK]
+        vectors = block.shape[0] // 16
+        t = block.reshape(vectors, 16, k // GROUP_SIZE, 4, 2, 4)  # v, i, g, m, half, j
+        nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # v, i, g, m, j
+        parts.append(nibbles.permute(2, 3, 0, 1, 4).reshape(-1))  # g, m, v, i, j
+    return torch.cat(parts).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` (int32) that :func:`pack_int4` packed."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    flat, at, rows = packed.reshape(-1), 0, []
+    for b in range(0, n, BLOCK):
+        vectors = min(BLOCK, n - b) // 16
+        size = vectors * 16 * k // 2
+        t = flat[at : at + size].reshape(k // GROUP_SIZE, 4, vectors, 16, 4)  # g, m, v, i, j
+        at += size
+        both = torch.stack([t & 0x0F, t >> 4], dim=4)  # g, m, v, i, half, j
+        rows.append(both.permute(2, 3, 0, 1, 4, 5).reshape(vectors * 16, k))
+    return torch.cat(rows).to(torch.int32)
+
+
+def pack_scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """int4's bf16 ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` in the order triedec's int4 kernel
+    reads them beside the codes (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs and
+    group, the block's scales, then its zeros. Shape ``[K / GROUP_SIZE, 2, N]``, bytes in that
+    order."""
+    groups, n = scale.shape
+    parts = [torch.stack([scale[:, b : b + BLOCK], zero[:, b : b + BLOCK]], dim=1).reshape(-1)
+             for b in range(0, n, BLOCK)]
+    return torch.cat(parts).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
+
+
+def unpack_scales_zeros(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` that :func:`pack_scales_zeros` packed."""
+    groups, _, n = packed.shape
+    flat, at, scales, zeros = packed.reshape(-1), 0, [], []
+    for b in range(0, n, BLOCK):
+        width = min(BLOCK, n - b)
+        block = flat[at : at + groups * 2 * width].reshape(groups, 2, width)
+        at += groups * 2 * width
+        scales.append(block[:, 0])
+        zeros.append(block[:, 1])
+    return torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 ``codes [N, K]`` (N a multiple of 16, K of 4) in the layout triedec's int8 kernel reads:
+    uint8 ``[N / 16, K / 4, 64]``, byte ``4i + j`` of block ``(v, m)`` holding ``codes[16v + i, 4m +
+    j] + 128``."""
+    n, k = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, k // 4, 4)  # v, i, m, j
+    return shifted.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 codes ``[N, K]`` that :func:`pack_int8` packed."""
+    blocks, quads, _ = packed.shape
+    b = packed.reshape(blocks, quads, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, quads * 4)
+    return (b.to(torch.int16) - 128).to(torch.int8)
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -194,34 +345,40 @@ class Quantized:
 
 
 def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None) -> Quantized:
-    """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear` or :class:`Int4Linear`
-    (``weights``), in place, quantizing from the weights as they are (quantize from float32 for
-    the best codes, then cast the rest of the model to bfloat16). ``head``, the LM head, is int8
-    in both modes: as 4-bit GGUF files keep their output layer at 6-8 bits, because the logits are
-    the most sensitive product of the model (on the default model, int4 with a 4-bit head agreed
+    """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear`, :class:`Int4Linear` or
+    :class:`Int4A8Linear` (``weights``: ``int8``, ``int4``, ``int4-a8``), in place, quantizing from
+    the weights as they are (quantize from float32 for the best codes, then cast the rest of the
+    model to bfloat16). ``head``, the LM head, is int8 in every mode (on 8-bit activations in
+    ``int4-a8``, :class:`Int8A8Linear`): as 4-bit GGUF files keep their output layer at 6-8 bits,
+    because the logits are the most sensitive product of the model (on the default model, int4 with a 4-bit head agreed
     with float32's greedy token at 92% of positions, with an int8 head at 99%, and ran no slower).
     A weight shared with another module (a tied LM head's embedding) stays as it is in that
     module."""
-    if weights not in ("int8", "int4"):
-        raise TriedecError(f"quantize_linears takes 'int8' or 'int4', got {weights!r}")
+    if weights not in ("int8", "int4", "int4-a8"):
+        raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
     layers = kept = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
                 continue
-            if weights == "int4" and child is not head and not int4_fits(child):
+            if weights != "int8" and child is not head and not int4_fits(child):
                 kept += 1
                 continue
-            int8 = weights == "int8" or child is head
-            setattr(parent, name, Int8Linear(child) if int8 else Int4Linear(child))
+            if weights == "int4-a8" and child is head and int4_fits(child):
+                setattr(parent, name, Int8A8Linear(child))
+            elif weights == "int8" or child is head:
+                setattr(parent, name, Int8Linear(child))
+            else:
+                setattr(parent, name, Int4Linear(child) if weights == "int4" else Int4A8Linear(child))
             layers += 1
     return Quantized(layers, kept)
 
 
 def precision_of(model: nn.Module) -> Precision:
     """The mode ``model`` is in: its first floating parameter's dtype (the embeddings'), and its
-    linears' weights (``int4`` or ``int8`` when it holds such layers)."""
+    linears' weights (``int4-a8``, ``int4`` or ``int8`` when it holds such layers)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kinds = {type(m) for m in model.modules()}
-    weights = "int4" if Int4Linear in kinds else "int8" if Int8Linear in kinds else "float"
+    weights = "int4-a8" if Int4A8Linear in kinds else "int4" if Int4Linear in kinds \
+        else "int8" if Int8Linear in kinds else "float"
     return Precision(dtype, weights)

@@ -20,6 +20,8 @@
 // same keys, so they go as a team (up to 3, what the registers hold) and each K or V vector loaded
 // serves them all; a thread takes its outputs in blocks whose scores stay in L2; the maximum score
 // is found 8 lanes at a time (a maximum is exact in any order).
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -506,9 +508,4 @@ torch::Tensor tree_attention_items(torch::Tensor query, std::vector<torch::Tenso
   for (size_t k = 0; k < n; ++k)
     items.push_back(check_item(query, bounds[k], bounds[k + 1], keys[k], values[k], offsets[k], indices[k]));
   return run_items(query, items, scale, softcap);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order");
-  m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call");
 }

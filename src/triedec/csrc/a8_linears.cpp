@@ -1,0 +1,438 @@
+// Linear layers with quantized weights whose dot products run on 8-bit activations (triedec's own
+// kernels; triedec/precision.py packs the weights and calls them). It is what llama.cpp does with a
+// Q4 file: on a CPU, float dot products of many rows are bound by arithmetic (a 16-row forward of
+// the default model is ~2 GMAC, ~22 ms at two cores' float peak), and integer dot products
+// (AVX512-VNNI's vpdpbusd: 64 multiply-adds an instruction) do four times as many per instruction.
+//
+// Activations: each row's features are quantized per group g of 32: a = max|x| / 127 and
+// x' = round(x * (127 / max|x|)) in -127..127 (nearest even; a = 0 and x' = 0 for a group of
+// zeros); Q = sum_k x'_k.
+//
+// int4_linear: output n at feature k weighs w = (q - 8) * s + z, q in 0..15, with a bf16 scale s and
+// zero z per group (the int4 mode's own values). For row r and output n, over the groups in order:
+//   D = sum_k x'_k q_k                                     (int32: exact, in any order)
+//   y = fma(a * D, s, y);  y = fma(a * Q, c, y)            (float32, c = z - 8 s)
+// since a * (s * D + c * Q) = sum_k a x'_k ((q_k - 8) s + z).
+// int8_linear: w = q * s, q in -127..127, one bf16 scale s per output (the int8 mode's). Over the
+// groups in order: D = sum_k x'_k q_k (int32), y = fma(a, D, y); then y = y * s.
+//
+// y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
+// one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
+// the same bits alone or in any call, and the vector path and the portable one give the same bits.
+//
+// Packed layouts (triedec.precision.pack_int4 / pack_int8), for the 16 outputs 16v..16v+15:
+//   int4: uint8, N * K / 2 bytes in blocks of 4 vectors (64 outputs; the last block may hold fewer,
+//         nvb): block b, group g, step m (features 32g + 8m .. + 7), vector v of the block: 64 bytes
+//         at b * 4 * K * 8 + ((g * 4 + m) * nvb + v) * 64, whose byte 4i + j holds q[16(4b + v) + i,
+//         32g + 8m + j] in its low nibble and q[.., 32g + 8m + 4 + j] in its high one: one
+//         sequential stream per block, read in that order;
+//   int8: uint8 [N / 16, K / 4, 64]: for the features 4m..4m+3, byte 4i + j holds q[16v + i, 4m + j]
+//         + 128 (vpdpbusd multiplies unsigned by signed bytes; the 128 * Q it adds is taken off).
+// int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
+// zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: bf16 [N].
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define TRIEDEC_VNNI 1
+#endif
+
+namespace {
+
+constexpr int kCols = 16;   // outputs per vector
+constexpr int kGroup = 32;  // input features per group (scale, zero, activation scale)
+constexpr int kSteps = 4;   // steps of 8 features per group
+constexpr int kBlock = 4;   // int4: vectors per block of the packed weight (one stream per block)
+
+struct Rows {        // the activations, quantized per row and group
+  std::vector<int8_t> q;     // [R, K]
+  std::vector<float> a;      // [R, G]: the scale of each group
+  std::vector<float> aq;     // [R, G]: a * Q
+  std::vector<int32_t> sum;  // [R, G]: Q
+};
+
+// Row r, group g: a = top / 127 and x' = nearbyint(x * (127 / top)) clamped to -127..127, top =
+// max |x| over the group (a = 0, x' = 0 when top is 0). The vector path performs the same IEEE
+// operations (a maximum is exact in any order; the conversion rounds to nearest even).
+void quantize_group(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
+  float x[kGroup];
+  for (int k = 0; k < kGroup; ++k) x[k] = static_cast<float>(xg[k]);
+  float top = 0.0f;
+#ifdef TRIEDEC_VNNI
+  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))), 16));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))), 16));
+  top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  if (top > 0.0f) {
+    const __m512 inv = _mm512_set1_ps(127.0f / top);
+    const __m512i limit = _mm512_set1_epi32(127), floor = _mm512_set1_epi32(-127);
+    const __m512i qlo = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+    const __m512i qhi = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    *a = top / 127.0f;
+    *aq = *a * static_cast<float>(total);
+    *sum = total;
+  } else {
+    std::memset(q, 0, kGroup);
+    *a = 0.0f;
+    *aq = 0.0f;
+    *sum = 0;
+  }
+  return;
+#endif
+  for (int k = 0; k < kGroup; ++k) top = std::max(top, std::fabs(x[k]));
+  int32_t total = 0;
+  const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+  for (int k = 0; k < kGroup; ++k) {
+    const int32_t v = top > 0.0f ? static_cast<int32_t>(std::nearbyint(x[k] * inv)) : 0;
+    q[k] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
+    total += q[k];
+  }
+  *a = top / 127.0f;
+  *aq = *a * static_cast<float>(total);
+  *sum = total;
+}
+
+Rows quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K) {
+  const int64_t G = K / kGroup;
+  Rows out{std::vector<int8_t>(R * K), std::vector<float>(R * G), std::vector<float>(R * G),
+           std::vector<int32_t>(R * G)};
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      quantize_group(x + r * K + g * kGroup, out.q.data() + r * K + g * kGroup, &out.a[r * G + g], &out.aq[r * G + g],
+                     &out.sum[r * G + g]);
+  return out;
+}
+
+inline float bf16_value(const c10::BFloat16 v) { return static_cast<float>(v); }
+
+// The portable paths: the same integer sums and the same float operations, one output at a time.
+void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
+                   c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, i = n % kCols;
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t D = 0;
+          const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
+          for (int m = 0; m < kSteps; ++m) {
+            const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + ((g * kSteps + m) * nvb + vb) * 64 + 4 * i;
+            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
+            for (int j = 0; j < 4; ++j) {
+              D += static_cast<int32_t>(bytes[j] & 0x0F) * xq[j];
+              D += static_cast<int32_t>(bytes[j] >> 4) * xq[4 + j];
+            }
+          }
+          const c10::BFloat16* at = sz + block * kBlock * G * 2 * kCols + (g * 2 * nvb + vb) * kCols + i;
+          const float s = bf16_value(at[0]), z = bf16_value(at[nvb * kCols]);
+          const float c = std::fma(-8.0f, s, z);
+          const float aD = xs.a[r * G + g] * static_cast<float>(D);
+          y = std::fma(aD, s, y);
+          y = std::fma(xs.aq[r * G + g], c, y);
+        }
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
+      }
+    }
+  });
+}
+
+void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* scales, int64_t N,
+                   c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, i = n % kCols;
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t D = 0;
+          for (int m = 0; m < kGroup / 4; ++m) {
+            const uint8_t* bytes = packed + ((v * (K / 4)) + g * (kGroup / 4) + m) * 64 + 4 * i;
+            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 4;
+            for (int j = 0; j < 4; ++j) D += static_cast<int32_t>(bytes[j]) * xq[j];
+          }
+          D -= 128 * xs.sum[r * G + g];
+          y = std::fma(xs.a[r * G + g], static_cast<float>(D), y);
+        }
+        out[r * N + n] = static_cast<c10::BFloat16>(y * bf16_value(scales[n]));
+      }
+    }
+  });
+}
+
+#ifdef TRIEDEC_VNNI
+constexpr int kRows = 4;   // most rows per register tile
+
+inline __m512 bf16_to_float(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Rows r < R (a tile) and vectors voff..voff + V - 1 of a block over every group in order: D by
+// vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the packed weight
+// as they are used; activations as signed bytes), then y = fma(a D, s, y); y = fma(a Q, c, y), y
+// staying in registers from the first group to the last.
+template <int R, int V>
+inline void tile(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t voff, int64_t K,
+                 const int32_t* const* xq, const float* const* a, const float* const* aq, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 y[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int m = 0; m < kSteps; ++m) {
+      __m512i lo[V], hi[V];
+      for (int v = 0; v < V; ++v) {
+        const __m512i bytes = _mm512_loadu_si512(codes + ((g * kSteps + m) * nvb + voff + v) * 64);
+        lo[v] = _mm512_and_si512(bytes, low);                            // features 8m..8m+3
+        hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);      // features 8m+4..8m+7
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(xq[r][g * 2 * kSteps + 2 * m]);
+        const __m512i x1 = _mm512_set1_epi32(xq[r][g * 2 * kSteps + 2 * m + 1]);
+        for (int v = 0; v < V; ++v) {
+          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], lo[v], x0);
+          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], hi[v], x1);
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const c10::BFloat16* at = sz + (g * 2 * nvb + voff + v) * kCols;
+      const __m512 scale = bf16_to_float(at);
+      const __m512 constant = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, bf16_to_float(at + nvb * kCols));
+      for (int r = 0; r < R; ++r) {
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(a[r][g]));
+        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
+        y[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(aq[r][g]), constant, y[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+}
+
+using TileFn = void (*)(const uint8_t*, const c10::BFloat16*, int64_t, int64_t, int64_t, const int32_t* const*,
+                        const float* const*, const float* const*, float*);
+
+template <int R>
+TileFn tile_for(int vectors) {
+  switch (vectors) {
+    case 1: return &tile<R, 1>;
+    case 2: return &tile<R, 2>;
+    case 3: return &tile<R, 3>;
+    default: return &tile<R, 4>;
+  }
+}
+
+TileFn tile_for(int rows, int vectors) {
+  switch (rows) {
+    case 1: return tile_for<1>(vectors);
+    case 2: return tile_for<2>(vectors);
+    case 3: return tile_for<3>(vectors);
+    default: return tile_for<4>(vectors);
+  }
+}
+
+void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
+               c10::BFloat16* out) {
+  const int64_t G = K / kGroup, NV = N / kCols;
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());  // row r, features 4i..4i+3: quads[r * K / 4 + i]
+  const int per_tile = R <= 2 ? 4 : 2;  // a tile's rows x vectors: 2 x 4 or 4 x 2 (16 accumulators, 16 sums)
+  const int tile_rows = R <= 2 ? 2 : kRows;
+  const int64_t blocks = (NV + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float y[kRows * kBlock * kCols];
+    const int32_t* xq[kRows];
+    const float* a[kRows];
+    const float* aq[kRows];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
+      const uint8_t* codes = packed + b * kBlock * (K / 8) * 64;
+      const c10::BFloat16* block_sz = sz + b * kBlock * G * 2 * kCols;
+      for (int64_t voff = 0; voff < nvb; voff += per_tile) {
+        const int nv = static_cast<int>(std::min<int64_t>(per_tile, nvb - voff));
+        const int64_t first = (b * kBlock + voff) * kCols;
+        for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
+          const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
+          for (int r = 0; r < rows; ++r) {
+            xq[r] = quads + (r0 + r) * (K / 4);
+            a[r] = xs.a.data() + (r0 + r) * G;
+            aq[r] = xs.aq.data() + (r0 + r) * G;
+          }
+          tile_for(rows, nv)(codes, block_sz, nvb, voff, K, xq, a, aq, y);
+          for (int r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < nv * kCols; ++i)
+              out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
+        }
+      }
+    }
+  });
+}
+
+// int8_linear's tile: rows r < R, vectors v < V (columns 16 v0 ..), every group in order.
+template <int R, int V>
+void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* scales, const int32_t* const* xq,
+           const float* const* a, const int32_t* const* sum, float* y_out) {
+  const int64_t G = K / kGroup, quads = K / 4;
+  __m512 y[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int m = 0; m < kGroup / 4; ++m) {
+      __m512i w[V];
+      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(packed + ((v0 + v) * quads + g * (kGroup / 4) + m) * 64);
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(xq[r][g * (kGroup / 4) + m]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(128 * sum[r][g]);
+      const __m512 scale_r = _mm512_set1_ps(a[r][g]);
+      for (int v = 0; v < V; ++v)
+        y[r][v] = _mm512_fmadd_ps(scale_r, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset)), y[r][v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const __m512 scale = bf16_to_float(scales + (v0 + v) * kCols);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y_out + (r * V + v) * kCols, _mm512_mul_ps(y[r][v], scale));
+  }
+}
+
+using Tile8Fn = void (*)(const uint8_t*, int64_t, int64_t, const c10::BFloat16*, const int32_t* const*,
+                         const float* const*, const int32_t* const*, float*);
+
+template <int R>
+Tile8Fn tile8_for(int vectors) {
+  switch (vectors) {
+    case 1: return &tile8<R, 1>;
+    case 2: return &tile8<R, 2>;
+    case 3: return &tile8<R, 3>;
+    default: return &tile8<R, 4>;
+  }
+}
+
+Tile8Fn tile8_for(int rows, int vectors) {
+  switch (rows) {
+    case 1: return tile8_for<1>(vectors);
+    case 2: return tile8_for<2>(vectors);
+    case 3: return tile8_for<3>(vectors);
+    default: return tile8_for<4>(vectors);
+  }
+}
+
+void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* scales, int64_t N,
+               c10::BFloat16* out) {
+  const int64_t G = K / kGroup, NV = N / kCols;
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
+  const int vectors = R <= 2 ? 4 : 2;
+  const int tile_rows = R <= 2 ? 2 : kRows;
+  const int64_t blocks = (NV + vectors - 1) / vectors;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float y[kRows * 4 * kCols];
+    const int32_t* xq[kRows];
+    const float* a[kRows];
+    const int32_t* sum[kRows];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t v0 = b * vectors;
+      const int nv = static_cast<int>(std::min<int64_t>(vectors, NV - v0));
+      for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
+        for (int r = 0; r < rows; ++r) {
+          xq[r] = quads + (r0 + r) * (K / 4);
+          a[r] = xs.a.data() + (r0 + r) * G;
+          sum[r] = xs.sum.data() + (r0 + r) * G;
+        }
+        tile8_for(rows, nv)(packed, K, v0, scales, xq, a, sum, y);
+        for (int r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < nv * kCols; ++i)
+            out[(r0 + r) * N + v0 * kCols + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+bool a8_linears_vectorized() {
+#ifdef TRIEDEC_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
+// bytes in the block order above). Returns [R, N] bf16.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales_zeros.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kCols == 0 && packed.size(1) % (kGroup / 2) == 0,
+              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
+  const int64_t R = x.size(0), K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K, "x's features must match the packed weight's");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
+                  scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
+              "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
+  torch::Tensor rows = x.contiguous();
+  torch::Tensor out = torch::empty({R, N}, x.options());
+  if (R == 0) return out;
+  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K);
+#ifdef TRIEDEC_VNNI
+  if (!portable) {
+    int4_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::BFloat16>(), N,
+              out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+#endif
+  int4_portable(xs, R, K, packed.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::BFloat16>(), N,
+                out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// x [R, K] bf16, packed uint8 [N / 16, K / 4, 64], scales bf16 [N]. Returns [R, N] bf16.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 64 && packed.is_contiguous(),
+              "packed must be contiguous uint8 [N / 16, K / 4, 64]");
+  const int64_t R = x.size(0), K = x.size(1), N = packed.size(0) * kCols;
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 4 == K, "K must be a multiple of 32 and match the packed weight");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 1 && scales.size(0) == N,
+              "scales must be contiguous bf16 [N]");
+  torch::Tensor rows = x.contiguous();
+  torch::Tensor out = torch::empty({R, N}, x.options());
+  if (R == 0) return out;
+  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K);
+#ifdef TRIEDEC_VNNI
+  if (!portable) {
+    int8_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+#endif
+  int8_portable(xs, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>());
+  return out;
+}

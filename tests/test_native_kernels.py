@@ -1,0 +1,220 @@
+"""triedec's own compiled kernels besides tree attention (``csrc/``): the fused RMS norm
+(:mod:`triedec.fused`) and the linears whose dot products run on 8-bit activations
+(``int4-a8`` mode, :mod:`triedec.precision`). Each must compute what it claims (against a float64
+reference or the module it replaces), give a row the same bits alone and inside any call, and,
+for the linears, give the same bits on the vector path and the portable one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_gemma3, tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from triedec.adapter import ModelAdapter
+from triedec.errors import TriedecError
+from triedec.fused import FusedRMSNorm, fusable_variant, fuse_norms
+from triedec.models import quantize
+from triedec.native import load_kernel
+from triedec.precision import (
+    GROUP_SIZE,
+    Int4A8Linear,
+    Int8A8Linear,
+    Int8Linear,
+    Precision,
+    dequantize_int4,
+    pack_int4,
+    pack_int8,
+    pack_scales_zeros,
+    quantize_int4,
+    unpack_int4,
+    unpack_int8,
+    unpack_scales_zeros,
+)
+
+KERNEL = load_kernel()
+
+
+# ---- the fused RMS norm ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_a_fused_norm_is_recognised_and_computes_what_the_stock_norm_computes(kind, dtype):
+    torch.manual_seed(0)
+    stock = (LlamaRMSNorm(96, eps=1e-5) if kind == "llama" else Gemma3RMSNorm(96, eps=1e-6)).to(dtype)
+    with torch.no_grad():
+        stock.weight.normal_()
+    variant = fusable_variant(stock)
+    assert variant == ("weight" if kind == "llama" else "one-plus-weight")
+    fused = FusedRMSNorm(stock.weight, 1e-5 if kind == "llama" else 1e-6, variant)
+    x = (torch.randn(3, 40, 96) * 3).to(dtype)
+    with torch.inference_mode():
+        got, expected = fused(x), stock(x)
+    assert got.dtype == dtype and got.shape == x.shape
+    eps = torch.finfo(dtype).eps
+    assert ((got.double() - expected.double()).abs() <= 4 * eps * expected.double().abs() + 1e-30).all()
+    if dtype != torch.float32:
+        assert (got == expected).float().mean() > 0.99  # one rounding away at most, and rarely
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), features=st.integers(1, 300), seed=st.integers(0, 10**6),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_a_fused_norm_gives_a_row_the_same_bits_alone_and_in_any_call(rows, features, seed, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(features, generator=gen).to(dtype)
+    x = (torch.randn(rows, features, generator=gen) * 5).to(dtype)
+    for variant in ("weight", "one-plus-weight"):
+        norm = FusedRMSNorm(weight, 1e-6, variant)
+        together = norm(x)
+        alone = torch.cat([norm(x[i : i + 1]) for i in range(rows)])
+        assert torch.equal(together, alone)
+        assert torch.equal(norm(x.t().contiguous().t()), together)  # strided rows: the same bits
+
+
+def test_only_norms_whose_arithmetic_is_recognised_are_swapped():
+    class OddRMSNorm(nn.Module):  # named like one, computes something else
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(16))
+            self.eps = 1e-6
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    holder = nn.Sequential(OddRMSNorm(), LlamaRMSNorm(16))
+    done = fuse_norms(holder)
+    assert (done.norms, done.kept) == (1, 1)
+    assert isinstance(holder[0], OddRMSNorm) and isinstance(holder[1], FusedRMSNorm)
+    with pytest.raises(ValueError, match="variant"):
+        FusedRMSNorm(torch.ones(4), 1e-6, "layer-norm")
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3])
+def test_norms_are_fused_in_bf16_modes_and_not_in_float32(build):
+    for precision, fused in ((Precision.of("float32"), False), (Precision.of("bfloat16"), True),
+                             (Precision.of(weights="int4-a8"), True)):
+        model = build(seed=3)
+        if precision.quantized:
+            quantize(model, precision)
+        else:
+            model.to(precision.dtype)
+        adapter = ModelAdapter(model, "auto")
+        assert any(isinstance(m, FusedRMSNorm) for m in model.modules()) == fused
+        assert ("fused-rmsnorm" in adapter.kernels) == fused
+        assert adapter.exactness == "bit-exact", adapter.invariance.detail
+
+
+def test_the_kernel_refuses_bad_input_with_a_message():
+    with pytest.raises(RuntimeError, match="weight must be"):
+        KERNEL.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), 1e-6, False)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        KERNEL.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, False)
+
+
+# ---- the linears on 8-bit activations ------------------------------------------------------------------
+
+def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization, with the same float32 operations: per row and group of
+    32, ``a = max|x| / 127`` and ``x' = round(x * (127 / max|x|))`` (nearest even)."""
+    groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
+    q = torch.round(groups * inv).clamp(-127, 127)
+    return q.reshape(x.shape), (top / 127).squeeze(-1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(vectors=st.integers(1, 9), groups=st.integers(1, 5), rows=st.integers(1, 19), seed=st.integers(0, 10**6),
+       bias=st.booleans())
+def test_the_int4_kernel_computes_int4_weights_times_quantized_activations(vectors, groups, rows, seed, bias):
+    """Against float64: the dequantized int4 weight times the dequantized 8-bit activations, within
+    float32 rounding of the result; a row alone equals the row in the call; vector and portable
+    paths give the same bits; and the packing round-trips (blocks of 64 outputs, the last one short
+    when 16 * vectors is not a multiple of 64)."""
+    torch.manual_seed(seed)
+    linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=bias)
+    layer = Int4A8Linear(linear)
+    codes, scale, zero = quantize_int4(linear.weight)
+    assert torch.equal(layer.codes(), codes)
+    assert all(torch.equal(a, b) for a, b in zip(layer.scale_and_zero(), (scale, zero), strict=True))
+    x = (torch.randn(rows, linear.in_features) * 2).to(torch.bfloat16)
+    x[0, :GROUP_SIZE] = 0  # a group of zeros quantizes to zeros
+    with torch.inference_mode():
+        got = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+        portable = KERNEL.int4_linear(x, layer.packed, layer.scales_zeros, True)
+    assert torch.equal(got, alone)
+    assert torch.equal(got, portable if layer.bias is None else portable + layer.bias)
+    q, a = _quantized_activations(x)
+    exact = (q.double().reshape(rows, groups, GROUP_SIZE) * a.double()[..., None]).reshape(rows, -1)
+    product = exact @ dequantize_int4(codes, scale, zero).double().T
+    expected = product if layer.bias is None else product + layer.bias.double()
+    scale_of_terms = (exact.abs() @ dequantize_int4(codes, scale, zero).double().abs().T).clamp_min(1e-3)
+    # the product rounded to bf16 once (and the sum with the bias once more), float32 sums before
+    tolerance = 2**-8 * (product.abs() + expected.abs()) + 1e-5 * scale_of_terms * groups
+    assert ((got.double() - expected).abs() <= tolerance).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(vectors=st.integers(1, 6), groups=st.integers(1, 4), rows=st.integers(1, 13), seed=st.integers(0, 10**6))
+def test_the_int8_kernel_computes_int8_weights_times_quantized_activations(vectors, groups, rows, seed):
+    torch.manual_seed(seed)
+    linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=False)
+    layer, reference = Int8A8Linear(linear), Int8Linear(linear)
+    assert torch.equal(layer.dequantized(), reference.dequantized())
+    assert torch.equal(unpack_int8(layer.packed), reference.codes)
+    x = (torch.randn(rows, linear.in_features) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
+        portable = KERNEL.int8_linear(x, layer.packed, layer.scale, True)
+    assert torch.equal(got, alone) and torch.equal(got, portable)
+    q, a = _quantized_activations(x)
+    exact = (q.double().reshape(rows, groups, GROUP_SIZE) * a.double()[..., None]).reshape(rows, -1)
+    expected = exact @ reference.dequantized().double().T
+    scale_of_terms = (exact.abs() @ reference.dequantized().double().abs().T).clamp_min(1e-3)
+    assert ((got.double() - expected).abs() <= 2**-7 * expected.abs() + 1e-5 * scale_of_terms * groups).all()
+
+
+def test_packings_round_trip():
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (80, 96), dtype=torch.int32)  # one full block of 64 outputs and one of 16
+    assert torch.equal(unpack_int4(pack_int4(codes)), codes)
+    scale, zero = torch.randn(3, 80).bfloat16(), torch.randn(3, 80).bfloat16()
+    assert all(torch.equal(a, b) for a, b in zip(unpack_scales_zeros(pack_scales_zeros(scale, zero)), (scale, zero),
+                                                   strict=True))
+    signed = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    assert torch.equal(unpack_int8(pack_int8(signed)), signed)
+
+
+def test_the_linears_refuse_bad_input_with_a_message():
+    layer = Int4A8Linear(nn.Linear(64, 32))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        KERNEL.int4_linear(torch.ones(2, 64), layer.packed, layer.scales_zeros, False)
+    with pytest.raises(RuntimeError, match="features must match"):
+        KERNEL.int4_linear(torch.ones(2, 32, dtype=torch.bfloat16), layer.packed, layer.scales_zeros, False)
+    with pytest.raises(TriedecError, match="divisible by 16"):
+        Int4A8Linear(nn.Linear(64, 24))
+    with pytest.raises(TriedecError, match="divisible by 16"):
+        Int8A8Linear(nn.Linear(40, 32))
+
+
+def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():
+    model = tiny_llama(seed=5)
+    int4, a8 = tiny_llama(seed=5), model
+    quantize(int4, Precision.of(weights="int4"))
+    quantize(a8, Precision.of(weights="int4-a8"))
+    assert isinstance(a8.lm_head, Int8A8Linear) and isinstance(int4.lm_head, Int8Linear)
+    proj = a8.model.layers[0].self_attn.q_proj
+    assert isinstance(proj, Int4A8Linear)
+    stock = int4.model.layers[0].self_attn.q_proj
+    eye = torch.eye(proj.in_features, dtype=torch.bfloat16)
+    unit = torch.stack([torch.ones_like(stock.scales_and_zeros[..., 0]),
+                        torch.full_like(stock.scales_and_zeros[..., 1], 8.0)], dim=-1)
+    int4_codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, stock.packed, GROUP_SIZE, unit).T.to(torch.int32)
+    assert torch.equal(proj.codes(), int4_codes)  # the same codes as int4 mode's
