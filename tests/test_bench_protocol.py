@@ -363,9 +363,10 @@ def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkey
     gguf.write_bytes(b"")
     runner = LlamaCppRunner(gguf, "llamacpp:lookup=4", frozenset(), 64, lookup=4)
     assert isinstance(made[-1]["draft_model"], Lookup) and made[-1]["draft_model"].num_pred_tokens == 4
+    assert made[-1]["n_ctx"] == 64 + 5  # room for the last token and its 4 drafts past the context
     assert runner.run([1, 2], 16).tokens == [5, 6, 7, 2]  # the file's EOS ends it and counts, as triedec's does
     assert runner.run([1, 2], 2).tokens == [5, 6]
     LlamaCppRunner(gguf, "llamacpp", frozenset(), 64)
-    assert "draft_model" not in made[-1]
+    assert "draft_model" not in made[-1] and made[-1]["n_ctx"] == 64
     with pytest.raises(TriedecError, match="lookup"):
         LlamaCppRunner(gguf, "llamacpp:lookup=-1", frozenset(), 64, lookup=-1)

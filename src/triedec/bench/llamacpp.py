@@ -49,7 +49,10 @@ class LlamaCppRunner:
                                ".gguf, or the entry llamacpp:gguf=PATH)")
         self.label, self.sampling = label, sampling
         draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)} if lookup else {}
-        self.llm = Llama(model_path=str(path), n_ctx=context, n_threads=torch.get_num_threads(),
+        # with a draft, llama-cpp-python evaluates the last token and its N drafts at once, and its
+        # score buffer (n_ctx rows) must hold them even past the last position a run keeps
+        self.llm = Llama(model_path=str(path), n_ctx=context + (lookup + 1 if lookup else 0),
+                         n_threads=torch.get_num_threads(),
                          n_threads_batch=torch.get_num_threads(), verbose=False, **draft)
         self.eos = frozenset(eos) | {int(self.llm.token_eos())}
 
