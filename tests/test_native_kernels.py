@@ -181,6 +181,21 @@ def test_the_int8_kernel_computes_int8_weights_times_quantized_activations(vecto
     assert ((got.double() - expected).abs() <= 2**-7 * expected.abs() + 1e-5 * scale_of_terms * groups).all()
 
 
+def test_a_group_too_small_to_scale_quantizes_to_zeros_on_both_paths():
+    """A group whose largest |x| is below 1e-30 (127 / max would overflow float32) counts as zeros:
+    the output is that of the other groups alone, the same bits on both paths."""
+    layer = Int4A8Linear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    tiny = x.clone()
+    tiny[:, :GROUP_SIZE] = 1e-35
+    zero = x.clone()
+    zero[:, :GROUP_SIZE] = 0
+    with torch.inference_mode():
+        got = layer(tiny)
+        assert torch.equal(got, layer(zero))
+        assert torch.equal(got, KERNEL.int4_linear(tiny, layer.packed, layer.scales_zeros, True))
+
+
 def test_packings_round_trip():
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (80, 96), dtype=torch.int32)  # one full block of 64 outputs and one of 16

@@ -13,7 +13,7 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
   their codes are recovered (see ``docs/precision.md``);
 * ``int4-a8``: int4's weights (the same codes, scales and zeros), whose dot products run on the
   activations quantized to int8 per row and group of :data:`GROUP_SIZE` features, as llama.cpp
-  runs a Q4 file: triedec's own kernel (``csrc/int4_linear.cpp``; AVX512-VNNI where the CPU has it,
+  runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
   a portable path giving the same bits elsewhere); the LM head int8 as in ``int4``.
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
@@ -41,9 +41,9 @@ from triedec.native import load_kernel
 from triedec.params import GROUP_SIZE, WEIGHTS
 
 QUANTIZED_DTYPE = torch.bfloat16
+"""The activation dtype quantized weights run with."""
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-"""The activation dtype quantized weights run with."""
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -158,7 +158,7 @@ class Int4Linear(LinearStandIn):
 class Int4A8Linear(LinearStandIn):
     """``y = x w^T + b`` with :class:`Int4Linear`'s weights (the same codes, scales and zeros),
     computed by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE`
-    features (``csrc/int4_linear.cpp`` gives the exact arithmetic): integer dot products per group,
+    features (``csrc/a8_linears.cpp`` gives the exact arithmetic): integer dot products per group,
     exact in any order, then a fixed float32 sum over the groups, so a row gets the same bits in any
     call, on any CPU. Codes, scales and zeros are stored packed for the kernel
     (:func:`pack_int4`, :func:`pack_scales_zeros`). Inference only; bf16 activations."""
@@ -379,6 +379,6 @@ def precision_of(model: nn.Module) -> Precision:
     linears' weights (``int4-a8``, ``int4`` or ``int8`` when it holds such layers)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kinds = {type(m) for m in model.modules()}
-    weights = "int4-a8" if Int4A8Linear in kinds else "int4" if Int4Linear in kinds \
+    weights = "int4-a8" if kinds & {Int4A8Linear, Int8A8Linear} else "int4" if Int4Linear in kinds \
         else "int8" if Int8Linear in kinds else "float"
     return Precision(dtype, weights)

@@ -5,8 +5,8 @@
 // (AVX512-VNNI's vpdpbusd: 64 multiply-adds an instruction) do four times as many per instruction.
 //
 // Activations: each row's features are quantized per group g of 32: a = max|x| / 127 and
-// x' = round(x * (127 / max|x|)) in -127..127 (nearest even; a = 0 and x' = 0 for a group of
-// zeros); Q = sum_k x'_k.
+// x' = round(x * (127 / max|x|)) in -127..127 (nearest even; a = 0 and x' = 0 for a group whose
+// max |x| is below 1e-30); Q = sum_k x'_k.
 //
 // int4_linear: output n at feature k weighs w = (q - 8) * s + z, q in 0..15, with a bf16 scale s and
 // zero z per group (the int4 mode's own values). For row r and output n, over the groups in order:
@@ -18,7 +18,8 @@
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
-// the same bits alone or in any call, and the vector path and the portable one give the same bits.
+// the same bits alone or in any call, and the vector path and the portable one give the same bits
+// (for finite activations: a NaN may take another group maximum on each).
 //
 // Packed layouts (triedec.precision.pack_int4 / pack_int8), for the 16 outputs 16v..16v+15:
 //   int4: uint8, N * K / 2 bytes in blocks of 4 vectors (64 outputs; the last block may hold fewer,
@@ -51,6 +52,7 @@ constexpr int kCols = 16;   // outputs per vector
 constexpr int kGroup = 32;  // input features per group (scale, zero, activation scale)
 constexpr int kSteps = 4;   // steps of 8 features per group
 constexpr int kBlock = 4;   // int4: vectors per block of the packed weight (one stream per block)
+constexpr float kTiny = 1e-30f;  // a group whose max |x| is below this quantizes to zeros (127 / max would overflow)
 
 struct Rows {        // the activations, quantized per row and group
   std::vector<int8_t> q;     // [R, K]
@@ -72,11 +74,12 @@ void quantize_group(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int
   const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))), 16));
   top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  if (top > 0.0f) {
+  if (top > kTiny) {
     const __m512 inv = _mm512_set1_ps(127.0f / top);
-    const __m512i limit = _mm512_set1_epi32(127), floor = _mm512_set1_epi32(-127);
-    const __m512i qlo = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
-    const __m512i qhi = _mm512_max_epi32(floor, _mm512_min_epi32(limit, _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+    const __m512 limit = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
+    // clamped as floats before the conversion (max_ps returns its second operand for a NaN first)
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inv), floor), limit));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), floor), limit));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
     const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
@@ -92,11 +95,13 @@ void quantize_group(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int
   return;
 #endif
   for (int k = 0; k < kGroup; ++k) top = std::max(top, std::fabs(x[k]));
+  if (!(top > kTiny)) top = 0.0f;
   int32_t total = 0;
   const float inv = top > 0.0f ? 127.0f / top : 0.0f;
   for (int k = 0; k < kGroup; ++k) {
-    const int32_t v = top > 0.0f ? static_cast<int32_t>(std::nearbyint(x[k] * inv)) : 0;
-    q[k] = static_cast<int8_t>(std::min(127, std::max(-127, v)));
+    const float clamped = std::fmin(std::fmax(x[k] * inv, -127.0f), 127.0f);  // fmax(NaN, -127) = -127
+    const int32_t v = top > 0.0f ? static_cast<int32_t>(std::nearbyint(clamped)) : 0;
+    q[k] = static_cast<int8_t>(v);
     total += q[k];
   }
   *a = top / 127.0f;
