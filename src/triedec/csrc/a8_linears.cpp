@@ -61,40 +61,17 @@ struct Rows {        // the activations, quantized per row and group
   std::vector<int32_t> sum;  // [R, G]: Q
 };
 
-// Row r, group g: a = top / 127 and x' = nearbyint(x * (127 / top)) clamped to -127..127, top =
-// max |x| over the group (a = 0, x' = 0 when top is 0). The vector path performs the same IEEE
-// operations (a maximum is exact in any order; the conversion rounds to nearest even).
-void quantize_group(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
+// Row r, group g: a = top / 127 and x' = nearbyint(x * (127 / top)) clamped to -127..127 (as a
+// float, before the conversion), top = max |x| over the group (a = 0, x' = 0 when top is below
+// kTiny). The vector path performs the same IEEE operations (a maximum is exact in any order; the
+// conversion rounds to nearest even).
+void quantize_group_portable(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
   float x[kGroup];
-  for (int k = 0; k < kGroup; ++k) x[k] = static_cast<float>(xg[k]);
   float top = 0.0f;
-#ifdef TRIEDEC_VNNI
-  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))), 16));
-  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))), 16));
-  top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-  if (top > kTiny) {
-    const __m512 inv = _mm512_set1_ps(127.0f / top);
-    const __m512 limit = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
-    // clamped as floats before the conversion (max_ps returns its second operand for a NaN first)
-    const __m512i qlo = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inv), floor), limit));
-    const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), floor), limit));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
-    const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-    *a = top / 127.0f;
-    *aq = *a * static_cast<float>(total);
-    *sum = total;
-  } else {
-    std::memset(q, 0, kGroup);
-    *a = 0.0f;
-    *aq = 0.0f;
-    *sum = 0;
+  for (int k = 0; k < kGroup; ++k) {
+    x[k] = static_cast<float>(xg[k]);
+    top = std::max(top, std::fabs(x[k]));
   }
-  return;
-#endif
-  for (int k = 0; k < kGroup; ++k) top = std::max(top, std::fabs(x[k]));
   if (!(top > kTiny)) top = 0.0f;
   int32_t total = 0;
   const float inv = top > 0.0f ? 127.0f / top : 0.0f;
@@ -109,8 +86,42 @@ void quantize_group(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int
   *sum = total;
 }
 
-Rows quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K) {
+#ifdef TRIEDEC_VNNI
+void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
+  const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))), 16));
+  const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16))), 16));
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  if (!(top > kTiny)) {
+    std::memset(q, 0, kGroup);
+    *a = 0.0f;
+    *aq = 0.0f;
+    *sum = 0;
+    return;
+  }
+  const __m512 inv = _mm512_set1_ps(127.0f / top);
+  const __m512 limit = _mm512_set1_ps(127.0f), floor = _mm512_set1_ps(-127.0f);
+  // clamped as floats before the conversion (max_ps returns its second operand for a NaN first)
+  const __m512i qlo = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lo, inv), floor), limit));
+  const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), floor), limit));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  *a = top / 127.0f;
+  *aq = *a * static_cast<float>(total);
+  *sum = total;
+}
+#endif
+
+Rows quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool portable) {
   const int64_t G = K / kGroup;
+  auto quantize_group = &quantize_group_portable;
+#ifdef TRIEDEC_VNNI
+  if (!portable) quantize_group = &quantize_group_vector;
+#else
+  (void)portable;
+#endif
   Rows out{std::vector<int8_t>(R * K), std::vector<float>(R * G), std::vector<float>(R * G),
            std::vector<int32_t>(R * G)};
   for (int64_t r = 0; r < R; ++r)
@@ -405,7 +416,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor rows = x.contiguous();
   torch::Tensor out = torch::empty({R, N}, x.options());
   if (R == 0) return out;
-  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K);
+  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
 #ifdef TRIEDEC_VNNI
   if (!portable) {
     int4_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::BFloat16>(), N,
@@ -431,7 +442,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor rows = x.contiguous();
   torch::Tensor out = torch::empty({R, N}, x.options());
   if (R == 0) return out;
-  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K);
+  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
 #ifdef TRIEDEC_VNNI
   if (!portable) {
     int8_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>());
