@@ -42,7 +42,7 @@ from triedec.adapter import BIT_EXACT, ModelAdapter
 from triedec.errors import TriedecError
 from triedec.methods import method
 from triedec.models import ModelSource, quantize
-from triedec.native import load_kernel
+from triedec.native import kernel_available, load_kernel
 from triedec.precision import (
     GROUP_SIZE,
     Int4Linear,
@@ -414,7 +414,7 @@ def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_in
 
 
 @pytest.mark.default_model
-@pytest.mark.skipif(not load_kernel().a8_linears_vectorized(),
+@pytest.mark.skipif(not (kernel_available() and load_kernel().a8_linears_vectorized()),
                     reason="int4-a8 runs its portable path on this CPU (no AVX512-VNNI): minutes per default-model "
                            "calibration; the tiny-model tests cover the mode here")
 def test_every_method_returns_ars_tokens_on_the_default_model_in_int4_a8():
