@@ -422,3 +422,18 @@ class OracleDrafter(BaseDrafter):
         seqs.append(right[:keep] if self.rng.random() < 0.5 else right)
         self.rng.shuffle(seqs)
         return TokenTree.from_sequences(context[-1], seqs)
+
+
+def cache_with_built_kernels(cache: Path) -> Path:
+    """``cache`` (created) as a fresh triedec cache whose compiled kernels are this process's, by a
+    link: a ``triedec serve`` subprocess started on it does not build the extension again (one to
+    two minutes on two cores, two at once in the scale-out tests), which is not what those tests test."""
+    from triedec.native import load_kernel
+    from triedec.paths import cache_root
+
+    load_kernel()
+    cache.mkdir(parents=True, exist_ok=True)
+    link = cache / "kernels"
+    if not link.exists():
+        link.symlink_to(cache_root() / "kernels", target_is_directory=True)
+    return cache

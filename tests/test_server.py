@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import schemathesis
+from helpers import cache_with_built_kernels
 from hypothesis import HealthCheck, given, settings
 
 import triedec
@@ -352,7 +353,7 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_learned_state(tmp_pat
     file (recycling's matrix, auto's store) is written at shutdown."""
     port = free_port()
     state = tmp_path / f"{method}.safetensors"
-    env = {**os.environ, "TRIEDEC_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "TRIEDEC_CACHE": str(cache_with_built_kernels(tmp_path / "cache"))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "triedec.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
          "--method", method, *flags, str(state), "--drain-seconds", "20", "--model-name", MODEL],

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import RedisServer, free_port, hf_greedy, run, tiny_info, tiny_llama
+from helpers import RedisServer, cache_with_built_kernels, free_port, hf_greedy, run, tiny_info, tiny_llama
 from helpers import random_prompts as prompts
 
 import triedec
@@ -208,6 +208,7 @@ class Replica:
     def __init__(self, model_dir: Path, redis_url: str, keys_file: Path, cache: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        cache = cache_with_built_kernels(cache)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "triedec.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
              "--model-name", "tiny", "--method", "ar", "--api-keys-file", str(keys_file), "--learning", "tenant",
