@@ -6,6 +6,8 @@ for the linears, give the same bits on the vector path and the portable one."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from helpers import tiny_gemma3, tiny_llama
@@ -194,6 +196,25 @@ def test_a_group_too_small_to_scale_quantizes_to_zeros_on_both_paths():
         got = layer(tiny)
         assert torch.equal(got, layer(zero))
         assert torch.equal(got, KERNEL.int4_linear(tiny, layer.packed, layer.scales_zeros, True))
+
+
+def test_calls_from_several_threads_at_once_each_get_their_own_rows():
+    """Each call quantizes its activations into a buffer of its calling thread's own: calls of
+    different sizes from several threads at once give what each gives alone."""
+    int4 = Int4A8Linear(nn.Linear(96, 80, bias=False))
+    int8 = Int8A8Linear(nn.Linear(96, 80, bias=False))
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(rows, 96, generator=generator).to(torch.bfloat16) for rows in (1, 3, 7, 16, 2, 5, 11, 4)]
+    with torch.inference_mode():
+        alone = [(int4(x), int8(x)) for x in inputs]
+
+        def run(i: int) -> bool:
+            x = inputs[i % len(inputs)]
+            return all(torch.equal(int4(x), alone[i % len(inputs)][0]) and
+                       torch.equal(int8(x), alone[i % len(inputs)][1]) for _ in range(20))
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            assert all(pool.map(run, range(16)))
 
 
 def test_packings_round_trip():

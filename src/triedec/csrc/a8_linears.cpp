@@ -39,6 +39,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -114,7 +116,10 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
 }
 #endif
 
-Rows quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool portable) {
+// Quantizes x [R, K] into a buffer of the calling thread's own, reused by its next call (no
+// allocation once it has grown to the largest call; only this thread writes it, and the kernel's
+// workers only read it before the call returns).
+const Rows& quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool portable) {
   const int64_t G = K / kGroup;
   auto quantize_group = &quantize_group_portable;
 #ifdef TRIEDEC_VNNI
@@ -122,8 +127,11 @@ Rows quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool portable) 
 #else
   (void)portable;
 #endif
-  Rows out{std::vector<int8_t>(R * K), std::vector<float>(R * G), std::vector<float>(R * G),
-           std::vector<int32_t>(R * G)};
+  thread_local Rows out;
+  out.q.resize(R * K);
+  out.a.resize(R * G);
+  out.aq.resize(R * G);
+  out.sum.resize(R * G);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       quantize_group(x + r * K + g * kGroup, out.q.data() + r * K + g * kGroup, &out.a[r * G + g], &out.aq[r * G + g],
@@ -198,13 +206,22 @@ inline __m512 bf16_to_float(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Rows r < R (a tile) and vectors voff..voff + V - 1 of a block over every group in order: D by
-// vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the packed weight
-// as they are used; activations as signed bytes), then y = fma(a D, s, y); y = fma(a Q, c, y), y
-// staying in registers from the first group to the last.
+// The activations of one register tile: row r's quads of features (xq[r][i] holds features
+// 4i..4i+3), group scales a, a * Q and Q.
+struct RowTile {
+  const int32_t* xq[kRows];
+  const float* a[kRows];
+  const float* aq[kRows];
+  const int32_t* sum[kRows];
+};
+
+// int4_linear's tile: rows r < R and vectors voff..voff + V - 1 of a block, over every group in
+// order: D by vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the
+// packed weight as they are used; activations as signed bytes), then y = fma(a D, s, y);
+// y = fma(a Q, c, y), y staying in registers from the first group to the last.
 template <int R, int V>
-inline void tile(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t voff, int64_t K,
-                 const int32_t* const* xq, const float* const* a, const float* const* aq, float* y_out) {
+inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t voff, int64_t K,
+                  const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 y[R][V];
@@ -222,8 +239,8 @@ inline void tile(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);      // features 8m+4..8m+7
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(xq[r][g * 2 * kSteps + 2 * m]);
-        const __m512i x1 = _mm512_set1_epi32(xq[r][g * 2 * kSteps + 2 * m + 1]);
+        const __m512i x0 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+        const __m512i x1 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
         for (int v = 0; v < V; ++v) {
           acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], lo[v], x0);
           acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], hi[v], x1);
@@ -235,9 +252,9 @@ inline void tile(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int
       const __m512 scale = bf16_to_float(at);
       const __m512 constant = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, bf16_to_float(at + nvb * kCols));
       for (int r = 0; r < R; ++r) {
-        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(a[r][g]));
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
         y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
-        y[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(aq[r][g]), constant, y[r][v]);
+        y[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(x.aq[r][g]), constant, y[r][v]);
       }
     }
   }
@@ -245,68 +262,11 @@ inline void tile(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-using TileFn = void (*)(const uint8_t*, const c10::BFloat16*, int64_t, int64_t, int64_t, const int32_t* const*,
-                        const float* const*, const float* const*, float*);
-
-template <int R>
-TileFn tile_for(int vectors) {
-  switch (vectors) {
-    case 1: return &tile<R, 1>;
-    case 2: return &tile<R, 2>;
-    case 3: return &tile<R, 3>;
-    default: return &tile<R, 4>;
-  }
-}
-
-TileFn tile_for(int rows, int vectors) {
-  switch (rows) {
-    case 1: return tile_for<1>(vectors);
-    case 2: return tile_for<2>(vectors);
-    case 3: return tile_for<3>(vectors);
-    default: return tile_for<4>(vectors);
-  }
-}
-
-void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
-               c10::BFloat16* out) {
-  const int64_t G = K / kGroup, NV = N / kCols;
-  const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());  // row r, features 4i..4i+3: quads[r * K / 4 + i]
-  const int per_tile = R <= 2 ? 4 : 2;  // a tile's rows x vectors: 2 x 4 or 4 x 2 (16 accumulators, 16 sums)
-  const int tile_rows = R <= 2 ? 2 : kRows;
-  const int64_t blocks = (NV + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float y[kRows * kBlock * kCols];
-    const int32_t* xq[kRows];
-    const float* a[kRows];
-    const float* aq[kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
-      const uint8_t* codes = packed + b * kBlock * (K / 8) * 64;
-      const c10::BFloat16* block_sz = sz + b * kBlock * G * 2 * kCols;
-      for (int64_t voff = 0; voff < nvb; voff += per_tile) {
-        const int nv = static_cast<int>(std::min<int64_t>(per_tile, nvb - voff));
-        const int64_t first = (b * kBlock + voff) * kCols;
-        for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
-          const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
-          for (int r = 0; r < rows; ++r) {
-            xq[r] = quads + (r0 + r) * (K / 4);
-            a[r] = xs.a.data() + (r0 + r) * G;
-            aq[r] = xs.aq.data() + (r0 + r) * G;
-          }
-          tile_for(rows, nv)(codes, block_sz, nvb, voff, K, xq, a, aq, y);
-          for (int r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < nv * kCols; ++i)
-              out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
-        }
-      }
-    }
-  });
-}
-
-// int8_linear's tile: rows r < R, vectors v < V (columns 16 v0 ..), every group in order.
+// int8_linear's tile: rows r < R and vectors v0..v0 + V - 1, over every group in order: D by
+// vpdpbusd (codes + 128 as unsigned bytes), y = fma(a, D - 128 Q, y); then y * s.
 template <int R, int V>
-void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* scales, const int32_t* const* xq,
-           const float* const* a, const int32_t* const* sum, float* y_out) {
+inline void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* scales, const RowTile& x,
+                  float* y_out) {
   const int64_t G = K / kGroup, quads = K / 4;
   __m512 y[R][V];
   for (int r = 0; r < R; ++r)
@@ -319,13 +279,13 @@ void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* sc
       __m512i w[V];
       for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(packed + ((v0 + v) * quads + g * (kGroup / 4) + m) * 64);
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = _mm512_set1_epi32(xq[r][g * (kGroup / 4) + m]);
+        const __m512i xb = _mm512_set1_epi32(x.xq[r][g * (kGroup / 4) + m]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(128 * sum[r][g]);
-      const __m512 scale_r = _mm512_set1_ps(a[r][g]);
+      const __m512i offset = _mm512_set1_epi32(128 * x.sum[r][g]);
+      const __m512 scale_r = _mm512_set1_ps(x.a[r][g]);
       for (int v = 0; v < V; ++v)
         y[r][v] = _mm512_fmadd_ps(scale_r, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset)), y[r][v]);
     }
@@ -336,56 +296,79 @@ void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* sc
   }
 }
 
-using Tile8Fn = void (*)(const uint8_t*, int64_t, int64_t, const c10::BFloat16*, const int32_t* const*,
-                         const float* const*, const int32_t* const*, float*);
-
-template <int R>
-Tile8Fn tile8_for(int vectors) {
-  switch (vectors) {
-    case 1: return &tile8<R, 1>;
-    case 2: return &tile8<R, 2>;
-    case 3: return &tile8<R, 3>;
-    default: return &tile8<R, 4>;
+// Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows and
+// vectors each in 1..4: the tiles are templates over their shape, so registers hold them.
+template <class F>
+inline void dispatch(int rows, int vectors, F&& f) {
+  const auto with_rows = [&](auto r) {
+    switch (vectors) {
+      case 1: return f(r, std::integral_constant<int, 1>{});
+      case 2: return f(r, std::integral_constant<int, 2>{});
+      case 3: return f(r, std::integral_constant<int, 3>{});
+      default: return f(r, std::integral_constant<int, 4>{});
+    }
+  };
+  switch (rows) {
+    case 1: return with_rows(std::integral_constant<int, 1>{});
+    case 2: return with_rows(std::integral_constant<int, 2>{});
+    case 3: return with_rows(std::integral_constant<int, 3>{});
+    default: return with_rows(std::integral_constant<int, 4>{});
   }
 }
 
-Tile8Fn tile8_for(int rows, int vectors) {
-  switch (rows) {
-    case 1: return tile8_for<1>(vectors);
-    case 2: return tile8_for<2>(vectors);
-    case 3: return tile8_for<3>(vectors);
-    default: return tile8_for<4>(vectors);
-  }
+// The loop both kernels share. The outputs go in blocks of kBlock vectors (64 outputs; the last
+// may hold fewer, nvb), one parallel work item each; a block in register tiles of 2 rows x 4
+// vectors (at most 2 rows) or 4 rows x 2 vectors (16 accumulators, 16 sums either way). For each
+// tile, fill(rows, vectors, b, nvb, voff, x, y) writes y [rows, vectors * 16] in float32 (rows and
+// vectors as std::integral_constant); it is rounded to bf16 into out [R, N].
+template <class Fill>
+void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat16* out, Fill&& fill) {
+  const int64_t G = K / kGroup, NV = N / kCols;
+  const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
+  const int per_tile = R <= 2 ? 4 : 2;
+  const int tile_rows = R <= 2 ? 2 : kRows;
+  const int64_t blocks = (NV + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float y[kRows * kBlock * kCols];
+    RowTile x{};
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
+      for (int64_t voff = 0; voff < nvb; voff += per_tile) {
+        const int nv = static_cast<int>(std::min<int64_t>(per_tile, nvb - voff));
+        const int64_t first = (b * kBlock + voff) * kCols;
+        for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
+          const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
+          for (int r = 0; r < rows; ++r) {
+            x.xq[r] = quads + (r0 + r) * (K / 4);
+            x.a[r] = xs.a.data() + (r0 + r) * G;
+            x.aq[r] = xs.aq.data() + (r0 + r) * G;
+            x.sum[r] = xs.sum.data() + (r0 + r) * G;
+          }
+          dispatch(rows, nv, [&](auto tr, auto tv) { fill(tr, tv, b, nvb, voff, x, y); });
+          for (int r = 0; r < rows; ++r)
+            for (int64_t i = 0; i < nv * kCols; ++i)
+              out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
+        }
+      }
+    }
+  });
+}
+
+void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
+               c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, int64_t voff, const RowTile& x,
+                                      float* y) {
+    tile4<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * (K / 8) * 64,
+                                                           sz + b * kBlock * G * 2 * kCols, nvb, voff, K, x, y);
+  });
 }
 
 void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* scales, int64_t N,
                c10::BFloat16* out) {
-  const int64_t G = K / kGroup, NV = N / kCols;
-  const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
-  const int vectors = R <= 2 ? 4 : 2;
-  const int tile_rows = R <= 2 ? 2 : kRows;
-  const int64_t blocks = (NV + vectors - 1) / vectors;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float y[kRows * 4 * kCols];
-    const int32_t* xq[kRows];
-    const float* a[kRows];
-    const int32_t* sum[kRows];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t v0 = b * vectors;
-      const int nv = static_cast<int>(std::min<int64_t>(vectors, NV - v0));
-      for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
-        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
-        for (int r = 0; r < rows; ++r) {
-          xq[r] = quads + (r0 + r) * (K / 4);
-          a[r] = xs.a.data() + (r0 + r) * G;
-          sum[r] = xs.sum.data() + (r0 + r) * G;
-        }
-        tile8_for(rows, nv)(packed, K, v0, scales, xq, a, sum, y);
-        for (int r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < nv * kCols; ++i)
-            out[(r0 + r) * N + v0 * kCols + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
-      }
-    }
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t, int64_t voff, const RowTile& x,
+                                      float* y) {
+    tile8<decltype(rows)::value, decltype(vectors)::value>(packed, K, b * kBlock + voff, scales, x, y);
   });
 }
 #endif
@@ -400,55 +383,72 @@ bool a8_linears_vectorized() {
 #endif
 }
 
+namespace {
+
+// What both entry points check and do: x [R, K] bf16 on the CPU, quantized per row and group; the
+// weight's kernel (vector or portable) writes out [R, N] bf16.
+template <class Kernel>
+torch::Tensor run_linear(const torch::Tensor& x, int64_t N, bool portable, Kernel&& kernel) {
+  torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0), K = rows.size(1);
+  torch::Tensor out = torch::empty({R, N}, rows.options());
+  if (R == 0) return out;
+  const Rows& xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
+#ifdef TRIEDEC_VNNI
+  kernel(xs, R, K, out.data_ptr<c10::BFloat16>(), !portable);
+#else
+  kernel(xs, R, K, out.data_ptr<c10::BFloat16>(), false);
+#endif
+  return out;
+}
+
+void check_input(const torch::Tensor& x, std::initializer_list<const torch::Tensor*> weights) {
+  TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
+  for (const torch::Tensor* w : weights) TORCH_CHECK(w->device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+}
+
+}  // namespace
+
 // x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
 // bytes in the block order above). Returns [R, N] bf16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales_zeros.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+  check_input(x, {&packed, &scales_zeros});
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                   packed.size(0) % kCols == 0 && packed.size(1) % (kGroup / 2) == 0,
               "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
-  const int64_t R = x.size(0), K = x.size(1), N = packed.size(0);
+  const int64_t K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == K, "x's features must match the packed weight's");
   TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
                   scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
               "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
-  torch::Tensor rows = x.contiguous();
-  torch::Tensor out = torch::empty({R, N}, x.options());
-  if (R == 0) return out;
-  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
+  return run_linear(x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out, bool vector) {
 #ifdef TRIEDEC_VNNI
-  if (!portable) {
-    int4_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::BFloat16>(), N,
-              out.data_ptr<c10::BFloat16>());
-    return out;
-  }
+    if (vector) return int4_vnni(xs, R, K_, codes, sz, N, out);
 #endif
-  int4_portable(xs, R, K, packed.data_ptr<uint8_t>(), scales_zeros.data_ptr<c10::BFloat16>(), N,
-                out.data_ptr<c10::BFloat16>());
-  return out;
+    (void)vector;
+    int4_portable(xs, R, K_, codes, sz, N, out);
+  });
 }
 
 // x [R, K] bf16, packed uint8 [N / 16, K / 4, 64], scales bf16 [N]. Returns [R, N] bf16.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+  check_input(x, {&packed, &scales});
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 64 && packed.is_contiguous(),
               "packed must be contiguous uint8 [N / 16, K / 4, 64]");
-  const int64_t R = x.size(0), K = x.size(1), N = packed.size(0) * kCols;
+  const int64_t K = x.size(1), N = packed.size(0) * kCols;
   TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 4 == K, "K must be a multiple of 32 and match the packed weight");
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 1 && scales.size(0) == N,
               "scales must be contiguous bf16 [N]");
-  torch::Tensor rows = x.contiguous();
-  torch::Tensor out = torch::empty({R, N}, x.options());
-  if (R == 0) return out;
-  const Rows xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
+  const uint8_t* codes = packed.data_ptr<uint8_t>();
+  const c10::BFloat16* s = scales.data_ptr<c10::BFloat16>();
+  return run_linear(x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out, bool vector) {
 #ifdef TRIEDEC_VNNI
-  if (!portable) {
-    int8_vnni(xs, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>());
-    return out;
-  }
+    if (vector) return int8_vnni(xs, R, K_, codes, s, N, out);
 #endif
-  int8_portable(xs, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>());
-  return out;
+    (void)vector;
+    int8_portable(xs, R, K_, codes, s, N, out);
+  });
 }

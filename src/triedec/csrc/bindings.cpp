@@ -1,11 +1,15 @@
-// The Python bindings of triedec's extension (triedec/native.py builds and loads it).
+// The Python bindings of triedec's extension (triedec/native.py builds and loads it). Every kernel
+// releases the GIL while it runs, as torch's own ops do: it touches no Python object.
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order");
-  m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call");
-  m.def("rms_norm", &rms_norm, "RMS norm of each row, summed in a fixed order");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order", release());
+  m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call", release());
+  m.def("rms_norm", &rms_norm, "RMS norm of each row, summed in a fixed order", release());
   m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run AVX512-VNNI here");
-  m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products");
-  m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products");
+  m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products",
+        release());
+  m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products",
+        release());
 }
