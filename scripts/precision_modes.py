@@ -65,21 +65,20 @@ def forward_ms(lm: triedec.LM, cache: object, rows: int) -> float:
 
 
 @torch.inference_mode()
-def quality(lm: triedec.LM, reference: triedec.LM, prompts: list[str], new: int) -> dict[str, float]:
-    """Top-1 agreement with ``reference`` along its greedy continuations, whole-answer agreement,
-    and perplexity of the prompts' text."""
+def quality(lm: triedec.LM, references: list[list[int]], prompts: list[str], new: int, chat: bool) -> dict[str, float]:
+    """Top-1 agreement with float32 along its greedy continuations ``references`` (one per
+    prompt), whole-answer agreement, and perplexity of the prompts' text."""
     agree = total = whole = 0
     nll = count = 0.0
-    for text in prompts:
-        theirs = reference.generate(text, "ar", max_new_tokens=new, chat=True)
-        ours = lm.generate(text, "ar", max_new_tokens=new, chat=True)
-        whole += ours.token_ids == theirs.token_ids
-        ids = lm.prompts.encode(text, chat=True)
-        sequence = torch.tensor([ids + theirs.token_ids])
+    for text, theirs in zip(prompts, references, strict=True):
+        ours = lm.generate(text, "ar", max_new_tokens=new, chat=chat)
+        whole += ours.token_ids == theirs
+        ids = lm.prompts.encode(text, chat=chat)
+        sequence = torch.tensor([ids + theirs])
         logits = lm.reference_model()(sequence).logits[0].float()
         predicted = logits[len(ids) - 1 : -1].argmax(-1)
         agree += int((predicted == sequence[0, len(ids):]).sum())
-        total += len(theirs.token_ids)
+        total += len(theirs)
         plain = torch.tensor([lm.tokenizer.encode(text)])
         plain_logits = lm.reference_model()(plain).logits[0, :-1].float()
         nll += float(torch.nn.functional.cross_entropy(plain_logits, plain[0, 1:], reduction="sum"))
@@ -96,6 +95,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15, help="forwards timed per mode and row count")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, float32 first (the reference): any of {', '.join(MODES)}")
     parser.add_argument("--out", default="benchmarks/precision-cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,8 +104,12 @@ def main() -> int:
 
     questions = select(split(load_questions("spec-bench"), "evaluation"), args.per_category)
     prompts = [q.turns[0] for q in questions]
+    modes = args.modes.split(",")
+    if modes[0] != "float32" or not set(modes) <= set(MODES):
+        parser.error(f"--modes must start with float32 and name only {', '.join(MODES)}")
     lms = {}
-    for name, kwargs in MODES.items():
+    for name in modes:
+        kwargs = MODES[name]
         say(f"loading {name}")
         lms[name] = triedec.load(args.model, **kwargs)
         lms[name].generate("Hello", "auto", max_new_tokens=4)  # calibrates now if not cached
@@ -122,8 +127,12 @@ def main() -> int:
     forward = {n: {str(r): statistics.median(v) for r, v in per.items()} for n, per in times.items()}
     say(f"forward ms (median) {json.dumps(forward)}")
 
+    chat = lms["float32"].prompts.has_chat_template  # a base model (no template) gets the plain text
     say("quality")
-    qualities = {n: quality(lm, lms["float32"], prompts, args.max_new_tokens) for n, lm in lms.items()}
+    with torch.inference_mode():
+        references = [lms["float32"].generate(text, "ar", max_new_tokens=args.max_new_tokens, chat=chat).token_ids
+                      for text in prompts]
+    qualities = {n: quality(lm, references, prompts, args.max_new_tokens, chat) for n, lm in lms.items()}
 
     say(f"decoding {len(prompts)} prompts")
     rng = random.Random(args.seed)
@@ -135,7 +144,7 @@ def main() -> int:
         got: dict[tuple[str, str], list[int]] = {}
         for name, method_name in order:
             start = time.perf_counter()
-            out = lms[name].generate(text, method_name, max_new_tokens=args.max_new_tokens, chat=True)
+            out = lms[name].generate(text, method_name, max_new_tokens=args.max_new_tokens, chat=chat)
             seconds = time.perf_counter() - start
             runs[name][method_name].append(len(out.token_ids) / seconds)
             got[name, method_name] = out.token_ids
@@ -154,6 +163,7 @@ def main() -> int:
     results = {
         "machine": machine_info(torch.device("cpu")), "commit": source_commit(), "versions": versions(),
         "command": "python " + " ".join(sys.argv), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "model": args.model or "the default model (SmolLM2-135M-Instruct)", "chat_template": chat,
         "modes": {n: {"precision": lm.adapter.precision.name, "kernels": lm.adapter.kernels,
                       "exactness": lm.adapter.exactness,
                       "calibration": (lm.loaded_calibration().as_dict() if lm.loaded_calibration() else None)}
@@ -174,7 +184,10 @@ def markdown(results: dict) -> str:
              f"{results['max_new_tokens']} greedy tokens)", "",
              f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads; torch {m['torch']}, "
              f"transformers {m['transformers']}; commit {results['commit']}",
-             f"- command: `{results['command']}`", "",
+             f"- command: `{results['command']}`",
+             f"- model: {results.get('model', 'the default model')}; prompts "
+             f"{'in its chat template' if results.get('chat_template', True) else 'as plain text (no chat template)'}",
+             "",
              "| mode | kernels | forward ms at 1 / 4 / 16 tokens | ar step vs float32 | top-1 agreement with "
              "float32 | whole answers = float32 | prompt perplexity | ar tok/s (x float32 ar) | auto tok/s "
              "(x float32 ar) | auto != ar |",
