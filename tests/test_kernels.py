@@ -21,6 +21,7 @@ from triedec.kernels import (
     PackedLinear,
     SplitLinear,
     invariant_linear,
+    order_sensitive_linear,
     pack_linears,
     packing_available,
     row_invariant,
@@ -208,6 +209,46 @@ def test_a_linear_whose_rows_depend_on_the_batch_is_split_into_pieces_that_do_no
     assert isinstance(invariant_linear(small, _OrderByBatch), _OrderByBatch)  # invariant whole: kept whole
 
 
+def test_the_verdict_does_not_rest_on_the_layers_own_weights():
+    """A layer's own weights can hide a kernel whose order depends on the batch (all zeros here:
+    every order sums them to 0; in Gemma 3 270M bf16, one down_proj whose weights passed the
+    probe, so all 18 of its shape stayed whole and 3 of 12 prompts differed from ``ar``). The
+    verdict is taken on an order-sensitive copy of the shape, so the zero layer is split too, and
+    so is the next layer of its shape."""
+    zero = nn.Linear(96, 24, bias=False)
+    with torch.no_grad():
+        zero.weight.zero_()
+    assert row_invariant(_OrderByBatch(zero), 96, torch.float32)  # its own weights hide the kernel's order
+    verdicts: dict = {}
+    assert isinstance(invariant_linear(zero, _OrderByBatch, verdicts), SplitLinear)
+    torch.manual_seed(1)
+    real = nn.Linear(96, 24)
+    fixed = invariant_linear(real, _OrderByBatch, verdicts)
+    assert isinstance(fixed, SplitLinear) and row_invariant(fixed, 96, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_order_sensitive_probe_exposes_any_change_of_summation_order(dtype):
+    """On :func:`order_sensitive_linear`'s weights and constant rows, summing the features in
+    another order (reversed, in two halves, in blocks of 8) changes outputs by far more than a
+    last bit, for every seed: the probe does not depend on luck."""
+    for seed in range(5):
+        probe = order_sensitive_linear(nn.Linear(256, 32).to(dtype), seed=seed)
+        w = probe.weight.float()
+        x = torch.ones(256)
+
+        def in_order(terms: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(terms.shape[0])
+            for k in range(terms.shape[1]):
+                out = out + terms[:, k]
+            return out
+
+        forward = in_order(w * x)
+        for other in (in_order((w * x).flip(-1)), in_order(w[:, :128] * x[:128]) + in_order(w[:, 128:] * x[128:]),
+                      in_order(torch.stack([in_order(w[:, i:i + 8]) for i in range(0, 256, 8)], dim=1))):
+            assert (forward.to(dtype) != other.to(dtype)).float().mean() > 0.5
+
+
 def test_split_pieces_sit_on_64_feature_boundaries_and_cover_the_input():
     for features, pieces, bounds in [(1536, 2, [(0, 768), (768, 1536)]), (1000, 3, [(0, 384), (384, 768), (768, 1000)]),
                                      (40, 3, [(0, 14), (14, 28), (28, 40)])]:
@@ -215,6 +256,23 @@ def test_split_pieces_sit_on_64_feature_boundaries_and_cover_the_input():
         assert split.bounds == bounds and "pieces" in repr(split)
 
 
-def test_bf16_linears_stay_whole_where_they_are_row_invariant():
-    model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
-    assert split_linears(model) == 0 and type(model[0]) is nn.Linear
+def test_split_linears_leaves_every_bf16_linear_row_invariant():
+    """Whatever this CPU's bf16 ``F.linear`` does (on the AVX-512 EPYC it sums a row alone in
+    another order than in some batches at 16-128 input features, which only the order-sensitive
+    probe showed), each layer after :func:`split_linears` gives a row the same bits alone and in
+    any batch, and computes the same layer up to rounding; a layer already invariant stays whole."""
+    torch.manual_seed(0)
+    shapes = [(16, 32), (64, 32), (576, 32), (1536, 64)]
+    model = nn.Sequential(*[nn.Linear(k, n) for k, n in shapes]).to(torch.bfloat16)
+    before = [layer.weight.float() @ torch.eye(layer.in_features) for layer in model]
+    split = split_linears(model)
+    assert split == sum(isinstance(layer, SplitLinear) for layer in model)
+    for layer, (k, n), weight in zip(model, shapes, before, strict=True):
+        assert row_invariant(layer, k, torch.bfloat16, seed=3)
+        probe = order_sensitive_linear(nn.Linear(k, n).to(torch.bfloat16), seed=3)  # the same kernel, exposed
+        pieces = len(layer.bounds) if isinstance(layer, SplitLinear) else 1
+        assert row_invariant(probe if pieces == 1 else SplitLinear(probe, pieces, lambda part: part), k, torch.bfloat16)
+        if pieces == 1:
+            assert type(layer) is nn.Linear  # kept whole, untouched
+        x = torch.randn(3, k).to(torch.bfloat16)
+        assert torch.allclose(layer(x).float(), x.float() @ weight.T + layer.bias.float(), atol=0.1, rtol=0.05)

@@ -83,8 +83,9 @@ class PackedLinear(LinearStandIn):
         return self._op(x, self.packed, self._parameters.get("bias"), "none", [], "")
 
 
-PROBE_ROWS = (2, 3, 5, 8, 17)
-"""Row counts :func:`row_invariant` compares with rows computed one at a time."""
+PROBE_ROWS = (2, 3, 5, 8, 17, 33, 64)
+"""Row counts :func:`row_invariant` compares with rows computed one at a time (up to a forward of
+several requests' trees)."""
 MAX_PIECES = 8
 """Most pieces :func:`invariant_linear` splits a layer's input features into."""
 
@@ -92,13 +93,47 @@ MAX_PIECES = 8
 def row_invariant(layer: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
                   seed: int = 0) -> bool:
     """Whether ``layer`` (``[rows, in_features] -> [rows, out]``) gives each row the same bits
-    alone as inside calls of :data:`PROBE_ROWS` rows, on seeded random rows. GEMM kernels choose
-    their blocking by shape, so this answers for every input of that shape on this machine."""
+    alone as inside calls of :data:`PROBE_ROWS` rows, on seeded random rows and on constant rows
+    (each row one power of two times ones, which on :func:`order_sensitive_linear`'s weights makes
+    every output depend on the order its input features are summed in)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(PROBE_ROWS), in_features, generator=gen).to(dtype)
+    n = max(PROBE_ROWS)
+    scales = 2.0 ** torch.randint(-2, 3, (n, 1), generator=gen) * (1 - 2 * torch.randint(0, 2, (n, 1), generator=gen))
+    probes = (torch.randn(n, in_features, generator=gen).to(dtype), (scales * torch.ones(n, in_features)).to(dtype))
     with torch.no_grad():
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
-        return all(torch.equal(layer(x[:m]), alone[:m]) for m in PROBE_ROWS)
+        for x in probes:
+            alone = torch.cat([layer(x[i : i + 1]) for i in range(n)])
+            if not all(torch.equal(layer(x[:m]), alone[:m]) for m in PROBE_ROWS):
+                return False
+    return True
+
+
+def order_sensitive_linear(linear: nn.Linear, seed: int = 0) -> nn.Linear:
+    """A linear of ``linear``'s shape, dtype and device, no bias, whose outputs on constant input
+    rows depend on the order a kernel sums the input features in, whatever that order: each output
+    row's weights are pairs ``+b, -b`` of large values (2^12 to 2^17; 2^7 to 2^12 in float16),
+    which cancel exactly, and small ones (below 1) that carry the sum, shuffled. Added in any
+    order, the partial sums are large, so the small terms are rounded by amounts that depend on
+    which came before them, several times an output's last bit (tested: reversing, halving or
+    blocking the sum changes most outputs). A real layer's weights need not be like this (zeros, or a
+    narrow range, can hide a kernel whose order depends on the batch); a kernel's order depends on
+    the shape and dtype alone, so the verdict on this layer is the verdict for every layer of its
+    shape."""
+    out_features, in_features = linear.out_features, linear.in_features
+    gen = torch.Generator().manual_seed(seed)
+    pairs = in_features // 4
+    top = 12 if linear.weight.dtype == torch.float16 else 17  # float16's largest is 65504
+    big = (2.0 ** torch.randint(top - 5, top, (out_features, pairs), generator=gen)
+           * (1 + torch.rand(out_features, pairs, generator=gen))).to(linear.weight.dtype).float()
+    rest = in_features - 2 * pairs
+    small = ((2 * torch.rand(out_features, rest, generator=gen) - 1)
+             * 2.0 ** -torch.randint(0, 3, (out_features, rest), generator=gen).float())
+    weight = torch.cat([big, -big, small], dim=1)
+    weight = torch.gather(weight, 1, torch.argsort(torch.rand(out_features, in_features, generator=gen), dim=1))
+    probe = nn.Linear(in_features, out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype)
+    with torch.no_grad():
+        probe.weight.copy_(weight)
+    return probe
 
 
 class SplitLinear(LinearStandIn):
@@ -139,25 +174,25 @@ class SplitLinear(LinearStandIn):
 
 def invariant_linear(linear: nn.Linear, make: Callable[[nn.Linear], nn.Module],
                      verdicts: dict[tuple[int, int], int] | None = None) -> nn.Module:
-    """``make(linear)`` if it is :func:`row_invariant`, else a :class:`SplitLinear` over the
-    fewest pieces (2 to :data:`MAX_PIECES`) whose pieces are; else ``make(linear)`` all the same
-    (the load-time self-test then reports ``up to rounding``). ``verdicts`` caches the pieces
-    chosen per ``(out_features, in_features)``, which is all the choice depends on."""
+    """``make(linear)`` if layers of its shape are :func:`row_invariant`, else a
+    :class:`SplitLinear` over the fewest pieces (2 to :data:`MAX_PIECES`) whose pieces are; else
+    ``make(linear)`` all the same (the load-time self-test then reports ``up to rounding``). The
+    verdict is taken on :func:`order_sensitive_linear`'s copy of the shape, not on ``linear``'s
+    own weights, which may hide the kernel's order; ``verdicts`` caches the pieces chosen per
+    ``(out_features, in_features)``, which is all the choice depends on."""
     verdicts = {} if verdicts is None else verdicts
     shape = (linear.out_features, linear.in_features)
-    if shape in verdicts:
-        pieces = verdicts[shape]
-        return make(linear) if pieces == 1 else SplitLinear(linear, pieces, make)
-    dtype = linear.weight.dtype
-    chosen = make(linear)
-    verdicts[shape] = 1
-    if not row_invariant(chosen, linear.in_features, dtype):
-        for pieces in range(2, min(MAX_PIECES, linear.in_features) + 1):
-            candidate = SplitLinear(linear, pieces, make)
-            if row_invariant(candidate, linear.in_features, dtype):  # the probed layer is the one kept
-                verdicts[shape], chosen = pieces, candidate
-                break
-    return chosen
+    if shape not in verdicts:
+        probe, dtype = order_sensitive_linear(linear), linear.weight.dtype
+        verdicts[shape] = 1
+        if not row_invariant(make(probe), linear.in_features, dtype):
+            for pieces in range(2, min(MAX_PIECES, linear.in_features) + 1):
+                if row_invariant(SplitLinear(probe, pieces, make), linear.in_features, dtype):
+                    verdicts[shape] = pieces
+                    break
+    pieces = verdicts[shape]
+    return make(linear) if pieces == 1 else SplitLinear(linear, pieces, make)
+
 
 def pack_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of ``model`` (CPU, a dtype of :data:`PACKED_DTYPES`) for a
