@@ -325,6 +325,23 @@ def test_llamacpp_baseline_runs_the_default_gguf(tmp_path, capsys):
     assert "llama.cpp" in (out / "results.md").read_text()
 
 
+@pytest.mark.default_model
+def test_llamacpp_lookup_runs_past_llama_cpp_pythons_batch_of_512(tmp_path):
+    """With its prompt lookup, llama-cpp-python 0.3.x sized its score buffer to n_batch (512) rows
+    and failed inside its own eval once a run passed ~500 tokens; the runner asks for a buffer of
+    n_ctx rows. A 600-token prompt, then decoding past it, on the real library."""
+    pytest.importorskip("llama_cpp")
+    from triedec.bench.llamacpp import LlamaCppRunner
+    from triedec.models import default_model_path
+
+    runner = LlamaCppRunner(default_model_path(), "llamacpp:lookup=10", frozenset(), 700, lookup=10)
+    prompt = ([504, 3459, 314, 260, 1345, 28, 30] * 90)[:600]  # repetitive, so lookup drafts every step
+    record = runner.run(prompt, 40)
+    assert len(record.tokens) > 0
+    plain = LlamaCppRunner(default_model_path(), "llamacpp", frozenset(), 700)
+    assert len(plain.run(prompt, 40).tokens) > 0
+
+
 def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkeypatch):
     """``llamacpp:lookup=N`` builds llama.cpp with ``LlamaPromptLookupDecoding(num_pred_tokens=N)``
     as its draft model, and a run stops at EOS and at the token cap as plain llama.cpp's does (a
@@ -364,9 +381,10 @@ def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkey
     runner = LlamaCppRunner(gguf, "llamacpp:lookup=4", frozenset(), 64, lookup=4)
     assert isinstance(made[-1]["draft_model"], Lookup) and made[-1]["draft_model"].num_pred_tokens == 4
     assert made[-1]["n_ctx"] == 64 + 5  # room for the last token and its 4 drafts past the context
+    assert made[-1]["logits_all"] is True  # llama-cpp-python's score buffer gets n_ctx rows, as its eval needs
     assert runner.run([1, 2], 16).tokens == [5, 6, 7, 2]  # the file's EOS ends it and counts, as triedec's does
     assert runner.run([1, 2], 2).tokens == [5, 6]
     LlamaCppRunner(gguf, "llamacpp", frozenset(), 64)
-    assert "draft_model" not in made[-1] and made[-1]["n_ctx"] == 64
+    assert "draft_model" not in made[-1] and "logits_all" not in made[-1] and made[-1]["n_ctx"] == 64
     with pytest.raises(TriedecError, match="lookup"):
         LlamaCppRunner(gguf, "llamacpp:lookup=-1", frozenset(), 64, lookup=-1)

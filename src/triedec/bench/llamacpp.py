@@ -48,9 +48,13 @@ class LlamaCppRunner:
             raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
                                ".gguf, or the entry llamacpp:gguf=PATH)")
         self.label, self.sampling = label, sampling
-        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup)} if lookup else {}
-        # with a draft, llama-cpp-python evaluates the last token and its N drafts at once, and its
-        # score buffer (n_ctx rows) must hold them even past the last position a run keeps
+        # With a draft model, llama-cpp-python (0.3.x) keeps every position's logits (it turns
+        # logits_all on itself) but sizes its score buffer from the logits_all argument: n_batch
+        # (512) rows, so a run past ~500 tokens failed inside its eval ("could not broadcast input
+        # array from shape (11 * vocab,) into shape (7 * vocab,)"). Asking for logits_all sizes the
+        # buffer to n_ctx rows, as its own eval needs; it computes nothing more than it did. The
+        # last token and its N drafts are evaluated at once, so n_ctx holds N + 1 more.
+        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup), "logits_all": True} if lookup else {}
         self.llm = Llama(model_path=str(path), n_ctx=context + (lookup + 1 if lookup else 0),
                          n_threads=torch.get_num_threads(),
                          n_threads_batch=torch.get_num_threads(), verbose=False, **draft)
