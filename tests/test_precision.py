@@ -45,10 +45,13 @@ from triedec.models import ModelSource, quantize
 from triedec.native import kernel_available, load_kernel
 from triedec.precision import (
     GROUP_SIZE,
+    Int4A8Linear,
     Int4Linear,
+    Int8A8Linear,
     Int8Linear,
     Precision,
     dequantize_int4,
+    on_4bit_grid,
     precision_of,
     quantize_int4,
     quantize_linears,
@@ -144,6 +147,77 @@ def test_each_kernel_gives_a_row_the_same_bits_in_any_call(kind):
         for m in (2, 3, 4, 5, 8, 16, 17, 32, 64):
             out = layer(x[:m])
             assert all(torch.equal(out[i : i + 1], alone_rows[i]) for i in range(m)), f"{kind}: {m} rows"
+
+
+def _q4k_like(rows: int, groups: int, seed: int, low: int = 2, high: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K file's dequantized values: per group of 32, ``d * q - m`` with codes in ``low..high``
+    only (its quantizer need not use 0 or 15), some groups with no two neighbouring codes (even
+    codes only); float32 arithmetic, as the file's loader computes them. Returns ``(weight, q)``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(low, high + 1, (rows, groups, GROUP_SIZE), generator=gen)
+    q[::3] = q[::3] // 2 * 2
+    d = torch.rand(rows, groups, 1, generator=gen) * 0.02 + 0.001
+    m = torch.rand(rows, groups, 1, generator=gen) * 0.1
+    return (d * q.float() - m).reshape(rows, groups * GROUP_SIZE), q.reshape(rows, groups * GROUP_SIZE)
+
+
+def test_int4_keeps_a_4_bit_files_codes_whatever_range_they_use():
+    """Q4_K blocks: the codes are the file's up to a shift per group, and each weight is the
+    file's value within the bf16 rounding of the group's step and base, where ``(max - min) / 15``
+    (the rule for values on no grid) would have moved weights by up to half a step."""
+    weight, q = _q4k_like(32, 4, seed=1)
+    codes, scale, zero = quantize_int4(weight)
+    groups = codes.reshape(32, 4, GROUP_SIZE) - q.reshape(32, 4, GROUP_SIZE)
+    odd_too = torch.ones(32, dtype=torch.bool)
+    odd_too[::3] = False  # rows of even codes only lie on a grid twice as coarse too, and get it
+    assert bool((groups[odd_too] == groups[odd_too][..., :1]).all())  # the file's codes, shifted per group
+    step = scale.float().T.repeat_interleave(GROUP_SIZE, dim=1)
+    base = zero.float().abs().T.repeat_interleave(GROUP_SIZE, dim=1)
+    moved = (dequantize_int4(codes, scale, zero) - weight).abs()
+    assert bool((moved <= 2**-8 * (base + 16 * step)).all())  # bf16's rounding of the base and the step only
+    span = weight.reshape(32, 4, GROUP_SIZE)
+    naive = ((span.amax(-1) - span.amin(-1)) / 15)[..., None]
+    off_grid = ((span - span.amin(-1, keepdim=True)) / naive)
+    assert float((off_grid - off_grid.round()).abs().max()) > 0.25  # the naive grid would not hold them
+
+
+def test_no_grid_is_found_in_weights_on_none():
+    gen = torch.Generator().manual_seed(0)
+    normal = torch.randn(64, 8 * GROUP_SIZE, generator=gen)
+    assert on_4bit_grid(normal) == 0.0 and on_4bit_grid(normal.bfloat16().float()) == 0.0
+    six_bit = (torch.randint(0, 64, (64, 8 * GROUP_SIZE), generator=gen).float() * 0.01 - 0.3)  # Q6_K-like
+    assert on_4bit_grid(six_bit) < 0.01
+    assert on_4bit_grid(_q4k_like(64, 8, seed=2)[0]) == 1.0
+    assert on_4bit_grid(torch.zeros(16, GROUP_SIZE)) == 0.0  # a constant group has no step
+
+
+def test_a_gguf_layer_stored_with_more_bits_goes_to_int8_not_int4():
+    """A Q4_K_M file keeps some layers at 6 bits: from a GGUF, the int4 modes put those in int8
+    (on 8-bit activations in int4-a8) and keep the 4-bit ones' codes; a file with no 4-bit layer,
+    or weights not from a GGUF, are quantized as asked."""
+    def file_like() -> nn.Module:
+        model = tiny_llama(seed=6)
+        with torch.no_grad():
+            for i, layer in enumerate(model.modules()):
+                if type(layer) is nn.Linear and layer is not model.lm_head:
+                    rows, features = layer.weight.shape
+                    layer.weight.copy_(_q4k_like(rows, features // GROUP_SIZE, seed=i)[0])
+            down = model.model.layers[1].mlp.down_proj
+            down.weight.copy_(torch.randint(0, 64, down.weight.shape).float() * 0.002 - 0.06)  # 6 bits
+        return model
+
+    for weights, int4_kind, int8_kind in (("int4", Int4Linear, Int8Linear), ("int4-a8", Int4A8Linear, Int8A8Linear)):
+        model = file_like()
+        done = quantize_linears(model, weights, head=model.lm_head, from_gguf=True)
+        assert done.finer == 1 and done.layers == 2 * 7 + 1
+        assert isinstance(model.model.layers[1].mlp.down_proj, int8_kind)
+        assert isinstance(model.model.layers[0].mlp.down_proj, int4_kind)
+        plain = file_like()
+        assert quantize_linears(plain, weights, head=plain.lm_head).finer == 0  # not from a GGUF: as asked
+        assert isinstance(plain.model.layers[1].mlp.down_proj, int4_kind)
+    no_4bit = tiny_llama(seed=7)  # an F16 file, say: no layer on a 4-bit grid
+    assert quantize_linears(no_4bit, "int4", head=no_4bit.lm_head, from_gguf=True).finer == 0
+    assert isinstance(no_4bit.model.layers[1].mlp.down_proj, Int4Linear)
 
 
 def test_quantize_linears_counts_what_it_keeps_and_leaves_a_tied_embedding():

@@ -194,18 +194,20 @@ class ModelSource:
         except (OSError, ValueError) as exc:
             raise TriedecError(f"cannot load {where}: {exc}") from exc
         if precision.quantized:
-            quantize(hf_model, precision)
+            from_gguf = (default_model_path() if self.model is None else Path(self.model)).suffix == ".gguf"
+            quantize(hf_model, precision, from_gguf)
         hf_model.to(self.device)
         hf_model.eval()
         return hf_model, tokenizer
 
 
-def quantize(model: Any, precision: Precision) -> None:
+def quantize(model: Any, precision: Precision, from_gguf: bool = False) -> None:
     """Put a float32 transformers ``model`` in a quantized ``precision``, in place: its linears
-    quantized from their float32 weights, then every other floating parameter cast to the mode's
-    dtype (buffers such as rotary frequencies stay as the model built them, as when it is loaded
-    in that dtype directly)."""
-    quantize_linears(model, precision.weights, head=model.get_output_embeddings())
+    quantized from their float32 weights (``from_gguf``: a GGUF file's, whose 4-bit codes are kept
+    and whose finer layers go to int8: :func:`triedec.precision.quantize_linears`), then every
+    other floating parameter cast to the mode's dtype (buffers such as rotary frequencies stay as
+    the model built them, as when it is loaded in that dtype directly)."""
+    quantize_linears(model, precision.weights, head=model.get_output_embeddings(), from_gguf=from_gguf)
     with torch.no_grad():
         for param in model.parameters():
             if param.is_floating_point():

@@ -301,19 +301,67 @@ def int4_fits(linear: nn.Linear) -> bool:
     return linear.out_features % 16 == 0 and linear.in_features % GROUP_SIZE == 0
 
 
+GRID_TOLERANCE = 1e-3
+"""How far from a whole number of steps (in steps) a value may lie and still count as on a
+group's grid (dequantized file values carry float32 rounding, ~1e-6 of a step)."""
+
+
+def grid_steps(groups: torch.Tensor) -> torch.Tensor:
+    """For float32 ``groups [..., GROUP_SIZE]``, each group's step where its values lie on a grid
+    of at most 16 levels (``low + k * step``, ``k`` in 0..15: a 4-bit file's group, whatever codes
+    it uses), else 0 (also for a constant group). The grid's step is the smallest gap between two
+    values, or that gap over 2, 3 or 4 (when no two neighbouring codes are present); the step
+    returned is the span over its whole number of steps, which averages the values' rounding."""
+    ordered = groups.sort(dim=-1).values
+    low, high = ordered[..., :1], ordered[..., -1:]
+    gaps = ordered.diff(dim=-1)
+    span = (high - low).squeeze(-1)
+    gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.full_like(gaps, float("inf")))
+    smallest = gaps.amin(dim=-1)
+    found = torch.zeros_like(span)
+    for divisor in (4, 3, 2, 1):  # any grid that fits holds the values exactly; the coarsest wins
+        step = smallest / divisor
+        k = (groups - low) / step[..., None]
+        fits = ((k - k.round()).abs() <= GRID_TOLERANCE).all(dim=-1) & (k.round().amax(dim=-1) <= 15)
+        found = torch.where(fits & torch.isfinite(step) & (span > 0), step, found)
+    levels = (span / found).round()  # the step from the whole span: (max - min) / 15 for a Q4_1 block
+    return torch.where(found > 0, span / levels, found)
+
+
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes [out, in] int32 in 0..15, scale, zero)`` with ``scale`` and ``zero`` bf16
-    ``[in / GROUP_SIZE, out]``: per group, ``scale = (max - min) / 15`` and ``zero = min + 8 *
-    scale``, both rounded to bf16 first; the codes are then the nearest ones under those rounded
-    values, so the weight the kernel multiplies by is ``(q - 8) * scale + zero`` exactly."""
+    ``[in / GROUP_SIZE, out]``. Per group of :data:`GROUP_SIZE` input features: where the values
+    already lie on a grid of at most 16 levels (:func:`grid_steps`: a 4-bit GGUF block, Q4_0,
+    Q4_1 or Q4_K, whose codes need not span 0..15), ``scale`` is the grid's step and the lowest
+    value is code 0, so the codes are the file's up to a shift; elsewhere ``scale = (max - min) /
+    15``. Then ``zero = low + 8 * scale``, both rounded to bf16 first, and the codes are the nearest
+    ones under those rounded values, so the weight the kernel multiplies by is ``(q - 8) * scale +
+    zero`` exactly."""
     out_features, in_features = weight.shape
     groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
+    step = grid_steps(groups)
+    scale = torch.where(step > 0, step, (high - low) / 15)
+    scale = scale.clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
     zero = (low + 8 * scale.float()).to(QUANTIZED_DTYPE)
     base = zero.float() - 8 * scale.float()
     codes = torch.round((groups - base[..., None]) / scale.float()[..., None]).clamp_(0, 15)
     return codes.reshape(out_features, in_features).to(torch.int32), scale.T.contiguous(), zero.T.contiguous()
+
+
+def on_4bit_grid(weight: torch.Tensor) -> float:
+    """The share of ``weight``'s groups of :data:`GROUP_SIZE` input features whose values lie on a
+    grid of at most 16 levels (:func:`grid_steps`)."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    return float((grid_steps(groups) > 0).float().mean())
+
+
+FINER_THAN_4BIT = 0.5
+"""In a GGUF file with 4-bit layers (``quantize_linears(..., from_gguf=True)``), a layer with
+fewer of its groups on a 4-bit grid than this was stored with more bits (Q5_K, Q6_K, Q8_0, F16:
+a Q4_K_M file keeps some layers at 6 bits) and is quantized to int8, not to int4. In a 4-bit
+layer every group is on a grid; in a 6-bit one almost none is."""
 
 
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -337,14 +385,17 @@ def _bias(linear: nn.Linear) -> nn.Parameter | None:
 
 @dataclass(frozen=True)
 class Quantized:
-    """What :func:`quantize_linears` did: layers quantized, and layers left unquantized because
-    the kernel could not take their shape."""
+    """What :func:`quantize_linears` did: layers quantized, layers left unquantized because the
+    kernel could not take their shape, and layers of a 4-bit file stored with more bits, put in
+    int8 instead of int4 (counted in ``layers`` too)."""
 
     layers: int
     kept: int
+    finer: int = 0
 
 
-def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None) -> Quantized:
+def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None,
+                     from_gguf: bool = False) -> Quantized:
     """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear`, :class:`Int4Linear` or
     :class:`Int4A8Linear` (``weights``: ``int8``, ``int4``, ``int4-a8``), in place, quantizing from
     the weights as they are (quantize from float32 for the best codes, then cast the rest of the
@@ -352,11 +403,20 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     ``int4-a8``, :class:`Int8A8Linear`): as 4-bit GGUF files keep their output layer at 6-8 bits,
     because the logits are the most sensitive product of the model (on the default model, int4 with a 4-bit head agreed
     with float32's greedy token at 92% of positions, with an int8 head at 99%, and ran no slower).
-    A weight shared with another module (a tied LM head's embedding) stays as it is in that
-    module."""
+    ``from_gguf``: the weights are a GGUF file's dequantized values; if some of its layers are
+    4-bit, the int4 modes keep their codes (:func:`quantize_int4`) and quantize the layers the
+    file stored with more bits (:data:`FINER_THAN_4BIT`) to int8, like the head, not to 4 bits (a
+    file with no 4-bit layer is quantized as asked). A weight shared with another module (a tied
+    LM head's embedding) stays as it is in that module."""
     if weights not in ("int8", "int4", "int4-a8"):
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
-    layers = kept = 0
+    layers = kept = finer = 0
+    stored_finer: set[int] = set()
+    if from_gguf and weights != "int8":
+        shares = {id(m): on_4bit_grid(m.weight) for m in model.modules()
+                  if type(m) is nn.Linear and m is not head and int4_fits(m)}
+        if any(share >= FINER_THAN_4BIT for share in shares.values()):
+            stored_finer = {key for key, share in shares.items() if share < FINER_THAN_4BIT}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
@@ -364,14 +424,17 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
             if weights != "int8" and child is not head and not int4_fits(child):
                 kept += 1
                 continue
-            if weights == "int4-a8" and child is head and int4_fits(child):
+            as_int8 = weights == "int8" or child is head
+            if not as_int8 and id(child) in stored_finer:
+                as_int8, finer = True, finer + 1
+            if as_int8 and weights == "int4-a8" and int4_fits(child):
                 setattr(parent, name, Int8A8Linear(child))
-            elif weights == "int8" or child is head:
+            elif as_int8:
                 setattr(parent, name, Int8Linear(child))
             else:
                 setattr(parent, name, Int4Linear(child) if weights == "int4" else Int4A8Linear(child))
             layers += 1
-    return Quantized(layers, kept)
+    return Quantized(layers, kept, finer)
 
 
 def precision_of(model: nn.Module) -> Precision:
