@@ -386,5 +386,14 @@ def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkey
     assert runner.run([1, 2], 2).tokens == [5, 6]
     LlamaCppRunner(gguf, "llamacpp", frozenset(), 64)
     assert "draft_model" not in made[-1] and "logits_all" not in made[-1] and made[-1]["n_ctx"] == 64
+    # its score buffer is n_ctx x vocab floats: a lookup runner starts at 2048 positions, grows as runs need
+    big = LlamaCppRunner(gguf, "llamacpp:lookup=4", frozenset(), 32768, lookup=4)
+    assert made[-1]["n_ctx"] == 2048 + 5
+    big.run([1] * 1000, 16)
+    assert made[-1]["n_ctx"] == 2048 + 5 and len(made) == 3  # it fits: no new context
+    big.run([1] * 3000, 16)
+    assert made[-1]["n_ctx"] == 4096 + 5 and len(made) == 4
+    big.run([1] * 30000, 2000)
+    assert made[-1]["n_ctx"] == 32768 + 5  # never past the model's context
     with pytest.raises(TriedecError, match="lookup"):
         LlamaCppRunner(gguf, "llamacpp:lookup=-1", frozenset(), 64, lookup=-1)

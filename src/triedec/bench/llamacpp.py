@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ from triedec.errors import TriedecError
 from triedec.sampling import GREEDY_SAMPLING, Sampling
 
 LABEL = "llamacpp"
+LOOKUP_CONTEXT = 2048
+"""Positions a ``llamacpp:lookup=N`` runner starts with (grown as its runs need, up to the model's
+context): its score buffer holds that many rows of logits."""
 
 
 class LlamaCppRunner:
@@ -47,24 +51,36 @@ class LlamaCppRunner:
         if path.suffix != ".gguf" or not path.is_file():
             raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
                                ".gguf, or the entry llamacpp:gguf=PATH)")
-        self.label, self.sampling = label, sampling
-        # With a draft model, llama-cpp-python (0.3.x) keeps every position's logits (it turns
-        # logits_all on itself) but sizes its score buffer from the logits_all argument: n_batch
-        # (512) rows, so a run past ~500 tokens failed inside its eval ("could not broadcast input
-        # array from shape (11 * vocab,) into shape (7 * vocab,)"). Asking for logits_all sizes the
-        # buffer to n_ctx rows, as its own eval needs; it computes nothing more than it did. The
-        # last token and its N drafts are evaluated at once, so n_ctx holds N + 1 more.
-        draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=lookup), "logits_all": True} if lookup else {}
-        self.llm = Llama(model_path=str(path), n_ctx=context + (lookup + 1 if lookup else 0),
-                         n_threads=torch.get_num_threads(),
-                         n_threads_batch=torch.get_num_threads(), verbose=False, **draft)
+        self.label, self.sampling, self.lookup, self.context = label, sampling, lookup, context
+        self._new = lambda n_ctx: self._llama(Llama, LlamaPromptLookupDecoding, path, n_ctx)
+        self.llm = self._new(context if not lookup else min(context, LOOKUP_CONTEXT))
         self.eos = frozenset(eos) | {int(self.llm.token_eos())}
+
+    def _llama(self, llama: Any, lookup_decoding: Any, path: Path, n_ctx: int) -> Any:
+        """A llama.cpp context of ``n_ctx`` positions (plus room for the drafts).
+
+        With a draft model, llama-cpp-python (0.3.x) keeps every position's logits (it turns
+        logits_all on itself) but sizes its score buffer from the logits_all argument: n_batch
+        (512) rows, so a run past ~500 tokens failed inside its eval ("could not broadcast input
+        array from shape (11 * vocab,) into shape (7 * vocab,)"). Asking for logits_all sizes the
+        buffer to n_ctx rows, as its own eval needs (it computes nothing more than it did), but
+        that buffer is n_ctx x vocab floats (32 GiB for Gemma 3's 32k context and 262k vocabulary),
+        so a lookup runner's context is sized to the runs it gets (:meth:`run` grows it). The last
+        token and its N drafts are evaluated at once, so n_ctx holds N + 1 more."""
+        draft = {"draft_model": lookup_decoding(num_pred_tokens=self.lookup), "logits_all": True} if self.lookup else {}
+        self.n_ctx = n_ctx
+        return llama(model_path=str(path), n_ctx=n_ctx + (self.lookup + 1 if self.lookup else 0),
+                     n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False,
+                     **draft)
 
     def reset(self) -> None:
         self.llm.reset()
 
     def run(self, prompt: list[int], max_new_tokens: int, seed: int | None = None) -> RunRecord:
         s = self.sampling
+        needed = len(prompt) + max_new_tokens
+        if needed > self.n_ctx and self.n_ctx < self.context:  # a lookup runner's context, grown (untimed)
+            self.llm = self._new(min(self.context, max(needed, 2 * self.n_ctx)))
         self.llm.reset()
         if not s.greedy:
             self.llm.set_seed(seed or 0)
