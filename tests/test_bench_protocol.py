@@ -393,7 +393,7 @@ def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkey
     assert made[-1]["n_ctx"] == 2048 + 5 and len(made) == 3  # it fits: no new context
     big.run([1] * 3000, 16)
     assert made[-1]["n_ctx"] == 4096 + 5 and len(made) == 4
-    big.run([1] * 30000, 2000)
+    big.run([1] * 31000, 2000)
     assert made[-1]["n_ctx"] == 32768 + 5  # never past the model's context
     with pytest.raises(TriedecError, match="lookup"):
         LlamaCppRunner(gguf, "llamacpp:lookup=-1", frozenset(), 64, lookup=-1)
