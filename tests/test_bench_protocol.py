@@ -329,7 +329,8 @@ def test_llamacpp_baseline_runs_the_default_gguf(tmp_path, capsys):
 def test_llamacpp_lookup_runs_past_llama_cpp_pythons_batch_of_512(tmp_path):
     """With its prompt lookup, llama-cpp-python 0.3.x sized its score buffer to n_batch (512) rows
     and failed inside its own eval once a run passed ~500 tokens; the runner asks for a buffer of
-    n_ctx rows. A 600-token prompt, then decoding past it, on the real library."""
+    n_ctx rows. A 600-token prompt, then decoding past it, on the real library; the runner counts
+    llama.cpp's forwards and the tokens they evaluate."""
     pytest.importorskip("llama_cpp")
     from triedec.bench.llamacpp import LlamaCppRunner
     from triedec.models import default_model_path
@@ -337,9 +338,11 @@ def test_llamacpp_lookup_runs_past_llama_cpp_pythons_batch_of_512(tmp_path):
     runner = LlamaCppRunner(default_model_path(), "llamacpp:lookup=10", frozenset(), 700, lookup=10)
     prompt = ([504, 3459, 314, 260, 1345, 28, 30] * 90)[:600]  # repetitive, so lookup drafts every step
     record = runner.run(prompt, 40)
-    assert len(record.tokens) > 0
-    plain = LlamaCppRunner(default_model_path(), "llamacpp", frozenset(), 700)
-    assert len(plain.run(prompt, 40).tokens) > 0
+    assert len(record.tokens) > 1
+    # its forwards are counted: each evaluates the last token and its drafts
+    assert 1 <= record.steps <= len(record.tokens) - 1 and record.computed_tokens >= record.steps
+    plain = LlamaCppRunner(default_model_path(), "llamacpp", frozenset(), 700).run(prompt, 40)
+    assert plain.steps == plain.computed_tokens == len(plain.tokens) - 1  # one token a forward
 
 
 def test_llamacpp_lookup_passes_llama_cpp_its_own_prompt_lookup(tmp_path, monkeypatch):

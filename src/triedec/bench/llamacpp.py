@@ -52,7 +52,7 @@ class LlamaCppRunner:
             raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
                                ".gguf, or the entry llamacpp:gguf=PATH)")
         self.label, self.sampling, self.lookup, self.context = label, sampling, lookup, context
-        self._new = lambda n_ctx: self._llama(Llama, LlamaPromptLookupDecoding, path, n_ctx)
+        self._new = lambda n_ctx: self._llama(_counting(Llama), LlamaPromptLookupDecoding, path, n_ctx)
         self.llm = self._new(context if not lookup else min(context, LOOKUP_CONTEXT))
         self.eos = frozenset(eos) | {int(self.llm.token_eos())}
 
@@ -87,10 +87,29 @@ class LlamaCppRunner:
         options = dict(top_k=1, top_p=1.0, min_p=0.0, temp=0.0) if s.greedy else \
             dict(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temp=s.temperature)
         tokens: list[int] = []
+        self.llm.forwards = self.llm.evaluated = 0
         start = time.perf_counter()
         for token in self.llm.generate(prompt, repeat_penalty=s.repetition_penalty, reset=True, **options):
             tokens.append(int(token))  # an EOS counts, as it does in triedec's and transformers' outputs
             if token in self.eos or len(tokens) >= max_new_tokens:
                 break
         seconds = time.perf_counter() - start
-        return RunRecord(tokens, seconds, max(len(tokens) - 1, 0), max(len(tokens) - 1, 0), 0)
+        # the first eval is the prompt's; each later one a decoding step (the last token and its drafts)
+        steps, computed = max(self.llm.forwards - 1, 0), max(self.llm.evaluated - len(prompt), 0)
+        return RunRecord(tokens, seconds, steps, computed, 0)
+
+
+def _counting(llama: Any) -> Any:
+    """``llama`` (llama-cpp-python's ``Llama``) with a count of its forwards (``eval`` calls) and
+    of the tokens they evaluated, so a run's steps and computed tokens are measured, drafts
+    included, not assumed."""
+
+    class CountingLlama(llama):  # type: ignore[misc, valid-type]
+        forwards = evaluated = 0
+
+        def eval(self, tokens: Any) -> None:
+            self.forwards += 1
+            self.evaluated += len(tokens)
+            super().eval(tokens)
+
+    return CountingLlama
