@@ -57,11 +57,19 @@ def forward_ms(lm: triedec.LM, cache: object, rows: int) -> float:
     adapter = lm.adapter
     tokens = torch.randint(0, adapter.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
     visible = torch.ones((rows, rows), dtype=torch.bool).tril()
+    synchronize(lm)
     start = time.perf_counter()
     adapter.forward(cache, tokens, torch.arange(cache.length, cache.length + rows), visible)
+    synchronize(lm)
     seconds = time.perf_counter() - start
     cache.commit([])
     return seconds * 1000
+
+
+def synchronize(lm: triedec.LM) -> None:
+    """Wait for the model's device (a GPU runs asynchronously; a CPU needs nothing)."""
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
 
 
 @torch.inference_mode()
@@ -74,12 +82,12 @@ def quality(lm: triedec.LM, references: list[list[int]], prompts: list[str], new
         ours = lm.generate(text, "ar", max_new_tokens=new, chat=chat)
         whole += ours.token_ids == theirs
         ids = lm.prompts.encode(text, chat=chat)
-        sequence = torch.tensor([ids + theirs])
+        sequence = torch.tensor([ids + theirs], device=lm.device)
         logits = lm.reference_model()(sequence).logits[0].float()
         predicted = logits[len(ids) - 1 : -1].argmax(-1)
         agree += int((predicted == sequence[0, len(ids):]).sum())
         total += len(theirs)
-        plain = torch.tensor([lm.tokenizer.encode(text)])
+        plain = torch.tensor([lm.tokenizer.encode(text)], device=lm.device)
         plain_logits = lm.reference_model()(plain).logits[0, :-1].float()
         nll += float(torch.nn.functional.cross_entropy(plain_logits, plain[0, 1:], reduction="sum"))
         count += plain.shape[1] - 1
@@ -94,6 +102,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=15, help="forwards timed per mode and row count")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: float32 and bfloat16 only on a GPU")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"comma-separated, float32 first (the reference): any of {', '.join(MODES)}")
@@ -111,7 +120,7 @@ def main() -> int:
     for name in modes:
         kwargs = MODES[name]
         say(f"loading {name}")
-        lms[name] = triedec.load(args.model, **kwargs)
+        lms[name] = triedec.load(args.model, device=args.device, **kwargs)
         lms[name].generate("Hello", "auto", max_new_tokens=4)  # calibrates now if not cached
     for lm in lms.values():
         lm.generate("Warm up the kernels on a short request.", "ar", max_new_tokens=8)
@@ -143,8 +152,10 @@ def main() -> int:
         rng.shuffle(order)
         got: dict[tuple[str, str], list[int]] = {}
         for name, method_name in order:
+            synchronize(lms[name])
             start = time.perf_counter()
             out = lms[name].generate(text, method_name, max_new_tokens=args.max_new_tokens, chat=chat)
+            synchronize(lms[name])
             seconds = time.perf_counter() - start
             runs[name][method_name].append(len(out.token_ids) / seconds)
             got[name, method_name] = out.token_ids
@@ -161,7 +172,7 @@ def main() -> int:
             decoding[name][method_name] = {"tokens_per_s_median": statistics.median(runs[name][method_name]),
                                            "vs_float32_ar": [point, low, high]}
     results = {
-        "machine": machine_info(torch.device("cpu")), "commit": source_commit(), "versions": versions(),
+        "machine": machine_info(torch.device(args.device)), "commit": source_commit(), "versions": versions(),
         "command": "python " + " ".join(sys.argv), "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "model": args.model or "the default model (SmolLM2-135M-Instruct)", "chat_template": chat,
         "modes": {n: {"precision": lm.adapter.precision.name, "kernels": lm.adapter.kernels,
@@ -182,7 +193,8 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     lines = [f"# Precision modes, side by side ({results['prompts']} Spec-Bench evaluation prompts, "
              f"{results['max_new_tokens']} greedy tokens)", "",
-             f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads; torch {m['torch']}, "
+             f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads"
+             f"{'; GPU ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, "
              f"transformers {m['transformers']}; commit {results['commit']}",
              f"- command: `{results['command']}`",
              f"- model: {results.get('model', 'the default model')}; prompts "
