@@ -280,6 +280,24 @@ def test_the_top_level_help_imports_no_torch_and_lists_every_command():
     assert commands(build_parser(())) == commands(build_parser())
 
 
+def test_version_answers_from_a_source_tree_without_package_metadata(monkeypatch):
+    # `PYTHONPATH=src python -m triedec.cli ...` (as on a machine triedec is copied to) has no metadata
+    from importlib import metadata
+
+    from triedec.flags import installed_version
+
+    assert installed_version() == metadata.version("triedec")
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    assert "source tree" in installed_version()
+    with pytest.raises(SystemExit) as done:
+        build_parser(()).parse_args(["--version"])
+    assert done.value.code == 0
+
+
 def test_every_commands_help_imports_no_torch():
     """`triedec COMMAND --help` is generated from torch-free declarations (method options are read
     generically, the server's settings need neither its app nor the model): well under a second."""

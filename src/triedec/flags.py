@@ -198,14 +198,23 @@ def model_label(args: argparse.Namespace) -> str:
     return args.model or "SmolLM2-135M-Instruct (embedded default, fp32)"
 
 
+def installed_version() -> str:
+    """triedec's installed version, or a note that it runs from a source tree (``src`` on
+    ``PYTHONPATH``, no package metadata): ``--version`` answers either way."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("triedec")
+    except metadata.PackageNotFoundError:
+        return "(not installed: running from a source tree)"
+
+
 def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The ``triedec`` parser: every command with its flags (``commands`` None), or only the
     named ``commands`` with theirs and the others as stubs. ``build_parser(())`` is the top level
     alone: enough for ``triedec --help`` and ``--version``. Building a command's flags imports
     neither torch nor transformers (``serve``'s need the server extra installed, not imported).
     Method options are read by :func:`parse_command_line`, not declared here."""
-    from importlib import metadata
-
     parser = argparse.ArgumentParser(
         prog="triedec", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Faster decoding of Hugging Face causal LMs, exactly: model-free drafts verified in one forward "
@@ -217,7 +226,7 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
                "  triedec methods                                    methods and their options\n"
                "  triedec bench --dataset spec-bench --per-category 5 --methods hf-greedy,ar,auto\n"
                "`triedec COMMAND --help` lists a command's flags; docs/cli.md has more.")
-    parser.add_argument("--version", action="version", version=f"triedec {metadata.version('triedec')}")
+    parser.add_argument("--version", action="version", version=f"triedec {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in COMMANDS.items():
         command = sub.add_parser(name, help=text)
