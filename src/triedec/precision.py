@@ -133,14 +133,15 @@ class Int8Linear(LinearStandIn):
 class Int4Linear(LinearStandIn):
     """``y = x w^T + b`` with ``w = (q - 8) * scale + zero`` per group of :data:`GROUP_SIZE` input
     features: 4-bit codes ``q`` packed for torch's CPU kernel, and ``scales_and_zeros [in /
-    GROUP_SIZE, out, 2]`` (bf16 ``scale`` and ``zero``; inference only; bf16 activations)."""
+    GROUP_SIZE, out, 2]`` (bf16 ``scale`` and ``zero``; inference only; bf16 activations).
+    ``steps``: the weight's :func:`grid_steps`, where the caller has them (:func:`quantize_int4`)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, steps: torch.Tensor | None = None) -> None:
         super().__init__(linear)
         if not int4_fits(linear):
             raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
                                f"got {self.out_features}x{self.in_features}")
-        codes, scale, zero = quantize_int4(linear.weight.detach())
+        codes, scale, zero = quantize_int4(linear.weight.detach(), steps)
         self.register_buffer("scales_and_zeros", torch.stack(
             [scale.to(QUANTIZED_DTYPE), zero.to(QUANTIZED_DTYPE)], dim=-1).contiguous())
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -161,15 +162,16 @@ class Int4A8Linear(LinearStandIn):
     features (``csrc/a8_linears.cpp`` gives the exact arithmetic): integer dot products per group,
     exact in any order, then a fixed float32 sum over the groups, so a row gets the same bits in any
     call, on any CPU. Codes, scales and zeros are stored packed for the kernel
-    (:func:`pack_int4`, :func:`pack_scales_zeros`). Inference only; bf16 activations."""
+    (:func:`pack_int4`, :func:`pack_scales_zeros`). Inference only; bf16 activations. ``steps`` as
+    for :class:`Int4Linear`."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, steps: torch.Tensor | None = None) -> None:
         super().__init__(linear)
         if not int4_fits(linear):
             raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
                                f"got {self.out_features}x{self.in_features}")
         load_kernel()  # refused here, with the reason, when triedec's kernels cannot be built
-        codes, scale, zero = quantize_int4(linear.weight.detach())
+        codes, scale, zero = quantize_int4(linear.weight.detach(), steps)
         self.register_buffer("packed", pack_int4(codes))
         self.register_buffer("scales_zeros", pack_scales_zeros(scale, zero))
         self.bias = _bias(linear)
@@ -306,6 +308,12 @@ GRID_TOLERANCE = 1e-3
 group's grid (dequantized file values carry float32 rounding, ~1e-6 of a step)."""
 
 
+def weight_groups(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` as float32 groups ``[out, in / GROUP_SIZE, GROUP_SIZE]`` of input features."""
+    out_features, in_features = weight.shape
+    return weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+
+
 def grid_steps(groups: torch.Tensor) -> torch.Tensor:
     """For float32 ``groups [..., GROUP_SIZE]``, each group's step where its values lie on a grid
     of at most 16 levels (``low + k * step``, ``k`` in 0..15: a 4-bit file's group, whatever codes
@@ -328,7 +336,8 @@ def grid_steps(groups: torch.Tensor) -> torch.Tensor:
     return torch.where(found > 0, span / levels, found)
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(weight: torch.Tensor, steps: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes [out, in] int32 in 0..15, scale, zero)`` with ``scale`` and ``zero`` bf16
     ``[in / GROUP_SIZE, out]``. Per group of :data:`GROUP_SIZE` input features: where the values
     already lie on a grid of at most 16 levels (:func:`grid_steps`: a 4-bit GGUF block, Q4_0,
@@ -336,11 +345,12 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     value is code 0, so the codes are the file's up to a shift; elsewhere ``scale = (max - min) /
     15``. Then ``zero = low + 8 * scale``, both rounded to bf16 first, and the codes are the nearest
     ones under those rounded values, so the weight the kernel multiplies by is ``(q - 8) * scale +
-    zero`` exactly."""
+    zero`` exactly. ``steps``: ``grid_steps(weight_groups(weight))`` if the caller has them already
+    (:func:`quantize_linears` does, from a GGUF: the sort inside is most of the cost)."""
     out_features, in_features = weight.shape
-    groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    groups = weight_groups(weight)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    step = grid_steps(groups)
+    step = grid_steps(groups) if steps is None else steps
     scale = torch.where(step > 0, step, (high - low) / 15)
     scale = scale.clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
     zero = (low + 8 * scale.float()).to(QUANTIZED_DTYPE)
@@ -352,9 +362,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def on_4bit_grid(weight: torch.Tensor) -> float:
     """The share of ``weight``'s groups of :data:`GROUP_SIZE` input features whose values lie on a
     grid of at most 16 levels (:func:`grid_steps`)."""
-    out_features, in_features = weight.shape
-    groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    return float((grid_steps(groups) > 0).float().mean())
+    return float((grid_steps(weight_groups(weight)) > 0).float().mean())
 
 
 FINER_THAN_4BIT = 0.5
@@ -412,9 +420,11 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
     layers = kept = finer = 0
     stored_finer: set[int] = set()
+    steps: dict[int, torch.Tensor] = {}  # each int4 layer's grid_steps, computed once (they decide int4 or int8 too)
     if from_gguf and weights != "int8":
-        shares = {id(m): on_4bit_grid(m.weight) for m in model.modules()
-                  if type(m) is nn.Linear and m is not head and int4_fits(m)}
+        steps = {id(m): grid_steps(weight_groups(m.weight)) for m in model.modules()
+                 if type(m) is nn.Linear and m is not head and int4_fits(m)}
+        shares = {key: float((step > 0).float().mean()) for key, step in steps.items()}
         if any(share >= FINER_THAN_4BIT for share in shares.values()):
             stored_finer = {key for key, share in shares.items() if share < FINER_THAN_4BIT}
     for parent in list(model.modules()):
@@ -432,7 +442,8 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
             elif as_int8:
                 setattr(parent, name, Int8Linear(child))
             else:
-                setattr(parent, name, Int4Linear(child) if weights == "int4" else Int4A8Linear(child))
+                stand_in = Int4Linear if weights == "int4" else Int4A8Linear
+                setattr(parent, name, stand_in(child, steps.pop(id(child), None)))
             layers += 1
     return Quantized(layers, kept, finer)
 
