@@ -152,19 +152,21 @@ class ModelSource:
         before it starts processes that will load the model."""
         self._located(convert=False)
 
-    def _located(self, convert: bool) -> tuple[Path, str]:
-        """``(what to load, its name in errors)``, after every check that needs no weights: what to
-        load is a directory, except a GGUF file left unconverted (``convert=False``)."""
+    def _located(self, convert: bool) -> tuple[Path, str, bool]:
+        """``(what to load, its name in errors, whether it is a GGUF file's)``, after every check
+        that needs no weights: what to load is a directory, except a GGUF file left unconverted
+        (``convert=False``)."""
         from transformers import AutoConfig
 
         model = self.model
         source = default_model_path() if model is None else Path(model)
         where = str(model if model is not None else source)
-        if source.suffix == ".gguf":
+        gguf = source.suffix == ".gguf"
+        if gguf:
             if not source.is_file():
                 raise TriedecError(f"GGUF file not found: {source}")
             if not convert:
-                return source, where
+                return source, where, True
             source = converted_gguf_dir(source, self.cache_dir)
         local = source.is_dir()
         if not local and (source.exists() or str(model).startswith((".", "/", "~"))):
@@ -174,7 +176,7 @@ class ModelSource:
         except (OSError, ValueError, KeyError) as exc:
             raise TriedecError(f"cannot read a model config from {where}: {exc}") from exc
         _check_causal(config, where)
-        return source, where
+        return source, where, gguf
 
     def load_hf(self) -> tuple[Any, Any]:
         """``(model, tokenizer)`` as transformers objects, in eval mode on :attr:`device`, in
@@ -183,7 +185,7 @@ class ModelSource:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         precision = self.precision
-        source, where = self._located(convert=True)
+        source, where, from_gguf = self._located(convert=True)
         load_dtype = torch.float32 if precision.quantized else precision.dtype
         try:
             with quiet_transformers():
@@ -194,7 +196,6 @@ class ModelSource:
         except (OSError, ValueError) as exc:
             raise TriedecError(f"cannot load {where}: {exc}") from exc
         if precision.quantized:
-            from_gguf = (default_model_path() if self.model is None else Path(self.model)).suffix == ".gguf"
             quantize(hf_model, precision, from_gguf)
         hf_model.to(self.device)
         hf_model.eval()
