@@ -51,13 +51,14 @@ class LlamaCppRunner:
         if path.suffix != ".gguf" or not path.is_file():
             raise TriedecError(f"the llamacpp baseline runs a .gguf file; {path} is not one (give the model as a "
                                ".gguf, or the entry llamacpp:gguf=PATH)")
-        self.label, self.sampling, self.lookup, self.context = label, sampling, lookup, context
-        self._new = lambda n_ctx: self._llama(_counting(Llama), LlamaPromptLookupDecoding, path, n_ctx)
-        self.llm = self._new(context if not lookup else min(context, LOOKUP_CONTEXT))
+        self.label, self.sampling, self.lookup, self.context, self.path = label, sampling, lookup, context, path
+        self._llama_class, self._lookup_class = _counting(Llama), LlamaPromptLookupDecoding
+        self.llm = self._llama(context if not lookup else min(context, LOOKUP_CONTEXT))
         self.eos = frozenset(eos) | {int(self.llm.token_eos())}
 
-    def _llama(self, llama: Any, lookup_decoding: Any, path: Path, n_ctx: int) -> Any:
-        """A llama.cpp context of ``n_ctx`` positions (plus room for the drafts).
+    def _llama(self, n_ctx: int) -> Any:
+        """A llama.cpp model on :attr:`path` with a context of ``n_ctx`` positions (plus room for
+        the drafts), counting its forwards (:func:`_counting`).
 
         With a draft model, llama-cpp-python (0.3.x) keeps every position's logits (it turns
         logits_all on itself) but sizes its score buffer from the logits_all argument: n_batch
@@ -67,11 +68,12 @@ class LlamaCppRunner:
         that buffer is n_ctx x vocab floats (32 GiB for Gemma 3's 32k context and 262k vocabulary),
         so a lookup runner's context is sized to the runs it gets (:meth:`run` grows it). The last
         token and its N drafts are evaluated at once, so n_ctx holds N + 1 more."""
-        draft = {"draft_model": lookup_decoding(num_pred_tokens=self.lookup), "logits_all": True} if self.lookup else {}
+        draft = {"draft_model": self._lookup_class(num_pred_tokens=self.lookup), "logits_all": True} \
+            if self.lookup else {}
         self.n_ctx = n_ctx
-        return llama(model_path=str(path), n_ctx=n_ctx + (self.lookup + 1 if self.lookup else 0),
-                     n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(), verbose=False,
-                     **draft)
+        threads = torch.get_num_threads()
+        return self._llama_class(model_path=str(self.path), n_ctx=n_ctx + (self.lookup + 1 if self.lookup else 0),
+                                 n_threads=threads, n_threads_batch=threads, verbose=False, **draft)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -80,7 +82,7 @@ class LlamaCppRunner:
         s = self.sampling
         needed = len(prompt) + max_new_tokens
         if needed > self.n_ctx and self.n_ctx < self.context:  # a lookup runner's context, grown (untimed)
-            self.llm = self._new(min(self.context, max(needed, 2 * self.n_ctx)))
+            self.llm = self._llama(min(self.context, max(needed, 2 * self.n_ctx)))
         self.llm.reset()
         if not s.greedy:
             self.llm.set_seed(seed or 0)
