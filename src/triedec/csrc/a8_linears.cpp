@@ -50,6 +50,12 @@
 
 namespace {
 
+#ifdef TRIEDEC_VNNI
+constexpr bool kVector = true;  // the vector path is built; a call takes it unless asked for the portable one
+#else
+constexpr bool kVector = false;
+#endif
+
 constexpr int kCols = 16;   // outputs per vector
 constexpr int kGroup = 32;  // input features per group (scale, zero, activation scale)
 constexpr int kSteps = 4;   // steps of 8 features per group
@@ -114,6 +120,8 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *aq = *a * static_cast<float>(total);
   *sum = total;
 }
+#else
+constexpr auto& quantize_group_vector = quantize_group_portable;  // never chosen: kVector is false
 #endif
 
 // Quantizes x [R, K] into a buffer of the calling thread's own, reused by its next call (no
@@ -121,12 +129,7 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
 // workers only read it before the call returns).
 const Rows& quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool portable) {
   const int64_t G = K / kGroup;
-  auto quantize_group = &quantize_group_portable;
-#ifdef TRIEDEC_VNNI
-  if (!portable) quantize_group = &quantize_group_vector;
-#else
-  (void)portable;
-#endif
+  const auto quantize_group = kVector && !portable ? &quantize_group_vector : &quantize_group_portable;
   thread_local Rows out;
   out.q.resize(R * K);
   out.a.resize(R * G);
@@ -371,34 +374,30 @@ void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, cons
     tile8<decltype(rows)::value, decltype(vectors)::value>(packed, K, b * kBlock + voff, scales, x, y);
   });
 }
+#else
+constexpr auto& int4_vnni = int4_portable;  // never chosen: kVector is false
+constexpr auto& int8_vnni = int8_portable;
 #endif
 
 }  // namespace
 
-bool a8_linears_vectorized() {
-#ifdef TRIEDEC_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
+bool a8_linears_vectorized() { return kVector; }
 
 namespace {
 
 // What both entry points check and do: x [R, K] bf16 on the CPU, quantized per row and group; the
-// weight's kernel (vector or portable) writes out [R, N] bf16.
-template <class Kernel>
-torch::Tensor run_linear(const torch::Tensor& x, int64_t N, bool portable, Kernel&& kernel) {
+// weight's kernel, vector or portable (the same bits), writes out [R, N] bf16.
+template <class Vector, class Portable>
+torch::Tensor run_linear(const torch::Tensor& x, int64_t N, bool portable, Vector&& vector, Portable&& fallback) {
   torch::Tensor rows = x.contiguous();
   const int64_t R = rows.size(0), K = rows.size(1);
   torch::Tensor out = torch::empty({R, N}, rows.options());
   if (R == 0) return out;
   const Rows& xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
-#ifdef TRIEDEC_VNNI
-  kernel(xs, R, K, out.data_ptr<c10::BFloat16>(), !portable);
-#else
-  kernel(xs, R, K, out.data_ptr<c10::BFloat16>(), false);
-#endif
+  if (kVector && !portable)
+    vector(xs, R, K, out.data_ptr<c10::BFloat16>());
+  else
+    fallback(xs, R, K, out.data_ptr<c10::BFloat16>());
   return out;
 }
 
@@ -424,13 +423,11 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
               "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
-  return run_linear(x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out, bool vector) {
-#ifdef TRIEDEC_VNNI
-    if (vector) return int4_vnni(xs, R, K_, codes, sz, N, out);
-#endif
-    (void)vector;
-    int4_portable(xs, R, K_, codes, sz, N, out);
-  });
+  return run_linear(
+      x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
+        int4_vnni(xs, R, K_, codes, sz, N, out);
+      },
+      [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int4_portable(xs, R, K_, codes, sz, N, out); });
 }
 
 // x [R, K] bf16, packed uint8 [N / 16, K / 4, 64], scales bf16 [N]. Returns [R, N] bf16.
@@ -444,11 +441,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
               "scales must be contiguous bf16 [N]");
   const uint8_t* codes = packed.data_ptr<uint8_t>();
   const c10::BFloat16* s = scales.data_ptr<c10::BFloat16>();
-  return run_linear(x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out, bool vector) {
-#ifdef TRIEDEC_VNNI
-    if (vector) return int8_vnni(xs, R, K_, codes, s, N, out);
-#endif
-    (void)vector;
-    int8_portable(xs, R, K_, codes, s, N, out);
-  });
+  return run_linear(
+      x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
+        int8_vnni(xs, R, K_, codes, s, N, out);
+      },
+      [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int8_portable(xs, R, K_, codes, s, N, out); });
 }
