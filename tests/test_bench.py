@@ -38,6 +38,18 @@ class CorruptingRunner:
         return RunRecord(tokens, rec.seconds, rec.steps, rec.computed_tokens, rec.kv_bytes)
 
 
+class CrashingRunner(CorruptingRunner):
+    """Test-only method: triedec's pld, raising on its third run (the warm-up is its first)."""
+
+    runs = 0
+
+    def run(self, prompt, max_new_tokens, seed=None):
+        self.runs += 1
+        if self.runs == 3:
+            raise RuntimeError("out of memory, say")
+        return self.inner.run(prompt, max_new_tokens, seed)
+
+
 @pytest.fixture(scope="module")
 def two_prompts(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "two.jsonl"
@@ -88,6 +100,35 @@ def test_bench_end_to_end(tmp_path, tiny_model_dir, two_prompts, capsys):
     assert all(smp["first_mismatch"]["position"] == smp["new_tokens"] // 2 for smp in wrong)
     assert "top-2 gap" in md
     assert "WRONG" in capsys.readouterr().out
+
+
+def test_a_method_that_raises_is_dropped_and_the_others_finish(tmp_path, tiny_model_dir, two_prompts, caplog):
+    out = tmp_path / "crash"
+    code = main(["bench", "--model", str(tiny_model_dir), "--dataset", str(two_prompts), "--methods",
+                 "hf-greedy,ar,pld,crash", "--max-new-tokens", "8", "--out", str(out), "--no-progress"],
+                extra_runners={"crash": CrashingRunner})
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["methods"]) == ["hf-greedy", "ar", "pld"]  # every method left, on every prompt
+    assert len(results["samples"]) == 3 * 3 and {s["method"] for s in results["samples"]} == {"hf-greedy", "ar", "pld"}
+    (failure,) = results["failed"]
+    assert failure["method"] == "crash" and failure["prompt"] == "a-turn2"
+    assert failure["error"] == "RuntimeError: out of memory, say"
+    assert "**crash failed** on a-turn2" in (out / "results.md").read_text()
+    assert "crash failed on a-turn2" in caplog.text
+
+
+def test_a_reference_that_raises_ends_the_run(tiny_model_dir):
+    import triedec
+    from triedec.bench.datasets import Question
+    from triedec.bench.harness import BenchConfig, run_benchmark
+
+    tiny_lm = triedec.load(tiny_model_dir)
+    crash = CrashingRunner(tiny_lm, "hf-greedy")
+    questions = [Question("q", "chat", ("Hi.",)), Question("r", "chat", ("Bye.",))]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        run_benchmark(tiny_lm, [crash, TriedecRunner(tiny_lm, "ar", "ar", {})], questions,
+                      BenchConfig(max_new_tokens=4), warmup=[Question("w", "chat", ("Warm.",))])
 
 
 def row(method, category, new_tokens, seconds, steps, identical=True, computed=None, id=None):

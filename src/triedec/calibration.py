@@ -42,6 +42,7 @@ from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.engine import run_alone
 from triedec.errors import TriedecError, positive_int
 from triedec.machine import CpuWatch, host_key
+from triedec.precision import layer_mix
 from triedec.request import Request, StopRule
 from triedec.tree import TokenTree
 
@@ -124,11 +125,14 @@ class Calibration:
 
 def device_key(adapter: ModelAdapter) -> str:
     """What a cost model depends on besides the model: the device (a GPU's name, or this host:
-    :func:`~triedec.machine.host_key`), CPU threads, dtype and kernels."""
+    :func:`~triedec.machine.host_key`), CPU threads, dtype and kernels, and in a quantized mode
+    which layers are int4 and which int8 (:func:`~triedec.precision.layer_mix`)."""
     device = adapter.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"cpu-{host_key()}-{torch.get_num_threads()}threads"
     key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
+    if adapter.precision.quantized:
+        key += f"-{layer_mix(adapter.model)}"
     return "".join(c if c.isalnum() or c in "-." else "-" for c in key)
 
 

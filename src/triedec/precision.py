@@ -448,6 +448,18 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     return Quantized(layers, kept, finer)
 
 
+def layer_mix(model: nn.Module) -> str:
+    """How many of ``model``'s linears are stored in int4 and how many in int8: ``int4x27-int8x100``
+    (the rest, left unquantized for their shape, follow from the architecture). Loads of the same
+    file in the same mode have the same mix; which layers go to int8 (:data:`FINER_THAN_4BIT`, the
+    head) changes it, and with it the cost of a forward, so the calibration's key includes it
+    (:func:`triedec.calibration.device_key`)."""
+    kinds = [type(m) for m in model.modules()]
+    int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
+    int8 = sum(kind in (Int8Linear, Int8A8Linear) for kind in kinds)
+    return f"int4x{int4}-int8x{int8}"
+
+
 def precision_of(model: nn.Module) -> Precision:
     """The mode ``model`` is in: its first floating parameter's dtype (the embeddings'), and its
     linears' weights (``int4-a8``, ``int4`` or ``int8`` when it holds such layers)."""

@@ -25,7 +25,10 @@ Protocol (one process, one loaded model):
 * with sampling, prompt k (counted from 0 over the run) is sampled with seed ``seed + k`` by every
   method, transformers' baselines included (``torch.manual_seed``);
 * every sample records its output token ids (``tokens``, from the first repeat; ``repeats_identical``
-  says whether every repeat gave the same).
+  says whether every repeat gave the same);
+* a method that raises is dropped from the run (its samples too, so every method left is compared
+  on the same prompts), with the prompt and the error recorded (``failed``), and the others go on;
+  a reference that raises ends the run, as nothing could be compared without it.
 
 Metrics per method (overall and per category), as Spec-Bench computes them:
 * ``tokens_per_s``: mean over samples of new tokens / seconds;
@@ -53,6 +56,7 @@ Metrics per method (overall and per category), as Spec-Bench computes them:
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -66,6 +70,8 @@ from triedec.bench.runners import OWN_BASELINE, REFERENCE, SAMPLED_REFERENCE, Ru
 from triedec.errors import TriedecError, positive_int
 from triedec.lm import LM
 from triedec.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
+
+_log = logging.getLogger("triedec.bench")
 
 # ---- protocol ---------------------------------------------------------------------------------
 
@@ -133,10 +139,12 @@ def run_benchmark(
     config: BenchConfig,
     progress: Callable[[int], Any] | None = None,
     warmup: Sequence[Question] = (),
-) -> tuple[list[dict], list[dict]]:
-    """Run the protocol; return ``(samples, skipped)``: one sample per prompt and method. The speed
-    and token references (:class:`BenchConfig`) must be among ``runners``; ``warmup`` questions
-    (first turns, outside the sample) are run untimed by every method.
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Run the protocol; return ``(samples, skipped, failed)``: one sample per prompt and method,
+    the prompts skipped (beyond the model's context), and the methods dropped because they raised
+    (``method``, ``prompt``, ``error``; the speed and token references are never dropped: their
+    error ends the run). The references (:class:`BenchConfig`) must be among ``runners``;
+    ``warmup`` questions (first turns, outside the sample) are run untimed by every method.
 
     * ``cold``: every runner is reset before each of its timed runs (nothing learned carries from
       one prompt, or one repeat, to the next); warm-up runs once, before the sample.
@@ -161,23 +169,46 @@ def run_benchmark(
     orders: dict[str, list[list[str]]] = {}
     prompts: dict[str, tuple[Question, int, list[int], int | None]] = {}
     skipped: dict[str, dict] = {}
+    failed: dict[str, dict] = {}
+    references = {config.speed_reference, config.token_reference}
+
+    def attempt(label: str, where: str, work: Callable[[], Any]) -> Any:
+        """``work()``, or None once ``label`` has failed (now or before): a method's error drops
+        that method, a reference's ends the run."""
+        if label in failed:
+            return None
+        try:
+            return work()
+        except Exception as exc:
+            if label in references:
+                raise
+            failed[label] = {"method": label, "prompt": where, "error": f"{type(exc).__name__}: {exc}"}
+            _log.warning("%s failed on %s (%s: %s); dropped from this run, the other methods go on",
+                         label, where, type(exc).__name__, exc)
+            return None
 
     def warm_up() -> None:
         for prompt in warm_prompts:
             for runner in runners:
-                runner.run(prompt, min(config.max_new_tokens, 32), config.seed(0))
+                attempt(runner.label, "warm-up", lambda r=runner, p=prompt: r.run(
+                    p, min(config.max_new_tokens, 32), config.seed(0)))
 
     def timed(key: str, index: int, prompt: list[int], seed: int | None, repeat: int) -> None:
         order = config.order(labels, index, repeat)
         orders.setdefault(key, []).append(order)
         for label in order:
             runner = by_label[label]
-            if config.state == "cold":
-                runner.reset()
             if bar:
                 bar.set_description(f"{key} {label}")
-            records.setdefault(key, {}).setdefault(label, []).append(
-                measured(runner, prompt, config.max_new_tokens, lm.device, seed))
+
+            def run(runner: Runner = runner) -> RunRecord:
+                if config.state == "cold":
+                    runner.reset()
+                return measured(runner, prompt, config.max_new_tokens, lm.device, seed)
+
+            record = attempt(label, key, run)
+            if record is not None:
+                records.setdefault(key, {}).setdefault(label, []).append(record)
             if bar:
                 bar.update(1)
 
@@ -214,12 +245,12 @@ def run_benchmark(
             walk([repeat])
     if bar and hasattr(bar, "close"):
         bar.close()
-    samples = [_sample(lm, key, *prompts[key], labels, records[key], orders[key], runners, config)
-               for key in prompts]
-    return [s for group in samples for s in group], list(skipped.values())
+    kept = [r for r in runners if r.label not in failed]
+    samples = [_sample(lm, key, *prompts[key], records[key], orders[key], kept, config) for key in prompts]
+    return [s for group in samples for s in group], list(skipped.values()), list(failed.values())
 
 
-def _sample(lm: LM, key: str, q: Question, turn: int, prompt: list[int], seed: int | None, labels: list[str],
+def _sample(lm: LM, key: str, q: Question, turn: int, prompt: list[int], seed: int | None,
             records: dict[str, list[RunRecord]], orders: list[list[str]], runners: Sequence[Runner],
             config: BenchConfig) -> list[dict]:
     """One prompt's rows, one per method."""

@@ -257,6 +257,9 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {extra} |")
     if results.get("skipped"):
         lines += ["", f"Skipped (prompt + max_new_tokens beyond the model's context): {len(results['skipped'])}"]
+    for failure in results.get("failed", []):
+        lines += ["", f"**{failure['method']} failed** on {failure['prompt']} and was dropped from this run (the "
+                      f"other methods went on; none of its runs is counted): `{failure['error']}`"]
     return "\n".join(lines) + "\n"
 
 

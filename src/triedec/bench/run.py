@@ -186,7 +186,7 @@ def bench(
     warmup = warmup_questions(dataset, questions, config.warmup)
     runners = [make_runner(lm, e, option_defaults or {}, extra_runners, config.sampling, config.state == "cold",
                            model_path) for e in entries]
-    samples, skipped = run_benchmark(lm, runners, questions, config, progress, warmup)
+    samples, skipped, failed = run_benchmark(lm, runners, questions, config, progress, warmup)
     calibration = lm.loaded_calibration()
     summary = summarize(samples, config.speed_reference, config.token_reference)
     results: dict[str, Any] = {
@@ -222,6 +222,7 @@ def bench(
         "leader": leader(samples, summary, config.speed_reference),
         "samples": samples,
         "skipped": skipped,
+        "failed": failed,
     }
     write_outputs(results, out)
     return results
