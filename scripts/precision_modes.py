@@ -58,19 +58,13 @@ def forward_ms(lm: triedec.LM, cache: object, rows: int) -> float:
     adapter = lm.adapter
     tokens = torch.randint(0, adapter.vocab_size, (rows,), generator=torch.Generator().manual_seed(rows))
     visible = torch.ones((rows, rows), dtype=torch.bool).tril()
-    synchronize(lm)
+    adapter.synchronize()
     start = time.perf_counter()
     adapter.forward(cache, tokens, torch.arange(cache.length, cache.length + rows), visible)
-    synchronize(lm)
+    adapter.synchronize()
     seconds = time.perf_counter() - start
     cache.commit([])
     return seconds * 1000
-
-
-def synchronize(lm: triedec.LM) -> None:
-    """Wait for the model's device (a GPU runs asynchronously; a CPU needs nothing)."""
-    if lm.device.type == "cuda":
-        torch.cuda.synchronize(lm.device)
 
 
 @torch.inference_mode()
@@ -153,10 +147,10 @@ def main() -> int:
         rng.shuffle(order)
         got: dict[tuple[str, str], list[int]] = {}
         for name, method_name in order:
-            synchronize(lms[name])
+            lms[name].adapter.synchronize()
             start = time.perf_counter()
             out = lms[name].generate(text, method_name, max_new_tokens=args.max_new_tokens, chat=chat)
-            synchronize(lms[name])
+            lms[name].adapter.synchronize()
             seconds = time.perf_counter() - start
             runs[name][method_name].append(len(out.token_ids) / seconds)
             got[name, method_name] = out.token_ids
