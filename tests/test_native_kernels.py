@@ -31,10 +31,13 @@ from triedec.precision import (
     dequantize_int4,
     pack_int4,
     pack_int8,
+    pack_int8_scales,
     pack_scales_zeros,
     quantize_int4,
+    quantize_int8_groups,
     unpack_int4,
     unpack_int8,
+    unpack_int8_scales,
     unpack_scales_zeros,
 )
 
@@ -163,24 +166,35 @@ def test_the_int4_kernel_computes_int4_weights_times_quantized_activations(vecto
 
 
 @settings(max_examples=20, deadline=None)
-@given(vectors=st.integers(1, 6), groups=st.integers(1, 4), rows=st.integers(1, 13), seed=st.integers(0, 10**6))
-def test_the_int8_kernel_computes_int8_weights_times_quantized_activations(vectors, groups, rows, seed):
+@given(vectors=st.integers(1, 6), groups=st.integers(1, 4), rows=st.integers(1, 13), seed=st.integers(0, 10**6),
+       bias=st.booleans())
+def test_the_int8_kernel_computes_int8_weights_times_quantized_activations(vectors, groups, rows, seed, bias):
+    """Against float64, as for int4: codes and an fp16 scale per output and group of 32
+    (:func:`quantize_int8_groups`), scales differing from group to group; alone = in the call;
+    vector = portable."""
     torch.manual_seed(seed)
-    linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=False)
-    layer, reference = Int8A8Linear(linear), Int8Linear(linear)
-    assert torch.equal(layer.dequantized(), reference.dequantized())
-    assert torch.equal(unpack_int8(layer.packed), reference.codes)
+    linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=bias)
+    with torch.no_grad():  # groups of very different magnitudes: one scale per row would not do
+        linear.weight.mul_(torch.logspace(-3, 1, groups).repeat_interleave(GROUP_SIZE))
+    layer = Int8A8Linear(linear)
+    codes, scale = quantize_int8_groups(linear.weight)
+    assert all(torch.equal(a, b) for a, b in zip(layer.codes_and_scales(), (codes, scale), strict=True))
+    weight = layer.dequantized().double()
+    assert ((weight - linear.weight.double()).abs() <= scale.double().repeat_interleave(GROUP_SIZE, dim=1) / 2).all()
     x = (torch.randn(rows, linear.in_features) * 2).to(torch.bfloat16)
     with torch.inference_mode():
         got = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
-        portable = KERNEL.int8_linear(x, layer.packed, layer.scale, True)
-    assert torch.equal(got, alone) and torch.equal(got, portable)
+        portable = KERNEL.int8_linear(x, layer.packed, layer.scales, True)
+    assert torch.equal(got, alone)
+    assert torch.equal(got, portable if layer.bias is None else portable + layer.bias)
     q, a = _quantized_activations(x)
     exact = (q.double().reshape(rows, groups, GROUP_SIZE) * a.double()[..., None]).reshape(rows, -1)
-    expected = exact @ reference.dequantized().double().T
-    scale_of_terms = (exact.abs() @ reference.dequantized().double().abs().T).clamp_min(1e-3)
-    assert ((got.double() - expected).abs() <= 2**-7 * expected.abs() + 1e-5 * scale_of_terms * groups).all()
+    product = exact @ weight.T
+    expected = product if layer.bias is None else product + layer.bias.double()
+    scale_of_terms = (exact.abs() @ weight.abs().T).clamp_min(1e-3)
+    tolerance = 2**-8 * (product.abs() + expected.abs()) + 1e-5 * scale_of_terms * groups
+    assert ((got.double() - expected).abs() <= tolerance).all()
 
 
 def test_a_group_too_small_to_scale_quantizes_to_zeros_on_both_paths():
@@ -224,8 +238,10 @@ def test_packings_round_trip():
     scale, zero = torch.randn(3, 80).bfloat16(), torch.randn(3, 80).bfloat16()
     assert all(torch.equal(a, b) for a, b in zip(unpack_scales_zeros(pack_scales_zeros(scale, zero)), (scale, zero),
                                                    strict=True))
-    signed = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    signed = torch.randint(-127, 128, (80, 64), dtype=torch.int8)  # a block of 64 outputs and one of 16
     assert torch.equal(unpack_int8(pack_int8(signed)), signed)
+    scales = torch.randn(80, 2).half()
+    assert torch.equal(unpack_int8_scales(pack_int8_scales(scales)), scales)
 
 
 def test_the_linears_refuse_bad_input_with_a_message():
@@ -238,6 +254,9 @@ def test_the_linears_refuse_bad_input_with_a_message():
         Int4A8Linear(nn.Linear(64, 24))
     with pytest.raises(TriedecError, match="divisible by 16"):
         Int8A8Linear(nn.Linear(40, 32))
+    int8 = Int8A8Linear(nn.Linear(64, 32))
+    with pytest.raises(RuntimeError, match="float16"):
+        KERNEL.int8_linear(torch.ones(2, 64, dtype=torch.bfloat16), int8.packed, int8.scales.float(), False)
 
 
 def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():

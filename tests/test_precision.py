@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import (
@@ -55,6 +57,7 @@ from triedec.precision import (
     on_4bit_grid,
     precision_of,
     quantize_int4,
+    quantize_int8_groups,
     quantize_linears,
 )
 from triedec.request import Request, StopRule
@@ -190,6 +193,55 @@ def test_no_grid_is_found_in_weights_on_none():
     assert on_4bit_grid(six_bit) < 0.01
     assert on_4bit_grid(_q4k_like(64, 8, seed=2)[0]) == 1.0
     assert on_4bit_grid(torch.zeros(16, GROUP_SIZE)) == 0.0  # a constant group has no step
+
+
+def _q8_0_like(rows: int, groups: int, seed: int, magnitude: float = 0.05) -> torch.Tensor:
+    """A Q8_0 file's dequantized values, quantized as llama.cpp does: per group of 32, ``d = max |x|
+    / 127`` stored in fp16, codes ``round(x / d)`` (against the unrounded ``d``), ``w = fp16(d) * q``
+    in float32."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups, GROUP_SIZE, generator=gen) * magnitude
+    d = x.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.round(x * (1 / d))
+    return (d.half().float() * q).reshape(rows, groups * GROUP_SIZE)
+
+
+def _q5_0_like(rows: int, groups: int, seed: int) -> torch.Tensor:
+    """A Q5_0 file's dequantized values as llama.cpp makes them: ``d = max / -16`` (``max`` the value
+    of largest magnitude, with its sign, so ``d`` takes either sign), codes ``min(31, trunc(x / d +
+    16.5))``, ``w = fp16(d) * (q - 16)``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, groups, GROUP_SIZE, generator=gen) * 0.04
+    at = x.abs().argmax(dim=-1, keepdim=True)
+    d = x.gather(-1, at) / -16
+    q = torch.trunc(x * (1 / d) + 16.5).clamp(max=31)
+    return (d.half().float() * (q - 16)).reshape(rows, groups * GROUP_SIZE)
+
+
+def test_int8_keeps_a_q8_0_or_q5_0_files_values_bit_for_bit():
+    """The int8 layers of int4-a8 (:func:`quantize_int8_groups`): a Q8_0 or Q5_0 block, either sign
+    of Q5_0's scale and a Q8_0 scale below fp16's normal range included, is kept exactly; a group on
+    no such grid gets llama.cpp's Q8_0 scale and the nearest codes under it."""
+    blocks = torch.cat([_q8_0_like(16, 3, seed=1), _q5_0_like(16, 3, seed=2),
+                        _q8_0_like(16, 2, seed=3, magnitude=1e-3)], dim=1)
+    codes, scale = quantize_int8_groups(blocks)
+    assert scale.dtype == torch.float16 and codes.dtype == torch.int8
+    assert (scale[:, 6:].float() < 2**-14).all()  # the tiny groups' scales are fp16 subnormals, kept
+    kept = codes.float() * scale.float().repeat_interleave(GROUP_SIZE, dim=1)
+    assert torch.equal(kept, blocks)
+    assert codes[:, 3 * GROUP_SIZE : 6 * GROUP_SIZE].abs().amax() == 16  # Q5_0's codes, not spread to 127
+    gen = torch.Generator().manual_seed(4)
+    plain = torch.randn(32, 4 * GROUP_SIZE, generator=gen) * torch.logspace(-6, 0, 4).repeat_interleave(GROUP_SIZE)
+    codes, scale = quantize_int8_groups(plain)
+    llama_scale = (plain.reshape(32, 4, GROUP_SIZE).abs().amax(dim=-1) / 127).clamp_min(2**-14).half()
+    assert torch.equal(scale, llama_scale)
+    per_weight = scale.float().repeat_interleave(GROUP_SIZE, dim=1)
+    assert torch.equal(codes.float(), (plain / per_weight).round().clamp(-127, 127))
+    assert ((codes.float() * per_weight - plain).abs() <= per_weight / 2).all()
+    with pytest.raises(TriedecError, match="finite"):
+        quantize_int8_groups(torch.full((16, GROUP_SIZE), float("inf")))
+    with pytest.raises(TriedecError, match="magnitude"):
+        quantize_int8_groups(torch.full((16, GROUP_SIZE), 1e8))
 
 
 def test_a_gguf_layer_stored_with_more_bits_goes_to_int8_not_int4():
@@ -335,28 +387,34 @@ def test_stops_inside_accepted_drafts_cut_the_same_tokens_in_the_mode(mode):
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_beam_search_returns_transformers_hypotheses_in_the_mode(mode):
-    """Trie beam search against transformers' beam search on the same model in the same mode.
-    transformers' attention sums in another order, which moves a bf16 log-prob by about a step, so
-    the reference holds up to rounding: at every rank the two sides' scores are within 0.04 of each
-    other (the typical gap over 12 tokens is 0.005), so where a rank's hypotheses differ they were
-    near-tied; on most prompts every hypothesis is the same. (Bit-exactness in the mode is ``ar``'s
-    and the invariance tests'.)"""
+    """Trie beam search against transformers' beam search on the same model in the same mode, on
+    three tiny models x 8 prompts. transformers' attention sums in another order, which moves a
+    bf16 log-prob by about a step, so the reference holds up to rounding: where a rank holds the same
+    tokens on both sides its scores are within 0.04 (measured: 0.014 at most over the modes); the
+    best hypothesis is the same on at least 3 prompts in 4 (measured 21-23 of 24) and every
+    hypothesis on most (15-21 of 24). Where a rank differs, a near-tie went the other way at some
+    step and the beams went on from different prefixes: no bound on its score. (Bit-exactness in the
+    mode is ``ar``'s and the invariance tests'.)"""
     from triedec.beam import BeamOptions, beam_search
 
     precision = MODES[mode]
-    stock = _in_mode(peaked(tiny_llama(seed=8)), precision)
-    adapter = ModelAdapter(_in_mode(peaked(tiny_llama(seed=8)), precision), "auto")
-    whole = 0
-    for i, prompt in enumerate(random_prompts(seed=41, count=8)):
-        options = BeamOptions(num_beams=[2, 3, 4, 6][i % 4], num_return_sequences=[1, 2, 2, 3][i % 4])
-        _, result = drain(beam_search(adapter, prompt, options, StopRule(12, frozenset([EOS]))))
-        theirs = hf_beam(stock, prompt, options, 12, EOS)
-        ours = [(list(h.token_ids), h.score) for h in result.hypotheses]
-        assert len(ours) == len(theirs) == options.num_return_sequences
-        for (_, a), (_, b) in zip(ours, theirs, strict=True):
-            assert a == pytest.approx(b, abs=0.04), f"prompt {i}"
-        whole += [t for t, _ in ours] == [t for t, _ in theirs]
-    assert whole >= 5
+    whole = best = total = 0
+    for seed in (8, 9, 10):
+        stock = _in_mode(peaked(tiny_llama(seed=seed)), precision)
+        adapter = ModelAdapter(_in_mode(peaked(tiny_llama(seed=seed)), precision), "auto")
+        for i, prompt in enumerate(random_prompts(seed=41, count=8)):
+            options = BeamOptions(num_beams=[2, 3, 4, 6][i % 4], num_return_sequences=[1, 2, 2, 3][i % 4])
+            _, result = drain(beam_search(adapter, prompt, options, StopRule(12, frozenset([EOS]))))
+            theirs = hf_beam(stock, prompt, options, 12, EOS)
+            ours = [(list(h.token_ids), h.score) for h in result.hypotheses]
+            assert len(ours) == len(theirs) == options.num_return_sequences
+            for (tokens, a), (their_tokens, b) in zip(ours, theirs, strict=True):
+                if tokens == their_tokens:
+                    assert a == pytest.approx(b, abs=0.04), f"model {seed}, prompt {i}"
+            whole += [t for t, _ in ours] == [t for t, _ in theirs]
+            best += ours[0][0] == theirs[0][0]
+            total += 1
+    assert best >= 0.75 * total and whole > total / 2
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -370,11 +428,11 @@ def test_the_calibration_key_follows_which_layers_are_int4_and_which_int8(tiny_m
     model, before, mix = lm.adapter.model, calibration_path(tmp_path, lm.adapter), layer_mix(lm.adapter.model)
     int4 = sum(type(m) is Int4A8Linear for m in model.modules())
     int8 = sum(type(m) is Int8A8Linear for m in model.modules())
-    assert int4 > 0 and mix == f"int4x{int4}-int8x{int8}" and mix in before.name
+    assert int4 > 0 and mix == f"int4x{int4}-int8x0-int8g32x{int8}" and mix in before.name
     parent, name, child = next((p, n, c) for p in model.modules() for n, c in p.named_children()
                                if type(c) is Int4A8Linear)
     setattr(parent, name, Int8A8Linear(nn.Linear(child.in_features, child.out_features)))
-    assert layer_mix(model) == f"int4x{int4 - 1}-int8x{int8 + 1}"
+    assert layer_mix(model) == f"int4x{int4 - 1}-int8x0-int8g32x{int8 + 1}"
     assert calibration_path(tmp_path, lm.adapter) != before
     plain = triedec.load(tiny_model_dir, cache_dir=tmp_path)
     assert "int4x" not in calibration_path(tmp_path, plain.adapter).name  # float modes keep their keys
@@ -499,6 +557,42 @@ def _every_method_returns_ars_tokens(lm: triedec.LM) -> None:
             assert lm.generate(prompt, name, max_new_tokens=40).token_ids == truth, name
         sampled = lm.generate(prompt, "ar", max_new_tokens=40, temperature=0.7, seed=5).token_ids
         assert lm.generate(prompt, "auto", max_new_tokens=40, temperature=0.7, seed=5).token_ids == sampled
+
+
+def _gguf_files() -> list[Path]:
+    """The default model's GGUF, and the other models' where ``scripts/get-models.sh`` put them."""
+    from triedec.models import default_model_path
+
+    return [Path(default_model_path()), *sorted((Path(__file__).parent.parent / "models").glob("*.gguf"))]
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("path", _gguf_files(), ids=lambda p: p.name)
+def test_a_ggufs_q8_0_and_q5_0_blocks_are_kept_bit_for_bit_in_int4_a8s_int8(path):
+    """The first two Q8_0 and two Q5_0 tensors of the file of up to 40M weights (the larger
+    embeddings are left out for time), dequantized as transformers loads it (``gguf.dequantize``) and quantized by
+    :func:`quantize_int8_groups`, every group's scale is the file's own fp16 ``d`` (Q5_0: ``|d|``),
+    and codes times scale give the file's values exactly (Q8_0: the codes are the file's bytes)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    seen = {"Q8_0": 0, "Q5_0": 0}
+    for tensor in GGUFReader(path).tensors:
+        kind = tensor.tensor_type.name
+        if kind not in seen or seen[kind] >= 2 or tensor.shape[1] % 16 or tensor.n_elements > 40_000_000:
+            continue
+        seen[kind] += 1
+        values = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)))
+        rows = values.shape[0]
+        codes, scale = quantize_int8_groups(values)
+        blocks = np.asarray(tensor.data).reshape(rows, -1, 34 if kind == "Q8_0" else 22)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])
+        assert torch.equal(scale, d.abs()), tensor.name
+        assert torch.equal(codes.float() * scale.float().repeat_interleave(GROUP_SIZE, dim=1), values), tensor.name
+        if kind == "Q8_0":
+            assert torch.equal(codes, torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1))
+    assert seen["Q8_0"] >= 1  # every file here stores its embedding or head as Q8_0 ...
+    assert seen["Q5_0"] >= 1 or path.name.endswith("Q4_1.gguf")  # ... the Q4_K_M ones their attention as Q5_0
 
 
 @pytest.mark.default_model

@@ -194,10 +194,13 @@ class Int4A8Linear(LinearStandIn):
 
 
 class Int8A8Linear(LinearStandIn):
-    """``y = x (q * scale)^T + b`` with :class:`Int8Linear`'s weights (the same codes and scales),
-    computed by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE`
-    features (``csrc/a8_linears.cpp``): the LM head of ``int4-a8`` mode. Output rows a multiple of
-    16, input features of :data:`GROUP_SIZE`. Inference only; bf16 activations."""
+    """``y = x w^T + b`` with ``w = q * scale``: int8 codes ``q`` and an fp16 ``scale`` per output
+    and group of :data:`GROUP_SIZE` input features (a GGUF Q8_0 block's format; a Q8_0 or Q5_0
+    file's blocks keep their values exactly: :func:`quantize_int8_groups`), computed by triedec's
+    kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE` features
+    (``csrc/a8_linears.cpp``): the LM head of ``int4-a8`` mode, and the layers a 4-bit file stored
+    with more bits. Output rows a multiple of 16, input features of :data:`GROUP_SIZE`. Inference
+    only; bf16 activations."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
@@ -205,21 +208,64 @@ class Int8A8Linear(LinearStandIn):
             raise TriedecError(f"the int8 kernel on 8-bit activations needs output rows divisible by 16 and input "
                                f"features by {GROUP_SIZE}, got {self.out_features}x{self.in_features}")
         load_kernel()
-        reference = Int8Linear(linear)
-        self.register_buffer("packed", pack_int8(reference.codes))
-        self.register_buffer("scale", reference.scale)
-        self.bias = reference.bias
+        codes, scale = quantize_int8_groups(linear.weight.detach())
+        self.register_buffer("packed", pack_int8(codes))
+        self.register_buffer("scales", pack_int8_scales(scale))
+        self.bias = _bias(linear)
+
+    def codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 codes ``[out, in]`` and the fp16 scales ``[out, in / GROUP_SIZE]``."""
+        return unpack_int8(self.packed), unpack_int8_scales(self.scales)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``[out, in]`` in float32 (exact)."""
-        return unpack_int8(self.packed).float() * self.scale.float()[:, None]
+        codes, scale = self.codes_and_scales()
+        return codes.float() * scale.float().repeat_interleave(GROUP_SIZE, dim=1)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
-        return _plus_bias(load_kernel().int8_linear(x, buffers["packed"], buffers["scale"], False), self.bias)
+        return _plus_bias(load_kernel().int8_linear(x, buffers["packed"], buffers["scales"], False), self.bias)
 
     def repr_extra(self) -> str:
-        return ", activations=int8"
+        return f", group_size={GROUP_SIZE}, activations=int8"
+
+
+GGUF_INT8_LEVELS = (127, 16)
+"""The largest ``|code|`` of a GGUF block that :func:`quantize_int8_groups` keeps as it is: Q8_0's
+(``d = max |w| / 127``, codes -127..127) and Q5_0's (``d = max / -16``, codes -16..15 times the
+sign of ``d``)."""
+
+SMALLEST_SCALE = 2.0**-14
+"""The least scale :func:`quantize_int8_groups` gives a group it quantizes: fp16's smallest normal
+number (a smaller one would lose bits to subnormal rounding; the group's codes then span less than
+-127..127)."""
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [out, in] int8 in -127..127, scale [out, in / GROUP_SIZE] float16)``: ``weight [out,
+    in]`` as ``codes * scale`` per group of :data:`GROUP_SIZE` input features. A group whose values
+    are exactly ``d * c`` for an fp16 ``d`` and whole ``c`` whose largest ``|c|`` is one of
+    :data:`GGUF_INT8_LEVELS` (a GGUF file's Q8_0 or Q5_0 block, as transformers dequantizes it)
+    keeps ``d`` and ``c``: the weight is the file's, bit for bit. Any other group gets the scale
+    llama.cpp's Q8_0 gives it, ``max |w| / 127`` rounded to fp16 (here at least
+    :data:`SMALLEST_SCALE`), and the nearest codes under that rounded scale, ``round(w / scale)``.
+    Weights beyond fp16's range times 127, or not finite, are refused."""
+    out_features, in_features = weight.shape
+    groups = weight_groups(weight)
+    amax = groups.abs().amax(dim=-1)
+    largest = float(amax.max()) if amax.numel() else 0.0
+    if not torch.isfinite(amax).all() or largest > 127 * torch.finfo(torch.float16).max:
+        raise TriedecError(f"int8 with fp16 scales takes finite weights of magnitude up to "
+                           f"{127 * torch.finfo(torch.float16).max:.3g}; this layer's largest is {largest:.3g}")
+    scale = (amax / 127).clamp_min(SMALLEST_SCALE).to(torch.float16).float()
+    for levels in GGUF_INT8_LEVELS:
+        step = amax / levels
+        fp16 = step.to(torch.float16).float()
+        whole = (groups / fp16.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round()
+        exact = (fp16 == step) & (amax > 0) & (whole * fp16[..., None] == groups).all(dim=-1)
+        scale = torch.where(exact, fp16, scale)
+    codes = (groups / scale[..., None]).round().clamp_(-127, 127)
+    return codes.reshape(out_features, in_features).to(torch.int8), scale.to(torch.float16).contiguous()
 
 
 BLOCK = 64
@@ -283,19 +329,51 @@ def unpack_scales_zeros(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """int8 ``codes [N, K]`` (N a multiple of 16, K of 4) in the layout triedec's int8 kernel reads:
-    uint8 ``[N / 16, K / 4, 64]``, byte ``4i + j`` of block ``(v, m)`` holding ``codes[16v + i, 4m +
-    j] + 128``."""
+    """int8 ``codes [N, K]`` (N a multiple of 16, K of :data:`GROUP_SIZE`) in the order triedec's
+    int8 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs (the last
+    may hold fewer), per group of 32 features, per step of 4, per 16 outputs: 64 bytes, byte ``4i +
+    j`` holding ``codes[output i, feature j of the step] + 128``. Shape ``[N, K]`` uint8, bytes in
+    that order."""
     n, k = codes.shape
-    shifted = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n // 16, 16, k // 4, 4)  # v, i, m, j
-    return shifted.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    parts = []
+    for b in range(0, n, BLOCK):
+        block = shifted[b : b + BLOCK]
+        t = block.reshape(block.shape[0] // 16, 16, k // GROUP_SIZE, GROUP_SIZE // 4, 4)  # v, i, g, m, j
+        parts.append(t.permute(2, 3, 0, 1, 4).reshape(-1))  # g, m, v, i, j
+    return torch.cat(parts).reshape(n, k).contiguous()
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """The int8 codes ``[N, K]`` that :func:`pack_int8` packed."""
-    blocks, quads, _ = packed.shape
-    b = packed.reshape(blocks, quads, 16, 4).permute(0, 2, 1, 3).reshape(blocks * 16, quads * 4)
-    return (b.to(torch.int16) - 128).to(torch.int8)
+    n, k = packed.shape
+    flat, at, rows = packed.reshape(-1), 0, []
+    for b in range(0, n, BLOCK):
+        vectors = min(BLOCK, n - b) // 16
+        t = flat[at : at + vectors * 16 * k].reshape(k // GROUP_SIZE, GROUP_SIZE // 4, vectors, 16, 4)  # g, m, v, i, j
+        at += vectors * 16 * k
+        rows.append(t.permute(2, 3, 0, 1, 4).reshape(vectors * 16, k))
+    return (torch.cat(rows).to(torch.int16) - 128).to(torch.int8)
+
+
+def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
+    """int8's fp16 ``scale [N, K / GROUP_SIZE]`` in the order triedec's int8 kernel reads them: per
+    block of :data:`BLOCK` outputs and group, the block's scales. Shape ``[K / GROUP_SIZE, N]``,
+    bytes in that order."""
+    n, groups = scale.shape
+    parts = [scale[b : b + BLOCK].T.reshape(-1) for b in range(0, n, BLOCK)]
+    return torch.cat(parts).to(torch.float16).reshape(groups, n).contiguous()
+
+
+def unpack_int8_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The scales ``[N, K / GROUP_SIZE]`` that :func:`pack_int8_scales` packed."""
+    groups, n = packed.shape
+    flat, at, parts = packed.reshape(-1), 0, []
+    for b in range(0, n, BLOCK):
+        width = min(BLOCK, n - b)
+        parts.append(flat[at : at + groups * width].reshape(groups, width).T)
+        at += groups * width
+    return torch.cat(parts)
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -449,15 +527,17 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
 
 
 def layer_mix(model: nn.Module) -> str:
-    """How many of ``model``'s linears are stored in int4 and how many in int8: ``int4x27-int8x100``
-    (the rest, left unquantized for their shape, follow from the architecture). Loads of the same
+    """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
+    in int8 per group (:class:`Int8A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
+    unquantized for their shape, follow from the architecture). Loads of the same
     file in the same mode have the same mix; which layers go to int8 (:data:`FINER_THAN_4BIT`, the
     head) changes it, and with it the cost of a forward, so the calibration's key includes it
     (:func:`triedec.calibration.device_key`)."""
     kinds = [type(m) for m in model.modules()]
     int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
-    int8 = sum(kind in (Int8Linear, Int8A8Linear) for kind in kinds)
-    return f"int4x{int4}-int8x{int8}"
+    int8 = sum(kind is Int8Linear for kind in kinds)
+    grouped = sum(kind is Int8A8Linear for kind in kinds)
+    return f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}"
 
 
 def precision_of(model: nn.Module) -> Precision:

@@ -13,8 +13,9 @@
 //   D = sum_k x'_k q_k                                     (int32: exact, in any order)
 //   y = fma(a * D, s, y);  y = fma(a * Q, c, y)            (float32, c = z - 8 s)
 // since a * (s * D + c * Q) = sum_k a x'_k ((q_k - 8) s + z).
-// int8_linear: w = q * s, q in -127..127, one bf16 scale s per output (the int8 mode's). Over the
-// groups in order: D = sum_k x'_k q_k (int32), y = fma(a, D, y); then y = y * s.
+// int8_linear: w = q * s, q in -127..127, with an fp16 scale s per output and group of 32 (a GGUF
+// Q8_0 block's layout: the int8 layers of int4-a8 mode). For row r and output n, over the groups in
+// order: D = sum_k x'_k q_k (int32, exact), y = fma(a * D, s, y).
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
@@ -27,10 +28,14 @@
 //         at b * 4 * K * 8 + ((g * 4 + m) * nvb + v) * 64, whose byte 4i + j holds q[16(4b + v) + i,
 //         32g + 8m + j] in its low nibble and q[.., 32g + 8m + 4 + j] in its high one: one
 //         sequential stream per block, read in that order;
-//   int8: uint8 [N / 16, K / 4, 64]: for the features 4m..4m+3, byte 4i + j holds q[16v + i, 4m + j]
-//         + 128 (vpdpbusd multiplies unsigned by signed bytes; the 128 * Q it adds is taken off).
+//   int8: uint8, N * K bytes in the same blocks: block b, group g, step m (features 32g + 4m .. + 3),
+//         vector v of the block: 64 bytes at b * 4 * K * 16 + ((g * 8 + m) * nvb + v) * 64, whose
+//         byte 4i + j holds q[16(4b + v) + i, 32g + 4m + j] + 128 (vpdpbusd multiplies unsigned by
+//         signed bytes; the 128 * Q it adds is taken off).
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
-// zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: bf16 [N].
+// zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
+// the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
+// sequential streams, read in that order.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -177,25 +182,29 @@ void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
   });
 }
 
-void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* scales, int64_t N,
+void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
                    c10::BFloat16* out) {
   const int64_t G = K / kGroup;
+  constexpr int kQuads = kGroup / 4;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t v = n / kCols, i = n % kCols;
+      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
       for (int64_t r = 0; r < R; ++r) {
         float y = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
           int32_t D = 0;
-          for (int m = 0; m < kGroup / 4; ++m) {
-            const uint8_t* bytes = packed + ((v * (K / 4)) + g * (kGroup / 4) + m) * 64 + 4 * i;
+          for (int m = 0; m < kQuads; ++m) {
+            const uint8_t* bytes = packed + block * kBlock * K * kCols + ((g * kQuads + m) * nvb + vb) * 64 + 4 * i;
             const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 4;
             for (int j = 0; j < 4; ++j) D += static_cast<int32_t>(bytes[j]) * xq[j];
           }
           D -= 128 * xs.sum[r * G + g];
-          y = std::fma(xs.a[r * G + g], static_cast<float>(D), y);
+          const float s = static_cast<float>(scales[block * kBlock * G * kCols + (g * nvb + vb) * kCols + i]);
+          const float aD = xs.a[r * G + g] * static_cast<float>(D);
+          y = std::fma(aD, s, y);
         }
-        out[r * N + n] = static_cast<c10::BFloat16>(y * bf16_value(scales[n]));
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
       }
     }
   });
@@ -265,12 +274,13 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// int8_linear's tile: rows r < R and vectors v0..v0 + V - 1, over every group in order: D by
-// vpdpbusd (codes + 128 as unsigned bytes), y = fma(a, D - 128 Q, y); then y * s.
+// int8_linear's tile: rows r < R and vectors voff..voff + V - 1 of a block, over every group in
+// order: D by vpdpbusd (codes + 128 as unsigned bytes), then y = fma(a (D - 128 Q), s, y).
 template <int R, int V>
-inline void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloat16* scales, const RowTile& x,
-                  float* y_out) {
-  const int64_t G = K / kGroup, quads = K / 4;
+inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t voff, int64_t K,
+                  const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  constexpr int kQuads = kGroup / 4;
   __m512 y[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
@@ -278,25 +288,26 @@ inline void tile8(const uint8_t* packed, int64_t K, int64_t v0, const c10::BFloa
     __m512i acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
-    for (int m = 0; m < kGroup / 4; ++m) {
+    for (int m = 0; m < kQuads; ++m) {
       __m512i w[V];
-      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(packed + ((v0 + v) * quads + g * (kGroup / 4) + m) * 64);
+      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(codes + ((g * kQuads + m) * nvb + voff + v) * 64);
       for (int r = 0; r < R; ++r) {
-        const __m512i xb = _mm512_set1_epi32(x.xq[r][g * (kGroup / 4) + m]);
+        const __m512i xb = _mm512_set1_epi32(x.xq[r][g * kQuads + m]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(128 * x.sum[r][g]);
-      const __m512 scale_r = _mm512_set1_ps(x.a[r][g]);
-      for (int v = 0; v < V; ++v)
-        y[r][v] = _mm512_fmadd_ps(scale_r, _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset)), y[r][v]);
+    for (int v = 0; v < V; ++v) {
+      const __m512 scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + voff + v) * kCols)));
+      for (int r = 0; r < R; ++r) {
+        const __m512i D = _mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(128 * x.sum[r][g]));
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(D), _mm512_set1_ps(x.a[r][g]));
+        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
+      }
     }
   }
-  for (int v = 0; v < V; ++v) {
-    const __m512 scale = bf16_to_float(scales + (v0 + v) * kCols);
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y_out + (r * V + v) * kCols, _mm512_mul_ps(y[r][v], scale));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
 // Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows and
@@ -367,11 +378,13 @@ void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, cons
   });
 }
 
-void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* scales, int64_t N,
+void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
                c10::BFloat16* out) {
-  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t, int64_t voff, const RowTile& x,
+  const int64_t G = K / kGroup;
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, int64_t voff, const RowTile& x,
                                       float* y) {
-    tile8<decltype(rows)::value, decltype(vectors)::value>(packed, K, b * kBlock + voff, scales, x, y);
+    tile8<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * K * kCols,
+                                                           scales + b * kBlock * G * kCols, nvb, voff, K, x, y);
   });
 }
 #else
@@ -430,17 +443,20 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int4_portable(xs, R, K_, codes, sz, N, out); });
 }
 
-// x [R, K] bf16, packed uint8 [N / 16, K / 4, 64], scales bf16 [N]. Returns [R, N] bf16.
+// x [R, K] bf16; packed uint8 [N, K] and scales fp16 [K / 32, N] as shapes only (their bytes in the
+// block order above). Returns [R, N] bf16.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
   check_input(x, {&packed, &scales});
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(2) == 64 && packed.is_contiguous(),
-              "packed must be contiguous uint8 [N / 16, K / 4, 64]");
-  const int64_t K = x.size(1), N = packed.size(0) * kCols;
-  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 4 == K, "K must be a multiple of 32 and match the packed weight");
-  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 1 && scales.size(0) == N,
-              "scales must be contiguous bf16 [N]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kCols == 0 && packed.size(1) % kGroup == 0,
+              "packed must be contiguous uint8 [N, K] (N a multiple of 16, K of 32)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x's features must match the packed weight's");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == K / kGroup && scales.size(1) == N,
+              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
   const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const c10::BFloat16* s = scales.data_ptr<c10::BFloat16>();
+  const c10::Half* s = scales.data_ptr<c10::Half>();
   return run_linear(
       x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
         int8_vnni(xs, R, K_, codes, s, N, out);
