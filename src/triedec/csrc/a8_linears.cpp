@@ -275,7 +275,7 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
 }
 
 // int8_linear's tile: rows r < R and vectors voff..voff + V - 1 of a block, over every group in
-// order: D by vpdpbusd (codes + 128 as unsigned bytes), then y = fma(a (D - 128 Q), s, y).
+// order: D by vpdpbusd (codes + 128 as unsigned bytes) from -128 Q, then y = fma(a D, s, y).
 template <int R, int V>
 inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t voff, int64_t K,
                   const RowTile& x, float* y_out) {
@@ -285,9 +285,11 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+    __m512i acc[R][V];  // starting from -128 Q, so it ends at D = sum_k x'_k (q_k + 128) - 128 Q
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(-128 * x.sum[r][g]);
+      for (int v = 0; v < V; ++v) acc[r][v] = offset;
+    }
     for (int m = 0; m < kQuads; ++m) {
       __m512i w[V];
       for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(codes + ((g * kQuads + m) * nvb + voff + v) * 64);
@@ -300,8 +302,7 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
       const __m512 scale = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + voff + v) * kCols)));
       for (int r = 0; r < R; ++r) {
-        const __m512i D = _mm512_sub_epi32(acc[r][v], _mm512_set1_epi32(128 * x.sum[r][g]));
-        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(D), _mm512_set1_ps(x.a[r][g]));
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
         y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
       }
     }
