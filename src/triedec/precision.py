@@ -14,7 +14,9 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
 * ``int4-a8``: int4's weights (the same codes, scales and zeros), whose dot products run on the
   activations quantized to int8 per row and group of :data:`GROUP_SIZE` features, as llama.cpp
   runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
-  a portable path giving the same bits elsewhere); the LM head int8 as in ``int4``.
+  a portable path giving the same bits elsewhere); the LM head, and the layers a 4-bit GGUF stored
+  with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
+  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit).
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
 ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
