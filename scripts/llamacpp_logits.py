@@ -22,20 +22,17 @@ scripts/get-models.sh`` installs it); run with nothing else on the machine:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+from precision_modes import MODES, header, write_results  # the script beside this one (scripts/ is on the path)
 
 import triedec
 from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.models import default_model_path
-
-MODES = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
-         "int4-a8": {"weights": "int4-a8"}}
 
 
 def llamacpp_continuation(llm: object, prompt: list[int], new: int, eos: int) -> tuple[list[int], np.ndarray]:
@@ -125,24 +122,14 @@ def main() -> int:
                          "mean_kl_from_llamacpp": totals[name]["kl"] / positions}
                   for name, lm in lms.items()},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(results, Path(args.out), markdown)
     return 0
 
 
 def markdown(results: dict) -> str:
-    m = results["machine"]
-    lines = [f"# Logits against llama.cpp's on the same GGUF ({results['prompts']} Spec-Bench evaluation prompts, "
-             f"{results['positions']} positions of llama.cpp's greedy answers)", "",
-             f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads; torch "
-             f"{m['torch']}, transformers {m['transformers']}, llama-cpp-python "
-             f"{results['versions']['llama_cpp_python']}; commit {results['commit']}",
-             f"- command: `{results['command']}`",
-             f"- model: {results['model']}; prompts "
-             f"{'in its chat template' if results['chat_template'] else 'as plain text (no chat template)'}",
+    lines = [*header(results, f"Logits against llama.cpp's on the same GGUF ({results['prompts']} Spec-Bench "
+                              f"evaluation prompts, {results['positions']} positions of llama.cpp's greedy answers)",
+                     f", llama-cpp-python {results['versions']['llama_cpp_python']}"),
              "", "| mode | top-1 agreement with llama.cpp | mean KL(llama.cpp ‖ mode), nats |", "|---|---|---|"]
     for mode in results["modes"].values():
         lines.append(f"| {mode['precision']} | {mode['top1_agreement_with_llamacpp']:.3f} | "

@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -178,24 +179,35 @@ def main() -> int:
                   for n, lm in lms.items()},
         "forward_ms": forward, "quality": qualities, "decoding": decoding, "raw_tokens_per_s": runs,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(results, Path(args.out), markdown)
     return 0
 
 
-def markdown(results: dict) -> str:
+def write_results(results: dict, out: Path, markdown: Callable[[dict], str]) -> None:
+    """``results.json`` and ``results.md`` (``markdown(results)``) into ``out``; the markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (out / "results.md").write_text(text)
+    print(text)
+
+
+def header(results: dict, title: str, tools: str = "") -> list[str]:
+    """A results file's title and its machine, command and model lines (``tools``: more versions,
+    after transformers')."""
     m = results["machine"]
-    lines = [f"# Precision modes, side by side ({results['prompts']} Spec-Bench evaluation prompts, "
-             f"{results['max_new_tokens']} greedy tokens)", "",
-             f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads"
-             f"{'; GPU ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, "
-             f"transformers {m['transformers']}; commit {results['commit']}",
-             f"- command: `{results['command']}`",
-             f"- model: {results.get('model', 'the default model')}; prompts "
-             f"{'in its chat template' if results.get('chat_template', True) else 'as plain text (no chat template)'}",
+    return [f"# {title}", "",
+            f"- machine: {m['cpu']}, {m['cpu_count']} cores, {m['torch_threads']} torch threads"
+            f"{'; GPU ' + m['gpu'] if 'gpu' in m else ''}; torch {m['torch']}, "
+            f"transformers {m['transformers']}{tools}; commit {results['commit']}",
+            f"- command: `{results['command']}`",
+            f"- model: {results.get('model', 'the default model')}; prompts "
+            f"{'in its chat template' if results.get('chat_template', True) else 'as plain text (no chat template)'}"]
+
+
+def markdown(results: dict) -> str:
+    lines = [*header(results, f"Precision modes, side by side ({results['prompts']} Spec-Bench evaluation "
+                              f"prompts, {results['max_new_tokens']} greedy tokens)"),
              "",
              "| mode | kernels | forward ms at 1 / 4 / 16 tokens | ar step vs float32 | top-1 agreement with "
              "float32 | whole answers = float32 | prompt perplexity | ar tok/s (x float32 ar) | auto tok/s "

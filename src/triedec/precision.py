@@ -274,6 +274,27 @@ BLOCK = 64
 """Outputs per block of the int4 kernel's packed weight (one sequential stream per block)."""
 
 
+def _blocked(values: torch.Tensor) -> torch.Tensor:
+    """``values [N, G, S, W]`` (per output, group of :data:`GROUP_SIZE` features, step, width) flat
+    in the order triedec's kernels read them: per block of :data:`BLOCK` outputs (the last may hold
+    fewer), per group, per step, per 16 outputs, per output, the step's ``W`` values."""
+    _, groups, steps, width = values.shape
+    parts = [block.reshape(block.shape[0] // 16, 16, groups, steps, width).permute(2, 3, 0, 1, 4).reshape(-1)
+             for block in values.split(BLOCK)]
+    return torch.cat(parts)
+
+
+def _unblocked(flat: torch.Tensor, n: int, groups: int, steps: int, width: int) -> torch.Tensor:
+    """The ``values [n, groups, steps, width]`` that :func:`_blocked` laid out as ``flat``."""
+    rows, per_output = [], groups * steps * width
+    for b in range(0, n, BLOCK):
+        vectors = min(BLOCK, n - b) // 16
+        block = flat[b * per_output : (b + vectors * 16) * per_output]
+        rows.append(block.reshape(groups, steps, vectors, 16, width).permute(2, 3, 0, 1, 4)
+                    .reshape(vectors * 16, groups, steps, width))
+    return torch.cat(rows)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes [N, K]`` (0..15; N a multiple of 16, K of :data:`GROUP_SIZE`) in the order
     triedec's int4 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs
@@ -281,29 +302,15 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     byte ``4i + j`` holding output ``i``'s feature ``j`` of the step in its low nibble and feature
     ``4 + j`` in its high one. Shape ``[N, K / 2]`` uint8, bytes in that order."""
     n, k = codes.shape
-    c = codes.to(torch.uint8)
-    parts = []
-    for b in range(0, n, BLOCK):
-        block = c[b : b + BLOCK]
-        vectors = block.shape[0] // 16
-        t = block.reshape(vectors, 16, k // GROUP_SIZE, 4, 2, 4)  # v, i, g, m, half, j
-        nibbles = t[..., 0, :] | (t[..., 1, :] << 4)  # v, i, g, m, j
-        parts.append(nibbles.permute(2, 3, 0, 1, 4).reshape(-1))  # g, m, v, i, j
-    return torch.cat(parts).reshape(n, k // 2).contiguous()
+    t = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
+    return _blocked(t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` (int32) that :func:`pack_int4` packed."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    flat, at, rows = packed.reshape(-1), 0, []
-    for b in range(0, n, BLOCK):
-        vectors = min(BLOCK, n - b) // 16
-        size = vectors * 16 * k // 2
-        t = flat[at : at + size].reshape(k // GROUP_SIZE, 4, vectors, 16, 4)  # g, m, v, i, j
-        at += size
-        both = torch.stack([t & 0x0F, t >> 4], dim=4)  # g, m, v, i, half, j
-        rows.append(both.permute(2, 3, 0, 1, 4, 5).reshape(vectors * 16, k))
-    return torch.cat(rows).to(torch.int32)
+    nibbles = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, 4, 4)  # n, g, m, j
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(n, k).to(torch.int32)
 
 
 def pack_scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -312,22 +319,15 @@ def pack_scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     group, the block's scales, then its zeros. Shape ``[K / GROUP_SIZE, 2, N]``, bytes in that
     order."""
     groups, n = scale.shape
-    parts = [torch.stack([scale[:, b : b + BLOCK], zero[:, b : b + BLOCK]], dim=1).reshape(-1)
-             for b in range(0, n, BLOCK)]
-    return torch.cat(parts).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
+    both = torch.stack([scale.T, zero.T], dim=-1)[..., None]  # n, g, (scale, zero), 1
+    return _blocked(both).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
 
 
 def unpack_scales_zeros(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` that :func:`pack_scales_zeros` packed."""
     groups, _, n = packed.shape
-    flat, at, scales, zeros = packed.reshape(-1), 0, [], []
-    for b in range(0, n, BLOCK):
-        width = min(BLOCK, n - b)
-        block = flat[at : at + groups * 2 * width].reshape(groups, 2, width)
-        at += groups * 2 * width
-        scales.append(block[:, 0])
-        zeros.append(block[:, 1])
-    return torch.cat(scales, dim=1), torch.cat(zeros, dim=1)
+    both = _unblocked(packed.reshape(-1), n, groups, 2, 1)
+    return both[:, :, 0, 0].T.contiguous(), both[:, :, 1, 0].T.contiguous()
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
@@ -337,25 +337,15 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     j`` holding ``codes[output i, feature j of the step] + 128``. Shape ``[N, K]`` uint8, bytes in
     that order."""
     n, k = codes.shape
-    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
-    parts = []
-    for b in range(0, n, BLOCK):
-        block = shifted[b : b + BLOCK]
-        t = block.reshape(block.shape[0] // 16, 16, k // GROUP_SIZE, GROUP_SIZE // 4, 4)  # v, i, g, m, j
-        parts.append(t.permute(2, 3, 0, 1, 4).reshape(-1))  # g, m, v, i, j
-    return torch.cat(parts).reshape(n, k).contiguous()
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n, k // GROUP_SIZE, GROUP_SIZE // 4, 4)
+    return _blocked(shifted).reshape(n, k).contiguous()
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """The int8 codes ``[N, K]`` that :func:`pack_int8` packed."""
     n, k = packed.shape
-    flat, at, rows = packed.reshape(-1), 0, []
-    for b in range(0, n, BLOCK):
-        vectors = min(BLOCK, n - b) // 16
-        t = flat[at : at + vectors * 16 * k].reshape(k // GROUP_SIZE, GROUP_SIZE // 4, vectors, 16, 4)  # g, m, v, i, j
-        at += vectors * 16 * k
-        rows.append(t.permute(2, 3, 0, 1, 4).reshape(vectors * 16, k))
-    return (torch.cat(rows).to(torch.int16) - 128).to(torch.int8)
+    shifted = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, GROUP_SIZE // 4, 4).reshape(n, k)
+    return (shifted.to(torch.int16) - 128).to(torch.int8)
 
 
 def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
@@ -363,19 +353,13 @@ def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
     block of :data:`BLOCK` outputs and group, the block's scales. Shape ``[K / GROUP_SIZE, N]``,
     bytes in that order."""
     n, groups = scale.shape
-    parts = [scale[b : b + BLOCK].T.reshape(-1) for b in range(0, n, BLOCK)]
-    return torch.cat(parts).to(torch.float16).reshape(groups, n).contiguous()
+    return _blocked(scale[..., None, None]).to(torch.float16).reshape(groups, n).contiguous()
 
 
 def unpack_int8_scales(packed: torch.Tensor) -> torch.Tensor:
     """The scales ``[N, K / GROUP_SIZE]`` that :func:`pack_int8_scales` packed."""
     groups, n = packed.shape
-    flat, at, parts = packed.reshape(-1), 0, []
-    for b in range(0, n, BLOCK):
-        width = min(BLOCK, n - b)
-        parts.append(flat[at : at + groups * width].reshape(groups, width).T)
-        at += groups * width
-    return torch.cat(parts)
+    return _unblocked(packed.reshape(-1), n, groups, 1, 1)[..., 0, 0]
 
 
 def int4_fits(linear: nn.Linear) -> bool:
