@@ -276,3 +276,19 @@ def test_split_linears_leaves_every_bf16_linear_row_invariant():
             assert type(layer) is nn.Linear  # kept whole, untouched
         x = torch.randn(3, k).to(torch.bfloat16)
         assert torch.allclose(layer(x).float(), x.float() @ weight.T + layer.bias.float(), atol=0.1, rtol=0.05)
+
+
+def test_a_change_to_triedecs_compiled_kernels_is_calibrated_again(tiny_model_dir, tmp_path):
+    """A calibration measures the kernels as built: the key names the build (its sources and flags),
+    so a rebuilt extension is measured again instead of sized by the old one's costs."""
+    from triedec.calibration import calibration_path
+    from triedec.native import build_id
+
+    fast = triedec.load(tiny_model_dir, cache_dir=tmp_path)
+    plain = triedec.load(tiny_model_dir, cache_dir=tmp_path, kernels="plain")
+    assert fast.adapter.exact_attention and fast.adapter.native_build == build_id()
+    assert plain.adapter.native_build is None and "build" not in calibration_path(tmp_path, plain.adapter).name
+    before = calibration_path(tmp_path, fast.adapter)
+    assert build_id()[:8] in before.name
+    fast.adapter.native_build = "0" * 16
+    assert calibration_path(tmp_path, fast.adapter) != before

@@ -231,6 +231,30 @@ def test_calls_from_several_threads_at_once_each_get_their_own_rows():
             assert all(pool.map(run, range(16)))
 
 
+def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number():
+    """Built with OpenMP, a kernel's parallel loop runs on ``torch.set_num_threads`` threads (built
+    without it, it silently ran on one); every output is computed by one thread in a fixed order, so
+    1 and 2 threads give the same bits."""
+    generator = torch.Generator().manual_seed(5)
+    int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))  # 4 blocks of outputs: work for both threads
+    int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
+    x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
+    q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
+    before = torch.get_num_threads()
+    outputs = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert KERNEL.parallel_threads() == threads
+            with torch.inference_mode():
+                outputs[threads] = (int4(x), int8(x), KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
+                                    KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[1], outputs[2], strict=True))
+
+
 def test_packings_round_trip():
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (80, 96), dtype=torch.int32)  # one full block of 64 outputs and one of 16

@@ -80,8 +80,8 @@ from triedec.errors import TriedecError
 from triedec.fused import FusedRMSNorm, fuse_norms
 from triedec.kernels import PackedLinear, pack_linears, packing_available, split_linears
 from triedec.kvcache import KVCache
-from triedec.native import kernel_available
-from triedec.precision import precision_of
+from triedec.native import build_id, kernel_available
+from triedec.precision import NATIVE_LINEARS, precision_of
 from triedec.tree import TokenTree
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -191,6 +191,10 @@ class ModelAdapter:
         """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
         self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
+        native = self.exact_attention or any(isinstance(m, (FusedRMSNorm, *NATIVE_LINEARS)) for m in model.modules())
+        self.native_build = build_id() if native else None
+        """The build of triedec's compiled kernels the model runs (:func:`triedec.native.build_id`:
+        a change of their sources or flags changes it), None when it runs none of them."""
         self._placeholder = torch.zeros((1, 1, 1, 1), dtype=self.dtype, device=self.device)
         self.fell_back = False
         """Set once a forward ran a layer on the model's own attention although

@@ -125,12 +125,16 @@ class Calibration:
 
 def device_key(adapter: ModelAdapter) -> str:
     """What a cost model depends on besides the model: the device (a GPU's name, or this host:
-    :func:`~triedec.machine.host_key`), CPU threads, dtype and kernels, and in a quantized mode
-    which layers are int4 and which int8 (:func:`~triedec.precision.layer_mix`)."""
+    :func:`~triedec.machine.host_key`), CPU threads, dtype and kernels (and the build of triedec's
+    compiled ones, :attr:`~triedec.adapter.ModelAdapter.native_build`, so that a change to them is
+    measured again), and in a quantized mode which layers are int4 and which int8
+    (:func:`~triedec.precision.layer_mix`)."""
     device = adapter.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"cpu-{host_key()}-{torch.get_num_threads()}threads"
     key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
+    if adapter.native_build:
+        key += f"-build{adapter.native_build[:8]}"
     if adapter.precision.quantized:
         key += f"-{layer_mix(adapter.model)}"
     return "".join(c if c.isalnum() or c in "-." else "-" for c in key)

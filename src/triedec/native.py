@@ -31,10 +31,14 @@ SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "a8_linears.cpp", "bindings.cpp
 """The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp``
 binds)."""
 HEADERS = ("kernels.h",)
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-march=native``: the build is
-for the CPU it runs on (the build directory names that CPU)."""
+for the CPU it runs on (the build directory names that CPU). ``-fopenmp``: ``at::parallel_for`` runs
+on torch's intra-op threads (``torch.set_num_threads``) only when the including file is compiled
+with OpenMP; without it, it runs the whole range on the calling thread. The symbols resolve to the
+OpenMP runtime torch itself loaded, so there is one thread pool. ``parallel_threads()`` says how
+many threads a kernel's loop gets."""
 NAME = "triedec_kernels"
 
 _log = logging.getLogger("triedec")
@@ -63,6 +67,12 @@ def build_directory() -> Path:
         digest.update(part)
         digest.update(b"\0")
     return cache_root() / "kernels" / f"triedec-{digest.hexdigest()[:16]}"
+
+
+def build_id() -> str:
+    """The digest that names :func:`build_directory` (sources, flags, torch, Python, CPU): what a
+    measurement of these kernels' speed depends on (:func:`triedec.calibration.device_key`)."""
+    return build_directory().name.removeprefix("triedec-")
 
 
 def _put_ninja_on_path() -> None:

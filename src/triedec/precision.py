@@ -243,6 +243,10 @@ number (a smaller one would lose bits to subnormal rounding; the group's codes t
 -127..127)."""
 
 
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear)
+"""The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
+
+
 def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [out, in] int8 in -127..127, scale [out, in / GROUP_SIZE] float16)``: ``weight [out,
     in]`` as ``codes * scale`` per group of :data:`GROUP_SIZE` input features. A group whose values

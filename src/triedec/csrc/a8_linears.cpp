@@ -211,7 +211,7 @@ void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
 }
 
 #ifdef TRIEDEC_VNNI
-constexpr int kRows = 4;   // most rows per register tile
+constexpr int kRows = 3;   // most rows per register tile (3 rows x 4 vectors: 12 sums and 12 accumulators)
 
 inline __m512 bf16_to_float(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -227,12 +227,12 @@ struct RowTile {
   const int32_t* sum[kRows];
 };
 
-// int4_linear's tile: rows r < R and vectors voff..voff + V - 1 of a block, over every group in
+// int4_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the
 // packed weight as they are used; activations as signed bytes), then y = fma(a D, s, y);
 // y = fma(a Q, c, y), y staying in registers from the first group to the last.
 template <int R, int V>
-inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t voff, int64_t K,
+inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t K,
                   const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -246,7 +246,7 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
     for (int m = 0; m < kSteps; ++m) {
       __m512i lo[V], hi[V];
       for (int v = 0; v < V; ++v) {
-        const __m512i bytes = _mm512_loadu_si512(codes + ((g * kSteps + m) * nvb + voff + v) * 64);
+        const __m512i bytes = _mm512_loadu_si512(codes + ((g * kSteps + m) * nvb + v) * 64);
         lo[v] = _mm512_and_si512(bytes, low);                            // features 8m..8m+3
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);      // features 8m+4..8m+7
       }
@@ -260,7 +260,7 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
       }
     }
     for (int v = 0; v < V; ++v) {
-      const c10::BFloat16* at = sz + (g * 2 * nvb + voff + v) * kCols;
+      const c10::BFloat16* at = sz + (g * 2 * nvb + v) * kCols;
       const __m512 scale = bf16_to_float(at);
       const __m512 constant = _mm512_fmadd_ps(_mm512_set1_ps(-8.0f), scale, bf16_to_float(at + nvb * kCols));
       for (int r = 0; r < R; ++r) {
@@ -274,10 +274,10 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// int8_linear's tile: rows r < R and vectors voff..voff + V - 1 of a block, over every group in
+// int8_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd (codes + 128 as unsigned bytes) from -128 Q, then y = fma(a D, s, y).
 template <int R, int V>
-inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t voff, int64_t K,
+inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
                   const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
@@ -292,7 +292,7 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     }
     for (int m = 0; m < kQuads; ++m) {
       __m512i w[V];
-      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(codes + ((g * kQuads + m) * nvb + voff + v) * 64);
+      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(codes + ((g * kQuads + m) * nvb + v) * 64);
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(x.xq[r][g * kQuads + m]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
@@ -300,7 +300,7 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     }
     for (int v = 0; v < V; ++v) {
       const __m512 scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + voff + v) * kCols)));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
       for (int r = 0; r < R; ++r) {
         const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
         y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
@@ -311,8 +311,8 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows and
-// vectors each in 1..4: the tiles are templates over their shape, so registers hold them.
+// Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows in
+// 1..kRows and vectors in 1..kBlock: the tiles are templates over their shape, so registers hold them.
 template <class F>
 inline void dispatch(int rows, int vectors, F&& f) {
   const auto with_rows = [&](auto r) {
@@ -323,47 +323,44 @@ inline void dispatch(int rows, int vectors, F&& f) {
       default: return f(r, std::integral_constant<int, 4>{});
     }
   };
+  static_assert(kRows == 3 && kBlock == 4, "dispatch names every shape");
   switch (rows) {
     case 1: return with_rows(std::integral_constant<int, 1>{});
     case 2: return with_rows(std::integral_constant<int, 2>{});
-    case 3: return with_rows(std::integral_constant<int, 3>{});
-    default: return with_rows(std::integral_constant<int, 4>{});
+    default: return with_rows(std::integral_constant<int, 3>{});
   }
 }
 
 // The loop both kernels share. The outputs go in blocks of kBlock vectors (64 outputs; the last
-// may hold fewer, nvb), one parallel work item each; a block in register tiles of 2 rows x 4
-// vectors (at most 2 rows) or 4 rows x 2 vectors (16 accumulators, 16 sums either way). For each
-// tile, fill(rows, vectors, b, nvb, voff, x, y) writes y [rows, vectors * 16] in float32 (rows and
-// vectors as std::integral_constant); it is rounded to bf16 into out [R, N].
+// may hold fewer, nvb), one parallel work item each; a block in register tiles of up to kRows rows
+// x the block's nvb vectors, so each tile reads the block's stream once, in order, and the first
+// tile brings it from memory for the others. (Tiles of 4 rows x 2 vectors, which read every other
+// 128 bytes of the stream in each of two passes, took ~1.5x as long at 3-4 rows.) For
+// each tile, fill(rows, vectors, b, nvb, x, y) writes y [rows, vectors * 16] in float32 (rows
+// and vectors as std::integral_constant); it is rounded to bf16 into out [R, N].
 template <class Fill>
 void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat16* out, Fill&& fill) {
   const int64_t G = K / kGroup, NV = N / kCols;
   const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
-  const int per_tile = R <= 2 ? 4 : 2;
-  const int tile_rows = R <= 2 ? 2 : kRows;
   const int64_t blocks = (NV + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float y[kRows * kBlock * kCols];
     RowTile x{};
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
-      for (int64_t voff = 0; voff < nvb; voff += per_tile) {
-        const int nv = static_cast<int>(std::min<int64_t>(per_tile, nvb - voff));
-        const int64_t first = (b * kBlock + voff) * kCols;
-        for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
-          const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
-          for (int r = 0; r < rows; ++r) {
-            x.xq[r] = quads + (r0 + r) * (K / 4);
-            x.a[r] = xs.a.data() + (r0 + r) * G;
-            x.aq[r] = xs.aq.data() + (r0 + r) * G;
-            x.sum[r] = xs.sum.data() + (r0 + r) * G;
-          }
-          dispatch(rows, nv, [&](auto tr, auto tv) { fill(tr, tv, b, nvb, voff, x, y); });
-          for (int r = 0; r < rows; ++r)
-            for (int64_t i = 0; i < nv * kCols; ++i)
-              out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nv * kCols + i]);
+      const int64_t first = b * kBlock * kCols;
+      for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, R - r0));
+        for (int r = 0; r < rows; ++r) {
+          x.xq[r] = quads + (r0 + r) * (K / 4);
+          x.a[r] = xs.a.data() + (r0 + r) * G;
+          x.aq[r] = xs.aq.data() + (r0 + r) * G;
+          x.sum[r] = xs.sum.data() + (r0 + r) * G;
         }
+        dispatch(rows, static_cast<int>(nvb), [&](auto tr, auto tv) { fill(tr, tv, b, nvb, x, y); });
+        for (int r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < nvb * kCols; ++i)
+            out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nvb * kCols + i]);
       }
     }
   });
@@ -372,20 +369,20 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
                c10::BFloat16* out) {
   const int64_t G = K / kGroup;
-  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, int64_t voff, const RowTile& x,
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
     tile4<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * (K / 8) * 64,
-                                                           sz + b * kBlock * G * 2 * kCols, nvb, voff, K, x, y);
+                                                           sz + b * kBlock * G * 2 * kCols, nvb, K, x, y);
   });
 }
 
 void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
                c10::BFloat16* out) {
   const int64_t G = K / kGroup;
-  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, int64_t voff, const RowTile& x,
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
     tile8<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * K * kCols,
-                                                           scales + b * kBlock * G * kCols, nvb, voff, K, x, y);
+                                                           scales + b * kBlock * G * kCols, nvb, K, x, y);
   });
 }
 #else

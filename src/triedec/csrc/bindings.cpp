@@ -2,11 +2,33 @@
 // releases the GIL while it runs, as torch's own ops do: it touches no Python object.
 #include "kernels.h"
 
+#include <ATen/Parallel.h>
+
+#include <mutex>
+#include <set>
+
+namespace {
+
+// How many threads one of the kernels' parallel loops runs on (at::parallel_for over 64 items of
+// one each): torch's intra-op threads when the extension was built with OpenMP, 1 when it was not.
+int64_t parallel_threads() {
+  std::mutex lock;
+  std::set<int> seen;
+  at::parallel_for(0, 64, 1, [&](int64_t, int64_t) {
+    const std::lock_guard<std::mutex> hold(lock);
+    seen.insert(at::get_thread_num());
+  });
+  return static_cast<int64_t>(seen.size());
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order", release());
   m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call", release());
   m.def("rms_norm", &rms_norm, "RMS norm of each row, summed in a fixed order", release());
+  m.def("parallel_threads", &parallel_threads, "how many threads the kernels' parallel loops run on", release());
   m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run AVX512-VNNI here");
   m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products",
         release());
