@@ -21,7 +21,7 @@ from triedec.adapter import ModelAdapter
 from triedec.errors import TriedecError
 from triedec.fused import FusedRMSNorm, fusable_variant, fuse_norms
 from triedec.models import quantize
-from triedec.native import load_kernel
+from triedec.native import OPENMP, load_kernel
 from triedec.precision import (
     GROUP_SIZE,
     Int4A8Linear,
@@ -231,6 +231,7 @@ def test_calls_from_several_threads_at_once_each_get_their_own_rows():
             assert all(pool.map(run, range(16)))
 
 
+@pytest.mark.skipif(not OPENMP, reason="torch here runs no OpenMP: the kernels run on the calling thread")
 def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number():
     """Built with OpenMP, a kernel's parallel loop runs on ``torch.set_num_threads`` threads (built
     without it, it silently ran on one); every output is computed by one thread in a fixed order, so

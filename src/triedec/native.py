@@ -31,7 +31,10 @@ SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "a8_linears.cpp", "bindings.cpp
 """The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp``
 binds)."""
 HEADERS = ("kernels.h",)
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-fopenmp")
+OPENMP = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
+"""Whether the kernels are built with OpenMP: where torch runs its own ops on GNU OpenMP (Linux
+wheels); elsewhere (macOS' compiler takes no plain ``-fopenmp``) they run on the calling thread."""
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", *(("-fopenmp",) if OPENMP else ()))
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-march=native``: the build is
 for the CPU it runs on (the build directory names that CPU). ``-fopenmp``: ``at::parallel_for`` runs
