@@ -18,7 +18,7 @@ import triedec
 from triedec.bench.datasets import load_questions, select
 from triedec.bench.harness import _messages, first_mismatch
 from triedec.bench.run import parse_method_entry
-from triedec.sampling import Sampling
+from triedec.core.sampling import Sampling
 
 
 def main(folder: str) -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 import triedec
-from triedec.adapter import ForwardItem
 from triedec.bench.report import source_commit
+from triedec.model.adapter import ForwardItem
 
 
 def tree_item(cache, context: int, size: int) -> ForwardItem:

@@ -32,7 +32,7 @@ from precision_modes import MODES, header, write_results  # the script beside th
 import triedec
 from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.report import machine_info, source_commit, versions
-from triedec.models import default_model_path
+from triedec.model.source import default_model_path
 
 
 def llamacpp_continuation(llm: object, prompt: list[int], new: int, eos: int) -> tuple[list[int], np.ndarray]:

@@ -19,10 +19,10 @@ import time
 import torch
 
 import triedec
+from triedec.api.generation import GenerationRequest
 from triedec.bench.datasets import load_questions, split
-from triedec.engine import Batch
-from triedec.generation import GenerationRequest
-from triedec.limits import BatchLimits
+from triedec.core.limits import BatchLimits
+from triedec.engine.batch import Batch
 
 
 def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: bool, gate: bool, top: int,

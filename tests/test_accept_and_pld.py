@@ -1,9 +1,9 @@
 import pytest
 
-from triedec.accept import accept_greedy
+from triedec.core.accept import accept_greedy
+from triedec.core.errors import TriedecError
+from triedec.core.tree import TokenTree
 from triedec.drafters.prompt_lookup import PromptLookupOptions, find_matches
-from triedec.errors import TriedecError
-from triedec.tree import TokenTree
 
 
 def continuations(context, options):

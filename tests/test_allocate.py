@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.allocate import allocate
-from triedec.costmodel import CostModel
-from triedec.errors import TriedecError
+from triedec.core.allocate import allocate
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
 
 # 1 token costs 0.1 s, 16 cost 0.12 s, then linear: drafts are nearly free up to 16 tokens
 FLAT16 = CostModel({1: 0.1, 16: 0.12, 64: 0.4}, batch_seconds={2: {2: 0.11, 32: 0.2}, 8: {8: 0.16, 64: 0.5},
@@ -67,7 +67,7 @@ def test_host_time_is_charged_to_every_step_so_nodes_weigh_less_against_it():
 
 
 def test_observed_forwards_correct_the_calibrated_surface_where_they_ran():
-    from triedec.costmodel import ObservedCost
+    from triedec.core.costmodel import ObservedCost
 
     base = CostModel({1: 0.1, 16: 0.2, 64: 0.4}, batch_seconds={4: {4: 0.15, 64: 0.5}})
     observed = ObservedCost(base, weight=0.5, min_observations=2)
@@ -122,7 +122,7 @@ def test_every_request_gets_a_prefix_of_at_least_its_required_nodes(found, cap, 
 
 
 def test_a_gate_skips_drafting_after_misses_and_backs_off_until_a_node_is_verified():
-    from triedec.allocate import DraftGate
+    from triedec.core.allocate import DraftGate
 
     gate = DraftGate(patience=2, max_skip=4)
     pattern = []
@@ -151,7 +151,7 @@ def test_a_gate_with_a_pace_pauses_drafts_that_no_longer_pay_for_their_host_time
     accepted tokens' worth (a moving average, from a prior of 1) falls below the drafting's host
     time; alone (a token costs a whole forward) the same drafts keep going much longer, and an
     accepted probe reopens the gate."""
-    from triedec.allocate import DraftGate, Pace
+    from triedec.core.allocate import DraftGate, Pace
 
     def steps_until_paused(token_seconds: float) -> int:
         pace = Pace()
@@ -195,7 +195,7 @@ def test_a_gate_with_a_pace_pauses_drafts_that_no_longer_pay_for_their_host_time
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), max_size=60))
 @settings(max_examples=60, deadline=None)
 def test_a_gate_never_pauses_longer_than_its_cap_and_a_verified_node_reopens_it(outcomes):
-    from triedec.allocate import DraftGate
+    from triedec.core.allocate import DraftGate
 
     gate = DraftGate(patience=2, max_skip=8)
     run = 0

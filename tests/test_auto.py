@@ -11,16 +11,16 @@ import torch
 from helpers import EOS, MODELS, drain, fake_cost, hf_greedy, peaked, run, tiny_info, tiny_llama
 from helpers import random_prompts as prompts
 
-from triedec.accept import acceptance_rule
-from triedec.adapter import ModelAdapter
-from triedec.costmodel import CostModel
+from triedec.core.accept import acceptance_rule
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling
 from triedec.drafters import method_spec
 from triedec.drafters.auto import SOURCES, AutoDrafter, _Node
 from triedec.drafters.state import save_state
 from triedec.drafters.store import KEYS, LEAD, PER_KEY, STORE_FORMAT, OutputStore
-from triedec.engine import StopRule, speculative_decode
-from triedec.errors import TriedecError
-from triedec.sampling import Sampling
+from triedec.engine.batch import StopRule, speculative_decode
+from triedec.model.adapter import ModelAdapter
 
 
 def build(options: dict, info):

@@ -9,7 +9,7 @@ from transformers import BertConfig, BertForMaskedLM, T5Config, T5ForConditional
 
 import triedec
 from triedec import TriedecError
-from triedec.adapter import ModelAdapter
+from triedec.model.adapter import ModelAdapter
 
 
 @pytest.fixture(scope="module")

@@ -31,17 +31,17 @@ from helpers import (
 from helpers import random_prompts as prompts
 
 import triedec
-from triedec.adapter import ForwardItem, ModelAdapter
-from triedec.costmodel import CostModel
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
+from triedec.core.limits import PREFILL_CHUNK
+from triedec.core.sampling import Sampling
+from triedec.core.tree import TokenTree
 from triedec.drafters import BaseDrafter, BaseSession, Draft
-from triedec.engine import Batch, BatchLimits, run_alone
-from triedec.errors import TriedecError
-from triedec.kernels import packing_available
-from triedec.limits import PREFILL_CHUNK
-from triedec.methods import method
-from triedec.request import Request, StopRule
-from triedec.sampling import Sampling
-from triedec.tree import TokenTree
+from triedec.engine.batch import Batch, BatchLimits, run_alone
+from triedec.engine.methods import method
+from triedec.engine.request import Request, StopRule
+from triedec.model.adapter import ForwardItem, ModelAdapter
+from triedec.model.linears import packing_available
 
 # drafts cost little up to 16 tokens, then more; more requests cost more: the allocator has work to do
 COST = CostModel({1: 0.06, 4: 0.065, 16: 0.08, 64: 0.2}, 256, {}, {2: {2: 0.07, 32: 0.12}, 8: {8: 0.1, 64: 0.3}})
@@ -370,7 +370,7 @@ def test_a_batch_that_learns_its_cost_corrects_the_surface_and_keeps_every_token
     """``learn_cost``: a surface 1000x too slow is corrected by the forwards observed (clamped at
     :attr:`ObservedCost.LOW`), the step's host time is measured, tree sizes follow, and every
     request's tokens stay ``ar``'s; a new surface starts a new correction."""
-    from triedec.costmodel import ObservedCost
+    from triedec.core.costmodel import ObservedCost
 
     adapter = ModelAdapter(tiny_llama(seed=3))
     info = tiny_info()

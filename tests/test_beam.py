@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import EOS, PROMPTS, TINY_VOCAB, drain, hf_beam, hf_greedy, tiny_gemma3, tiny_llama
 
-from triedec.adapter import ModelAdapter
-from triedec.beam import BeamOptions, BeamScorer, beam_search
-from triedec.engine import StopRule
-from triedec.errors import TriedecError
-from triedec.methods import method
+from triedec.core.errors import TriedecError
+from triedec.engine.batch import StopRule
+from triedec.engine.beam import BeamOptions, BeamScorer, beam_search
+from triedec.engine.methods import method
+from triedec.model.adapter import ModelAdapter
 
 
 def run_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> tuple[list[list[int]], object]:

@@ -12,8 +12,8 @@ import pytest
 from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.runners import RunRecord, TriedecRunner
 from triedec.bench.summary import summarize
-from triedec.cli import main
-from triedec.errors import TriedecError
+from triedec.cli.main import main
+from triedec.core.errors import TriedecError
 
 SCHEMA_KEYS = {"tokens_per_s", "speedup", "mean_accepted", "steps", "new_tokens", "computed_tokens",
                "mismatches", "peak_mem_mb"}

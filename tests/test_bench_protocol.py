@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+from triedec.api.calibration import calibration_prompts
 from triedec.bench.compare import compare_results, read_results
 from triedec.bench.datasets import (
     EXTRA_TUNING_POSITIONS,
@@ -27,10 +28,9 @@ from triedec.bench.stats import (
     ratio_interval,
 )
 from triedec.bench.summary import leader, summarize
-from triedec.calibration import calibration_prompts
-from triedec.cli import main
-from triedec.errors import TriedecError
-from triedec.request import Request
+from triedec.cli.main import main
+from triedec.core.errors import TriedecError
+from triedec.engine.request import Request
 
 # ---- splits and warm-up ----------------------------------------------------------------------------
 
@@ -333,7 +333,7 @@ def test_llamacpp_lookup_runs_past_llama_cpp_pythons_batch_of_512(tmp_path):
     llama.cpp's forwards and the tokens they evaluate."""
     pytest.importorskip("llama_cpp")
     from triedec.bench.llamacpp import LlamaCppRunner
-    from triedec.models import default_model_path
+    from triedec.model.source import default_model_path
 
     runner = LlamaCppRunner(default_model_path(), "llamacpp:lookup=10", frozenset(), 700, lookup=10)
     prompt = ([504, 3459, 314, 260, 1345, 28, 30] * 90)[:600]  # repetitive, so lookup drafts every step

@@ -12,13 +12,14 @@ import torch
 from helpers import fake_cost, monotone_rates
 
 import triedec
-from triedec import calibration, machine
-from triedec.calibration import Bench, Calibration, load_or_calibrate
-from triedec.costmodel import CostModel
+from triedec.api import calibration
+from triedec.api.calibration import Bench, Calibration, load_or_calibrate
+from triedec.core import machine
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
 from triedec.drafters import recycling
 from triedec.drafters import registry as drafter_registry
 from triedec.drafters.template import RecyclingProfile, best_nodes
-from triedec.errors import TriedecError
 
 # ---- the cost model ------------------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ def test_an_idle_server_measures_a_busy_calibration_again_and_stops_for_work(tin
     import threading
     import time
 
-    from triedec.engine import BatchLimits
+    from triedec.engine.batch import BatchLimits
     from triedec.server.scheduler import Scheduler
 
     monkeypatch.setattr(calibration, "CpuWatch", FakeWatch)

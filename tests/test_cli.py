@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from triedec.cli import main
-from triedec.flags import build_parser
+from triedec.cli.flags import build_parser
+from triedec.cli.main import main
 
 
 def run_cli(capsys, *argv, stdin=None, monkeypatch=None):
@@ -147,7 +147,7 @@ def test_calibrate_show_only_reads(capsys, monkeypatch, tmp_path, tiny_model_dir
 
 
 def test_the_calibration_cache_is_keyed_by_host():
-    from triedec.machine import host_key
+    from triedec.core.machine import host_key
 
     key = host_key()
     assert f"-{os.cpu_count()}cores-" in key and len(key.rsplit("-", 1)[1]) == 8  # CPU model, cores, flags digest
@@ -227,7 +227,8 @@ def test_chat_template_replaces_the_tokenizers(capsys, tmp_path, tiny_model_dir)
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>"
                         "{% endif %}")
-    from triedec.flags import ModelSpec, build_parser
+    from triedec.api.spec import ModelSpec
+    from triedec.cli.flags import build_parser
 
     args = build_parser().parse_args(["generate", "--model", str(tiny_model_dir), "--chat-template", str(template),
                                       "hi"])
@@ -248,7 +249,7 @@ def test_every_flag_states_its_default():
     """Each command's options say their default in --help (switches default to off)."""
     import argparse
 
-    from triedec.flags import build_parser
+    from triedec.cli.flags import build_parser
 
     (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     silent = [f"{name} {action.option_strings[0]}" for name, parser in commands.choices.items()
@@ -265,7 +266,7 @@ def test_the_top_level_help_imports_no_torch_and_lists_every_command():
     import argparse
     import subprocess
 
-    code = ("import sys\nfrom triedec.cli import main\n"
+    code = ("import sys\nfrom triedec.cli.main import main\n"
             "for argv in (['--help'], ['--version']):\n"
             "    try:\n        main(argv)\n    except SystemExit as done:\n        assert done.code == 0\n"
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
@@ -281,10 +282,10 @@ def test_the_top_level_help_imports_no_torch_and_lists_every_command():
 
 
 def test_version_answers_from_a_source_tree_without_package_metadata(monkeypatch):
-    # `PYTHONPATH=src python -m triedec.cli ...` (as on a machine triedec is copied to) has no metadata
+    # `PYTHONPATH=src python -m triedec.cli.main ...` (as on a machine triedec is copied to) has no metadata
     from importlib import metadata
 
-    from triedec.flags import installed_version
+    from triedec.cli.flags import installed_version
 
     assert installed_version() == metadata.version("triedec")
 
@@ -303,9 +304,9 @@ def test_every_commands_help_imports_no_torch():
     generically, the server's settings need neither its app nor the model): well under a second."""
     import subprocess
 
-    from triedec.flags import COMMANDS
+    from triedec.cli.flags import COMMANDS
 
-    code = ("import sys\nfrom triedec.cli import main\n"
+    code = ("import sys\nfrom triedec.cli.main import main\n"
             f"for command in {sorted(COMMANDS)!r}:\n"
             "    try:\n        main([command, '--help'])\n"
             "    except SystemExit as done:\n        assert done.code == 0\n"
@@ -317,8 +318,8 @@ def test_every_commands_help_imports_no_torch():
 
 
 def test_method_options_are_read_from_the_flags_a_command_does_not_declare():
-    from triedec.flags import parse_command_line
-    from triedec.method_flags import given_options, method_options
+    from triedec.cli.flags import parse_command_line
+    from triedec.cli.method_flags import given_options, method_options
 
     args = parse_command_line(["generate", "--method", "pld", "--pld-max-ngram", "5", "--max-new", "8", "hello"])
     assert args.prompt == "hello" and args.max_new_tokens == 8  # the option's value is not the prompt
@@ -351,7 +352,7 @@ def test_a_command_whose_extra_is_missing_says_which_to_install(argv, extra):
     import subprocess
 
     code = BLOCK.format(mods=["fastapi", "matplotlib"]) + (
-        f"from triedec.cli import main\nsys.exit(main({argv!r}))")
+        f"from triedec.cli.main import main\nsys.exit(main({argv!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert f"pip install 'triedec[{extra}]'" in done.stderr and "Traceback" not in done.stderr
@@ -364,8 +365,8 @@ def test_generate_needs_no_extra(tiny_model_dir):
 
     heavy = ["fastapi", "uvicorn", "prometheus_client", "starlette", "pydantic", "matplotlib", "httpx", "openai"]
     code = BLOCK.format(mods=heavy) + (
-        f"from triedec.cli import main\nassert main(['generate', '--model', {str(tiny_model_dir)!r}, '--method', 'ar', "
-        "'--max-new-tokens', '4', '--json', 'hello']) == 0\n"
+        f"from triedec.cli.main import main\nassert main(['generate', '--model', {str(tiny_model_dir)!r}, "
+        "'--method', 'ar', '--max-new-tokens', '4', '--json', 'hello']) == 0\n"
         f"print('loaded:', sorted(m for m in {heavy!r} if sys.modules.get(m) is not None))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

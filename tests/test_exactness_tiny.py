@@ -22,12 +22,12 @@ from helpers import (
 )
 from helpers import random_prompts as prompts
 
-from triedec.adapter import ModelAdapter
-from triedec.costmodel import CostModel
+from triedec.core.costmodel import CostModel
+from triedec.core.tree import TokenTree
 from triedec.drafters import method_spec
-from triedec.methods import method
-from triedec.request import StopRule
-from triedec.tree import TokenTree
+from triedec.engine.methods import method
+from triedec.engine.request import StopRule
+from triedec.model.adapter import ModelAdapter
 
 
 def build(name: str, options: dict, info):

@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import triedec
-from triedec.beam import BeamOptions
+from triedec.api.generation import MAX_NEW_TOKENS, GenerationRequest
+from triedec.api.lm import LM
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling
 from triedec.drafters.base import BaseDrafter
 from triedec.drafters.registry import register, reserved_option_names
-from triedec.errors import TriedecError
-from triedec.generation import MAX_NEW_TOKENS, GenerationRequest
-from triedec.lm import LM
-from triedec.methods import methods
-from triedec.sampling import Sampling
+from triedec.engine.beam import BeamOptions
+from triedec.engine.methods import methods
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,9 @@ def test_which_loop_runs_a_method_is_declared_where_it_registers_not_read_from_i
 
     from helpers import fake_cost, fake_profile, tiny_info
 
-    from triedec.beam import BeamSearchDecoder
     from triedec.drafters import registry
-    from triedec.methods import SpeculativeDecoder, method
+    from triedec.engine.beam import BeamSearchDecoder
+    from triedec.engine.methods import SpeculativeDecoder, method
 
     info = tiny_info(cost=fake_cost(), profile=fake_profile())
     for name, found in methods().items():

@@ -1,7 +1,7 @@
 """Exact by construction: a token's logits are a function of the model and its prefix alone, bit for
 bit (``torch.equal``), whatever tree, batch or place in the forward's row carries them.
 
-* the kernel (:mod:`triedec.attention`): a query's output alone, inside a call of many queries,
+* the kernel (:mod:`triedec.model.attention`): a query's output alone, inside a call of many queries,
   over its keys compacted or scattered in a bigger cache, one head alone or beside the heads that
   share its K/V, for random shapes, groups, head sizes (vector and scalar paths) and dtypes;
 * whole models with ``kernels="auto"`` (GQA, sliding windows, tied and untied heads; float32,
@@ -37,7 +37,12 @@ from helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from triedec.adapter import (
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling
+from triedec.engine.batch import BatchLimits
+from triedec.engine.methods import method
+from triedec.engine.request import StopRule
+from triedec.model.adapter import (
     BIT_EXACT,
     UP_TO_ROUNDING,
     ForwardItem,
@@ -45,14 +50,9 @@ from triedec.adapter import (
     check_row_invariance,
     unvouched,
 )
-from triedec.attention import key_lists, tree_attention, tree_attention_items
-from triedec.engine import BatchLimits
-from triedec.errors import TriedecError
-from triedec.methods import method
-from triedec.models import quantize
-from triedec.precision import Precision
-from triedec.request import StopRule
-from triedec.sampling import Sampling
+from triedec.model.attention import key_lists, tree_attention, tree_attention_items
+from triedec.model.precision import Precision
+from triedec.model.source import quantize
 
 # ---- the kernel ---------------------------------------------------------------------------------
 
@@ -161,7 +161,7 @@ def _tied_llama():
 
 
 def _in_mode(model, dtype=None, weights="float"):
-    """``model`` in a precision mode (:mod:`triedec.precision`)."""
+    """``model`` in a precision mode (:mod:`triedec.model.precision`)."""
     precision = Precision.of(dtype, weights)
     if precision.quantized:
         quantize(model, precision)
@@ -379,8 +379,8 @@ def test_a_layer_the_kernel_cannot_run_falls_back_to_the_models_function_and_say
     the model's own function, and the batch records that the forward was not fixed-order."""
     from types import SimpleNamespace
 
-    from triedec.dispatch import ItemBatch
-    from triedec.kvcache import KVCache
+    from triedec.core.kvcache import KVCache
+    from triedec.model.dispatch import ItemBatch
 
     visible = torch.ones((2, 2), dtype=torch.bool).tril()
 

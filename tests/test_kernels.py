@@ -14,10 +14,12 @@ from helpers import EOS, MODELS, alone, fake_cost, hf_greedy, random_prompts, ti
 from torch import nn
 
 import triedec
-from triedec.adapter import ModelAdapter, cache_keyword, returned_cache
-from triedec.dispatch import GQA_SDPA, _gqa_sdpa
-from triedec.errors import TriedecError
-from triedec.kernels import (
+from triedec.core.errors import TriedecError
+from triedec.engine.methods import method
+from triedec.engine.request import StopRule
+from triedec.model.adapter import ModelAdapter, cache_keyword, returned_cache
+from triedec.model.dispatch import GQA_SDPA, _gqa_sdpa
+from triedec.model.linears import (
     PackedLinear,
     SplitLinear,
     invariant_linear,
@@ -27,8 +29,6 @@ from triedec.kernels import (
     row_invariant,
     split_linears,
 )
-from triedec.methods import method
-from triedec.request import StopRule
 
 needs_onednn = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
                                   reason="this torch build has no oneDNN linear ops")
@@ -155,7 +155,7 @@ def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
 
 
 def test_the_calibration_is_kept_per_kernel_choice(tiny_model_dir, tmp_path):
-    from triedec.calibration import calibration_path
+    from triedec.api.calibration import calibration_path
 
     fast = triedec.load(tiny_model_dir, cache_dir=tmp_path)
     plain = triedec.load(tiny_model_dir, cache_dir=tmp_path, kernels="plain")
@@ -168,7 +168,7 @@ def test_the_calibration_is_kept_per_kernel_choice(tiny_model_dir, tmp_path):
 def test_beam_search_on_fast_kernels_equals_stock_transformers(name):
     from helpers import hf_beam
 
-    from triedec.beam import BeamOptions
+    from triedec.engine.beam import BeamOptions
 
     stock, fast = MODELS[name](), MODELS[name]()
     adapter = ModelAdapter(fast, "auto")
@@ -281,8 +281,8 @@ def test_split_linears_leaves_every_bf16_linear_row_invariant():
 def test_a_change_to_triedecs_compiled_kernels_is_calibrated_again(tiny_model_dir, tmp_path):
     """A calibration measures the kernels as built: the key names the build (its sources and flags),
     so a rebuilt extension is measured again instead of sized by the old one's costs."""
-    from triedec.calibration import calibration_path
-    from triedec.native import build_id
+    from triedec.api.calibration import calibration_path
+    from triedec.model.native import build_id
 
     fast = triedec.load(tiny_model_dir, cache_dir=tmp_path)
     plain = triedec.load(tiny_model_dir, cache_dir=tmp_path, kernels="plain")

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from triedec.errors import TriedecError
-from triedec.kvcache import KVCache
+from triedec.core.errors import TriedecError
+from triedec.core.kvcache import KVCache
 
 
 def fill(cache, n, offset, layers=2):

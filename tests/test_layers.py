@@ -102,10 +102,10 @@ def floor_table() -> dict[str, int]:
     return table
 
 
-def test_architecture_draws_six_floors_and_places_every_module_once():
+def test_architecture_draws_seven_floors_and_places_every_module_once():
     floors = drawn_floors(ARCHITECTURE.read_text())
-    assert list(floors) == ["shells", "API", "methods", "engine", "adapter", "core"]
-    assert "Six floors" in ARCHITECTURE.read_text()
+    assert list(floors) == ["front", "shells", "API", "engine", "drafters", "model", "core"]
+    assert "seven floors" in ARCHITECTURE.read_text()
     drawn = [p for patterns in floors.values() for p in patterns if not p.endswith(".*")]
     assert sorted(set(drawn)) == sorted(drawn), "a module is drawn twice"
     assert set(drawn) <= set(graph()), f"drawn but not in the package: {set(drawn) - set(graph())}"
@@ -125,8 +125,8 @@ def test_the_import_graph_has_no_circle():
 
 def test_the_checker_sees_function_local_imports_and_circles(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("def f():\n    from triedec.lm import LM\n    import triedec.cli\n")
-    assert {"triedec.lm", "triedec.cli"} <= imports_of(path)
+    path.write_text("def f():\n    from triedec.api.lm import LM\n    import triedec.cli.main\n")
+    assert {"triedec.api.lm", "triedec.cli.main"} <= imports_of(path)
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -136,3 +136,13 @@ def test_the_picture_parser_reads_files_lists_and_packages():
     assert drawn_floors(text) == {"top": ["triedec.pkg", "triedec.pkg.x", "triedec.pkg.y", "triedec.a", "triedec.b",
                                           "triedec"],
                                   "low": ["triedec.whole.*"]}
+
+
+def test_the_folders_are_the_layers():
+    """Only the front door sits directly in the package: every other module lives in its layer's
+    folder (core, model, drafters, engine, api, and the shells)."""
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py"]
+    floors = drawn_floors(ARCHITECTURE.read_text())
+    for floor, folder in [("core", "core"), ("model", "model"), ("drafters", "drafters"), ("engine", "engine"),
+                          ("API", "api")]:
+        assert floors[floor] == [f"triedec.{folder}.*"]

@@ -29,15 +29,15 @@ import torch
 from helpers import TINY_VOCAB, drain
 
 import triedec
-from triedec.beam import kv_slots
+from triedec.api.decoders import BuiltMethods, DecoderLimits
 from triedec.bench.load import serving
-from triedec.decoders import BuiltMethods, DecoderLimits
+from triedec.core.errors import StateFileError, TriedecError
+from triedec.core.sampling import Sampling, process
 from triedec.drafters.state import check_location
-from triedec.engine import StopRule, run_alone
-from triedec.errors import StateFileError, TriedecError
-from triedec.methods import method as find_method
-from triedec.methods import methods
-from triedec.sampling import Sampling, process
+from triedec.engine.batch import StopRule, run_alone
+from triedec.engine.beam import kv_slots
+from triedec.engine.methods import method as find_method
+from triedec.engine.methods import methods
 from triedec.server import ApiKeys, ServerConfig, create_app
 from triedec.server.auth import mask_query
 from triedec.server.tenancy import tenant_file
@@ -511,7 +511,7 @@ def test_a_key_in_the_query_string_is_refused_and_never_logged(tiny_model_dir, t
     env = {**os.environ, "TRIEDEC_API_KEY": ALICE_KEY}
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "triedec.cli", "serve", "--model", str(tiny_model_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "triedec.cli.main", "serve", "--model", str(tiny_model_dir),
                                  "--method", "ar", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                 env=env, cwd=tempfile.gettempdir())
     base = f"http://127.0.0.1:{port}"
@@ -552,7 +552,7 @@ def test_operator_fault_errors_are_state_file_errors_and_still_triedec_errors(tm
 
 
 def test_maxima_show_in_the_cli_listing(capsys):
-    from triedec.cli import main
+    from triedec.cli.main import main
 
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
@@ -561,8 +561,8 @@ def test_maxima_show_in_the_cli_listing(capsys):
 
 
 def test_server_flags_build_the_decoder_limits():
-    from triedec.flags import build_parser
-    from triedec.serve_config import server_config
+    from triedec.cli.flags import build_parser
+    from triedec.cli.serve_config import server_config
 
     args = build_parser().parse_args(["serve", "--max-methods-per-tenant", "3", "--max-methods", "9",
                                       "--max-learned-mib-per-tenant", "10", "--max-learned-mib", "0"])
@@ -573,8 +573,8 @@ def test_server_flags_build_the_decoder_limits():
 
 
 def test_served_model_name_is_an_alias_of_model_name():
-    from triedec.flags import build_parser
-    from triedec.serve_config import server_config
+    from triedec.cli.flags import build_parser
+    from triedec.cli.serve_config import server_config
 
     for flag in ("--served-model-name", "--model-name"):
         args = build_parser().parse_args(["serve", flag, "my-model"])

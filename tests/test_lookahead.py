@@ -9,11 +9,11 @@ from helpers import path_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.accept import Acceptance
+from triedec.core.accept import Acceptance
+from triedec.core.errors import TriedecError
 from triedec.drafters import ModelInfo, method_spec
 from triedec.drafters.base import Verified
 from triedec.drafters.lookahead import LookaheadDrafter, LookaheadOptions, NgramPool, verification_branch
-from triedec.errors import TriedecError
 
 INFO = ModelInfo(50, torch.device("cpu"))
 

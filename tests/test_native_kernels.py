@@ -1,6 +1,6 @@
 """triedec's own compiled kernels besides tree attention (``csrc/``): the fused RMS norm
-(:mod:`triedec.fused`) and the linears whose dot products run on 8-bit activations
-(``int4-a8`` mode, :mod:`triedec.precision`). Each must compute what it claims (against a float64
+(:mod:`triedec.model.rmsnorm`) and the linears whose dot products run on 8-bit activations
+(``int4-a8`` mode, :mod:`triedec.model.precision`). Each must compute what it claims (against a float64
 reference or the module it replaces), give a row the same bits alone and inside any call, and,
 for the linears, give the same bits on the vector path and the portable one."""
 
@@ -17,12 +17,10 @@ from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from triedec.adapter import ModelAdapter
-from triedec.errors import TriedecError
-from triedec.fused import FusedRMSNorm, fusable_variant, fuse_norms
-from triedec.models import quantize
-from triedec.native import OPENMP, load_kernel
-from triedec.precision import (
+from triedec.core.errors import TriedecError
+from triedec.model.adapter import ModelAdapter
+from triedec.model.native import OPENMP, load_kernel
+from triedec.model.precision import (
     GROUP_SIZE,
     Int4A8Linear,
     Int8A8Linear,
@@ -40,6 +38,8 @@ from triedec.precision import (
     unpack_int8_scales,
     unpack_scales_zeros,
 )
+from triedec.model.rmsnorm import FusedRMSNorm, fusable_variant, fuse_norms
+from triedec.model.source import quantize
 
 KERNEL = load_kernel()
 

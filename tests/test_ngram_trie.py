@@ -10,12 +10,12 @@ from helpers import fake_cost, sized, verified_part
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.accept import Acceptance
-from triedec.costmodel import CostModel
+from triedec.core.accept import Acceptance
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
 from triedec.drafters import ModelInfo, method_spec
 from triedec.drafters.ngram_trie import NgramTrieDrafter, NgramTrieOptions
 from triedec.drafters.trie import NgramTrie
-from triedec.errors import TriedecError
 
 
 def algorithm_1(tokens: list[int], n: int, lp: int) -> dict[tuple[int, ...], int]:

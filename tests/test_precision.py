@@ -1,4 +1,4 @@
-"""Precision modes (:mod:`triedec.precision`): bfloat16, int8 and int4 weights.
+"""Precision modes (:mod:`triedec.model.precision`): bfloat16, int8 and int4 weights.
 
 * the quantizers: codes in range, each weight within half a step of its group's grid, a weight
   already on a bf16 grid recovered exactly, the layers computing ``x @ dequantized.T``;
@@ -40,12 +40,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import triedec
-from triedec.adapter import BIT_EXACT, ModelAdapter
-from triedec.errors import TriedecError
-from triedec.methods import method
-from triedec.models import ModelSource, quantize
-from triedec.native import kernel_available, load_kernel
-from triedec.precision import (
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling
+from triedec.engine.methods import method
+from triedec.engine.request import Request, StopRule
+from triedec.model.adapter import BIT_EXACT, ModelAdapter
+from triedec.model.native import kernel_available, load_kernel
+from triedec.model.precision import (
     GROUP_SIZE,
     Int4A8Linear,
     Int4Linear,
@@ -60,8 +61,7 @@ from triedec.precision import (
     quantize_int8_groups,
     quantize_linears,
 )
-from triedec.request import Request, StopRule
-from triedec.sampling import Sampling
+from triedec.model.source import ModelSource, quantize
 
 # ---- the mode value -----------------------------------------------------------------------------
 
@@ -395,7 +395,7 @@ def test_beam_search_returns_transformers_hypotheses_in_the_mode(mode):
     hypothesis on most (15-21 of 24). Where a rank differs, a near-tie went the other way at some
     step and the beams went on from different prefixes: no bound on its score. (Bit-exactness in the
     mode is ``ar``'s and the invariance tests'.)"""
-    from triedec.beam import BeamOptions, beam_search
+    from triedec.engine.beam import BeamOptions, beam_search
 
     precision = MODES[mode]
     whole = best = total = 0
@@ -422,7 +422,7 @@ def test_beam_search_returns_transformers_hypotheses_in_the_mode(mode):
 
 def test_the_calibration_key_follows_which_layers_are_int4_and_which_int8(tiny_model_dir, tmp_path):
     # a calibration measured before a change of which layers go to int8 must not be reused after it
-    from triedec.calibration import calibration_path
+    from triedec.api.calibration import calibration_path
 
     lm = triedec.load(tiny_model_dir, cache_dir=tmp_path, weights="int4-a8")
     model, before, mix = lm.adapter.model, calibration_path(tmp_path, lm.adapter), layer_mix(lm.adapter.model)
@@ -439,7 +439,7 @@ def test_the_calibration_key_follows_which_layers_are_int4_and_which_int8(tiny_m
 
 
 def test_load_in_each_mode_records_it_and_keeps_a_calibration_per_mode(tiny_model_dir, tmp_path):
-    from triedec.calibration import calibration_path
+    from triedec.api.calibration import calibration_path
 
     lms = {name: triedec.load(tiny_model_dir, cache_dir=tmp_path, **kwargs) for name, kwargs in
            {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"},
@@ -463,7 +463,7 @@ def test_load_in_each_mode_records_it_and_keeps_a_calibration_per_mode(tiny_mode
 
 
 def test_the_model_flags_carry_the_mode_and_give_it_back(tiny_model_dir):
-    from triedec.flags import ModelSpec, build_parser
+    from triedec.cli.flags import ModelSpec, build_parser
 
     parser = build_parser(["generate"])
     args = parser.parse_args(["generate", "hi", "--model", str(tiny_model_dir), "--weights", "int4"])
@@ -500,7 +500,7 @@ def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
     import numpy as np
     from gguf import GGUFReader
 
-    from triedec.models import default_model_path
+    from triedec.model.source import default_model_path
 
     reader = GGUFReader(default_model_path())
     names = {"ffn_down": "mlp.down_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -561,7 +561,7 @@ def _every_method_returns_ars_tokens(lm: triedec.LM) -> None:
 
 def _gguf_files() -> list[Path]:
     """The default model's GGUF, and the other models' where ``scripts/get-models.sh`` put them."""
-    from triedec.models import default_model_path
+    from triedec.model.source import default_model_path
 
     return [Path(default_model_path()), *sorted((Path(__file__).parent.parent / "models").glob("*.gguf"))]
 

@@ -1,4 +1,4 @@
-"""triedec on Ray Serve (:mod:`triedec.ray_app`): the router's choice and the affinity key as pure
+"""triedec on Ray Serve (:mod:`triedec.ray.app`): the router's choice and the affinity key as pure
 functions, the application's arguments, and a local Ray cluster with two engine replicas of the
 default model driven by the ``openai`` client: answers equal ``LM.generate``'s, a conversation's
 turns stay on one replica, and a replica killed mid-run fails only its own requests and is
@@ -22,10 +22,10 @@ import openai
 import ray
 from ray import serve
 
-from triedec.errors import TriedecError
-from triedec.flags import ModelSpec
-from triedec.ray_app import APP_NAME, REPLICA_HEADER, Engine, RaySettings, app, build, engine_options, parse_pairs, run
-from triedec.ray_routing import affinity_key, choose, rendezvous
+from triedec.api.spec import ModelSpec
+from triedec.core.errors import TriedecError
+from triedec.ray.app import APP_NAME, REPLICA_HEADER, Engine, RaySettings, app, build, engine_options, parse_pairs, run
+from triedec.ray.routing import affinity_key, choose, rendezvous
 
 # -- the pure parts ----------------------------------------------------------------------------------
 

@@ -121,8 +121,8 @@ def _split(command: str) -> list[str]:
 
 def test_the_methods_index_is_generated_from_the_registry_and_every_method_has_a_page():
     """docs/methods/README.md holds `triedec methods --markdown` between its markers, current."""
-    from triedec.cli import methods_markdown
-    from triedec.methods import methods
+    from triedec.cli.main import methods_markdown
+    from triedec.engine.methods import methods
 
     text = (ROOT / "docs" / "methods" / "README.md").read_text()
     block = text.split("<!-- methods:begin -->\n", 1)[1].split("\n<!-- methods:end -->", 1)[0]

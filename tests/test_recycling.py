@@ -9,8 +9,10 @@ from helpers import CPU, fake_cost, fake_profile, leaves, monotone_rates
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.accept import Acceptance
-from triedec.costmodel import CostModel
+from triedec.core.accept import Acceptance
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
+from triedec.core.tree import TokenTree
 from triedec.drafters import ModelInfo, Verified, method_spec
 from triedec.drafters.matrix import AdjacencyMatrix
 from triedec.drafters.recycling import RecyclingDrafter, RecyclingOptions, _Plan, fill
@@ -21,8 +23,6 @@ from triedec.drafters.template import (
     best_nodes,
     expected_speeds,
 )
-from triedec.errors import TriedecError
-from triedec.tree import TokenTree
 
 
 def info(vocab: int = 50, nodes: int | None = None, model_id: str = "m1") -> ModelInfo:

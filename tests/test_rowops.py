@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.errors import TriedecError
-from triedec.rowops import CHUNK, argmax, topk_indices
+from triedec.core.errors import TriedecError
+from triedec.core.rowops import CHUNK, argmax, topk_indices
 
 # a few distinct values make ties common; the vocabularies straddle the two-level threshold
 # (4 * k chunks) and leave a ragged tail

@@ -19,10 +19,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from triedec.accept import GreedyRule, SamplingRule, acceptance_rule, walk
-from triedec.errors import TriedecError
-from triedec.sampling import Sampling, draw, process, seen_tokens, uniform
-from triedec.tree import TokenTree
+from triedec.core.accept import GreedyRule, SamplingRule, acceptance_rule, walk
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling, draw, process, seen_tokens, uniform
+from triedec.core.tree import TokenTree
 
 # ---- parameters --------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import ARTICLE, PROMPTS
 
-from triedec.sampling import Sampling, process, seen_tokens
+from triedec.core.sampling import Sampling, process, seen_tokens
 
 SETTINGS = [
     {"temperature": 0.7},

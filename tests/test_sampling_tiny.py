@@ -23,15 +23,15 @@ from helpers import (
 )
 from helpers import random_prompts as prompts
 
-from triedec.accept import acceptance_rule
-from triedec.adapter import ModelAdapter
+from triedec.core.accept import acceptance_rule
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import Sampling
+from triedec.core.tree import TokenTree
 from triedec.drafters import BaseDrafter, method_spec
-from triedec.engine import speculative_decode
-from triedec.errors import TriedecError
-from triedec.methods import method
-from triedec.request import StopRule
-from triedec.sampling import Sampling
-from triedec.tree import TokenTree
+from triedec.engine.batch import speculative_decode
+from triedec.engine.methods import method
+from triedec.engine.request import StopRule
+from triedec.model.adapter import ModelAdapter
 
 SETTINGS = [
     Sampling(temperature=0.3), Sampling(temperature=0.7), Sampling(temperature=1.0),

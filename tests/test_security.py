@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, given, settings
 
 import triedec
 from triedec.bench.load import serving
+from triedec.cli.serve_config import api_keys as _api_keys
+from triedec.core.errors import TriedecError
 from triedec.drafters import state as state_module
 from triedec.drafters.state import load_state, save_state
-from triedec.errors import TriedecError
-from triedec.serve_config import api_keys as _api_keys
 from triedec.server import ApiKeys, ServerConfig, create_app
 from triedec.server import auth as auth_module
 from triedec.server.config import SERVER_LIMITS

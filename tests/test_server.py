@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 
 import triedec
 from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
-from triedec.engine import BatchLimits
+from triedec.engine.batch import BatchLimits
 from triedec.server import ServerConfig, TextStream, create_app
 
 MODEL = "tiny"
@@ -355,7 +355,7 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_learned_state(tmp_pat
     state = tmp_path / f"{method}.safetensors"
     env = {**os.environ, "TRIEDEC_CACHE": str(cache_with_built_kernels(tmp_path / "cache"))}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "triedec.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+        [sys.executable, "-m", "triedec.cli.main", "serve", "--model", str(tiny_model_dir), "--port", str(port),
          "--method", method, *flags, str(state), "--drain-seconds", "20", "--model-name", MODEL],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -390,9 +390,9 @@ def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
     import asyncio
     import threading
 
-    from triedec.engine import BatchLimits
-    from triedec.outcome import Outcome, Stats
-    from triedec.runs import SoloRun
+    from triedec.engine.batch import BatchLimits
+    from triedec.engine.outcome import Outcome, Stats
+    from triedec.engine.runs import SoloRun
     from triedec.server import Job, Scheduler, TenantLimits
 
     all_submitted = threading.Event()  # the first run keeps stepping until every job is in
@@ -438,8 +438,8 @@ def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_clo
     finally runs: the drafting session ends); close() cancels whatever still runs."""
     import asyncio
 
-    from triedec.engine import BatchLimits
-    from triedec.runs import SoloRun
+    from triedec.engine.batch import BatchLimits
+    from triedec.engine.runs import SoloRun
     from triedec.server import Job, Scheduler
 
     ended = {"a": threading.Event(), "b": threading.Event()}

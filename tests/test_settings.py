@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from triedec.decoders import DecoderLimits
-from triedec.engine import BatchLimits
-from triedec.errors import TriedecError
-from triedec.flags import build_parser
-from triedec.serve_config import serve_values, server_config
+from triedec.api.decoders import DecoderLimits
+from triedec.cli.flags import build_parser
+from triedec.cli.serve_config import serve_values, server_config
+from triedec.core.errors import TriedecError
+from triedec.core.settings import MIB, add_flags, flagged, setting, values_of
+from triedec.engine.batch import BatchLimits
 from triedec.server.config import SERVER_LIMITS, ServerConfig
-from triedec.settings import MIB, add_flags, flagged, setting, values_of
 
 
 @dataclasses.dataclass(frozen=True)

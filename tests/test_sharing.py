@@ -22,13 +22,13 @@ from helpers import RedisServer, cache_with_built_kernels, free_port, hf_greedy,
 from helpers import random_prompts as prompts
 
 import triedec
+from triedec.core.errors import TriedecError
 from triedec.drafters import method_spec
 from triedec.drafters.base import FROM_STORE
 from triedec.drafters.learned import Learned
 from triedec.drafters.matrix import AdjacencyMatrix
 from triedec.drafters.rates import MovingRatio, RateTable
 from triedec.drafters.store import LEAD, OutputStore
-from triedec.errors import TriedecError
 from triedec.server import ServerConfig
 from triedec.server.sharing import SharingConfig
 
@@ -210,7 +210,7 @@ class Replica:
         self.url = f"http://127.0.0.1:{self.port}"
         cache = cache_with_built_kernels(cache)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "triedec.cli", "serve", "--model", str(model_dir), "--port", str(self.port),
+            [sys.executable, "-m", "triedec.cli.main", "serve", "--model", str(model_dir), "--port", str(self.port),
              "--model-name", "tiny", "--method", "ar", "--api-keys-file", str(keys_file), "--learning", "tenant",
              "--redis-url", redis_url, "--share-interval", str(INTERVAL), "--drain-seconds", "5"],
             env={**{k: v for k, v in os.environ.items() if not k.startswith("TRIEDEC_")}, "TRIEDEC_CACHE": str(cache)},

@@ -9,7 +9,7 @@ from helpers import tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.text import TextStream
+from triedec.api.text import TextStream
 
 
 @cache

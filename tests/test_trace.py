@@ -1,4 +1,4 @@
-"""Where each token came from (triedec.trace): every method's step records, on tiny random models
+"""Where each token came from (triedec.core.trace): every method's step records, on tiny random models
 and through the server, against the tokens it returned and its own stats."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pytest
 from helpers import drain
 
 import triedec
+from triedec.api.generation import GenerationRequest
 from triedec.bench.load import serving
+from triedec.core.errors import TriedecError
+from triedec.core.trace import MODEL, StepTrace
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import SOURCES, UNNAMED, BaseDrafter, Draft
-from triedec.errors import TriedecError
-from triedec.generation import GenerationRequest
-from triedec.methods import methods
-from triedec.request import Request, StopRule
+from triedec.engine.methods import methods
+from triedec.engine.request import Request, StopRule
 from triedec.server import ServerConfig, create_app
-from triedec.trace import MODEL, StepTrace
-from triedec.tree import TokenTree
 
 SPECULATIVE = [name for name, m in methods().items() if m.equals == "greedy"]
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat on the mat"
@@ -33,7 +33,7 @@ def lm(tiny_model_dir):
 def traced(lm, method, prompt=REPEATING, **kwargs):
     run = lm.start(GenerationRequest.of(prompt, method, **kwargs))
     run.record_steps()
-    tokens, outcome = drain(triedec.engine.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
+    tokens, outcome = drain(triedec.engine.batch.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
     return tokens, outcome, run.take_steps()
 
 
@@ -99,7 +99,7 @@ def test_a_stop_inside_accepted_drafts_keeps_the_records_exact(lm):
     for k in inside[:3]:
         run = Request(Oracle(prompt, answer), prompt, StopRule(30, frozenset({answer[k]})))
         run.record_steps()
-        tokens, outcome = drain(triedec.engine.run_alone(lm.adapter, run))
+        tokens, outcome = drain(triedec.engine.batch.run_alone(lm.adapter, run))
         assert tokens == answer[: k + 1]
         assert check_steps(tokens, outcome.stats, run.take_steps(), stop_inside=True) == 1
         assert outcome.stats.accepted_by_origin["oracle"] == k - (k // 5)
@@ -118,7 +118,7 @@ def test_beam_records_its_live_hypotheses(lm):
 
 def test_a_plain_run_records_nothing(lm):
     run = lm.start(GenerationRequest(REPEATING, "auto", max_new_tokens=8))
-    drain(triedec.engine.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
+    drain(triedec.engine.batch.run_alone(lm.adapter, run, lm.cost_model(), lm.limits))
     assert run.take_steps() == []
 
 

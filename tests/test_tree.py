@@ -8,10 +8,10 @@ from helpers import leaves, path_to, root_paths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from triedec.dispatch import AttentionLayout, ForwardItem, additive_mask, item_visibility
-from triedec.errors import TriedecError
-from triedec.kvcache import KVCache
-from triedec.tree import TokenTree
+from triedec.core.errors import TriedecError
+from triedec.core.kvcache import KVCache
+from triedec.core.tree import TokenTree
+from triedec.model.dispatch import AttentionLayout, ForwardItem, additive_mask, item_visibility
 
 sequences = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=6), min_size=0, max_size=8)
 

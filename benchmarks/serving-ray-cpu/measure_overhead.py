@@ -116,7 +116,7 @@ def main() -> None:
                              stdout=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{redis_port}/0"
     log = (work / "serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "triedec.cli", "serve", "--ray", "--replicas", "2", "--threads",
+    server = subprocess.Popen([sys.executable, "-m", "triedec.cli.main", "serve", "--ray", "--replicas", "2", "--threads",
                                "1", "--redis-url", url, "--method", "auto", "--port", str(port)],
                               stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"

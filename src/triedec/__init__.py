@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BeamOptions": "beam", "BeamStats": "beam", "Hypothesis": "beam",
-    "CostModel": "costmodel",
+    "BeamOptions": "engine.beam", "BeamStats": "engine.beam", "Hypothesis": "engine.beam",
+    "CostModel": "core.costmodel",
     "BaseDrafter": "drafters", "BaseSession": "drafters", "Drafter": "drafters", "DrafterSession": "drafters",
     "ModelInfo": "drafters", "Verified": "drafters", "register": "drafters",
     "Draft": "drafters.base",
-    "custom_generate": "dropin",
-    "Batch": "engine", "BatchLimits": "engine", "speculative_decode": "engine",
-    "TriedecError": "errors",
-    "GenerationRequest": "generation",
-    "LM": "lm", "GenerationResult": "lm", "load": "loading",
-    "Method": "methods", "method": "methods", "methods": "methods",
-    "DecodeStats": "outcome", "Outcome": "outcome", "Stats": "outcome", "Request": "request", "StopRule": "request",
-    "Sampling": "sampling",
-    "TokenTree": "tree",
+    "custom_generate": "api.dropin",
+    "Batch": "engine.batch", "BatchLimits": "engine.batch", "speculative_decode": "engine.batch",
+    "TriedecError": "core.errors",
+    "GenerationRequest": "api.generation",
+    "LM": "api.lm", "GenerationResult": "api.lm", "load": "api.loading",
+    "Method": "engine.methods", "method": "engine.methods", "methods": "engine.methods",
+    "DecodeStats": "engine.outcome", "Outcome": "engine.outcome", "Stats": "engine.outcome",
+    "Request": "engine.request", "StopRule": "engine.request",
+    "Sampling": "core.sampling",
+    "TokenTree": "core.tree",
 }
 """Each public name and the module it lives in. They load on first use (PEP 562), so ``import
 triedec`` and ``triedec --help`` do not import torch and transformers."""
@@ -47,21 +48,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from triedec.beam import BeamOptions, BeamStats, Hypothesis
-    from triedec.costmodel import CostModel
+    from triedec.api.dropin import custom_generate
+    from triedec.api.generation import GenerationRequest
+    from triedec.api.lm import LM, GenerationResult
+    from triedec.api.loading import load
+    from triedec.core.costmodel import CostModel
+    from triedec.core.errors import TriedecError
+    from triedec.core.sampling import Sampling
+    from triedec.core.tree import TokenTree
     from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
     from triedec.drafters.base import Draft
-    from triedec.dropin import custom_generate
-    from triedec.engine import Batch, BatchLimits, speculative_decode
-    from triedec.errors import TriedecError
-    from triedec.generation import GenerationRequest
-    from triedec.lm import LM, GenerationResult
-    from triedec.loading import load
-    from triedec.methods import Method, method, methods
-    from triedec.outcome import DecodeStats, Outcome, Stats
-    from triedec.request import Request, StopRule
-    from triedec.sampling import Sampling
-    from triedec.tree import TokenTree
+    from triedec.engine.batch import Batch, BatchLimits, speculative_decode
+    from triedec.engine.beam import BeamOptions, BeamStats, Hypothesis
+    from triedec.engine.methods import Method, method, methods
+    from triedec.engine.outcome import DecodeStats, Outcome, Stats
+    from triedec.engine.request import Request, StopRule
 
 __all__ = [
     "LM",

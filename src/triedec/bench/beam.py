@@ -35,11 +35,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from triedec.api.lm import LM
 from triedec.bench.datasets import Question, data_path
 from triedec.bench.harness import _messages
 from triedec.bench.runners import HFRunner, RunRecord, TriedecRunner, hf_generate, measured
-from triedec.errors import TriedecError
-from triedec.lm import LM
+from triedec.core.errors import TriedecError
 
 BASELINE = "hf-beam"
 SANDBOX_TIMEOUT_S = 10.0

@@ -16,7 +16,7 @@ from typing import Any
 
 from triedec.bench.stats import compare
 from triedec.bench.summary import units
-from triedec.errors import TriedecError
+from triedec.core.errors import TriedecError
 
 MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "device", "gpu", "platform")
 """What must match for two files' timings to be compared without ``--cross-machine``."""

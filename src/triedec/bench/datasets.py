@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from triedec.errors import TriedecError, positive_int
+from triedec.core.errors import TriedecError, positive_int
 
 DATASETS = ("spec-bench", "humaneval", "mbpp", "repeated")
 MT_BENCH = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
@@ -219,7 +219,7 @@ def warmup_questions(dataset: str, sample: Sequence[Question], count: int) -> li
     """``count`` single-turn warm-up questions that share no turn with ``sample``: a shipped
     dataset's tuning split, one category after another; for a user's file, triedec's calibration
     prompts (themselves Spec-Bench tuning prompts)."""
-    from triedec.calibration import calibration_prompts
+    from triedec.api.calibration import calibration_prompts
 
     if count == 0:
         return []

@@ -65,11 +65,11 @@ from typing import Any
 
 import torch
 
+from triedec.api.lm import LM
 from triedec.bench.datasets import Question
 from triedec.bench.runners import OWN_BASELINE, REFERENCE, SAMPLED_REFERENCE, Runner, RunRecord, measured
-from triedec.errors import TriedecError, positive_int
-from triedec.lm import LM
-from triedec.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling, process, seen_tokens, uniform
 
 _log = logging.getLogger("triedec.bench")
 

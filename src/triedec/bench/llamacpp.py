@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from triedec.bench.runners import RunRecord
-from triedec.errors import TriedecError
-from triedec.sampling import GREEDY_SAMPLING, Sampling
+from triedec.core.errors import TriedecError
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling
 
 LABEL = "llamacpp"
 LOOKUP_CONTEXT = 2048

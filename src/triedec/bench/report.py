@@ -15,7 +15,7 @@ import torch
 from triedec.bench.runners import OWN_BASELINE, REFERENCE
 from triedec.bench.stats import ratio_interval
 from triedec.bench.summary import LOW_REPETITION, units
-from triedec.sampling import Sampling
+from triedec.core.sampling import Sampling
 
 
 def source_commit() -> str:

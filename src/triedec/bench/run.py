@@ -3,7 +3,7 @@
 An entry is ``name[:key=value[:key=value...]]``: a triedec method with inline options, or a stock
 transformers baseline (``hf-greedy``, ``hf-sample`` (sampling runs), ``hf-pld[:num_tokens=N]``
 (greedy or sampling, as the run), ``hf-beam``). Each entry has an
-exactness contract (:attr:`triedec.methods.Method.equals`): the entries of one run must share it,
+exactness contract (:attr:`triedec.engine.methods.Method.equals`): the entries of one run must share it,
 and it picks the protocol -- the Spec-Bench-style greedy benchmark (:mod:`~triedec.bench.harness`,
 reference ``hf-greedy``) or the beam-search benchmark (:mod:`~triedec.bench.beam`, widths from
 ``beams``).
@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from triedec.api.lm import LM
 from triedec.bench.beam import beam_markdown, parse_beams, run_beam_benchmark, summarize_beams, write_beam_outputs
 from triedec.bench.datasets import (
     DATASETS,
@@ -41,11 +42,10 @@ from triedec.bench.runners import (
     transformers_tokens_compared,
 )
 from triedec.bench.summary import leader, summarize
-from triedec.errors import TriedecError, positive_int
-from triedec.lm import LM
-from triedec.methods import BEAM_SEARCH, GREEDY, method
-from triedec.models import default_model_path
-from triedec.sampling import GREEDY_SAMPLING, Sampling
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling
+from triedec.engine.methods import BEAM_SEARCH, GREEDY, method
+from triedec.model.source import default_model_path
 
 HF_PLD_DEFAULT_TOKENS = 10
 HF_BASELINES = {"hf-greedy": GREEDY, "hf-sample": GREEDY, "hf-pld": GREEDY, "hf-beam": BEAM_SEARCH,

@@ -1,6 +1,6 @@
 """What the benchmark times: a :class:`Runner` per method, stock transformers' (:class:`HFRunner`,
 ``model.generate`` as a user runs it) and triedec's (:class:`TriedecRunner`, one
-:class:`~triedec.generation.GenerationRequest` per run), each run's :class:`RunRecord`, and the
+:class:`~triedec.api.generation.GenerationRequest` per run), each run's :class:`RunRecord`, and the
 peak memory of one run (:func:`measured`)."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any, Protocol
 
 import torch
 
-from triedec.adapter import returned_cache
-from triedec.generation import GenerationRequest
-from triedec.lm import LM
-from triedec.methods import method as find_method
-from triedec.sampling import GREEDY_SAMPLING, Sampling
+from triedec.api.generation import GenerationRequest
+from triedec.api.lm import LM
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling
+from triedec.engine.methods import method as find_method
+from triedec.model.adapter import returned_cache
 
 REFERENCE = "hf-greedy"
 """The speed and token reference of a greedy run."""

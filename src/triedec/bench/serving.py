@@ -45,15 +45,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from triedec.api.generation import GenerationRequest
+from triedec.api.lm import LM
 from triedec.bench.datasets import Question
 from triedec.bench.harness import first_mismatch
 from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.sampling import GREEDY_SAMPLING, MAX_SEED, Sampling
 from triedec.drafters import NEEDS_COST
-from triedec.errors import TriedecError, positive_int
-from triedec.generation import GenerationRequest
-from triedec.lm import LM
-from triedec.methods import method
-from triedec.sampling import GREEDY_SAMPLING, MAX_SEED, Sampling
+from triedec.engine.methods import method
 
 WARMUP_PROMPT = "Name three colours of the rainbow."
 """The untimed request that starts each phase (not in any benchmark sample)."""
@@ -161,7 +161,7 @@ def server_process(serve_args: Sequence[str], entry: Entry, model_name: str, max
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "triedec.cli", "serve", *serve_args, *entry.flags, "--port", str(port),
+    command = [sys.executable, "-m", "triedec.cli.main", "serve", *serve_args, *entry.flags, "--port", str(port),
                "--model-name", model_name, "--max-running", str(max_running)]
     # the server's log goes to a file, not a pipe: a chatty server (Ray's) never blocks on it
     with tempfile.TemporaryFile(mode="w+") as log:

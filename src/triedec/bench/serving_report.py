@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from triedec.bench.stats import geometric_mean, ratio_interval, repeat_interval
-from triedec.params import GREEDY_SAMPLING
+from triedec.core.params import GREEDY_SAMPLING
 
 
 def phase_runs(results: dict[str, Any]) -> dict[tuple[str, int], list[dict[str, Any]]]:

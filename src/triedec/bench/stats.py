@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from triedec.errors import TriedecError
+from triedec.core.errors import TriedecError
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0

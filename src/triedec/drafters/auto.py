@@ -23,7 +23,7 @@ whose ratio is the rate, so that ``base * rate`` estimates a node's chance given
 whatever its base. Given its parent, a node's chance is ``1 - prod (1 - base * rate)`` over its
 kinds (merged evidence); siblings whose chances add up to more than 1 are scaled down together
 (at most one child is accepted); its chance to be accepted is that times its parent's. The draft
-lists the nodes best first by that chance, and the engine's allocator (:mod:`triedec.allocate`)
+lists the nodes best first by that chance, and the engine's allocator (:mod:`triedec.core.allocate`)
 verifies the prefix that pays under the device's cost model, shared with every other running
 request: nothing where nothing pays. A key whose nodes were not verified drifts back toward its
 prior, so it is tried again later. ``sized=False`` sends every ranked node.
@@ -47,16 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.settings import at_most
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import FROM_STORE, MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.learned import Learned
 from triedec.drafters.matrix import AdjacencyMatrix
 from triedec.drafters.rates import RateTable
-from triedec.drafters.registry import NEEDS_COST, STATE_FILE, at_most, register
+from triedec.drafters.registry import NEEDS_COST, STATE_FILE, register
 from triedec.drafters.state import check_location
 from triedec.drafters.store import LONGEST_MATCH, STORE_BYTES_PER_TOKEN, OutputStore
 from triedec.drafters.trie import NgramTrie
-from triedec.errors import TriedecError, positive_int
-from triedec.tree import TokenTree
 
 METHOD = "auto"
 SOURCES = ("context", "store", "recycling")

@@ -5,7 +5,7 @@ A drafter is model-free: it sees token ids (the context) and, after each verific
 model computed for the tree it proposed. The engine treats every drafter alike.
 
 **Where state lives.** A drafter object is shared by every request that uses its method and
-options (the :class:`~triedec.lm.LM` keeps one, so learned state stays warm); everything that
+options (the :class:`~triedec.api.lm.LM` keeps one, so learned state stays warm); everything that
 belongs to one request lives in the :class:`DrafterSession` that ``drafter.begin(...)`` returns.
 State meant to outlive requests (Token Recycling's matrix, agreement rates) stays on the drafter,
 and every update of it is made under the drafter's lock, so concurrent requests are safe.
@@ -22,11 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from triedec.accept import Acceptance
-from triedec.costmodel import CostModel
+from triedec.core.accept import Acceptance
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
+from triedec.core.tree import TokenTree
 from triedec.drafters.learned import Learned
-from triedec.errors import TriedecError
-from triedec.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ModelInfo:
     ``model_id`` fingerprints the weights (to tag saved drafter state). ``cost`` is the device's
     measured cost curve, or None: size drafts as for a flat curve (every verified token free).
     ``profiles`` holds calibrated, method-specific values by method name (Token Recycling's node
-    acceptance rates under ``"recycling"``). Both are measured by :mod:`triedec.calibration`
+    acceptance rates under ``"recycling"``). Both are measured by :mod:`triedec.api.calibration`
     before a drafter is built, never by the drafter.
     """
 
@@ -75,7 +75,7 @@ class Draft:
 
     ``tree`` lists its nodes best first (any prefix of a tree's node list is a tree, so the engine
     can verify any prefix). ``chances[i]`` is the drafter's estimate of the probability that node
-    i is accepted (the root's is 1); the allocator (:mod:`triedec.allocate`) merges every running
+    i is accepted (the root's is 1); the allocator (:mod:`triedec.core.allocate`) merges every running
     request's chances and decides how long a prefix of each draft one forward verifies.
     ``required``: how many leading nodes (root included) are verified whatever the allocator
     decides. "Verify the whole tree" is spelled ``required == tree.size`` (:attr:`whole`; built
@@ -84,7 +84,7 @@ class Draft:
     ``min_expected``, recycling's ``nodes=N``) draft that way. ``sources[i]``: the names of the sources that drafted
     node i, primary first (see :data:`SOURCES`; the root's is empty), or ``()`` when the drafter
     names none (its nodes count as :data:`UNNAMED`): what a token accepted from node i reports as
-    its origin (:mod:`triedec.trace`). Frozen and validated on construction."""
+    its origin (:mod:`triedec.core.trace`). Frozen and validated on construction."""
 
     tree: TokenTree
     chances: tuple[float, ...]
@@ -197,7 +197,7 @@ class DrafterSession(Protocol):
       that holds some of them, in order;
     * per step, ``propose(context, max_nodes)`` -- a :class:`Draft` of at most ``max_nodes`` nodes
       rooted at ``context[-1]`` (context = prompt + generated), best first; ``max_nodes`` is 1 on
-      a step whose drafting a server batch skips (:class:`~triedec.allocate.DraftGate`), where
+      a step whose drafting a server batch skips (:class:`~triedec.core.allocate.DraftGate`), where
       the root alone is the answer and the cheaper the better -- then
       ``observe(verified)`` -- what the model computed for the part of it that was verified
       (:class:`Verified` says which part);
@@ -227,7 +227,7 @@ class Drafter(Protocol):
     replica's (:mod:`triedec.drafters.learned`: what is exchanged and each part's merge rule);
     a drafter that learns nothing across requests exports an empty value and absorbs nothing.
     ``max_learned_bytes()``: the most memory its learned state can ever take, from its options'
-    bounds (not what it holds now): what :mod:`triedec.decoders` keeps built methods under."""
+    bounds (not what it holds now): what :mod:`triedec.api.decoders` keeps built methods under."""
 
     prefill_logits: int
 

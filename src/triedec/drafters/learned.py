@@ -28,7 +28,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from triedec.errors import TriedecError
+from triedec.core.errors import TriedecError
 
 Output = tuple[tuple[int, ...], tuple[int, ...]]
 """(lead, output): the last tokens of a request's prompt and what the model answered"""
@@ -82,7 +82,7 @@ class Learned:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Learned:
-        """The value :meth:`to_json` wrote; anything else raises :class:`~triedec.errors.TriedecError`
+        """The value :meth:`to_json` wrote; anything else raises :class:`~triedec.core.errors.TriedecError`
         (keys come back with their lists as tuples)."""
         try:
             data = json.loads(text)

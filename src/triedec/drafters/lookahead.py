@@ -1,7 +1,7 @@
 """Method ``lookahead``: lookahead decoding (Fu et al. 2024, "LADE") with LADE's independent or
 the seed paper's trie-merged verification.
 
-Everything runs in one forward over one :class:`~triedec.tree.TokenTree` rooted at the last token:
+Everything runs in one forward over one :class:`~triedec.core.tree.TokenTree` rooted at the last token:
 
 * **Lookahead branch** (Jacobi iterations over a window of W future positions, N-gram size N).
   The 2D window holds N-1 levels of W guesses; level j, column c guesses position +c+j (c = 1..W).
@@ -31,11 +31,12 @@ from typing import ClassVar
 
 import numpy as np
 
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.rowops import argmax
+from triedec.core.settings import at_most
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
-from triedec.drafters.registry import at_most, register
-from triedec.errors import TriedecError, positive_int
-from triedec.rowops import argmax
-from triedec.tree import TokenTree
+from triedec.drafters.registry import register
 
 VERIFY_MODES = ("independent", "trie")
 

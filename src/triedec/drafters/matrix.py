@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
+from triedec.core.errors import StateFileError, TriedecError, positive_int
+from triedec.core.rowops import topk_indices
 from triedec.drafters.learned import Row
 from triedec.drafters.state import load_state, save_state
-from triedec.errors import StateFileError, TriedecError, positive_int
-from triedec.rowops import topk_indices
 
 STATE_FORMAT = "triedec-recycling-1"
 """The format tag of a saved matrix (recycling's ``state=`` file)."""
@@ -39,7 +39,7 @@ class AdjacencyMatrix:
 
     @torch.inference_mode()
     def update(self, tokens: Sequence[int], logits: torch.Tensor) -> None:
-        """Write the indices of ``logits[i]``'s top k (:func:`~triedec.rowops.topk_indices`) into
+        """Write the indices of ``logits[i]``'s top k (:func:`~triedec.core.rowops.topk_indices`) into
         row ``tokens[i]`` for every i (``tokens [T]``, ``logits [T, vocab]``). Duplicate tokens:
         the last position wins."""
         top = topk_indices(logits.to(self.device), self.k)  # [T, k]

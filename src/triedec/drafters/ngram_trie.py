@@ -27,7 +27,7 @@ time, after matches of the same length and in the same state (whether the previo
 drafts: copying tends to go on); a ratio of two exponential moving averages, accepted draft tokens
 over tried ones, where a step tries its accepted tokens plus the one it rejected, if any.
 The draft lists the num_draft nodes best first with these chances, and the engine's allocator
-(:mod:`triedec.allocate`) verifies the prefix that pays under the device's measured cost model,
+(:mod:`triedec.core.allocate`) verifies the prefix that pays under the device's measured cost model,
 so nothing is drafted when no draft is worth its verification. A match length whose drafts were
 not verified drifts back toward the optimistic prior, so it is probed again later (as ``pld``
 does). ``sized=False`` sends all num_draft nodes.
@@ -42,12 +42,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.settings import at_most
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.rates import RatedDrafter, RateTable
-from triedec.drafters.registry import NEEDS_COST, at_most, register
+from triedec.drafters.registry import NEEDS_COST, register
 from triedec.drafters.trie import NgramTrie
-from triedec.errors import TriedecError, positive_int
-from triedec.tree import TokenTree
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.settings import at_most
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.rates import RatedDrafter, RateTable
-from triedec.drafters.registry import NEEDS_COST, at_most, register
-from triedec.errors import TriedecError, positive_int
-from triedec.tree import TokenTree
+from triedec.drafters.registry import NEEDS_COST, register
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from triedec.costmodel import CostModel
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.settings import at_most
+from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, BaseDrafter, BaseSession, Draft, ModelInfo, Verified
 from triedec.drafters.learned import Learned
 from triedec.drafters.matrix import AdjacencyMatrix
@@ -49,7 +52,6 @@ from triedec.drafters.registry import (
     CalibrationBench,
     NoOptions,
     ProfileSpec,
-    at_most,
     register,
 )
 from triedec.drafters.state import check_location
@@ -60,8 +62,6 @@ from triedec.drafters.template import (
     best_nodes,
     expected_speeds,
 )
-from triedec.errors import TriedecError, positive_int
-from triedec.tree import TokenTree
 
 METHOD = "recycling"
 

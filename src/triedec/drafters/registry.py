@@ -8,8 +8,8 @@ Registering a drafter is one decorator on its class, with a frozen options datac
     @register("repeat-last", RepeatOptions, "drafts the last token again")
     class RepeatLast(BaseDrafter): ...
 
-A method with a loop of its own (beam search, :mod:`triedec.beam`) registers the same way with
-``own_loop=True``: its factory builds the whole decoder (:class:`triedec.methods.Decoder`)
+A method with a loop of its own (beam search, :mod:`triedec.engine.beam`) registers the same way with
+``own_loop=True``: its factory builds the whole decoder (:class:`triedec.engine.methods.Decoder`)
 instead of a drafter for the speculative loop.
 """
 
@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from triedec.costmodel import CostModel
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
 from triedec.drafters.base import Drafter, ModelInfo
-from triedec.errors import TriedecError
 
 GREEDY = "greedy"
 """The exactness contract of a method whose output is greedy (or sampled) autoregressive decoding's."""
@@ -43,20 +43,11 @@ state (the benchmark's ``cold`` protocol) find such options through it."""
 
 
 
-def at_most(limit: int) -> Mapping[str, object]:
-    """Field metadata of an option that sizes memory or work (``k: int = field(default=8,
-    metadata=at_most(64))``): a larger value is refused wherever options are made
-    (:meth:`MethodSpec.make_options`: the API, the CLI, a server request's ``method_options``),
-    and ``triedec methods`` shows the bound. No request can make a drafter hold more than its
-    options' maxima allow."""
-    return types.MappingProxyType({"maximum": limit})
-
-
 # ---- calibration profiles -----------------------------------------------------------------------
 
 
 class CalibrationBench(Protocol):
-    """What a drafter's profile measurement may use (given by :mod:`triedec.calibration`): the
+    """What a drafter's profile measurement may use (given by :mod:`triedec.api.calibration`): the
     model's :class:`ModelInfo` with the device's cost model, calibration prompts (never benchmark
     prompts) as token ids, and ``decode(drafter, prompt, max_new_tokens)``, which decodes one
     prompt greedily with ``drafter`` and returns the tokens generated."""
@@ -72,7 +63,7 @@ class CalibrationBench(Protocol):
 class ProfileSpec:
     """A calibrated, method-specific profile a drafter declares (``register(..., profile=...)``):
     ``measure(bench)`` measures it, ``dump``/``load`` turn it into JSON values and back (``load``
-    raises :class:`~triedec.errors.TriedecError` on bad data), ``describe(profile, cost)`` gives
+    raises :class:`~triedec.core.errors.TriedecError` on bad data), ``describe(profile, cost)`` gives
     lines for ``triedec calibrate`` to print."""
 
     measure: Callable[[CalibrationBench], Any]
@@ -158,7 +149,7 @@ class MethodSpec:
 
     def maxima(self) -> dict[str, int]:
         """The options that size memory or work, with their largest allowed values
-        (:func:`at_most`)."""
+        (:func:`~triedec.core.settings.at_most`)."""
         return {f.name: f.metadata["maximum"] for f in dataclasses.fields(self.options) if "maximum" in f.metadata}
 
     def make_options(self, values: Mapping[str, object]) -> Any:

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
 
-from triedec.errors import StateFileError
+from triedec.core.errors import StateFileError
 
 
 def _private_dir(directory: Path, what: str, path: Path) -> None:

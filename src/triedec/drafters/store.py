@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from triedec.core.errors import StateFileError
 from triedec.drafters.state import load_state, save_state
-from triedec.errors import StateFileError
 
 STORE_FORMAT = "triedec-output-store-v1"
 KEYS = (3, 8)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from triedec.costmodel import CostModel
-from triedec.errors import TriedecError
+from triedec.core.costmodel import CostModel
+from triedec.core.errors import TriedecError
 
 PAPER_TREE: tuple[tuple[int, ...], ...] = (
     # depth 1 (8)

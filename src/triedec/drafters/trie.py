@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from triedec.errors import TriedecError
+from triedec.core.errors import TriedecError
 
 
 @dataclass

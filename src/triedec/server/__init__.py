@@ -1,4 +1,4 @@
-"""``triedec serve``: an OpenAI-compatible HTTP server over one loaded :class:`~triedec.lm.LM`.
+"""``triedec serve``: an OpenAI-compatible HTTP server over one loaded :class:`~triedec.api.lm.LM`.
 
 A thin shell (FastAPI + uvicorn + prometheus_client) over the public API:
 
@@ -13,7 +13,7 @@ A thin shell (FastAPI + uvicorn + prometheus_client) over the public API:
 **Batching.** Each request is one engine run (:meth:`LM.start`: its own KV cache, drafting session,
 stop and acceptance rules). One scheduler thread (:mod:`triedec.server.scheduler`) owns the
 engine's step loop: every step, one forward carries every running request's draft tree, sized
-together under one verify budget (:mod:`triedec.allocate`), plus chunks of newly arrived prompts;
+together under one verify budget (:mod:`triedec.core.allocate`), plus chunks of newly arrived prompts;
 beam searches run beside it, in loops of their own. At most ``max_running`` requests run at once
 (and ``max_kv_bytes`` of KV), ``max_queue`` more wait; past that a request gets 503. A request whose
 client disconnects leaves the batch at the next step boundary (its session ends, its KV is freed).
@@ -39,7 +39,7 @@ loaded or measured before the server serves (nothing is measured on a request's 
 **Scaling out** (docs/scaling-out.md). With ``redis_url``, a thread of its own
 (:mod:`~triedec.server.sharing`) exchanges what the drafters learned with every other process
 naming the same Redis, per tenant (or per model under ``shared``), never on a request's path.
-:mod:`triedec.ray_app` runs this app as Ray Serve replicas behind a gateway that uses the same
+:mod:`triedec.ray.app` runs this app as Ray Serve replicas behind a gateway that uses the same
 front door (:func:`~triedec.server.transport.front_door`).
 
 Modules: :mod:`~triedec.server.app` (the routes, :class:`ServerConfig`, :func:`serve`),
@@ -62,7 +62,7 @@ slow (408), a request with no token within
 the reason go to the server's log).
 """
 
-from triedec.errors import require_extra
+from triedec.core.errors import require_extra
 
 require_extra("server", "triedec.server")  # a clear error, not a ModuleNotFoundError from deep inside
 
@@ -83,7 +83,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     if name == "TextStream":
-        from triedec.text import TextStream
+        from triedec.api.text import TextStream
 
         return TextStream
     if name not in _EXPORTS:
@@ -94,9 +94,9 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from triedec.api.text import TextStream
     from triedec.server.app import create_app, serve
     from triedec.server.auth import ApiKeys
     from triedec.server.config import ServerConfig, Tenancy, TenantLimits
     from triedec.server.jobs import Job
     from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
-    from triedec.text import TextStream

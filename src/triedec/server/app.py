@@ -1,4 +1,4 @@
-"""The FastAPI app over one loaded :class:`~triedec.lm.LM` (see :mod:`triedec.server`)."""
+"""The FastAPI app over one loaded :class:`~triedec.api.lm.LM` (see :mod:`triedec.server`)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from triedec.api.lm import LM
+from triedec.core.errors import TriedecError
 from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.drafters.state import check_location
-from triedec.errors import TriedecError
-from triedec.lm import LM
-from triedec.methods import method as find_method
+from triedec.engine.methods import method as find_method
 from triedec.server.auth import MaskQueryStrings
 from triedec.server.config import ServerConfig
 from triedec.server.playground import add_routes as add_playground

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
-from triedec.errors import TriedecError
+from triedec.core.errors import TriedecError
 from triedec.server.playground import PAGE_PATHS
 from triedec.server.schemas import error
 

@@ -3,13 +3,13 @@ values it builds for the parts it configures (:class:`Tenancy`, :class:`TenantLi
 :class:`SharingConfig`). Declarations only: nothing here imports torch, FastAPI or the model, so
 ``triedec serve --help`` is generated from these fields in well under a second.
 
-Plain settings are fields declared with :func:`~triedec.settings.setting`: ``triedec serve``'s
-flags are generated from them (:func:`triedec.flags.build_parser`), the Ray app reads its
+Plain settings are fields declared with :func:`~triedec.core.settings.setting`: ``triedec serve``'s
+flags are generated from them (:func:`triedec.cli.flags.build_parser`), the Ray app reads its
 ``key=value`` pairs into the same fields, and nothing copies them by hand. The engine's limits are
-one :class:`~triedec.limits.BatchLimits` and the bounds on built methods one
-:class:`~triedec.decoders.DecoderLimits`, held as they are. The settings that are built from
+one :class:`~triedec.core.limits.BatchLimits` and the bounds on built methods one
+:class:`~triedec.api.decoders.DecoderLimits`, held as they are. The settings that are built from
 several flags or the environment (the method and its options, the API keys, the Redis URL, the
-model's name) are plain fields whose flags ``triedec.flags`` writes.
+model's name) are plain fields whose flags ``triedec.cli.flags`` writes.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from triedec.decoders import DecoderLimits
-from triedec.errors import TriedecError, positive_int
-from triedec.limits import BatchLimits
-from triedec.params import DEFAULT_METHOD, MAX_NEW_TOKENS
-from triedec.settings import setting
+from triedec.api.decoders import DecoderLimits
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.limits import BatchLimits
+from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS
+from triedec.core.settings import setting
 
 if TYPE_CHECKING:
     from triedec.server.auth import ApiKeys
@@ -156,7 +156,7 @@ class ServerConfig:
                                                                   "about")
     decoders: DecoderLimits = field(default_factory=DecoderLimits)
     """the methods (option sets) kept built, per tenant and overall, in count and learned-state
-    bytes (:mod:`triedec.decoders`); past them the least recently used are dropped"""
+    bytes (:mod:`triedec.api.decoders`); past them the least recently used are dropped"""
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):

@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from triedec.runs import Run
-from triedec.trace import StepTrace
+from triedec.core.trace import StepTrace
+from triedec.engine.runs import Run
 
 
 class Job:

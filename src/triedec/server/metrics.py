@@ -8,8 +8,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from triedec.engine import StepReport
-from triedec.outcome import Outcome
+from triedec.engine.batch import StepReport
+from triedec.engine.outcome import Outcome
 
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 

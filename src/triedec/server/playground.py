@@ -3,7 +3,7 @@ token by where it came from.
 
 The page is ``index.html`` and the files of :data:`FILES` in ``triedec/server/page/`` (no build step, no CDN, works
 offline). It talks to ``/v1/chat/completions`` like any client, streaming, with ``"trace": true``
-so that each chunk carries its step's record (:mod:`triedec.trace`), and to ``GET
+so that each chunk carries its step's record (:mod:`triedec.core.trace`), and to ``GET
 /triedec/info`` for the methods and their options. The page and its files need no key; with keys
 configured, every API call does: the page asks for one and keeps it in ``sessionStorage`` only,
 sending it as ``Authorization: Bearer`` (never in a URL).
@@ -22,10 +22,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from triedec.core.trace import MODEL
 from triedec.drafters.base import SOURCES, UNNAMED
-from triedec.methods import methods
+from triedec.engine.methods import methods
 from triedec.server.schemas import error
-from triedec.trace import MODEL
 
 FILES = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8",
          "icon.svg": "image/svg+xml"}

@@ -1,13 +1,13 @@
 """The server's scheduler: one thread that owns the engine's step loop.
 
-Every HTTP request becomes a :class:`~triedec.server.jobs.Job`: its engine run (a :class:`~triedec.request.Request`,
-or beam search's :class:`~triedec.runs.SoloRun`), its tenant and deadline, and the channel its
-events travel on to the handler (:meth:`~triedec.server.jobs.Job.next`: the tokens emitted since the last call, then
-``("done", Outcome)``, ``("error", exception)``, ``("cancelled", None)`` or ``("timeout", None)``;
-bounded, and never waited on by this thread). The scheduler thread hands new jobs to one
-:class:`~triedec.engine.Batch` at step boundaries. The batch owns admission: oldest first, while
+Every HTTP request becomes a :class:`~triedec.server.jobs.Job`: its engine run (a
+:class:`~triedec.engine.request.Request`, or beam search's :class:`~triedec.engine.runs.SoloRun`), its tenant
+and deadline, and the channel its events travel on to the handler (:meth:`~triedec.server.jobs.Job.next`: the
+tokens emitted since the last call, then ``("done", Outcome)``, ``("error", exception)``, ``("cancelled", None)``
+or ``("timeout", None)``; bounded, and never waited on by this thread). The scheduler thread hands new jobs to one
+:class:`~triedec.engine.batch.Batch` at step boundaries. The batch owns admission: oldest first, while
 there is room and the job's tenant (the run's group) has running room (:class:`TenantLimits`).
-The thread runs :meth:`~triedec.engine.Batch.step` (one forward for every running request; beam
+The thread runs :meth:`~triedec.engine.batch.Batch.step` (one forward for every running request; beam
 searches beside it) and hands each job its new tokens. A job cancelled by
 its handler (the client left) or past its deadline leaves the batch at the next step boundary:
 its session ends and its KV is freed. Nothing per request is shared between jobs; the batch is
@@ -35,10 +35,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from triedec.engine import Batch, StepReport
-from triedec.errors import TriedecError
-from triedec.limits import BatchLimits
-from triedec.lm import LM
+from triedec.api.lm import LM
+from triedec.core.errors import TriedecError
+from triedec.core.limits import BatchLimits
+from triedec.engine.batch import Batch, StepReport
 from triedec.server.config import TenantLimits
 from triedec.server.jobs import Job
 
@@ -60,7 +60,7 @@ class TenantBusy(Exception):
 
 class Scheduler:
     """Owns the engine's step loop on one thread (started on first use); see the module doc.
-    ``on_step`` receives what each step carried (a :class:`~triedec.engine.StepReport`), on the
+    ``on_step`` receives what each step carried (a :class:`~triedec.engine.batch.StepReport`), on the
     scheduler thread; ``tenants`` bounds each tenant's share and each request's time."""
 
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
@@ -118,7 +118,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` past the queue's bound or while shutting down,
         :class:`TenantBusy` past its tenant's share (:class:`TenantLimits`); a
-        :class:`~triedec.errors.TriedecError` for a request that could never run here (more KV
+        :class:`~triedec.core.errors.TriedecError` for a request that could never run here (more KV
         than the cap)."""
         with self._cond:
             if self._closed:
@@ -248,9 +248,9 @@ class Scheduler:
     def _remeasure(self) -> None:
         """The server has been idle ``remeasure_after`` seconds (more after each attempt that found
         the machine busy again) and its calibration was measured busy: measure the cost model again
-        now (:meth:`~triedec.lm.LM.remeasure_if_busy`), abandoned within one forward when a request,
+        now (:meth:`~triedec.api.lm.LM.remeasure_if_busy`), abandoned within one forward when a request,
         a call or shutdown arrives (the next quiet period tries again)."""
-        from triedec.calibration import Interrupted
+        from triedec.api.calibration import Interrupted
 
         try:
             quiet = self.lm.remeasure_if_busy(should_stop=self._has_work)

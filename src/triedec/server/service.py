@@ -19,16 +19,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from triedec.api.generation import GenerationRequest
+from triedec.api.lm import LM
+from triedec.api.text import TextStream
+from triedec.core.errors import StateFileError, TriedecError
+from triedec.core.sampling import SAMPLING_FIELDS, Sampling
+from triedec.core.trace import StepTrace
 from triedec.drafters.base import FROM_STORE
-from triedec.engine import StepReport
-from triedec.errors import StateFileError, TriedecError
-from triedec.generation import GenerationRequest
-from triedec.lm import LM
-from triedec.methods import method as find_method
-from triedec.methods import methods
-from triedec.outcome import Outcome
-from triedec.runs import Run
-from triedec.sampling import SAMPLING_FIELDS, Sampling
+from triedec.engine.batch import StepReport
+from triedec.engine.methods import method as find_method
+from triedec.engine.methods import methods
+from triedec.engine.outcome import Outcome
+from triedec.engine.runs import Run
 from triedec.server.config import ServerConfig
 from triedec.server.jobs import Job
 from triedec.server.metrics import Metrics
@@ -40,8 +42,6 @@ from triedec.server.schemas import (
 )
 from triedec.server.sharing import Sharing
 from triedec.server.tenancy import ANONYMOUS, Scopes
-from triedec.text import TextStream
-from triedec.trace import StepTrace
 
 log = logging.getLogger("triedec.server")
 

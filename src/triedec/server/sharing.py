@@ -52,9 +52,9 @@ from collections.abc import Hashable
 from concurrent.futures import CancelledError
 from typing import Any
 
+from triedec.api.lm import LM
+from triedec.core.errors import TriedecError
 from triedec.drafters.learned import Learned
-from triedec.errors import TriedecError
-from triedec.lm import LM
 from triedec.server.config import SharingConfig
 from triedec.server.scheduler import QueueFull, Scheduler
 from triedec.server.tenancy import scope_name

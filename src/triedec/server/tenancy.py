@@ -1,8 +1,8 @@
 """Whose learned state a request drafts from and teaches: ``--learning shared|tenant|off``.
 
 A method's learned state (auto's store of earlier outputs, the recycling matrix, the acceptance
-rates) lives on its drafter, and the :class:`~triedec.lm.LM` builds one drafter per method,
-options and *scope* (:meth:`~triedec.lm.LM.decoder`). This module picks the scope of a request:
+rates) lives on its drafter, and the :class:`~triedec.api.lm.LM` builds one drafter per method,
+options and *scope* (:meth:`~triedec.api.lm.LM.decoder`). This module picks the scope of a request:
 
 * ``shared``: one scope for everyone (None): every request drafts from every earlier one;
 * ``tenant``: one scope per tenant (the API key's tenant, else the request's ``user`` field, else
@@ -27,8 +27,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 
-from triedec.errors import TriedecError
-from triedec.methods import method as find_method
+from triedec.core.errors import TriedecError
+from triedec.engine.methods import method as find_method
 from triedec.server.config import Tenancy
 
 ANONYMOUS = "anonymous"

@@ -29,7 +29,7 @@ def front_door_layers(config: ServerConfig) -> list[tuple[type, dict[str, Any]]]
 
 def front_door(inner: Any, config: ServerConfig) -> Any:
     """The ASGI app ``inner`` behind the server's own front door, as :func:`create_app` puts its
-    routes (:func:`front_door_layers`). A gateway in front of replicas (:mod:`triedec.ray_app`)
+    routes (:func:`front_door_layers`). A gateway in front of replicas (:mod:`triedec.ray.app`)
     uses it."""
     for layer, options in front_door_layers(config):
         inner = layer(inner, **options)

@@ -1,0 +1,1 @@
+"""The API: LM, the request value, prompts, calibration, the drop-in for transformers' generate."""

@@ -1,0 +1,159 @@
+"""Acceptance rules: which part of a verified draft tree the target model agrees with.
+
+One walk (:func:`walk`) serves every rule: from the root, ask the rule which token the target
+model emits after the current node; if a child carries that token, accept it and descend; if none
+does, that token is the step's last (the bonus token). The rules differ only in how the token
+after a node is chosen:
+
+* :class:`GreedyRule` -- the argmax of the node's logits (after the repetition penalty, if any);
+* :class:`SamplingRule` -- a draw from the node's processed distribution
+  (:func:`triedec.core.sampling.process`) with the uniform number of the node's output position
+  (:func:`triedec.core.sampling.uniform`). For point-mass (model-free) drafts this is the recursive
+  rejection rule of multi-draft speculative sampling (SpecInfer; EAGLE's tree sampling): each
+  emitted token is exactly distributed as plain sampling's, for any tree, and greedy is its limit.
+
+Both process each node with that node's own prefix: the committed context plus the node's
+ancestors (never its siblings' tokens). :func:`acceptance_rule` picks the rule for a
+:class:`~triedec.core.sampling.Sampling`; the engine calls ``rule.accept`` and never asks which it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from triedec.core.errors import TriedecError
+from triedec.core.rowops import argmax
+from triedec.core.sampling import Sampling, draw, penalize, process, seen_tokens, uniform
+from triedec.core.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The outcome of verifying one tree.
+
+    ``path`` holds node indices from the root (``path[0] == 0``) to the deepest accepted draft node.
+    ``tokens`` are the new tokens it yields: the accepted drafts, then the bonus token that the model
+    chose after the last accepted node. ``len(tokens) == len(path)``.
+    """
+
+    path: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+def walk(tree: TokenTree, choose: Callable[[int], int]) -> Acceptance:
+    """Accept the longest root path along which every draft token is the token ``choose(parent)``
+    that the target emits after its parent, plus the bonus token ``choose(last accepted node)``.
+
+    ``choose(i)`` is asked only for nodes the walk reaches. In a trie the accepted path is unique. A
+    tree may repeat a token among siblings (lookahead's independent branches); then every matching
+    branch is followed and the longest accepted path wins (the first one on ties).
+    """
+    kids = tree.child_lists
+    best: tuple[int, ...] = (0,)
+    stack: list[tuple[int, ...]] = [(0,)]
+    while stack:
+        path = stack.pop()
+        if len(path) > len(best):
+            best = path
+        want = choose(path[-1])
+        stack += [(*path, c) for c in reversed(kids[path[-1]]) if tree.tokens[c] == want]
+    return Acceptance(best, (*tuple(tree.tokens[i] for i in best[1:]), choose(best[-1])))
+
+
+def accept_greedy(tree: TokenTree, argmax: Sequence[int]) -> Acceptance:
+    """Greedy acceptance given ``argmax[i]``, the model's greedy next token after node i (length
+    ``tree.size``): every accepted token is the argmax after its predecessor, so the tokens are
+    exactly greedy decoding's."""
+    return walk(tree, lambda i: int(argmax[i]))
+
+
+class AcceptanceRule(Protocol):
+    """Accepts part of a verified tree. ``logits [tree.size, vocab]`` are the model's next-token
+    logits after every node; ``context`` is every committed token (prompt + output so far, ending
+    with the tree's root); ``position`` is the output index of the first token this step emits (the
+    token after the root). Pure: mutates nothing. ``seed`` is the sampling seed (None: greedy)."""
+
+    seed: int | None
+
+    def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance: ...
+
+
+class _PerNode:
+    """What each reached node needs: its row of logits on the CPU and, when a repetition penalty
+    applies (``penalized``), the token ids of its own prefix (context + its ancestors' drafts);
+    without one, no prefix is built (an empty one penalizes nothing)."""
+
+    def __init__(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], penalized: bool) -> None:
+        self.tree, self.logits, self.context, self.penalized = tree, logits, context, penalized
+
+    def row(self, node: int) -> torch.Tensor:
+        return self.logits[node].detach().to("cpu")
+
+    def seen(self, node: int) -> torch.Tensor:
+        if not self.penalized:
+            return seen_tokens(())
+        ancestors = self.tree.ancestry[node].nonzero().flatten().tolist()[1:]  # the root is context[-1]
+        return seen_tokens(self.context, [self.tree.tokens[a] for a in ancestors])
+
+
+def _memo(choose: Callable[[int], int]) -> Callable[[int], int]:
+    chosen: dict[int, int] = {}
+
+    def once(node: int) -> int:
+        if node not in chosen:
+            chosen[node] = choose(node)
+        return chosen[node]
+
+    return once
+
+
+@dataclass(frozen=True)
+class GreedyRule:
+    """Greedy decoding: after each node, the argmax of its logits (with the repetition penalty
+    over the node's own prefix when ``repetition_penalty != 1``; temperature and the top-k/p and
+    min-p filters never change the argmax)."""
+
+    repetition_penalty: float = 1.0
+    seed: None = None
+
+    def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
+        if self.repetition_penalty == 1.0:
+            return accept_greedy(tree, argmax(logits))
+        nodes = _PerNode(tree, logits, context, penalized=True)
+        return walk(tree, _memo(lambda i: int(penalize(nodes.row(i), nodes.seen(i), self.repetition_penalty).argmax())))
+
+
+@dataclass(frozen=True)
+class SamplingRule:
+    """Sampling: after node i, the token drawn from its processed distribution with the uniform
+    number of output position ``position + depth(i)``, keyed by ``seed``."""
+
+    sampling: Sampling
+    seed: int
+
+    def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
+        nodes = _PerNode(tree, logits, context, penalized=self.sampling.repetition_penalty != 1.0)
+        depths = tree.depths
+
+        def choose(i: int) -> int:
+            return draw(process(nodes.row(i), nodes.seen(i), self.sampling), uniform(self.seed, position + depths[i]))
+
+        return walk(tree, _memo(choose))
+
+
+GREEDY = GreedyRule()
+"""Plain greedy decoding."""
+
+
+def acceptance_rule(sampling: Sampling) -> AcceptanceRule:
+    """The rule for ``sampling``: :class:`GreedyRule` at temperature 0, else :class:`SamplingRule`
+    (which needs ``sampling.seed`` set)."""
+    if sampling.greedy:
+        return GreedyRule(sampling.repetition_penalty)
+    if sampling.seed is None:
+        raise TriedecError("sampling needs a seed (the API draws one when none is given)")
+    return SamplingRule(sampling, sampling.seed)

@@ -1,0 +1,178 @@
+"""One verify budget per forward: how many nodes of each running request's draft to verify.
+
+Every request in a step brings a :class:`~triedec.drafters.Draft`: a best-first list of nodes,
+each with the drafter's estimate of its chance to be accepted, and a count of nodes it requires.
+A forward's cost depends on the tokens it carries and the requests they belong to
+(:class:`~triedec.core.costmodel.CostModel`); a step yields, per decoding request, one token of its own
+plus its accepted drafts. So the most tokens per second come from:
+
+* every request's required nodes (its root at least), plus the step's prefill tokens;
+* then the optional nodes of all drafts merged into one list by chance, highest first (a node
+  costs the same marginal forward time whichever request it serves, so the highest chance is the
+  most expected tokens per unit of marginal cost), each draft's nodes taken in its own order so
+  that every request verifies a prefix of its draft, i.e. a tree;
+* cut where the expected tokens per second of the whole step, ``(requests + sum of chances) /
+  (seconds(tokens, requests, context) + host seconds)``, is highest: nodes are added while they
+  pay. The host seconds (the step's time outside the forward: drafting, accepting, committing,
+  measured by the engine) are paid whatever the cut, so they weigh each node's marginal forward
+  time against a longer step.
+
+At low load this is each drafter's own best tree (for one request it is exactly the old per-
+drafter rule); as requests pile up, the step's fixed cost is shared by more of them, a node's
+marginal cost weighs more against the step's yield, and trees shrink smoothly toward plain batched
+decoding. There is no switch by batch size. Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from triedec.core.costmodel import ForwardCost
+from triedec.core.errors import TriedecError
+
+
+def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: ForwardCost | None, *,
+             fixed_tokens: int = 0, items: int | None = None, context: int | None = None,
+             max_tokens: int | None = None, host_seconds: float = 0.0) -> list[int]:
+    """How many leading nodes of each draft to verify (root included; at least ``required[i]``).
+
+    ``chances[i]``: draft i's per-node chances (``chances[i][0]`` is its root), best first;
+    ``fixed_tokens``: other tokens in the same forward (prompt chunks); ``items``: how many
+    requests the forward carries in all (default: the drafts; prompt chunks count too);
+    ``context``: the tokens in all their caches; ``max_tokens``: most tokens the forward may carry
+    (required nodes always go); ``host_seconds``: the step's time outside its forward. ``cost``
+    None (a flat curve) takes every node with a positive chance."""
+    if not (host_seconds >= 0 and math.isfinite(host_seconds)):
+        raise TriedecError(f"host_seconds must be a finite number >= 0, got {host_seconds!r}")
+    if len(chances) != len(required):
+        raise TriedecError("allocate needs one required count per draft")
+    counts = [int(r) for r in required]
+    for r, c in zip(counts, chances, strict=True):
+        if not 1 <= r <= len(c):
+            raise TriedecError(f"required must lie in [1, {len(c)}], got {r}")
+    base_tokens = fixed_tokens + sum(counts)
+    room = None if max_tokens is None else max(0, max_tokens - base_tokens)
+    # each draft's optional nodes, made non-increasing (so a global order by chance takes prefixes)
+    owner, value = [], []
+    for i, (r, c) in enumerate(zip(counts, chances, strict=True)):
+        tail = np.minimum.accumulate(np.asarray(c[r:], dtype=np.float64)) if len(c) > r else np.zeros(0)
+        owner.append(np.full(tail.size, i))
+        value.append(tail)
+    if not owner:
+        return counts
+    owners, values = np.concatenate(owner), np.concatenate(value)
+    order = np.lexsort((np.arange(values.size), owners, -values))  # by chance, then draft, then position
+    order = order[values[order] > 0]
+    if room is not None:
+        order = order[:room]
+    if not order.size:
+        return counts
+    if cost is None:
+        take = order.size
+    else:
+        forward_items = len(chances) if items is None else items
+        expected = len(chances) + sum(float(np.sum(c[1:r])) for r, c in zip(counts, chances, strict=True))
+        gains = expected + np.concatenate([[0.0], np.cumsum(values[order])])
+        tokens = base_tokens + np.arange(order.size + 1)
+        speed = gains / (cost.seconds_many(tokens, max(1, forward_items), context) + host_seconds)
+        take = int(np.argmax(speed))  # the first of equal speeds: fewer nodes
+    for i in owners[order[:take]]:
+        counts[int(i)] += 1
+    return counts
+
+
+class Pace:
+    """What a committed token costs the batch right now: a moving average (weight ``weight``) of a
+    step's wall seconds over the tokens it committed, updated once per step by the batch and read by
+    every request's :class:`DraftGate`. 0 until the first step (the gate then judges by verified
+    nodes alone)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        if not 0 < weight <= 1:
+            raise TriedecError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.token_seconds = 0.0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """One step: ``seconds`` of wall time committed ``tokens`` tokens (a step that committed
+        none, a prefill-only step, teaches nothing)."""
+        if tokens <= 0 or seconds < 0:
+            return
+        per_token = seconds / tokens
+        self.token_seconds = per_token if not self.token_seconds else (
+            self.token_seconds + self.weight * (per_token - self.token_seconds))
+
+
+class DraftGate:
+    """Whether one request proposes a draft this step: a request whose drafts stopped paying is not
+    asked to draft at all, so its step costs what ``ar``'s does, until a probe says otherwise.
+
+    A *miss* is a step whose proposal held draft nodes that did not pay: :func:`allocate` verified
+    none of them (the step's budget judged that none pays), or, given a :class:`Pace`, the
+    request's drafting stopped paying for its own host time: the moving average (weight
+    ``weight``, over the steps it drafted) of the draft tokens it had accepted, times what a
+    committed token costs the batch now (``pace.token_seconds``), fell below the moving average of
+    the host seconds its drafter took (propose + observe). An empty proposal is no miss: drafting
+    found nothing, which is cheap. After ``patience`` misses in a row the request skips drafting
+    for ``skip`` steps, then proposes again (a probe); each further miss doubles the skip, up to
+    ``max_skip`` steps; a step that pays resets it. Skipping changes no token (every method's tokens
+    are ``ar``'s whatever it verifies), only the host time spent drafting. One per request; the
+    engine calls :meth:`proposes` before each step's proposal and :meth:`verified` after it.
+
+    Alone, a token costs a whole forward (~40 ms here) against well under a millisecond of
+    drafting, so one accepted token in ~50 drafted steps pays; at 16 requests in a forward a token
+    costs ~5 ms and drafting has to earn ~8x more to go on.
+    """
+
+    def __init__(self, patience: int = 2, max_skip: int = 32, pace: Pace | None = None,
+                 weight: float = 0.2) -> None:
+        if patience < 1 or max_skip < 1:
+            raise TriedecError(f"patience and max_skip must be >= 1, got {patience}, {max_skip}")
+        if not 0 < weight <= 1:
+            raise TriedecError(f"weight must be in (0, 1], got {weight}")
+        self.patience, self.max_skip, self.pace, self.weight = patience, max_skip, pace, weight
+        self.misses = 0
+        self.skip = 1
+        self.waiting = 0
+        self.skipped = 0
+        """steps this request did not draft (a counter for stats)"""
+        self.accepted = 1.0
+        """moving average of the draft tokens accepted per drafted step, from a prior of 1 (a new
+        request is given the benefit of the doubt for its first steps)"""
+        self.draft_seconds: float | None = None
+        """moving average of the host seconds a drafted step's drafting took (None before the first)"""
+
+    def proposes(self) -> bool:
+        """True if the request drafts this step (False: it skips, and one skipped step is spent)."""
+        if self.waiting > 0:
+            self.waiting -= 1
+            self.skipped += 1
+            return False
+        return True
+
+    def pays(self) -> bool:
+        """Whether the request's drafting pays for its host time at the batch's pace (True without
+        a pace, or before anything is known)."""
+        if self.pace is None or not self.pace.token_seconds or self.draft_seconds is None:
+            return True
+        return self.accepted * self.pace.token_seconds >= self.draft_seconds
+
+    def verified(self, proposed: int, verified: int, accepted: int = 0, draft_seconds: float = 0.0) -> None:
+        """A step's outcome: ``proposed`` draft nodes (root excluded), ``verified`` of them,
+        ``accepted`` of those, and the host seconds drafting took (propose + observe)."""
+        if proposed <= 0:
+            return  # nothing drafted: no evidence either way
+        w = self.weight
+        self.accepted += w * (accepted - self.accepted)
+        self.draft_seconds = (draft_seconds if self.draft_seconds is None
+                              else self.draft_seconds + w * (draft_seconds - self.draft_seconds))
+        if verified > 0 and self.pays():
+            self.misses, self.skip = 0, 1
+            return
+        self.misses += 1
+        if self.misses >= self.patience:
+            self.waiting, self.misses = self.skip, self.patience - 1  # a missed probe backs off at once
+            self.skip = min(2 * self.skip, self.max_skip)

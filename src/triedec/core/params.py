@@ -1,0 +1,105 @@
+"""What a user chooses, declared without torch: the sampling parameters (:class:`Sampling`), a
+request's defaults (:data:`MAX_NEW_TOKENS`, :data:`DEFAULT_METHOD`) and the weight modes
+(:data:`WEIGHTS`, :data:`GROUP_SIZE`).
+
+Pure core: imports only :mod:`triedec.core.errors` and the standard library, so that ``triedec COMMAND
+--help`` shows these defaults without importing torch. The modules that act on them re-export
+them (:mod:`triedec.core.sampling`, :mod:`triedec.api.generation`, :mod:`triedec.model.precision`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from triedec.core.errors import TriedecError
+
+MAX_NEW_TOKENS = 256
+"""The default number of new tokens a request may generate, everywhere: the Python API, the CLI,
+the benchmark and the server (its ``--max-tokens``)."""
+
+DEFAULT_METHOD = "auto"
+"""The method a request uses when it names none."""
+
+WEIGHTS = ("float", "int8", "int4", "int4-a8")
+"""The weight modes: in the activation dtype, int8 per output row, int4 in groups, and int4 whose
+dot products run on activations quantized to int8 per group (as llama.cpp runs a Q4 file)."""
+GROUP_SIZE = 32
+"""Input features per int4 group (the group size of GGUF's Q4_0 and Q4_1 blocks)."""
+
+MAX_SEED = 2**64
+"""Seeds are integers in ``[0, MAX_SEED)``."""
+PENALTY_RANGE = (1e-6, 1e6)
+"""The repetition penalties accepted: beyond them a float32 logit divided (or multiplied) by the
+penalty overflows to infinity, and a distribution with infinite logits is no distribution."""
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TriedecError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen. The defaults are greedy decoding.
+
+    * ``temperature`` >= 0: 0 = greedy (the argmax after the repetition penalty); > 0 = sampling;
+      a temperature so small that ``logits / temperature`` overflows float32 (below ~1e-37) is the
+      limit of sampling as it goes to 0: greedy's token (:func:`process`);
+    * ``top_k`` >= 0: keep the k most likely tokens (ties at the k-th kept); 0 = off;
+    * ``top_p`` in (0, 1]: keep the most likely tokens whose mass reaches top_p; 1 = off;
+    * ``min_p`` in [0, 1]: drop tokens less likely than min_p x the top token's probability; 0 = off;
+    * ``repetition_penalty`` in [1e-6, 1e6] (:data:`PENALTY_RANGE`): the logit of every token
+      already in the prefix (prompt included) is divided by it if positive, multiplied if negative
+      (transformers' CTRL penalty); 1 = off;
+    * ``seed``: an integer in [0, 2**64), or None (the API then draws one and reports it).
+
+    Unlike ``model.generate``, nothing comes from the model's generation config: a parameter left
+    at its default is off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if _number("temperature", self.temperature) < 0:
+            raise TriedecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise TriedecError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < _number("top_p", self.top_p) <= 1:
+            raise TriedecError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p!r}")
+        if not 0 <= _number("min_p", self.min_p) <= 1:
+            raise TriedecError(f"min_p must lie in [0, 1] (0 = off), got {self.min_p!r}")
+        low, high = PENALTY_RANGE
+        if not low <= _number("repetition_penalty", self.repetition_penalty) <= high:
+            raise TriedecError(f"repetition_penalty must lie in [{low:g}, {high:g}] (1 = off; beyond, float32 logits "
+                               f"overflow), got {self.repetition_penalty!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
+            raise TriedecError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True for greedy decoding (``temperature == 0``)."""
+        return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """True when the processing changes nothing that greedy decoding sees: greedy without a
+        repetition penalty (what beam search, which applies no processors, accepts)."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+"""The sampling parameters' names (transformers' names; the server's request fields too)."""
+
+GREEDY_SAMPLING = Sampling()
+"""The defaults: greedy decoding."""

@@ -1,0 +1,100 @@
+"""Sampling parameters, the processing of one next-token distribution, and position-keyed draws.
+
+Pure core: imports only :mod:`triedec.core.params`, torch and numpy.
+
+* :class:`Sampling` -- ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` and
+  ``seed``, with transformers' names and meanings, validated on construction (declared in
+  :mod:`triedec.core.params`, which needs no torch; re-exported here). ``temperature=0``
+  (the default) is greedy decoding.
+* :func:`process` -- one row of logits processed as transformers' ``generate(do_sample=True)``
+  processes it, in its order: repetition penalty (over the tokens of the row's own prefix, prompt
+  included), temperature, top-k, top-p, min-p.
+* :func:`uniform` -- the uniform number for output position i: a counter-based generator
+  (numpy's Philox, keyed by the seed, counter = i), so it depends only on ``(seed, i)``.
+* :func:`draw` -- inverse-CDF sampling over the fixed token-id order with that number.
+
+Together they make sampled text a function of (model, prompt, parameters, seed) alone: whatever
+drafts a method verified, the token at output position i is drawn from the same distribution with
+the same number, so every speculative method returns ``ar``'s tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from triedec.core.params import GREEDY_SAMPLING, MAX_SEED, PENALTY_RANGE, SAMPLING_FIELDS, Sampling
+
+__all__ = ["GREEDY_SAMPLING", "MAX_SEED", "PENALTY_RANGE", "SAMPLING_FIELDS", "Sampling", "draw", "process",
+           "seen_tokens", "uniform"]
+
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty on one row ``[V]``: the logits of the token ids ``seen``
+    (any order, repeats allowed) divided by ``penalty`` where positive, multiplied where negative.
+    Returns a new tensor; ``logits`` is not mutated."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    scores = logits[seen]
+    scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return logits.scatter(0, seen, scores)
+
+
+def process(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """One row of next-token logits ``[V]`` processed as transformers' sampling does, in its order:
+    repetition penalty (over ``seen``, the token ids of this row's own prefix), temperature,
+    top-k, top-p, min-p. Filtered tokens get ``-inf``. Returns a new float32 tensor.
+
+    A temperature so small that the scaled logits overflow (their maximum is not finite) gives the
+    limit of the distribution as the temperature goes to 0: all mass on the greedy token (the
+    first argmax), every other token ``-inf``."""
+    row = penalize(logits.float(), seen, sampling.repetition_penalty)
+    if sampling.temperature not in (0.0, 1.0):
+        scaled = row / sampling.temperature
+        if not bool(torch.isfinite(scaled.max())):
+            scaled = torch.full_like(row, -math.inf)
+            scaled[row.argmax()] = 0.0
+        row = scaled
+    if sampling.top_k:
+        kth = torch.topk(row, min(sampling.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, -math.inf)
+    if sampling.top_p < 1.0:
+        ascending, order = torch.sort(row)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[-1] = False  # the most likely token always stays
+        row = row.masked_fill(drop.scatter(0, order, drop), -math.inf)
+    if sampling.min_p > 0.0:
+        probs = row.softmax(dim=-1)
+        drop = probs < sampling.min_p * probs.max()
+        drop[probs.argmax()] = False
+        row = row.masked_fill(drop, -math.inf)
+    return row
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) for output position ``position`` (0 = the first new token):
+    numpy's counter-based Philox generator keyed by ``seed`` at counter ``position``. A function of
+    ``(seed, position)`` alone."""
+    return float(np.random.Generator(np.random.Philox(key=seed, counter=position)).random())
+
+
+def draw(logits: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sampling from ``softmax(logits)`` (one row ``[V]``, ``-inf`` = excluded) with the
+    uniform number ``u``: the first token id, in id order, whose cumulative probability exceeds
+    ``u``. Computed in float64 on the CPU, so the draw does not depend on the device."""
+    probs = torch.softmax(logits.detach().to("cpu", torch.float64), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    token = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    if token >= cdf.numel():  # u * total rounded up to the total: the last token with mass
+        token = int(torch.nonzero(probs).max())
+    return token
+
+
+def seen_tokens(context: Sequence[int], extra: Sequence[int] = ()) -> torch.Tensor:
+    """The token ids of a prefix (``context`` then ``extra``) as a long tensor, for :func:`process`."""
+    return torch.tensor([*context, *extra], dtype=torch.long)

@@ -1,0 +1,315 @@
+"""The step loop: one forward for every running request, under one verify budget.
+
+A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's engine core). Each
+:meth:`Batch.step`:
+
+1. **admits** waiting runs at the step boundary, oldest first, within :class:`BatchLimits`
+   (running requests, KV memory) and each group's running cap (a server tenant's share);
+2. **propose**: every decoding request's drafter proposes a scored draft;
+3. **allocate**: :func:`~triedec.core.allocate.allocate` sizes all drafts together under the device's
+   :class:`~triedec.core.costmodel.CostModel` (nodes go where they are most likely to be accepted, and
+   only while they pay; the forward's prompt chunks count in its cost);
+4. **verify**: one forward (:meth:`~triedec.model.adapter.ModelAdapter.forward_batch`) carries every
+   request's tree and up to ``max_prefill_tokens`` of prompt chunks of requests still prefilling;
+5. **accept** and **commit**, per request (:class:`~triedec.engine.request.Request`);
+6. runs with a loop of their own (beam search, :class:`~triedec.engine.runs.SoloRun`) advance one step each, beside;
+7. finished runs leave at once: their session ends, their KV is freed.
+
+Single-request decoding is the same step with one request (:func:`run_alone`), so ``generate``,
+``stream``, the CLI, ``custom_generate`` and the server share one code path.
+
+**Learned-state files** are written by the drafters' ``persist()`` (a snapshot under the lock,
+written outside it) when the batch goes idle, every ``persist_every`` finished requests, and when
+the batch closes; never on the per-step path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from triedec.core.accept import GREEDY, AcceptanceRule
+from triedec.core.allocate import DraftGate, Pace, allocate
+from triedec.core.costmodel import CostModel, ForwardCost, ObservedCost
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.limits import BatchLimits
+from triedec.drafters.base import MAX_TREE_NODES, Drafter
+from triedec.engine.outcome import DecodeStats, Outcome, Stats
+from triedec.engine.request import Request, StopRule
+from triedec.engine.runs import Run
+from triedec.model.adapter import ModelAdapter
+
+__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "Stats", "StepReport",
+           "StopRule", "run_alone", "speculative_decode"]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`Batch.step` did: the request ids of the runs that finished during it
+    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), and
+    what its forward carried: ``requests`` (items: prompt chunks and
+    verified trees), ``tokens``, ``prefill_tokens``, ``draft_nodes`` verified and ``proposed_nodes``
+    drafted, the step's wall ``seconds`` and its forward's ``forward_seconds`` (the rest is host
+    time: drafting, allocating, accepting, committing)."""
+
+    finished: tuple[str, ...] = ()
+    requests: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    draft_nodes: int = 0
+    proposed_nodes: int = 0
+    seconds: float = 0.0
+    forward_seconds: float = 0.0
+
+
+class Batch:
+    """Owns the step loop over its runs (module doc), and admission. Every run is known by its
+    request id (given to :meth:`submit`, or one the batch makes): :attr:`runs` holds each waiting
+    or running run by id, :attr:`waiting` and :attr:`running` hold ids. Runs wait
+    and join at a step boundary, oldest first, while there is room (``limits``: running slots, KV
+    bytes) and their group has running room (``group_running``: most runs of one group, e.g. one
+    server tenant, running at once; None: no cap; a run whose group is full lets the ones behind it
+    go first). Used by one thread at a time: the caller of :meth:`step` (``LM.stream``'s
+    generator, ``generate_batch``, the server's scheduler thread). ``cost`` None sizes drafts as
+    for a flat curve (every node with a chance goes).
+
+    ``learn_cost``: follow the machine as it runs. Drafts are sized under ``cost`` corrected by
+    every forward's observed time (:class:`~triedec.core.costmodel.ObservedCost`, rebuilt whenever
+    ``cost`` is replaced), with the step's host time (a moving average of its time outside the
+    forward: drafting, accepting, committing) charged to every step
+    (:func:`~triedec.core.allocate.allocate`'s ``host_seconds``). Tree sizes then depend on timing;
+    tokens never do. ``gate_drafts``: a request whose drafts stopped paying (steps in a row whose
+    proposal got no node verified, or whose accepted drafts no longer pay for the drafter's host
+    time at what a committed token costs the batch now, :class:`~triedec.core.allocate.Pace`) is not
+    asked to draft for a while, so its step costs what ``ar``'s does, and probes again after a
+    growing pause (:class:`~triedec.core.allocate.DraftGate`);
+    tokens never change. The server turns both on; a single ``generate`` keeps the calibrated
+    sizes and drafts every step, reproducible step for step."""
+
+    HOST_WEIGHT = 0.2
+    """weight of each step in the moving average of host seconds"""
+
+    def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
+                 limits: BatchLimits | None = None, group_running: int | None = None,
+                 learn_cost: bool = False, gate_drafts: bool = False) -> None:
+        if group_running is not None:
+            positive_int("group_running", group_running)
+        self.adapter, self.cost = adapter, cost
+        self.limits = limits or BatchLimits()
+        self.group_running = group_running
+        self.learn_cost, self.gate_drafts = learn_cost, gate_drafts
+        self._observed: ObservedCost | None = None
+        self._pace = Pace()  # what a committed token costs now, for the gates (``gate_drafts``)
+        self.host_seconds = 0.0
+        """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
+        self.runs: dict[str, Run] = {}
+        """every waiting or running run, by its request id"""
+        self.waiting: deque[str] = deque()
+        """ids of the runs waiting to join, oldest first"""
+        self.running: list[str] = []
+        """ids of the runs running, in the order they joined"""
+        self._group: dict[str, str] = {}  # every waiting or running run's group, by id
+        self._made_ids = 0  # ids this batch made for runs submitted without one
+        self._running_in: Counter[str] = Counter()  # group -> its runs running
+        self._dirty: dict[Drafter, None] = {}  # drafters with state to write, in the order they finished
+        self._finished_since_persist = 0
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def kv_bytes(self, run: Run) -> int:
+        return run.kv_tokens * self.adapter.kv_bytes_per_token
+
+    def check(self, run: Run) -> None:
+        """Refuse a run that could never be admitted (more KV than the cap)."""
+        cap = self.limits.max_kv_bytes
+        if cap is not None and self.kv_bytes(run) > cap:
+            raise TriedecError(f"the request needs {self.kv_bytes(run) / 2**20:.0f} MiB of KV cache (prompt + "
+                               f"max_new_tokens), more than this engine's cap of {cap / 2**20:.0f} MiB")
+
+    def submit(self, run: Run, group: str = "", request_id: str | None = None) -> str:
+        """Queue ``run`` as one of ``group``'s, under ``request_id`` (None: the batch makes one,
+        ``"run-N"``); it joins at the next step boundary with room. Returns the id. A
+        :class:`~triedec.core.errors.TriedecError` for an id that a waiting or running run has, or a
+        run that could never be admitted (:meth:`check`)."""
+        if request_id is None:
+            self._made_ids += 1
+            request_id = f"run-{self._made_ids}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise TriedecError(f"a request id is a non-empty string, got {request_id!r}")
+        if request_id in self.runs:
+            raise TriedecError(f"request id {request_id!r} is already in this batch")
+        self.check(run)
+        self.runs[request_id] = run
+        self._group[request_id] = group
+        self.waiting.append(request_id)
+        return request_id
+
+    def running_in(self, group: str) -> int:
+        """How many of ``group``'s runs are running."""
+        return self._running_in[group]
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """End the run of ``request_id`` now with stop reason ``reason`` (its session ends, its KV
+        is freed; what it generated so far stays in its outcome); it emits nothing more. An id
+        not in the batch (finished, or never submitted) is a no-op."""
+        if request_id in self.running:
+            self.running.remove(request_id)
+            self._retire(request_id, reason)
+        elif request_id in self.waiting:
+            self.waiting.remove(request_id)
+            del self._group[request_id]
+            self.runs.pop(request_id).close(reason)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting)
+
+    def _admit(self) -> None:
+        cap = self.limits.max_kv_bytes
+        reserved = sum(self.kv_bytes(self.runs[i]) for i in self.running)
+        for rid in list(self.waiting):
+            if len(self.running) >= self.limits.max_running:
+                break
+            run, group = self.runs[rid], self._group[rid]
+            if self.group_running is not None and self._running_in[group] >= self.group_running:
+                continue
+            if cap is not None and self.running and reserved + self.kv_bytes(run) > cap:
+                break
+            self.waiting.remove(rid)
+            reserved += self.kv_bytes(run)
+            try:
+                run.start(self.adapter)
+            except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
+                del self._group[rid], self.runs[rid]
+                run.close("cancelled")
+                raise
+            if self.gate_drafts and run.shares_forward:
+                run.gate = DraftGate(pace=self._pace)  # type: ignore[attr-defined]
+            self.running.append(rid)
+            self._running_in[group] += 1
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> StepReport:
+        """Advance every running run by one step (module doc); the report names the runs that
+        finished during it and what the forward carried."""
+        started = time.perf_counter()
+        self._admit()
+        running = [self.runs[i] for i in self.running]
+        requests: list[Request] = [r for r in running if r.shares_forward]  # type: ignore[misc]
+        chunks, budget = [], self.limits.max_prefill_tokens
+        for r in requests:
+            if r.prefilling and (not chunks or r.chunk_tokens <= budget):
+                chunks.append(r)
+                budget -= r.chunk_tokens
+        decoding = [r for r in requests if not r.prefilling and not r.done]
+        drafts = [r.propose() for r in decoding]
+        before = sum(len(r.generated) for r in decoding) if self.gate_drafts else 0  # tokens so far, for the pace
+        context = sum(r.context_tokens for r in (*chunks, *decoding))
+        counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
+                          fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
+                          context=context, max_tokens=self.limits.max_tokens_per_forward,
+                          host_seconds=self.host_seconds)
+        items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
+        forward_seconds = 0.0
+        if items:
+            forward_started = time.perf_counter()
+            logits = self.adapter.forward_batch(items)
+            self.adapter.synchronize()
+            forward_seconds = time.perf_counter() - forward_started
+            if self._observed is not None:
+                self._observed.observe(sum(i.size for i in items), len(items), context, forward_seconds)
+            for r, rows in zip(chunks, logits, strict=False):
+                r.prefilled(rows)
+            for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
+                r.verified(rows)
+        for run in running:
+            if not run.shares_forward and not run.done:
+                run.advance()  # type: ignore[attr-defined]
+        finished = [i for i in self.running if self.runs[i].done]
+        for rid in finished:
+            self.running.remove(rid)
+            self._retire(rid, "")
+        if self.idle or self._finished_since_persist >= self.limits.persist_every:
+            self.persist()
+        seconds = time.perf_counter() - started
+        if self.gate_drafts and decoding:
+            self._pace.observe(seconds, sum(len(r.generated) for r in decoding) - before)
+        if self._observed is not None and decoding:
+            self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
+        return StepReport(tuple(finished), len(items), sum(i.size for i in items),
+                          sum(i.size for i in items[: len(chunks)]), sum(counts) - len(counts),
+                          sum(d.size - 1 for d in drafts), seconds, forward_seconds)
+
+    @property
+    def sizing_cost(self) -> ForwardCost | None:
+        """What drafts are sized under: ``cost``, or (``learn_cost``) ``cost`` corrected by the
+        forwards observed since it was set."""
+        if not self.learn_cost or self.cost is None:
+            self._observed = None
+            return self.cost
+        if self._observed is None or self._observed.base is not self.cost:
+            self._observed, self.host_seconds = ObservedCost(self.cost), 0.0
+        return self._observed
+
+    def _retire(self, request_id: str, reason: str) -> None:
+        """The run of ``request_id`` has left :attr:`running`: close it and count it out."""
+        run, group = self.runs.pop(request_id), self._group.pop(request_id)
+        self._running_in[group] -= 1
+        if not self._running_in[group]:
+            del self._running_in[group]
+        run.close(reason or "cancelled")
+        drafter = getattr(run, "drafter", None)
+        if drafter is not None:
+            self._dirty[drafter] = None
+            self._finished_since_persist += 1
+
+    def persist(self) -> None:
+        """Write the learned state of the drafters that finished requests since the last write."""
+        dirty, self._dirty, self._finished_since_persist = list(self._dirty), {}, 0
+        for drafter in dirty:
+            drafter.persist()
+
+    def close(self) -> None:
+        """Cancel every run and write the learned state (idempotent)."""
+        for rid in [*self.running, *self.waiting]:
+            self.cancel(rid)
+        self.persist()
+
+
+def run_alone(adapter: ModelAdapter, run: Run, cost: CostModel | None = None,
+              limits: BatchLimits | None = None) -> Generator[list[int], None, Outcome]:
+    """Decode one run in a batch of its own: yields its tokens as they are committed (non-empty
+    lists), returns its :class:`~triedec.engine.outcome.Outcome`. Closing the generator early ends the
+    run (its session ends; its learned state is written)."""
+    batch = Batch(adapter, cost, limits)
+    batch.submit(run)
+    try:
+        while not run.done:
+            batch.step()
+            fresh = run.take()
+            if fresh:
+                yield fresh
+        return run.outcome
+    finally:
+        batch.close()
+
+
+def speculative_decode(
+    adapter: ModelAdapter,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    stop: StopRule,
+    documents: Sequence[Sequence[int]] = (),
+    rule: AcceptanceRule = GREEDY,
+    cost: CostModel | None = None,
+) -> Generator[list[int], None, Any]:
+    """Decoding of ``prompt`` alone with drafts from ``drafter``, each step's tokens chosen by
+    ``rule`` (greedy by default, or sampling: :mod:`triedec.core.accept`), drafts sized under ``cost``;
+    exactly equal to autoregressive decoding with the same rule, whatever the drafts. Yields the
+    newly committed tokens; returns the :class:`~triedec.engine.outcome.DecodeStats`."""
+    outcome = yield from run_alone(adapter, Request(drafter, prompt, stop, documents, rule), cost)
+    return outcome.stats

@@ -1,0 +1,114 @@
+"""What a run reports: :class:`Stats` (counters every method fills), :class:`DecodeStats` (the
+speculative loop's, per step and per draft source) and :class:`Outcome` (a finished run's stats
+and, for beam search, its ranked sequences)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from triedec.core.kvcache import KVCache
+    from triedec.model.adapter import ModelAdapter
+
+
+@dataclass
+class Stats:
+    """Counters every decoding method reports (names match the benchmark's JSON).
+
+    * ``new_tokens``: tokens returned; ``steps``: forwards the request took part in after its
+      prefill; ``computed_tokens``: its tokens that went through the model, prompt excluded;
+    * ``seconds``: wall clock from the start of its prefill to its last token, as the request
+      lived it: when it shares forwards with other requests, each forward's whole duration counts;
+      ``tokens_per_s`` = new tokens / seconds; ``queued_seconds``: waiting before that;
+    * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
+      ``stop_string``, ``length``, ``cancelled``);
+    * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
+    * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter);
+    * ``exactness``: the guarantee the run had, ``bit-exact`` (every token's logits the same bits
+      as plain decoding's, whatever tree or batch carried them: the kernels passed the load-time
+      self-test) or ``up to rounding`` (``ModelAdapter.exactness``).
+    """
+
+    new_tokens: int = 0
+    steps: int = 0
+    computed_tokens: int = 0
+    seconds: float = 0.0
+    tokens_per_s: float = 0.0
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    queued_seconds: float = 0.0
+    stop_reason: str = ""
+    peak_kv_tokens: int = 0
+    kv_bytes: int = 0
+    kernels: str = ""
+    exactness: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for people: speed, steps, prompt and why generation stopped."""
+        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
+                f" | {self._steps_text()}, {self.computed_tokens} computed"
+                f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
+                f" | stop: {self.stop_reason} | {self.exactness}")
+
+    def _steps_text(self) -> str:
+        return f"{self.steps} steps"
+
+    def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, adapter: ModelAdapter) -> None:
+        """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``, what
+        ``adapter`` ran and guaranteed)."""
+        self.kernels, self.exactness = adapter.kernels, adapter.exactness
+        self.seconds = time.perf_counter() - start
+        self.new_tokens = new_tokens
+        self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0
+        self.stop_reason = reason
+        self.peak_kv_tokens = cache.peak
+        self.kv_bytes = cache.peak * cache.bytes_per_slot()
+
+
+@dataclass
+class DecodeStats(Stats):
+    """:class:`Stats` of the speculative loop, plus:
+
+    * ``mean_accepted``: tokens produced per step (the prefill's first token excluded): 1.0 for
+      ``ar``, higher when drafts are accepted (the papers' MAT);
+    * ``accepted_per_step``: tokens kept at each step;
+    * ``acceptance_by_depth[d-1]``: among steps whose tree reached depth d, the share that
+      accepted at least d draft tokens;
+    * ``proposed_nodes`` / ``verified_nodes``: draft nodes (root excluded) the drafter proposed
+      and the engine verified, summed over steps (the allocator and the length limit cut the rest);
+    * ``drafter``: the drafter session's own counters (:meth:`DrafterSession.stats`);
+    * ``accepted_by_origin``: the tokens returned, counted by origin (:mod:`triedec.core.trace`):
+      ``model`` for those the forward chose itself, else the source that drafted them; the counts
+      add up to ``new_tokens``;
+    * ``seed``: the sampling seed (None for greedy decoding): the same seed gives the same tokens;
+    * ``skipped_drafts``: steps on which the request did not draft because its drafts had stopped
+      paying (:class:`~triedec.core.allocate.DraftGate`: batches that gate drafting, as the server's).
+    """
+
+    mean_accepted: float = 0.0
+    accepted_per_step: list[int] = field(default_factory=list)
+    acceptance_by_depth: list[float] = field(default_factory=list)
+    proposed_nodes: int = 0
+    verified_nodes: int = 0
+    drafter: dict[str, float] = field(default_factory=dict)
+    accepted_by_origin: dict[str, int] = field(default_factory=dict)
+    seed: int | None = None
+    skipped_drafts: int = 0
+
+    def _steps_text(self) -> str:
+        seed = "" if self.seed is None else f", seed {self.seed}"
+        return f"{self.steps} steps, {self.mean_accepted:.2f} tokens/step{seed}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished request returns: its stats and, for methods that rank several sequences
+    (beam search), the best ones with their scores, best first."""
+
+    stats: Stats
+    sequences: tuple = ()

@@ -1,0 +1,329 @@
+"""One request's whole state, and its part of a decoding step.
+
+A :class:`Request` holds everything that belongs to one request (vLLM's request state): the
+prompt, the tokens generated so far, its KV cache, its drafter session, its stop rule and
+acceptance rule, its counters. It keeps one invariant: the KV cache holds every committed token
+except the newest one, which is the root of the next draft tree. The engine
+(:mod:`triedec.engine.batch`) drives it through
+
+* **prefill**, in chunks of :data:`~triedec.core.limits.PREFILL_CHUNK` tokens (:meth:`Request.prefill_item`,
+  :meth:`Request.prefilled`): the last chunk's logits give the first token;
+* **propose** (:meth:`Request.propose`): the drafter session's :class:`~triedec.drafters.Draft`,
+  cut to what the stop rule still allows;
+* **verify** (:meth:`Request.verify_item`): the prefix of the draft that the allocator sized,
+  as one item of a forward shared with other requests;
+* **accept** and **commit** (:meth:`Request.verified`): the acceptance rule walks the tree, the
+  drafter observes what was verified, the stop rule cuts (even inside an accepted draft) and the
+  cache keeps the accepted path.
+
+Chunk boundaries are fixed multiples of :data:`~triedec.core.limits.PREFILL_CHUNK` within the prompt and a request's
+tree never depends on where it sits in a forward, so a request's arithmetic is the same whatever
+else runs beside it (see :mod:`triedec.model.adapter` on batch invariance).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from triedec.core.accept import GREEDY, Acceptance, AcceptanceRule
+from triedec.core.allocate import DraftGate
+from triedec.core.errors import TriedecError, positive_int
+from triedec.core.kvcache import KVCache
+from triedec.core.limits import PREFILL_CHUNK
+from triedec.core.trace import MODEL, StepTrace, origin_of
+from triedec.core.tree import TokenTree
+from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
+from triedec.engine.outcome import DecodeStats, Outcome
+from triedec.model.adapter import ForwardItem, ModelAdapter
+
+
+def prompt_chunk(cache: KVCache, prompt: Sequence[int], start: int, stop: int, keep: int) -> ForwardItem:
+    """The prompt's tokens ``[start, stop)`` at their positions, as a causal chain on top of the
+    chunks already committed to ``cache``, keeping the last ``keep`` rows' logits: one prefill
+    chunk (a request's, or beam search's)."""
+    n = stop - start
+    return ForwardItem(cache, torch.tensor(prompt[start:stop]), torch.arange(start, stop),
+                       torch.ones((n, n), dtype=torch.bool).tril_(), keep)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``.
+
+    ``decode`` turns token ids into text; it is needed only when ``stop_strings`` are given.
+    """
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    decode: Callable[[Sequence[int]], str] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        positive_int("max_new_tokens", self.max_new_tokens)
+        if any(not isinstance(s, str) or not s for s in self.stop_strings):
+            raise TriedecError("stop strings must be non-empty strings")
+        if self.stop_strings and self.decode is None:
+            raise TriedecError("stop strings need a decode function")
+
+    def cut(self, generated: Sequence[int], new: Sequence[int]) -> tuple[list[int], str | None]:
+        """The part of ``new`` (appended after ``generated``) to keep, and why generation stops
+        (``"eos"``, ``"stop_string"``, ``"length"``) or None. Nothing past a stop is kept."""
+        kept: list[int] = []
+        for tok in new:
+            kept.append(tok)
+            if tok in self.eos_token_ids:
+                return kept, "eos"
+            if self.stop_strings and self._stop_string_completed([*generated, *kept]):
+                return kept, "stop_string"
+            if len(generated) + len(kept) >= self.max_new_tokens:
+                return kept, "length"
+        return kept, None
+
+    def _stop_string_completed(self, tokens: Sequence[int]) -> bool:
+        # A stop string of k characters spans at most k tokens (plus a few for partial bytes).
+        window = max(len(s) for s in self.stop_strings) + 8
+        text = self.decode(tokens[-window:])  # type: ignore[misc]
+        return any(s in text for s in self.stop_strings)
+
+
+class Request:
+    """One speculative request's whole state (see the module doc). Created by a decoder, started
+    by the engine when admitted (:meth:`start`: the drafter session begins, the KV cache is made),
+    driven one phase at a time, and closed once (:meth:`close`: the session ends, the KV is
+    freed). Used by one thread at a time; shares nothing with other requests but the drafter,
+    whose learned state is updated under the drafter's own lock."""
+
+    shares_forward = True
+    """its steps join the batch's shared forward (:class:`~triedec.engine.runs.Run`)"""
+
+    def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
+                 documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY) -> None:
+        self.prompt = [int(t) for t in prompt]
+        if not self.prompt:
+            raise TriedecError("the prompt is empty (no tokens)")
+        self.drafter, self.stop, self.documents, self.rule = drafter, stop, documents, rule
+        self.generated: list[int] = []
+        self.reason: str | None = None
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt), seed=rule.seed)
+        self.submitted = time.perf_counter()
+        self.session: DrafterSession | None = None
+        self.cache: KVCache | None = None
+        self._adapter: ModelAdapter | None = None
+        self._started = 0.0
+        self._prefilled = 0
+        self._fresh: list[int] = []
+        self._draft: Draft | None = None
+        self._kept: tuple[int, ...] = ()
+        self._proposed = 0
+        self._draft_seconds = 0.0  # host seconds of the last proposal (the gate weighs drafting by them)
+        self._tree: TokenTree | None = None
+        self._context: list[int] = []
+        self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
+        self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
+        self._trace: list[StepTrace] | None = None
+        self._closed = False
+        self.gate: DraftGate | None = None
+        """set by a batch that gates drafting (:class:`~triedec.core.allocate.DraftGate`); None: always drafts"""
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV slots this request reserves: prompt, output and the largest tree."""
+        return len(self.prompt) + self.stop.max_new_tokens + MAX_TREE_NODES
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self._prefilled < len(self.prompt)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in its cache (what attention reads)."""
+        return 0 if self.cache is None else self.cache.length
+
+    def start(self, adapter: ModelAdapter) -> None:
+        """Admitted: begin the drafting session and make the KV cache."""
+        if self._adapter is not None:
+            raise TriedecError("a request starts once")
+        self._adapter = adapter
+        self._started = time.perf_counter()
+        self.stats.queued_seconds = self._started - self.submitted
+        self.session = self.drafter.begin(self.prompt, self.documents)
+        self.cache = adapter.new_cache(self.kv_tokens)
+
+    def take(self) -> list[int]:
+        """The tokens committed since the last call."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
+    def record_steps(self) -> None:
+        """From now on, keep a :class:`~triedec.core.trace.StepTrace` of every step (before
+        :meth:`start`; memory: one tree of at most ``MAX_TREE_NODES`` nodes per step until taken)."""
+        if self._trace is None:
+            self._trace = []
+
+    def take_steps(self) -> list[StepTrace]:
+        """The step records made since the last call (always empty unless :meth:`record_steps`)."""
+        if not self._trace:
+            return []
+        steps, self._trace = self._trace, []
+        return steps
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.stats)
+
+    def close(self, reason: str = "cancelled") -> None:
+        """End the request (idempotent): finish its stats (``reason`` if it had not stopped), end
+        the drafting session, free the KV cache."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.reason is None:
+            self.reason = reason
+        try:
+            if self.cache is not None and self._adapter is not None:
+                self._finish()
+        finally:
+            self.cache = None
+            if self.session is not None:
+                self.session.end()
+
+    def _finish(self) -> None:
+        assert self.cache is not None and self._adapter is not None and self.reason is not None
+        self._adapter.synchronize()
+        stats = self.stats
+        stats.finish(self._started, len(self.generated), self.cache, self.reason, self._adapter)
+        stats.mean_accepted = (len(self.generated) - 1) / stats.steps if stats.steps else 0.0
+        stats.acceptance_by_depth = [a / r for a, r in zip(self._accepted_at[1:], self._reached[1:], strict=True) if r]
+        if self.session is not None:
+            stats.drafter = self.session.stats()
+        if self.gate is not None:
+            stats.skipped_drafts = self.gate.skipped
+
+    def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
+              sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
+        """Commit ``new`` (each token with its origin) and count the origins; record the step if asked."""
+        self.generated += new
+        self._fresh += new
+        self.reason = reason
+        counts = self.stats.accepted_by_origin
+        for origin in origins[: len(new)]:
+            counts[origin] = counts.get(origin, 0) + 1
+        if self._trace is not None:  # sources: every node's, given when recording
+            self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path))
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def _chunk(self) -> tuple[int, int]:
+        start = self._prefilled
+        return start, min(len(self.prompt), (start // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of the next prefill chunk."""
+        start, stop = self._chunk()
+        return stop - start
+
+    def _observed_rows(self, start: int, stop: int) -> int:
+        """Rows of this chunk whose logits the drafter observes (the prompt's last
+        ``prefill_logits`` positions)."""
+        return max(0, stop - max(start, len(self.prompt) - self.drafter.prefill_logits))
+
+    def prefill_item(self) -> ForwardItem:
+        """The next prompt chunk: a causal chain on top of the committed chunks."""
+        assert self.cache is not None
+        start, stop = self._chunk()
+        keep = max(self._observed_rows(start, stop), 1 if stop == len(self.prompt) else 0)
+        return prompt_chunk(self.cache, self.prompt, start, stop, keep)
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """Commit the chunk; the drafter observes the rows it asked for; the last chunk's last
+        logits choose the first token (by the acceptance rule, like any other token)."""
+        assert self.cache is not None and self.session is not None
+        start, stop = self._chunk()
+        self.cache.commit(range(stop - start))
+        self._prefilled = stop
+        final = stop == len(self.prompt)
+        first = None
+        if final:
+            first = self.rule.accept(TokenTree.root_only(self.prompt[-1]), logits[-1:], self.prompt, 0).tokens[0]
+        rows = self._observed_rows(start, stop)
+        if rows:
+            tail = self.prompt[stop - rows : stop]
+            after = first if final else self.prompt[stop]
+            chain = TokenTree(tuple(tail), tuple(range(-1, rows - 1)))
+            self.session.observe(Verified(chain, logits[-rows:], Acceptance(tuple(range(rows)), (*tail[1:], after))))
+        if final:
+            assert first is not None
+            self._emit(*self.stop.cut([], [first]), (MODEL,))
+            self._adapter.synchronize()  # type: ignore[union-attr]
+            self.stats.prefill_seconds = time.perf_counter() - self._started
+
+    # ---- propose -> verify -> accept -> commit ------------------------------------------------
+
+    def propose(self) -> Draft:
+        """The drafter's proposal, without nodes past what ``max_new_tokens`` still allows; the root
+        alone (``propose(context, 1)``) on a step its :attr:`gate` skips."""
+        assert self.session is not None
+        self._context = self.prompt + self.generated
+        drafting = self.gate is None or self.gate.proposes()
+        started = time.perf_counter()
+        draft = self.session.propose(self._context, MAX_TREE_NODES if drafting else 1)
+        self._draft_seconds = time.perf_counter() - started
+        if not isinstance(draft, Draft):
+            raise TriedecError(f"drafter session {type(self.session).__name__} returned a "
+                               f"{type(draft).__name__}, not a Draft")
+        if draft.tree.root != self._context[-1]:
+            raise TriedecError(f"drafter session {type(self.session).__name__} proposed a tree not rooted at the "
+                               "last token")
+        self._proposed = draft.size
+        self._draft, self._kept = draft.within(MAX_TREE_NODES, self.stop.max_new_tokens - len(self.generated) - 1)
+        return self._draft
+
+    def verify_item(self, count: int) -> ForwardItem:
+        """The first ``count`` nodes of the proposal (as the allocator sized them) as one item of
+        a forward."""
+        assert self._draft is not None and self.cache is not None
+        tree = self._draft.tree.truncated(count)
+        self._tree, self._kept = tree, self._kept[: tree.size]
+        return ForwardItem(self.cache, torch.tensor(tree.tokens), tree.positions(self.cache.length)[0], tree.ancestry)
+
+    def verified(self, logits: torch.Tensor) -> None:
+        """Accept, tell the drafter what was verified, cut at a stop, commit."""
+        tree, cache, session, draft = self._tree, self.cache, self.session, self._draft
+        assert tree is not None and cache is not None and session is not None and draft is not None
+        acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
+        started = time.perf_counter()
+        session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
+        if self.gate is not None:
+            self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
+                               self._draft_seconds + time.perf_counter() - started)
+        new, reason = self.stop.cut(self.generated, acceptance.tokens)
+        cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
+        stats = self.stats
+        stats.steps += 1
+        stats.computed_tokens += tree.size
+        stats.proposed_nodes += self._proposed - 1
+        stats.verified_nodes += tree.size - 1
+        stats.accepted_per_step.append(len(new))
+        depth = tree.max_depth
+        while len(self._reached) <= depth:
+            self._reached.append(0)
+            self._accepted_at.append(0)
+        for d in range(1, depth + 1):
+            self._reached[d] += 1
+        for d in range(1, len(acceptance.path)):
+            self._accepted_at[d] += 1
+        self._draft = self._tree = None
+        origins = (*(origin_of(draft.sources_of(i)) for i in acceptance.path[1:]), MODEL)
+        sources = tuple(draft.sources_of(i) for i in range(tree.size)) if self._trace is not None else ()
+        self._emit(new, reason, origins, tree, sources, acceptance.path)

@@ -1,0 +1,540 @@
+"""Precision modes: what a loaded model's weights and activations are stored in.
+
+A decoding step on a CPU is bound by reading the weights, so the mode sets the step's speed:
+
+* ``float`` weights (the default): every weight in the activation dtype, ``float32`` unless
+  ``dtype`` says ``bfloat16`` or ``float16``;
+* ``int8``: each linear layer's weight quantized to int8, symmetric, one scale per output row
+  (``scale = max |w| / 127``, rounded to bf16 first; the codes are then ``round(w / scale)``);
+* ``int4``: each linear layer's weight quantized to 4 bits in groups of :data:`GROUP_SIZE`
+  consecutive input features, affine (per group a bf16 ``scale`` and bf16 ``zero``, ``w = (q - 8)
+  * scale + zero`` with ``q`` in 0..15, the layout torch's int4 CPU kernel reads), the LM head
+  int8 as above (see :func:`quantize_linears`). Q4_0/Q4_1 GGUF files use the same group size, so
+  their codes are recovered (see ``docs/precision.md``);
+* ``int4-a8``: int4's weights (the same codes, scales and zeros), whose dot products run on the
+  activations quantized to int8 per row and group of :data:`GROUP_SIZE` features, as llama.cpp
+  runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
+  a portable path giving the same bits elsewhere); the LM head, and the layers a 4-bit GGUF stored
+  with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
+  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit).
+
+Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
+``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
+reference path 10-30x slower). Embeddings, norms and everything else stay in the activation
+dtype. A linear the int4 kernel cannot take (output rows not a multiple of 16, or input features
+not a multiple of the group size) stays unquantized, and :func:`quantize_linears` counts it.
+
+Every kernel used here computes a row the same way whatever other rows share the call (measured by
+``tests/test_precision.py`` and the load-time self-test), which is what keeps speculative decoding
+lossless in every mode: each method returns the tokens plain decoding returns *in the same mode*.
+Pure torch (nothing here knows transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from triedec.core.errors import TriedecError
+from triedec.core.params import GROUP_SIZE, WEIGHTS
+from triedec.model.linears import LinearStandIn
+from triedec.model.native import load_kernel
+
+QUANTIZED_DTYPE = torch.bfloat16
+"""The activation dtype quantized weights run with."""
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A dtype from a ``torch.dtype`` or one of its names (``float32``, ``bf16``, ...)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise TriedecError(f"dtype {dtype} is not supported; use one of {sorted(_DTYPES)}")
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise TriedecError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A precision mode: the activation ``dtype`` and how the linear weights are stored.
+
+    Build it with :meth:`of`, which fills the dtype (float32, or bfloat16 for quantized weights)
+    and refuses combinations no kernel runs."""
+
+    dtype: torch.dtype = torch.float32
+    weights: str = "float"
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise TriedecError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        if self.weights != "float" and self.dtype != QUANTIZED_DTYPE:
+            raise TriedecError(f"weights={self.weights!r} runs with bfloat16 activations (torch's weight-only CPU "
+                               f"kernels); pass dtype='bfloat16' or leave dtype unset, not {_name(self.dtype)}")
+
+    @classmethod
+    def of(cls, dtype: torch.dtype | str | None = None, weights: str = "float") -> Precision:
+        """The mode for ``dtype`` (``None``: float32, or bfloat16 when ``weights`` are quantized)
+        and ``weights`` (one of :data:`WEIGHTS`)."""
+        if dtype is None:  # an unknown ``weights`` is refused by the constructor
+            return cls(QUANTIZED_DTYPE if weights != "float" else torch.float32, weights)
+        return cls(resolve_dtype(dtype), weights)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights != "float"
+
+    @property
+    def name(self) -> str:
+        """``float32``, ``bfloat16``, ``int8-bfloat16``, ``int4g32-bfloat16``, ``int4g32a8-bfloat16``:
+        what results record."""
+        weights = {"float": "", "int8": "int8-", "int4": f"int4g{GROUP_SIZE}-", "int4-a8": f"int4g{GROUP_SIZE}a8-"}[
+            self.weights]
+        return f"{weights}{_name(self.dtype)}"
+
+    def check_device(self, device: torch.device | str) -> None:
+        if self.quantized and torch.device(device).type != "cpu":
+            raise TriedecError(f"weights={self.weights!r} runs on CPU only (torch's weight-only CPU kernels); "
+                               f"use bfloat16 weights on {torch.device(device).type}")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Int8Linear(LinearStandIn):
+    """``y = x (q * scale)^T + b``: int8 weight ``q [out, in]``, bf16 ``scale [out]`` (inference
+    only; bf16 activations)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        with torch.no_grad():
+            weight = linear.weight.detach().float()
+            scale = (weight.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
+            codes = torch.round(weight / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.bias = _bias(linear)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (exact)."""
+        return self.codes.float() * self.scale.float()[:, None]
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers  # read directly: a module attribute lookup costs ~1 us, 211 layers a step
+        return _plus_bias(_INT8_MM(x, buffers["codes"], buffers["scale"]), self.bias)
+
+
+class Int4Linear(LinearStandIn):
+    """``y = x w^T + b`` with ``w = (q - 8) * scale + zero`` per group of :data:`GROUP_SIZE` input
+    features: 4-bit codes ``q`` packed for torch's CPU kernel, and ``scales_and_zeros [in /
+    GROUP_SIZE, out, 2]`` (bf16 ``scale`` and ``zero``; inference only; bf16 activations).
+    ``steps``: the weight's :func:`grid_steps`, where the caller has them (:func:`quantize_int4`)."""
+
+    def __init__(self, linear: nn.Linear, steps: torch.Tensor | None = None) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
+                               f"got {self.out_features}x{self.in_features}")
+        codes, scale, zero = quantize_int4(linear.weight.detach(), steps)
+        self.register_buffer("scales_and_zeros", torch.stack(
+            [scale.to(QUANTIZED_DTYPE), zero.to(QUANTIZED_DTYPE)], dim=-1).contiguous())
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1))
+        self.bias = _bias(linear)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return _plus_bias(_INT4_MM(x, buffers["packed"], GROUP_SIZE, buffers["scales_and_zeros"]), self.bias)
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}"
+
+
+class Int4A8Linear(LinearStandIn):
+    """``y = x w^T + b`` with :class:`Int4Linear`'s weights (the same codes, scales and zeros),
+    computed by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE`
+    features (``csrc/a8_linears.cpp`` gives the exact arithmetic): integer dot products per group,
+    exact in any order, then a fixed float32 sum over the groups, so a row gets the same bits in any
+    call, on any CPU. Codes, scales and zeros are stored packed for the kernel
+    (:func:`pack_int4`, :func:`pack_scales_zeros`). Inference only; bf16 activations. ``steps`` as
+    for :class:`Int4Linear`."""
+
+    def __init__(self, linear: nn.Linear, steps: torch.Tensor | None = None) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"int4 needs output rows divisible by 16 and input features by {GROUP_SIZE}, "
+                               f"got {self.out_features}x{self.in_features}")
+        load_kernel()  # refused here, with the reason, when triedec's kernels cannot be built
+        codes, scale, zero = quantize_int4(linear.weight.detach(), steps)
+        self.register_buffer("packed", pack_int4(codes))
+        self.register_buffer("scales_zeros", pack_scales_zeros(scale, zero))
+        self.bias = _bias(linear)
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes ``[out, in]`` (int32, 0..15)."""
+        return unpack_int4(self.packed)
+
+    def scale_and_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bf16 ``scale`` and ``zero`` ``[in / GROUP_SIZE, out]``."""
+        return unpack_scales_zeros(self.scales_zeros)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        out = load_kernel().int4_linear(x, buffers["packed"], buffers["scales_zeros"], False)
+        return _plus_bias(out, self.bias)
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}, activations=int8"
+
+
+class Int8A8Linear(LinearStandIn):
+    """``y = x w^T + b`` with ``w = q * scale``: int8 codes ``q`` and an fp16 ``scale`` per output
+    and group of :data:`GROUP_SIZE` input features (a GGUF Q8_0 block's format; a Q8_0 or Q5_0
+    file's blocks keep their values exactly: :func:`quantize_int8_groups`), computed by triedec's
+    kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE` features
+    (``csrc/a8_linears.cpp``): the LM head of ``int4-a8`` mode, and the layers a 4-bit file stored
+    with more bits. Output rows a multiple of 16, input features of :data:`GROUP_SIZE`. Inference
+    only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"the int8 kernel on 8-bit activations needs output rows divisible by 16 and input "
+                               f"features by {GROUP_SIZE}, got {self.out_features}x{self.in_features}")
+        load_kernel()
+        codes, scale = quantize_int8_groups(linear.weight.detach())
+        self.register_buffer("packed", pack_int8(codes))
+        self.register_buffer("scales", pack_int8_scales(scale))
+        self.bias = _bias(linear)
+
+    def codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 codes ``[out, in]`` and the fp16 scales ``[out, in / GROUP_SIZE]``."""
+        return unpack_int8(self.packed), unpack_int8_scales(self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (exact)."""
+        codes, scale = self.codes_and_scales()
+        return codes.float() * scale.float().repeat_interleave(GROUP_SIZE, dim=1)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return _plus_bias(load_kernel().int8_linear(x, buffers["packed"], buffers["scales"], False), self.bias)
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}, activations=int8"
+
+
+GGUF_INT8_LEVELS = (127, 16)
+"""The largest ``|code|`` of a GGUF block that :func:`quantize_int8_groups` keeps as it is: Q8_0's
+(``d = max |w| / 127``, codes -127..127) and Q5_0's (``d = max / -16``, codes -16..15 times the
+sign of ``d``)."""
+
+SMALLEST_SCALE = 2.0**-14
+"""The least scale :func:`quantize_int8_groups` gives a group it quantizes: fp16's smallest normal
+number (a smaller one would lose bits to subnormal rounding; the group's codes then span less than
+-127..127)."""
+
+
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear)
+"""The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [out, in] int8 in -127..127, scale [out, in / GROUP_SIZE] float16)``: ``weight [out,
+    in]`` as ``codes * scale`` per group of :data:`GROUP_SIZE` input features. A group whose values
+    are exactly ``d * c`` for an fp16 ``d`` and whole ``c`` whose largest ``|c|`` is one of
+    :data:`GGUF_INT8_LEVELS` (a GGUF file's Q8_0 or Q5_0 block, as transformers dequantizes it)
+    keeps ``d`` and ``c``: the weight is the file's, bit for bit. Any other group gets the scale
+    llama.cpp's Q8_0 gives it, ``max |w| / 127`` rounded to fp16 (here at least
+    :data:`SMALLEST_SCALE`), and the nearest codes under that rounded scale, ``round(w / scale)``.
+    Weights beyond fp16's range times 127, or not finite, are refused."""
+    out_features, in_features = weight.shape
+    groups = weight_groups(weight)
+    amax = groups.abs().amax(dim=-1)
+    largest = float(amax.max()) if amax.numel() else 0.0
+    if not torch.isfinite(amax).all() or largest > 127 * torch.finfo(torch.float16).max:
+        raise TriedecError(f"int8 with fp16 scales takes finite weights of magnitude up to "
+                           f"{127 * torch.finfo(torch.float16).max:.3g}; this layer's largest is {largest:.3g}")
+    scale = (amax / 127).clamp_min(SMALLEST_SCALE).to(torch.float16).float()
+    for levels in GGUF_INT8_LEVELS:
+        step = amax / levels
+        fp16 = step.to(torch.float16).float()
+        whole = (groups / fp16.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round()
+        exact = (fp16 == step) & (amax > 0) & (whole * fp16[..., None] == groups).all(dim=-1)
+        scale = torch.where(exact, fp16, scale)
+    codes = (groups / scale[..., None]).round().clamp_(-127, 127)
+    return codes.reshape(out_features, in_features).to(torch.int8), scale.to(torch.float16).contiguous()
+
+
+BLOCK = 64
+"""Outputs per block of the int4 kernel's packed weight (one sequential stream per block)."""
+
+
+def _blocked(values: torch.Tensor) -> torch.Tensor:
+    """``values [N, G, S, W]`` (per output, group of :data:`GROUP_SIZE` features, step, width) flat
+    in the order triedec's kernels read them: per block of :data:`BLOCK` outputs (the last may hold
+    fewer), per group, per step, per 16 outputs, per output, the step's ``W`` values."""
+    _, groups, steps, width = values.shape
+    parts = [block.reshape(block.shape[0] // 16, 16, groups, steps, width).permute(2, 3, 0, 1, 4).reshape(-1)
+             for block in values.split(BLOCK)]
+    return torch.cat(parts)
+
+
+def _unblocked(flat: torch.Tensor, n: int, groups: int, steps: int, width: int) -> torch.Tensor:
+    """The ``values [n, groups, steps, width]`` that :func:`_blocked` laid out as ``flat``."""
+    rows, per_output = [], groups * steps * width
+    for b in range(0, n, BLOCK):
+        vectors = min(BLOCK, n - b) // 16
+        block = flat[b * per_output : (b + vectors * 16) * per_output]
+        rows.append(block.reshape(groups, steps, vectors, 16, width).permute(2, 3, 0, 1, 4)
+                    .reshape(vectors * 16, groups, steps, width))
+    return torch.cat(rows)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes [N, K]`` (0..15; N a multiple of 16, K of :data:`GROUP_SIZE`) in the order
+    triedec's int4 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs
+    (the last may hold fewer), per group of 32 features, per step of 8, per 16 outputs: 64 bytes,
+    byte ``4i + j`` holding output ``i``'s feature ``j`` of the step in its low nibble and feature
+    ``4 + j`` in its high one. Shape ``[N, K / 2]`` uint8, bytes in that order."""
+    n, k = codes.shape
+    t = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
+    return _blocked(t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` (int32) that :func:`pack_int4` packed."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    nibbles = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, 4, 4)  # n, g, m, j
+    return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(n, k).to(torch.int32)
+
+
+def pack_scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """int4's bf16 ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` in the order triedec's int4 kernel
+    reads them beside the codes (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs and
+    group, the block's scales, then its zeros. Shape ``[K / GROUP_SIZE, 2, N]``, bytes in that
+    order."""
+    groups, n = scale.shape
+    both = torch.stack([scale.T, zero.T], dim=-1)[..., None]  # n, g, (scale, zero), 1
+    return _blocked(both).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
+
+
+def unpack_scales_zeros(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` that :func:`pack_scales_zeros` packed."""
+    groups, _, n = packed.shape
+    both = _unblocked(packed.reshape(-1), n, groups, 2, 1)
+    return both[:, :, 0, 0].T.contiguous(), both[:, :, 1, 0].T.contiguous()
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 ``codes [N, K]`` (N a multiple of 16, K of :data:`GROUP_SIZE`) in the order triedec's
+    int8 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs (the last
+    may hold fewer), per group of 32 features, per step of 4, per 16 outputs: 64 bytes, byte ``4i +
+    j`` holding ``codes[output i, feature j of the step] + 128``. Shape ``[N, K]`` uint8, bytes in
+    that order."""
+    n, k = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n, k // GROUP_SIZE, GROUP_SIZE // 4, 4)
+    return _blocked(shifted).reshape(n, k).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 codes ``[N, K]`` that :func:`pack_int8` packed."""
+    n, k = packed.shape
+    shifted = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, GROUP_SIZE // 4, 4).reshape(n, k)
+    return (shifted.to(torch.int16) - 128).to(torch.int8)
+
+
+def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
+    """int8's fp16 ``scale [N, K / GROUP_SIZE]`` in the order triedec's int8 kernel reads them: per
+    block of :data:`BLOCK` outputs and group, the block's scales. Shape ``[K / GROUP_SIZE, N]``,
+    bytes in that order."""
+    n, groups = scale.shape
+    return _blocked(scale[..., None, None]).to(torch.float16).reshape(groups, n).contiguous()
+
+
+def unpack_int8_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The scales ``[N, K / GROUP_SIZE]`` that :func:`pack_int8_scales` packed."""
+    groups, n = packed.shape
+    return _unblocked(packed.reshape(-1), n, groups, 1, 1)[..., 0, 0]
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether torch's int4 CPU kernel takes this layer's shape."""
+    return linear.out_features % 16 == 0 and linear.in_features % GROUP_SIZE == 0
+
+
+GRID_TOLERANCE = 1e-3
+"""How far from a whole number of steps (in steps) a value may lie and still count as on a
+group's grid (dequantized file values carry float32 rounding, ~1e-6 of a step)."""
+
+
+def weight_groups(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` as float32 groups ``[out, in / GROUP_SIZE, GROUP_SIZE]`` of input features."""
+    out_features, in_features = weight.shape
+    return weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+
+
+def grid_steps(groups: torch.Tensor) -> torch.Tensor:
+    """For float32 ``groups [..., GROUP_SIZE]``, each group's step where its values lie on a grid
+    of at most 16 levels (``low + k * step``, ``k`` in 0..15: a 4-bit file's group, whatever codes
+    it uses), else 0 (also for a constant group). The grid's step is the smallest gap between two
+    values, or that gap over 2, 3 or 4 (when no two neighbouring codes are present); the step
+    returned is the span over its whole number of steps, which averages the values' rounding."""
+    ordered = groups.sort(dim=-1).values
+    low, high = ordered[..., :1], ordered[..., -1:]
+    gaps = ordered.diff(dim=-1)
+    span = (high - low).squeeze(-1)
+    gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.full_like(gaps, float("inf")))
+    smallest = gaps.amin(dim=-1)
+    found = torch.zeros_like(span)
+    for divisor in (4, 3, 2, 1):  # any grid that fits holds the values exactly; the coarsest wins
+        step = smallest / divisor
+        k = (groups - low) / step[..., None]
+        fits = ((k - k.round()).abs() <= GRID_TOLERANCE).all(dim=-1) & (k.round().amax(dim=-1) <= 15)
+        found = torch.where(fits & torch.isfinite(step) & (span > 0), step, found)
+    levels = (span / found).round()  # the step from the whole span: (max - min) / 15 for a Q4_1 block
+    return torch.where(found > 0, span / levels, found)
+
+
+def quantize_int4(weight: torch.Tensor, steps: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes [out, in] int32 in 0..15, scale, zero)`` with ``scale`` and ``zero`` bf16
+    ``[in / GROUP_SIZE, out]``. Per group of :data:`GROUP_SIZE` input features: where the values
+    already lie on a grid of at most 16 levels (:func:`grid_steps`: a 4-bit GGUF block, Q4_0,
+    Q4_1 or Q4_K, whose codes need not span 0..15), ``scale`` is the grid's step and the lowest
+    value is code 0, so the codes are the file's up to a shift; elsewhere ``scale = (max - min) /
+    15``. Then ``zero = low + 8 * scale``, both rounded to bf16 first, and the codes are the nearest
+    ones under those rounded values, so the weight the kernel multiplies by is ``(q - 8) * scale +
+    zero`` exactly. ``steps``: ``grid_steps(weight_groups(weight))`` if the caller has them already
+    (:func:`quantize_linears` does, from a GGUF: the sort inside is most of the cost)."""
+    out_features, in_features = weight.shape
+    groups = weight_groups(weight)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    step = grid_steps(groups) if steps is None else steps
+    scale = torch.where(step > 0, step, (high - low) / 15)
+    scale = scale.clamp_min(torch.finfo(torch.float32).tiny).to(QUANTIZED_DTYPE)
+    zero = (low + 8 * scale.float()).to(QUANTIZED_DTYPE)
+    base = zero.float() - 8 * scale.float()
+    codes = torch.round((groups - base[..., None]) / scale.float()[..., None]).clamp_(0, 15)
+    return codes.reshape(out_features, in_features).to(torch.int32), scale.T.contiguous(), zero.T.contiguous()
+
+
+def on_4bit_grid(weight: torch.Tensor) -> float:
+    """The share of ``weight``'s groups of :data:`GROUP_SIZE` input features whose values lie on a
+    grid of at most 16 levels (:func:`grid_steps`)."""
+    return float((grid_steps(weight_groups(weight)) > 0).float().mean())
+
+
+FINER_THAN_4BIT = 0.5
+"""In a GGUF file with 4-bit layers (``quantize_linears(..., from_gguf=True)``), a layer with
+fewer of its groups on a 4-bit grid than this was stored with more bits (Q5_K, Q6_K, Q8_0, F16:
+a Q4_K_M file keeps some layers at 6 bits) and is quantized to int8, not to int4. In a 4-bit
+layer every group is on a grid; in a 6-bit one almost none is."""
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The float32 weight ``[out, in]`` that int4 ``codes`` with ``scale`` and ``zero`` stand for."""
+    out_features, in_features = codes.shape
+    per_element_scale = scale.float().T.repeat_interleave(GROUP_SIZE, dim=1)
+    per_element_zero = zero.float().T.repeat_interleave(GROUP_SIZE, dim=1)
+    assert per_element_scale.shape == (out_features, in_features)
+    return (codes.float() - 8) * per_element_scale + per_element_zero
+
+
+def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+def _bias(linear: nn.Linear) -> nn.Parameter | None:
+    if linear.bias is None:
+        return None
+    return nn.Parameter(linear.bias.detach().to(QUANTIZED_DTYPE).clone(), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """What :func:`quantize_linears` did: layers quantized, layers left unquantized because the
+    kernel could not take their shape, and layers of a 4-bit file stored with more bits, put in
+    int8 instead of int4 (counted in ``layers`` too)."""
+
+    layers: int
+    kept: int
+    finer: int = 0
+
+
+def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None,
+                     from_gguf: bool = False) -> Quantized:
+    """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear`, :class:`Int4Linear` or
+    :class:`Int4A8Linear` (``weights``: ``int8``, ``int4``, ``int4-a8``), in place, quantizing from
+    the weights as they are (quantize from float32 for the best codes, then cast the rest of the
+    model to bfloat16). ``head``, the LM head, is int8 in every mode (on 8-bit activations in
+    ``int4-a8``, :class:`Int8A8Linear`): as 4-bit GGUF files keep their output layer at 6-8 bits,
+    because the logits are the most sensitive product of the model (on the default model, int4 with a 4-bit head agreed
+    with float32's greedy token at 92% of positions, with an int8 head at 99%, and ran no slower).
+    ``from_gguf``: the weights are a GGUF file's dequantized values; if some of its layers are
+    4-bit, the int4 modes keep their codes (:func:`quantize_int4`) and quantize the layers the
+    file stored with more bits (:data:`FINER_THAN_4BIT`) to int8, like the head, not to 4 bits (a
+    file with no 4-bit layer is quantized as asked). A weight shared with another module (a tied
+    LM head's embedding) stays as it is in that module."""
+    if weights not in ("int8", "int4", "int4-a8"):
+        raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
+    layers = kept = finer = 0
+    stored_finer: set[int] = set()
+    steps: dict[int, torch.Tensor] = {}  # each int4 layer's grid_steps, computed once (they decide int4 or int8 too)
+    if from_gguf and weights != "int8":
+        steps = {id(m): grid_steps(weight_groups(m.weight)) for m in model.modules()
+                 if type(m) is nn.Linear and m is not head and int4_fits(m)}
+        shares = {key: float((step > 0).float().mean()) for key, step in steps.items()}
+        if any(share >= FINER_THAN_4BIT for share in shares.values()):
+            stored_finer = {key for key, share in shares.items() if share < FINER_THAN_4BIT}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if weights != "int8" and child is not head and not int4_fits(child):
+                kept += 1
+                continue
+            as_int8 = weights == "int8" or child is head
+            if not as_int8 and id(child) in stored_finer:
+                as_int8, finer = True, finer + 1
+            if as_int8 and weights == "int4-a8" and int4_fits(child):
+                setattr(parent, name, Int8A8Linear(child))
+            elif as_int8:
+                setattr(parent, name, Int8Linear(child))
+            else:
+                stand_in = Int4Linear if weights == "int4" else Int4A8Linear
+                setattr(parent, name, stand_in(child, steps.pop(id(child), None)))
+            layers += 1
+    return Quantized(layers, kept, finer)
+
+
+def layer_mix(model: nn.Module) -> str:
+    """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
+    in int8 per group (:class:`Int8A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
+    unquantized for their shape, follow from the architecture). Loads of the same
+    file in the same mode have the same mix; which layers go to int8 (:data:`FINER_THAN_4BIT`, the
+    head) changes it, and with it the cost of a forward, so the calibration's key includes it
+    (:func:`triedec.api.calibration.device_key`)."""
+    kinds = [type(m) for m in model.modules()]
+    int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
+    int8 = sum(kind is Int8Linear for kind in kinds)
+    grouped = sum(kind is Int8A8Linear for kind in kinds)
+    return f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}"
+
+
+def precision_of(model: nn.Module) -> Precision:
+    """The mode ``model`` is in: its first floating parameter's dtype (the embeddings'), and its
+    linears' weights (``int4-a8``, ``int4`` or ``int8`` when it holds such layers)."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    kinds = {type(m) for m in model.modules()}
+    weights = "int4-a8" if kinds & {Int4A8Linear, Int8A8Linear} else "int4" if Int4Linear in kinds \
+        else "int8" if Int8Linear in kinds else "float"
+    return Precision(dtype, weights)

@@ -1,0 +1,1 @@
+"""Triedec on Ray Serve: engine replicas behind one gateway."""
