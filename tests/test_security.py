@@ -73,7 +73,8 @@ def _matrix(url: str, keys: ApiKeys | None) -> None:
             got = httpx.request(method, url + path, json=body, headers={"Authorization": auth} if auth else {},
                                 timeout=60)
             if keys is None or auth == ALICE or keys.is_open(path):
-                assert got.status_code == (404 if path == "/no-such-path" else 200), (path, auth, got.text)
+                # FastAPI's generated /docs page is off (it loads a CDN's scripts): 404 like any unknown path
+                assert got.status_code == (404 if path in ("/no-such-path", "/docs") else 200), (path, auth, got.text)
             else:
                 assert got.status_code == 401, (path, auth)
                 err = got.json()["error"]
@@ -320,13 +321,13 @@ def test_a_slow_body_and_a_client_that_never_reads_do_not_hold_the_others(lm):
         host, port = url.removeprefix("http://").split(":")
         baseline = _timed_request(url)
         slow = socket.create_connection((host, int(port)))
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
         mute = socket.socket()
         mute.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         mute.connect((host, int(port)))
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 500, "stream": True}).encode()
-        mute.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        mute.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         times = [_timed_request(url) for _ in range(4)]
         assert max(times) < bound + baseline, times

@@ -326,7 +326,8 @@ OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/
 def test_schemathesis_finds_no_server_error(lm, path, method):
     """Requests schemathesis generates from the OpenAPI schema (valid and invalid), in process:
     never a 5xx. Bounded: 25 examples per operation, max_tokens cut to 16."""
-    app = create_app(lm, ServerConfig(model_name=MODEL, method="ar", default_max_tokens=8))
+    # the in-process client addresses the app as "testserver", which a keyless server must be told to answer
+    app = create_app(lm, ServerConfig(model_name=MODEL, method="ar", default_max_tokens=8, allowed_hosts="testserver"))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     assert {(p, m) for p, m in OPERATIONS} <= {(op.path, op.method.upper()) for op in
                                                (r.ok() for r in schema.get_all_operations())}

@@ -152,10 +152,12 @@ class LM:
 
     # ---- prompts ------------------------------------------------------------------------------
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
-        of chat messages (the chat template), or a list of token ids (used as is)."""
-        return self.prompts.encode(prompt, chat)
+        of chat messages (the chat template), or a list of token ids (used as is).
+        ``split_special``: special tokens' text inside strings and messages is tokenized as plain
+        text, so only the chat template makes control tokens (:mod:`triedec.api.prompts`)."""
+        return self.prompts.encode(prompt, chat, split_special)
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""

@@ -3,11 +3,20 @@ template, or token ids), a request's stop rule and context documents, and the te
 
 The checks here are the ones that need the model's tokenizer and vocabulary; everything else was
 checked where the :class:`~triedec.api.generation.GenerationRequest` was built.
+
+**Special tokens in text.** By default a string is tokenized as transformers does: the text of a
+special token (``<|im_end|>``) becomes that control token, also inside a chat message, so text a
+user typed can close its turn and open a forged one. With ``split_special=True`` (what ``triedec
+serve`` passes unless ``--special-tokens-in-text``) the text inside messages, and a text prompt,
+is tokenized with special tokens split as plain text: only the chat template makes control tokens.
+Token-id prompts are used as given either way.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from triedec.api.generation import GenerationRequest, Prompt, checked_prompt
@@ -25,24 +34,25 @@ class Prompts:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
-        of chat messages (the chat template), or a list of token ids (used as is)."""
-        return self.tokens(checked_prompt(prompt), chat)
+        of chat messages (the chat template), or a list of token ids (used as is);
+        ``split_special``: special tokens' text in strings and messages stays plain text (module
+        doc)."""
+        return self.tokens(checked_prompt(prompt), chat, split_special)
 
-    def tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:
+    def tokens(self, prompt: Prompt, chat: bool = False, split_special: bool = False) -> list[int]:
         """:meth:`encode` for a prompt already checked for shape (a
         :class:`~triedec.api.generation.GenerationRequest`'s): only what needs the tokenizer and the
         vocabulary is checked here."""
         if isinstance(prompt, str):
             if chat:
-                return self.tokens(({"role": "user", "content": prompt},))
-            ids = self.tokenizer(prompt)["input_ids"]
+                return self.tokens(({"role": "user", "content": prompt},), split_special=split_special)
+            ids = self.tokenizer(prompt, split_special_tokens=split_special)["input_ids"]
         elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = self._chat_ids(list(prompt), split_special)
         else:
             ids = list(prompt)
             if any(t >= self.vocab_size for t in ids):  # type: ignore[operator]
@@ -50,6 +60,72 @@ class Prompts:
         if not ids:
             raise TriedecError("the prompt is empty (no tokens)")
         return list(ids)
+
+    @cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The text of every token the tokenizer matches as a unit before splitting (its added and
+        special tokens)."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        texts = {getattr(t, "content", str(t)) for t in decoder.values()}
+        texts |= set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
+        return tuple(sorted(t for t in texts if t))
+
+    def _chat_ids(self, messages: list[Mapping[str, Any]], split_special: bool) -> list[int]:
+        """The chat template's token ids for ``messages``. With ``split_special``, each message whose
+        text holds a special token's text is found in the rendered template and tokenized on its own
+        with special tokens split; the template's own text around it is tokenized as usual. Messages
+        without such text (nearly all) leave the tokenization exactly as without ``split_special``."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        contents = [m.get("content") for m in messages]
+        marked = [c for c in contents if isinstance(c, str) and any(s in c for s in self.special_texts)]
+        if not split_special or not marked:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        pieces: list[tuple[str, bool]] = []  # (text, split its special tokens)
+        at = 0
+        for content in marked:
+            for candidate in (content, content.strip()):
+                found = text.find(candidate, at) if candidate else -1
+                if found >= 0:
+                    break
+            else:
+                raise TriedecError("a message holds a special token's text and the chat template changed that "
+                                   "message's text, so it cannot be kept apart from the template's own tokens; "
+                                   "remove the special token's text from the message")
+            pieces += [(text[at:found], False), (candidate, True)]
+            at = found + len(candidate)
+        pieces.append((text[at:], False))
+        ids: list[int] = []
+        for piece, split in pieces:
+            if piece:
+                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=split)["input_ids"]
+        return ids
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (at least 1; one more than the
+        longest token's own text, for a leading space a decoder drops): what bounds a text's
+        token count from below without tokenizing it (:meth:`at_least_tokens`)."""
+        vocab = self.tokenizer.get_vocab()
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        if decoder is not None:
+            longest = max((len(decoder.decode([piece]).encode()) for piece in vocab), default=1)
+        else:
+            longest = max((len(piece.encode()) for piece in vocab), default=1)
+        return max(1, longest) + 1
+
+    def at_least_tokens(self, prompt: Prompt) -> int:
+        """A lower bound on the tokens ``prompt`` makes, from its size alone (token ids: their
+        count; text: its UTF-8 bytes over :attr:`max_token_bytes`): a prompt surely too long for
+        the context is refused before it is tokenized, at a cost that does not grow with it."""
+        if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+        elif prompt and isinstance(prompt[0], Mapping):
+            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt  # type: ignore[index]
+                       if isinstance(m.get("content"), str))  # type: ignore[union-attr]
+        else:
+            return len(prompt)
+        return math.ceil(size / self.max_token_bytes)
 
     def prepare(self, request: GenerationRequest, prompt_tokens: int, eos_token_ids: frozenset[int],
                 max_context: int | None) -> tuple[StopRule, list[list[int]]]:

@@ -22,14 +22,22 @@ from typing import Any
 @contextlib.contextmanager
 def serving(app: Any, timeout: float = 60.0) -> Iterator[str]:
     """Run ``app`` on a real uvicorn server on a free loopback port, in a thread, for the duration
-    of the block; yields its base URL (``http://127.0.0.1:PORT``)."""
+    of the block; yields its base URL (``http://127.0.0.1:PORT``). A triedec app listens as
+    ``triedec serve`` does (:func:`~triedec.server.app.listening_socket`: its send buffer)."""
     import uvicorn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    config = getattr(getattr(app, "state", None), "config", None)
+    if config is not None and hasattr(config, "send_buffer_bytes"):
+        from triedec.server.app import listening_socket
+
+        sock = listening_socket("127.0.0.1", 0, config.send_buffer_bytes)
+    else:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(2048)
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
     while not server.started:
@@ -41,6 +49,7 @@ def serving(app: Any, timeout: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout)
+        sock.close()
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,10 @@ def _serve_flags(srv: argparse.ArgumentParser) -> None:
                      help="keys, one per line, each optionally followed by a space and its tenant's name "
                           "(default: none)")
     sec.add_argument("--public-metrics", action="store_true", help="serve /metrics without a key")
+    sec.add_argument("--metrics-key", metavar="KEY", default=None,
+                     help="the operator's key for /metrics (server-wide counters): with it, tenants' keys cannot read "
+                          "them; TRIEDEC_METRICS_KEY is used if this is not given (default: none: any API key reads "
+                          "/metrics)")
     out = srv.add_argument_group("scaling out (docs/scaling-out.md)")
     # every plain setting's flag, generated from its field (triedec.core.settings)
     add_flags(srv, BatchLimits, SERVER_LIMITS)

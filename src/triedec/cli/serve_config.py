@@ -23,7 +23,8 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> Any:
     given = list(args.api_key)
     if not given and not args.api_keys_file and environ.get("TRIEDEC_API_KEY"):
         given = [environ["TRIEDEC_API_KEY"]]
-    return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics)
+    metrics_key = getattr(args, "metrics_key", None) or environ.get("TRIEDEC_METRICS_KEY") or None
+    return ApiKeys.load(given, args.api_keys_file, public_metrics=args.public_metrics, metrics_key=metrics_key)
 
 
 def serve_values(pairs: Mapping[str, object]) -> argparse.Namespace:

@@ -4,7 +4,9 @@ A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's eng
 :meth:`Batch.step`:
 
 1. **admits** waiting runs at the step boundary, oldest first, within :class:`BatchLimits`
-   (running requests, KV memory) and each group's running cap (a server tenant's share);
+   (running requests, KV memory) and each group's running cap (a server tenant's share); a
+   ``fair`` batch (the server's) admits the group with the fewest running first, and pauses a run
+   of a group holding more than its share of slots while another group waits;
 2. **propose**: every decoding request's drafter proposes a scored draft;
 3. **allocate**: :func:`~triedec.core.allocate.allocate` sizes all drafts together under the device's
    :class:`~triedec.core.costmodel.CostModel` (nodes go where they are most likely to be accepted, and
@@ -25,6 +27,7 @@ the batch closes; never on the per-step path.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Generator, Sequence
@@ -87,20 +90,29 @@ class Batch:
     asked to draft for a while, so its step costs what ``ar``'s does, and probes again after a
     growing pause (:class:`~triedec.core.allocate.DraftGate`);
     tokens never change. The server turns both on; a single ``generate`` keeps the calibrated
-    sizes and drafts every step, reproducible step for step."""
+    sizes and drafts every step, reproducible step for step.
+
+    ``fair``: no group holds more than its share of running slots (``max_running`` over the groups
+    with work, rounded up) while a run of another group under its share waits: candidates are
+    admitted fewest-running group first, and when no slot is free the group with the most running
+    above its share has its latest-joined run *paused* (it keeps its KV and its state, is not
+    stepped, and resumes at a later boundary with room). The caller may also pause a run itself
+    (:meth:`hold`, e.g. a client that stopped reading) and let it resume (:meth:`release`). Pausing
+    changes when a run's steps happen, never its tokens. Pausing frees running slots, not KV: a
+    paused run's KV stays reserved."""
 
     HOST_WEIGHT = 0.2
     """weight of each step in the moving average of host seconds"""
 
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
                  limits: BatchLimits | None = None, group_running: int | None = None,
-                 learn_cost: bool = False, gate_drafts: bool = False) -> None:
+                 learn_cost: bool = False, gate_drafts: bool = False, fair: bool = False) -> None:
         if group_running is not None:
             positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
         self.limits = limits or BatchLimits()
         self.group_running = group_running
-        self.learn_cost, self.gate_drafts = learn_cost, gate_drafts
+        self.learn_cost, self.gate_drafts, self.fair = learn_cost, gate_drafts, fair
         self._observed: ObservedCost | None = None
         self._pace = Pace()  # what a committed token costs now, for the gates (``gate_drafts``)
         self.host_seconds = 0.0
@@ -111,6 +123,9 @@ class Batch:
         """ids of the runs waiting to join, oldest first"""
         self.running: list[str] = []
         """ids of the runs running, in the order they joined"""
+        self.paused: dict[str, bool] = {}
+        """ids of the runs that started and are not stepped now (their KV kept), each True while the
+        caller holds it (:meth:`hold`), False once it may resume (paused for fairness, or released)"""
         self._group: dict[str, str] = {}  # every waiting or running run's group, by id
         self._made_ids = 0  # ids this batch made for runs submitted without one
         self._running_in: Counter[str] = Counter()  # group -> its runs running
@@ -158,6 +173,9 @@ class Batch:
         if request_id in self.running:
             self.running.remove(request_id)
             self._retire(request_id, reason)
+        elif request_id in self.paused:
+            del self.paused[request_id]
+            self._retire(request_id, reason, counted=False)
         elif request_id in self.waiting:
             self.waiting.remove(request_id)
             del self._group[request_id]
@@ -165,31 +183,104 @@ class Batch:
 
     @property
     def idle(self) -> bool:
-        return not (self.running or self.waiting)
+        return not (self.running or self.waiting or self.paused)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a step could do anything: a run runs, waits, or is paused and may resume."""
+        return bool(self.running or self.waiting or not all(self.paused.values()))
+
+    def hold(self, request_id: str) -> None:
+        """Pause the running run of ``request_id`` until :meth:`release` (its KV and state kept, its
+        slot free for others); a run that is not running is left as it is."""
+        if request_id in self.running:
+            self._pause(request_id, held=True)
+
+    def release(self, request_id: str) -> None:
+        """Let a run paused by :meth:`hold` resume at a step boundary with room."""
+        if self.paused.get(request_id):
+            self.paused[request_id] = False
+
+    def _pause(self, request_id: str, held: bool) -> None:
+        self.running.remove(request_id)
+        self._running_in[self._group[request_id]] -= 1
+        self.paused[request_id] = held
 
     def _admit(self) -> None:
+        if self.fair:
+            self._admit_fairly()
+            return
         cap = self.limits.max_kv_bytes
-        reserved = sum(self.kv_bytes(self.runs[i]) for i in self.running)
-        for rid in list(self.waiting):
+        reserved = sum(self.kv_bytes(self.runs[i]) for i in (*self.running, *self.paused))
+        for rid in [*(i for i, held in self.paused.items() if not held), *self.waiting]:
             if len(self.running) >= self.limits.max_running:
                 break
             run, group = self.runs[rid], self._group[rid]
             if self.group_running is not None and self._running_in[group] >= self.group_running:
                 continue
+            if rid in self.paused:  # its KV is reserved already
+                del self.paused[rid]
+                self.running.append(rid)
+                self._running_in[group] += 1
+                continue
             if cap is not None and self.running and reserved + self.kv_bytes(run) > cap:
                 break
-            self.waiting.remove(rid)
+            self._start(rid)
             reserved += self.kv_bytes(run)
-            try:
-                run.start(self.adapter)
-            except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
-                del self._group[rid], self.runs[rid]
-                run.close("cancelled")
-                raise
-            if self.gate_drafts and run.shares_forward:
-                run.gate = DraftGate(pace=self._pace)  # type: ignore[attr-defined]
-            self.running.append(rid)
-            self._running_in[group] += 1
+
+    def _start(self, rid: str) -> None:
+        """The waiting run of ``rid`` joins :attr:`running`."""
+        run, group = self.runs[rid], self._group[rid]
+        self.waiting.remove(rid)
+        try:
+            run.start(self.adapter)
+        except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
+            del self._group[rid], self.runs[rid]
+            run.close("cancelled")
+            raise
+        if self.gate_drafts and run.shares_forward:
+            run.gate = DraftGate(pace=self._pace)  # type: ignore[attr-defined]
+        self.running.append(rid)
+        self._running_in[group] += 1
+
+    def _admit_fairly(self) -> None:
+        """``fair`` admission (class doc): resumable paused runs and waiting runs, fewest-running
+        group first (ties: paused ones, then the oldest); a group's surplus over its share is paused
+        while a run of a group under its share waits and no slot is free."""
+        limits, cap = self.limits, self.limits.max_kv_bytes
+        reserved = sum(self.kv_bytes(self.runs[i]) for i in (*self.running, *self.paused))
+
+        def candidates() -> list[str]:
+            found = [i for i, held in self.paused.items() if not held] + list(self.waiting)
+            if self.group_running is not None:
+                found = [i for i in found if self._running_in[self._group[i]] < self.group_running]
+            return sorted(found, key=lambda i: self._running_in[self._group[i]])  # stable: paused, then oldest
+
+        while True:
+            waiting = candidates()
+            if not waiting:
+                return
+            rid = waiting[0]
+            run, group = self.runs[rid], self._group[rid]
+            fits = rid in self.paused or cap is None or not self.running or reserved + self.kv_bytes(run) <= cap
+            if not fits:
+                return
+            if len(self.running) >= limits.max_running:
+                groups = {self._group[i] for i in (*self.running, *waiting)}
+                share = math.ceil(limits.max_running / len(groups))
+                richest = max(self._running_in, key=lambda g: self._running_in[g], default=None)
+                if (self._running_in[group] >= share or richest is None
+                        or self._running_in[richest] <= max(share, self._running_in[group] + 1)):
+                    return  # nobody holds more than its share against this run's group
+                victim = next(i for i in reversed(self.running) if self._group[i] == richest)
+                self._pause(victim, held=False)
+            if rid in self.paused:
+                del self.paused[rid]
+                self.running.append(rid)
+                self._running_in[group] += 1
+            else:
+                self._start(rid)
+                reserved += self.kv_bytes(run)
 
     # ---- the step -----------------------------------------------------------------------------
 
@@ -255,11 +346,12 @@ class Batch:
             self._observed, self.host_seconds = ObservedCost(self.cost), 0.0
         return self._observed
 
-    def _retire(self, request_id: str, reason: str) -> None:
-        """The run of ``request_id`` has left :attr:`running`: close it and count it out."""
+    def _retire(self, request_id: str, reason: str, counted: bool = True) -> None:
+        """The run of ``request_id`` has left :attr:`running` (``counted``; else :attr:`paused`):
+        close it and count it out."""
         run, group = self.runs.pop(request_id), self._group.pop(request_id)
-        self._running_in[group] -= 1
-        if not self._running_in[group]:
+        self._running_in[group] -= int(counted)
+        if self._running_in[group] <= 0:
             del self._running_in[group]
         run.close(reason or "cancelled")
         drafter = getattr(run, "drafter", None)
@@ -275,7 +367,7 @@ class Batch:
 
     def close(self) -> None:
         """Cancel every run and write the learned state (idempotent)."""
-        for rid in [*self.running, *self.waiting]:
+        for rid in [*self.running, *self.paused, *self.waiting]:
             self.cancel(rid)
         self.persist()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from triedec.drafters.state import check_location
 from triedec.engine.methods import method as find_method
 from triedec.server.auth import MaskQueryStrings
 from triedec.server.config import ServerConfig
+from triedec.server.memory import tune_allocator
 from triedec.server.playground import add_routes as add_playground
 from triedec.server.playground import info as playground_info
 from triedec.server.scheduler import Scheduler
@@ -79,12 +81,14 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``lm``. Its scheduler thread starts with the first request; the
     lifespan's shutdown cancels what is left and writes the learned state."""
     config = config or ServerConfig()
+    tune_allocator()  # big buffers go back to the system when freed (server/memory.py)
     Scopes(config.tenancy(), lm.forget).check(config.method, config.method_options)
     lm.limit_decoders(config.decoders)
     _check_state_locations(config)
     _calibrate_everything(lm)
     lm.decoder(config.method, **config.method_options)  # validate (and build) the default method now
     service = Service(lm, config)
+    lm.prompts.max_token_bytes  # noqa: B018  (measured now: a request's size check never waits on it)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -96,8 +100,10 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
             await run_in_threadpool(service.sharing.close)
         await run_in_threadpool(service.scheduler.close)
 
-    # redirect_slashes off: a redirect would echo the client's Host header back as a URL to follow
-    app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
+    # redirect_slashes off: a redirect would echo the client's Host header back as a URL to follow. FastAPI's
+    # generated pages (/docs, /redoc) are off: they load scripts from a CDN; the schema stays at /openapi.json
+    app = FastAPI(title="triedec", version="0.1.0", lifespan=lifespan, redirect_slashes=False, docs_url=None,
+                  redoc_url=None,
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
     app.state.sharing = service.sharing
@@ -171,6 +177,29 @@ def _check_state_locations(config: ServerConfig) -> None:
             check_location(tenant_file(path, ANONYMOUS))
 
 
+def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` whose connections inherit a send buffer of
+    ``send_buffer`` bytes (the kernel doubles it), instead of one that grows to megabytes: a
+    client that stopped reading fills it, and the server's send waits, within a bounded amount of
+    data (then ``stall_seconds`` pause its request, and ``send_seconds`` end it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise TriedecError(f"cannot listen on {host}:{port}: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise TriedecError(f"the server could not listen on {host}:{port}: {exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Run the server until SIGINT/SIGTERM: the engine's loop on this (the main) thread, where the
     model was loaded (see :mod:`triedec.server.scheduler` on why), uvicorn on a thread of its own.
@@ -183,6 +212,7 @@ def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     import uvicorn
 
     app = create_app(lm, config)
+    sock = listening_socket(host, port, config.send_buffer_bytes)
     scheduler: Scheduler = app.state.scheduler
     # an idle kept-alive connection is closed after 5 s; a request head is bounded to 16 KiB (h11,
     # chosen explicitly); uvicorn has no timeout for a head that never ends (docs/serving.md: Security)
@@ -193,7 +223,7 @@ def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     if not any(isinstance(f, MaskQueryStrings) for f in access.filters):
         access.addFilter(MaskQueryStrings())  # a key a client put in a URL never reaches the log
     scheduler.claim()
-    http = threading.Thread(target=server.run, name="triedec-http")
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="triedec-http")
 
     def stop(signum: int, frame: Any) -> None:
         if server.should_exit:

@@ -12,8 +12,11 @@ With keys configured, every request except ``GET /health``, the playground's pag
 key gets 401 in OpenAI's error shape before the body is read. The presented key is hashed and
 compared with every configured key's hash in constant time (:func:`hmac.compare_digest`, no early
 exit), so the time to answer says nothing about how much of a key was right. Keys are never logged
-or echoed: a key sent in the URL's query string instead (``?api_key=...``) gets 401, and ``triedec
-serve``'s access log masks every query string value (:class:`MaskQueryStrings`). Two
+or echoed: a key sent in the URL's query string instead (``?api_key=...``) gets 401 on every path,
+the open ones included, and ``triedec serve``'s access log masks every query string value
+(:class:`MaskQueryStrings`). ``/metrics`` (server-wide counters) is the operator's: with a
+``metrics_key`` only that key reads it (a tenant's key gets 401); without one, any configured key
+does (and anyone with ``public_metrics``). Two
 ``Authorization`` headers get 400 (a proxy that checks the first and a server that uses the last
 would disagree)."""
 
@@ -59,6 +62,8 @@ class ApiKeys:
 
     tenants: Mapping[str, str]
     public_metrics: bool = False
+    metrics_key: str | None = field(default=None, repr=False)
+    """the operator's key for ``/metrics``: with it, no tenant's key reads the server-wide counters"""
     _digests: tuple[tuple[bytes, str], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +72,10 @@ class ApiKeys:
         for key, tenant in self.tenants.items():
             _valid_token("an API key", key)
             _valid_token("a tenant name", tenant)
+        if self.metrics_key is not None:
+            _valid_token("the metrics key", self.metrics_key)
+            if self.metrics_key in self.tenants:
+                raise TriedecError("the metrics key must not also be a tenant's API key")
         object.__setattr__(self, "_digests", tuple((_digest(k), t) for k, t in self.tenants.items()))
 
     def __repr__(self) -> str:  # never show the keys
@@ -74,9 +83,10 @@ class ApiKeys:
 
     @classmethod
     def load(cls, keys: Sequence[str] = (), file: str | os.PathLike[str] | None = None,
-             public_metrics: bool = False) -> ApiKeys | None:
+             public_metrics: bool = False, metrics_key: str | None = None) -> ApiKeys | None:
         """The keys given directly (each its own tenant) and in ``file`` (module doc); None when
-        there are none. A key listed twice with different tenants is refused."""
+        there are none (a ``metrics_key`` alone is refused: it guards nothing without keys). A key
+        listed twice with different tenants is refused."""
         tenants: dict[str, str] = {}
 
         def add(key: str, tenant: str, where: str) -> None:
@@ -101,7 +111,9 @@ class ApiKeys:
                 add(words[0], words[1] if len(words) == 2 else anonymous_tenant(words[0]), f"{file} line {number}")
             if not tenants:
                 raise TriedecError(f"the API keys file {file} lists no key")
-        return cls(tenants, public_metrics) if tenants else None
+        if not tenants and metrics_key is not None:
+            raise TriedecError("a metrics key needs API keys: without keys every path is open")
+        return cls(tenants, public_metrics, metrics_key) if tenants else None
 
     def tenant(self, authorization: bytes | str | None) -> str | None:
         """The tenant of the key in an ``Authorization: Bearer KEY`` header value; None when it is
@@ -122,6 +134,16 @@ class ApiKeys:
             if hmac.compare_digest(digest, known):
                 found = tenant
         return found
+
+    def is_operator(self, authorization: bytes | str | None) -> bool:
+        """Whether the header carries the metrics key (compared in constant time)."""
+        if self.metrics_key is None:
+            return False
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode("ascii", "replace")
+        scheme, _, presented = (authorization or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(_digest(presented.strip()),
+                                                                  _digest(self.metrics_key))
 
     def is_open(self, path: str) -> bool:
         return path in OPEN_PATHS or (self.public_metrics and path == "/metrics")
@@ -176,15 +198,26 @@ class RequireKey:
             await error(400, "more than one Authorization header; send exactly one", param="Authorization")(
                 scope, receive, send)
             return
-        if keys is None or keys.is_open(scope.get("path", "")):
+        if keys is None:
             await self.app(scope, receive, send)
             return
-        if _key_in_query(scope.get("query_string") or b""):
+        if _key_in_query(scope.get("query_string") or b""):  # on every path, the open ones too
             await error(401, "API keys are not accepted in the URL (URLs end up in logs and histories): send it as "
                              "'Authorization: Bearer KEY', and treat a key sent in a URL as exposed",
                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
+        path = scope.get("path", "")
+        if keys.is_open(path):
+            await self.app(scope, receive, send)
+            return
         header = headers[0] if headers else None
+        if path == "/metrics" and keys.metrics_key is not None:  # the operator's only
+            if keys.is_operator(header):
+                await self.app(scope, receive, send)
+            else:
+                await error(401, "/metrics needs this server's metrics key", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
         tenant = keys.tenant(header)
         if tenant is None:
             message = ("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'." if header is None else

@@ -132,10 +132,14 @@ class ServerConfig:
                                              help="requests of one tenant decoded at once")
     tenant_max_queued: int | None = setting(None, group="security", kind=int, none="up to --max-queue",
                                             help="requests of one tenant waiting beyond those; one more gets 429")
-    max_request_seconds: float | None = setting(None, group="security", kind=float, none="no limit",
+    max_request_seconds: float | None = setting(600.0, group="security", kind=float, unit="s",
                                                 help="a request's whole time, queue included: past it, it ends with "
                                                      "what it has (finish_reason length, stop_reason time_limit), or "
                                                      "gets 408 before its first token")
+    stall_seconds: float = setting(2.0, group="security", unit="s",
+                                   help="a request whose client has not taken its tokens for this long (a stream "
+                                        "nobody reads) is paused, its batch slot free for others, until the client "
+                                        "reads again; send-seconds later the server ends it")
     remeasure_after: float = setting(10.0, unit="s",
                                      help="seconds with no request after which a calibration measured while the "
                                           "machine was busy is measured again, stopped the moment a request arrives "
@@ -147,6 +151,17 @@ class ServerConfig:
     send_seconds: float = setting(60.0, group="security", unit="s",
                                   help="a client that takes no response data for this long is disconnected (a client "
                                        "that never reads holds nothing for long)")
+    send_buffer_bytes: int = setting(256 << 10, group="security", unit="bytes",
+                                     help="the kernel's send buffer of each connection (SO_SNDBUF): what a client "
+                                          "that stopped reading can leave unsent before the server notices")
+    allowed_hosts: str = setting("", group="security",
+                                 help="Host header values a server without API keys answers besides loopback ones "
+                                      "(localhost, 127.0.0.0/8, [::1]), comma-separated; '*' answers any (a web page "
+                                      "could then reach this server by DNS rebinding)")
+    special_tokens_in_text: bool = setting(False, group="security",
+                                           help="tokenize special tokens' text inside messages and text prompts as "
+                                                "the control tokens themselves (off: as plain text, so only the "
+                                                "chat template makes control tokens; token-id prompts are as sent)")
     redis_url: str | None = field(default=None, repr=False)
     """share learned state with the other replicas that name the same Redis
     (:mod:`triedec.server.sharing`); None = this process's own only"""
@@ -159,14 +174,14 @@ class ServerConfig:
     bytes (:mod:`triedec.api.decoders`); past them the least recently used are dropped"""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit"):
+        for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit", "send_buffer_bytes"):
             positive_int(name, getattr(self, name))
         if self.default_max_tokens > self.max_tokens_limit:
             raise TriedecError(f"the default max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
                                f"({self.max_tokens_limit})")
         if not 0 <= self.remeasure_after < float("inf"):
             raise TriedecError(f"remeasure_after must be a number of seconds >= 0, got {self.remeasure_after!r}")
-        for name in ("body_seconds", "send_seconds"):
+        for name in ("body_seconds", "send_seconds", "stall_seconds"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise TriedecError(f"{name} must be a positive number, got {getattr(self, name)!r}")
         self.tenancy()  # validates the learning mode and max_tenants
@@ -180,8 +195,19 @@ class ServerConfig:
         if not isinstance(self.limits, BatchLimits):
             raise TriedecError(f"limits must be a BatchLimits, got {self.limits!r}")
         self.sharing()  # validates the Redis URL and the exchange's settings
+        if not isinstance(self.allowed_hosts, str) or any(c.isspace() or c in "/@?#" for c in
+                                                           self.allowed_hosts.replace(", ", ",")):
+            raise TriedecError(f"allowed_hosts must be host names separated by commas, got {self.allowed_hosts!r}")
         if not isinstance(self.decoders, DecoderLimits):
             raise TriedecError(f"decoders must be a DecoderLimits, got {self.decoders!r}")
+
+    def hosts(self) -> frozenset[str] | None:
+        """The Host names (lower case, without port) a request must name besides loopback ones;
+        None: any (the server has API keys, or ``allowed_hosts`` is ``*``)."""
+        names = [h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()]
+        if self.api_keys is not None or "*" in names:
+            return None
+        return frozenset(names)
 
     def sharing(self) -> SharingConfig | None:
         if self.redis_url is None:

@@ -27,13 +27,16 @@ class Job:
 
     def __init__(self, run: Run, loop: asyncio.AbstractEventLoop, tenant: str = "",
                  deadline: float | None = None, on_end: Callable[[], None] | None = None,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, group: str | None = None) -> None:
         self.id = request_id or f"job-{uuid.uuid4().hex}"
         """the request's id (the response's ``id`` over HTTP): the scheduler and the engine batch
         know the job by it"""
         self.run = run
         self.loop = loop
         self.tenant = tenant
+        self.group = tenant if group is None else group
+        """whose share of the batch's running slots the job counts in: the key's tenant with API keys,
+        else the client's address (never a field the client chooses)"""
         self.deadline = deadline
         """``time.perf_counter()`` value past which the scheduler ends the request (None: never)"""
         self.on_end = on_end
@@ -41,6 +44,9 @@ class Job:
         self.cancelled = threading.Event()
         self.submitted = time.perf_counter()
         self.emitted = 0
+        self.untaken_since: float | None = None
+        """``time.perf_counter()`` when tokens began to wait for the handler (None: nothing waits):
+        how long a client has not taken what the server produced"""
         self._lock = threading.Lock()
         self._tokens: list[int] = []
         self._steps: list[StepTrace] = []
@@ -58,6 +64,8 @@ class Job:
             if self._final is not None:
                 return
             if kind == "tokens":
+                if not self._tokens:
+                    self.untaken_since = time.perf_counter()
                 self._tokens += value
                 self._steps += steps
                 self.emitted += len(value)
@@ -78,6 +86,7 @@ class Job:
             with self._lock:
                 if self._tokens:
                     tokens, self._tokens = self._tokens, []
+                    self.untaken_since = None
                     self.steps, self._steps = self._steps, []
                     return "tokens", tokens
                 if self._final is not None:

@@ -67,6 +67,7 @@ def add_routes(app: FastAPI, keys: bool, about: dict[str, Any]) -> None:
     html = _read("index.html").replace(b'content="KEYS"', b'content="required"' if keys else b'content="none"')
     files = {name: _read(name) for name in FILES}  # read once: the package's files do not change
 
+    @app.head("/", include_in_schema=False)  # probes that use HEAD get 200 too (uvicorn sends no body)
     @app.get("/", include_in_schema=False)
     async def page() -> Response:
         return Response(html, media_type="text/html; charset=utf-8", headers=HEADERS)

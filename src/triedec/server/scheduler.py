@@ -41,12 +41,14 @@ from triedec.core.limits import BatchLimits
 from triedec.engine.batch import Batch, StepReport
 from triedec.server.config import TenantLimits
 from triedec.server.jobs import Job
+from triedec.server.memory import release_memory
 
 log = logging.getLogger("triedec.server")
 
 
 class QueueFull(Exception):
-    """The scheduler holds ``max_running + max_queue`` requests already, or is shutting down."""
+    """``max_queue`` requests wait already and no running slot is free, or the scheduler is
+    shutting down."""
 
 
 class TenantBusy(Exception):
@@ -65,7 +67,8 @@ class Scheduler:
 
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
                  on_step: Callable[[StepReport], None] | None = None,
-                 tenants: TenantLimits | None = None, remeasure_after: float | None = None) -> None:
+                 tenants: TenantLimits | None = None, remeasure_after: float | None = None,
+                 stall_seconds: float | None = None) -> None:
         if remeasure_after is not None and not 0 < remeasure_after < float("inf"):
             raise TriedecError(f"remeasure_after must be a positive number of seconds or None, got {remeasure_after!r}")
         self.lm = lm
@@ -75,8 +78,11 @@ class Scheduler:
         self._quiet_needed = remeasure_after  # grows after each attempt that found the machine busy again
         self.limits, self.max_queue = limits, max_queue
         self.tenants = tenants or TenantLimits()
+        self.stall_seconds = stall_seconds
+        """a running job whose tokens have waited this long for its handler (a client that stopped
+        reading) is paused, its slot free for others, until the handler takes them (None: never)"""
         self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running,
-                           learn_cost=True, gate_drafts=True)
+                           learn_cost=True, gate_drafts=True, fair=True)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()
@@ -115,16 +121,26 @@ class Scheduler:
                 raise TenantBusy(f"too many requests of this client at once: at most {cap} running or waiting",
                                  self.retry_after())  # the condition's lock is reentrant
 
+    def check_room(self) -> None:
+        """:class:`QueueFull` when a request submitted now would be refused for room (any thread;
+        :meth:`submit` checks again): ``max_queue`` requests wait already and the running ones fill
+        every slot, so ``waiting`` in :attr:`depth` never passes ``max_queue`` for long (only
+        while requests that fit in free slots wait for the next step). The server asks before any
+        per-request work, so a refusal costs nothing."""
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            running, waiting = self._depth
+            if waiting >= self.max_queue and running + waiting >= self.limits.max_running:
+                raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` past the queue's bound or while shutting down,
         :class:`TenantBusy` past its tenant's share (:class:`TenantLimits`); a
         :class:`~triedec.core.errors.TriedecError` for a request that could never run here (more KV
         than the cap)."""
         with self._cond:
-            if self._closed:
-                raise QueueFull("the server is shutting down")
-            if len(self._jobs) + len(self._incoming) >= self.limits.max_running + self.max_queue:
-                raise QueueFull(f"the queue is full ({self.limits.max_running} running, {self.max_queue} waiting)")
+            self.check_room()  # the condition's lock is reentrant
             if job.id in self._jobs or any(job.id == j.id for j in self._incoming):
                 raise TriedecError(f"request id {job.id!r} is already in use")
             self.check_tenant(job.tenant)
@@ -194,6 +210,8 @@ class Scheduler:
             remeasure = False
             with self._cond:
                 idle_since = time.perf_counter()
+                if not self._has_work():
+                    release_memory()  # the server just went idle: hand the peak's free pages back
                 while not self._has_work():
                     quiet = self._quiet_needed if self._remeasure_wanted() else None
                     waited = time.perf_counter() - idle_since
@@ -219,7 +237,7 @@ class Scheduler:
                         future.set_exception(exc)
             for job in arrived:
                 try:
-                    self.batch.submit(job.run, group=job.tenant, request_id=job.id)
+                    self.batch.submit(job.run, group=job.group, request_id=job.id)
                 except TriedecError as exc:  # checked in submit(); kept from reaching the loop's thread
                     job.run.close("cancelled")
                     self._finish(job, "error", exc)
@@ -232,11 +250,28 @@ class Scheduler:
                     self._finish(job, "cancelled", None)
                 elif job.deadline is not None and now >= job.deadline:
                     self._expire(job)
-            if not batch.idle:
+            if batch.runnable:
                 self._step()
+            elif self._jobs:  # every job is paused until its client reads: look again shortly
+                with self._cond:
+                    self._cond.wait(0.05)
+            self._pause_stalled()
             with self._cond:
-                self._depth = (len(batch.running), len(batch.waiting) + len(self._incoming))
+                self._depth = (len(batch.running) + len(batch.paused), len(batch.waiting) + len(self._incoming))
         self._shutdown()
+
+    def _pause_stalled(self) -> None:
+        """Pause each running job whose client has not taken its tokens for ``stall_seconds``;
+        resume each paused one whose client took them."""
+        if self.stall_seconds is None:
+            return
+        now = time.perf_counter()
+        for rid, job in self._jobs.items():
+            since = job.untaken_since
+            if since is None:
+                self.batch.release(rid)
+            elif now - since >= self.stall_seconds:
+                self.batch.hold(rid)
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self._jobs or self._calls or self._closed)

@@ -67,7 +67,8 @@ class Service:
         self.known = set(methods())
         self.metrics: Metrics | None = None
         self.scheduler = Scheduler(lm, config.limits, config.max_queue, on_step=self._on_step,
-                                   tenants=config.tenant_limits(), remeasure_after=config.remeasure_after or None)
+                                   tenants=config.tenant_limits(), remeasure_after=config.remeasure_after or None,
+                                   stall_seconds=config.stall_seconds)
         self.scopes = Scopes(config.tenancy(), lm.forget)
         self.metrics = Metrics(lambda: self.scheduler.depth, config.limits.max_tokens_per_forward)
         sharing = config.sharing()
@@ -103,7 +104,7 @@ class Service:
         """Validate everything and make the request's run (in a worker thread; the method is
         already built, on the engine thread)."""
         lm, config = self.lm, self.config
-        ids = lm.encode(prompt, chat=chat)
+        ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text)
         limit = getattr(req, "max_completion_tokens", None)
         name = "max_tokens" if limit is None else "max_completion_tokens"  # errors name the field the client sent
         limit = req.max_tokens if limit is None else limit
@@ -124,9 +125,37 @@ class Service:
             run.record_steps()
         return _Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace)
 
+    def check_size(self, req: Generation, prompt: Any, chat: bool) -> None:
+        """Refuse a prompt surely too long for the context from its size alone, before anything is
+        tokenized (:meth:`~triedec.api.prompts.Prompts.at_least_tokens`): such a refusal costs
+        microseconds whatever the prompt's size, and allocates nothing that grows with it."""
+        context = self.lm.max_context
+        if context is None:
+            return
+        least = self.lm.prompts.at_least_tokens(prompt)
+        if least + 1 > context:
+            raise FieldError("messages" if chat else "prompt",
+                             f"the prompt is at least {least} tokens long: it cannot fit the model's context of "
+                             f"{context} tokens with a token to generate")
+        limit = getattr(req, "max_completion_tokens", None)
+        name = "max_tokens" if limit is None else "max_completion_tokens"  # as prepare() names it
+        limit = req.max_tokens if limit is None else limit
+        if isinstance(limit, int) and not isinstance(limit, bool) and least + limit > context:
+            raise FieldError(name, f"the prompt (at least {least} tokens) + {name} ({limit}) exceed the model's "
+                                   f"context of {context} tokens")
+
     def tenant(self, request: Request, req: Generation) -> str:
         """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
         return getattr(request.state, "tenant", None) or (f"user:{req.user}" if req.user else ANONYMOUS)
+
+    @staticmethod
+    def group(request: Request) -> str:
+        """Whose share of the running slots a request counts in: the API key's tenant, else the
+        client's address (``user`` is the client's to choose, so it cannot stand for a share)."""
+        tenant = getattr(request.state, "tenant", None)
+        if tenant:
+            return tenant
+        return f"peer:{request.client.host if request.client else ''}"
 
     async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
                     ) -> tuple[Job, _Prepared] | JSONResponse:
@@ -136,6 +165,8 @@ class Service:
         scope: Hashable = None
         entered = False
         try:
+            self.scheduler.check_room()  # 503 before any per-request work
+            self.check_size(req, prompt, shape.chat)  # 400 before anything is tokenized
             method, options = self.method_of(req)
             tenant = self.tenant(request, req)
             self.scheduler.check_tenant(tenant)  # 429 now, before any wait for the engine thread
@@ -150,7 +181,7 @@ class Service:
             job = Job(prepared.run, asyncio.get_running_loop(), tenant,
                       None if seconds is None else time.perf_counter() + seconds,
                       on_end=functools.partial(self.scopes.leave, scope),
-                      request_id=f"{shape.id_prefix}-{uuid.uuid4().hex}")
+                      request_id=f"{shape.id_prefix}-{uuid.uuid4().hex}", group=self.group(request))
             self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
             return job, prepared
         except StateFileError:  # the operator's fault, not the client's: the detail (a path) goes to the log only
@@ -317,9 +348,9 @@ class Service:
                     return out
 
                 include = bool(req.stream_options and req.stream_options.include_usage)
-                streaming = True  # the stream's own finally cancels the job
-                return StreamingResponse(self.stream(job, prepared, shape, chunk, include, event),
-                                         media_type="text/event-stream")
+                streaming = True  # the response cancels the job however it ends
+                return _JobStream(job, self.stream(job, prepared, shape, chunk, include, event),
+                                  media_type="text/event-stream")
 
             def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
                 return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
@@ -329,6 +360,22 @@ class Service:
         finally:
             if not streaming:
                 job.cancel()  # a no-op once the run is done
+
+
+class _JobStream(StreamingResponse):
+    """A stream of a job's events that cancels the job however the response ends: finished, the
+    client gone, or the transport's send timeout (a client that stopped reading), where the
+    events' generator is left unclosed until it is collected."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str], media_type: str) -> None:
+        super().__init__(content, media_type=media_type)
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
 def shown_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:

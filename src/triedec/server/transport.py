@@ -1,4 +1,5 @@
-"""The server's front door as ASGI layers, outermost first: the transport (a body over its size
+"""The server's front door as ASGI layers, outermost first: the Host check (a server without API
+keys answers only loopback names and ``allowed_hosts``: no DNS rebinding), the transport (a body over its size
 limit gets 413 before the app reads it, a body slower than ``body_seconds`` 408, a response the
 client does not take within ``send_seconds`` is ended), then the API-key check. The Ray gateway
 wraps its relay in the same layers."""
@@ -20,11 +21,12 @@ log = logging.getLogger("triedec.server")
 
 def front_door_layers(config: ServerConfig) -> list[tuple[type, dict[str, Any]]]:
     """The server's front door as ASGI middleware classes with their options, innermost first:
-    the body's size and time limits (413, 408) and the send timeout, then, outermost, the API key
-    (401, before any body is read)."""
+    the body's size and time limits (413, 408) and the send timeout, then the API key (401, before
+    any body is read), then, outermost, the Host check (400, before anything else)."""
     return [(_Transport, {"limit": config.max_body_bytes, "body_seconds": config.body_seconds,
                           "send_seconds": config.send_seconds}),
-            (RequireKey, {"keys": config.api_keys})]
+            (RequireKey, {"keys": config.api_keys}),
+            (AllowedHosts, {"hosts": config.hosts()})]
 
 
 def front_door(inner: Any, config: ServerConfig) -> Any:
@@ -34,6 +36,52 @@ def front_door(inner: Any, config: ServerConfig) -> Any:
     for layer, options in front_door_layers(config):
         inner = layer(inner, **options)
     return inner
+
+
+def host_name(value: bytes | None) -> str | None:
+    """A ``Host`` header's name, lower case, without its port (``[::1]:8000`` is ``::1``); None
+    for a missing or malformed one."""
+    if not value:
+        return None
+    try:
+        text = value.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return None
+    if text.startswith("["):
+        name, sep, rest = text[1:].partition("]")
+        return name if sep and (not rest or (rest.startswith(":") and rest[1:].isdigit())) else None
+    name, _, port = text.partition(":")
+    return name if name and (not port or port.isdigit()) else None
+
+
+def is_loopback(name: str) -> bool:
+    """``localhost``, an address in 127.0.0.0/8, or ``::1``."""
+    if name in ("localhost", "localhost.", "::1"):
+        return True
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "127" and all(p.isdigit() and int(p) < 256 for p in parts)
+
+
+class AllowedHosts:
+    """ASGI middleware: with ``hosts`` (a server without API keys), a request whose ``Host`` is not
+    a loopback name nor one of ``hosts`` gets 400 before anything else runs: a web page a local
+    user visits cannot rebind its own name to 127.0.0.1 and use the API, the page or ``/metrics``
+    (Starlette's TrustedHostMiddleware does the same). None: every Host passes."""
+
+    def __init__(self, app: Any, hosts: frozenset[str] | None) -> None:
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.hosts is None or scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        values = [v for k, v in scope.get("headers") or [] if k.lower() == b"host"]
+        name = host_name(values[0]) if len(values) == 1 else None
+        if name is None or not (is_loopback(name) or name in self.hosts):
+            await error(400, "this server answers only requests addressed to it by a loopback name (or a name its "
+                             "operator allowed with --allowed-hosts)", param="Host")(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class _ClientTooSlow(Exception):
@@ -68,7 +116,8 @@ class _Transport:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
             return
-        body, more = b"", True
+        parts: list[bytes] = []
+        size, more = 0, True
         deadline = asyncio.get_running_loop().time() + self.body_seconds
         while more:
             try:
@@ -79,12 +128,13 @@ class _Transport:
                 return
             if message["type"] != "http.request":
                 return  # the client left
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
             more = message.get("more_body", False)
-            if len(body) > self.limit:
+            if size > self.limit:
                 await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
                 return
-        replayed = False
+        body, replayed = b"".join(parts), False
 
         async def replay() -> dict[str, Any]:
             nonlocal replayed
