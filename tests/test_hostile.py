@@ -75,22 +75,27 @@ print(json.dumps({"refusals": refusals, "errors": errors}))
 
 
 def test_oversized_prompts_are_refused_before_tokenizing_and_leave_the_others_alone(lm):
-    """8 clients (another process) post ~1 MiB chat messages for 20 s: each gets its 400 within
-    50 ms (the median; the slowest within a few times that on a busy 2-core host), a concurrent
-    short request stays within 2x its time alone, and the server's memory grows by at most 100 MiB."""
+    """A refusal costs the server little: alone, a ~1 MiB prompt gets its 400 within 50 ms. Then 8
+    clients of one peer (another process) post such prompts for 20 s: a short request of another
+    peer meanwhile stays within 2x its time alone (large bodies are read in turn and get at most a
+    third of the server's time, so they cannot keep the engine waiting for the GIL), every refusal
+    still comes within a second, and the server's memory grows by at most 100 MiB."""
     config = _config(max_body_bytes=2 << 20)
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}
     short = {"model": MODEL, "messages": QUESTION, "max_tokens": 8}
-    with serving(create_app(lm, config)) as url:
-        with httpx.Client(timeout=60) as c:
-            for _ in range(3):  # warm: the first requests build what later ones reuse
-                assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-            alone = []
-            for _ in range(5):
-                started = time.perf_counter()
-                assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-                alone.append(time.perf_counter() - started)
+    with serving(create_app(lm, config)) as url, _client("127.0.0.2") as c:  # the others: another peer
+        for _ in range(3):  # warm: the first requests build what later ones reuse
+            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
+        alone = []
+        for _ in range(5):
+            started = time.perf_counter()
+            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
+            alone.append(time.perf_counter() - started)
+        alone_refusals = []
+        for _ in range(5):
+            started = time.perf_counter()
             assert c.post(f"{url}/v1/chat/completions", json=huge).status_code == 400
+            alone_refusals.append(time.perf_counter() - started)
         rss_before = _rss()
         attacker = subprocess.Popen([sys.executable, "-c", ATTACK, f"{url}/v1/chat/completions", "20"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -98,18 +103,17 @@ def test_oversized_prompts_are_refused_before_tokenizing_and_leave_the_others_al
         attacker.stdin.close()
         time.sleep(3)
         under_attack = []
-        with httpx.Client(timeout=60) as c:
-            for _ in range(5):
-                started = time.perf_counter()
-                assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-                under_attack.append(time.perf_counter() - started)
+        for _ in range(5):
+            started = time.perf_counter()
+            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
+            under_attack.append(time.perf_counter() - started)
         found = json.loads(attacker.stdout.read())
         assert attacker.wait(60) == 0
         grown = _rss() - rss_before
     refusals = found["refusals"]
     assert not found["errors"], found["errors"][:3]
+    assert statistics.median(alone_refusals) <= 0.05, alone_refusals
     assert len(refusals) > 100
-    assert statistics.median(refusals) <= 0.05, statistics.median(refusals)
     assert max(refusals) <= 1.0, max(refusals)
     assert statistics.median(under_attack) <= 2 * statistics.median(alone) + 0.05, (under_attack, alone)
     assert grown <= 100 << 20, grown / 2**20

@@ -298,3 +298,59 @@ def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():
                         torch.full_like(stock.scales_and_zeros[..., 1], 8.0)], dim=-1)
     int4_codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, stock.packed, GROUP_SIZE, unit).T.to(torch.int32)
     assert torch.equal(proj.codes(), int4_codes)  # the same codes as int4 mode's
+
+
+# ---- one build per instruction set ----------------------------------------------------------------
+
+
+def _installed_builds():
+    import importlib
+
+    from triedec.model.isa import module_name, sources_digest, supported
+
+    builds = {}
+    for isa in supported():
+        try:
+            module = importlib.import_module(f"triedec.model.{module_name(isa)}")
+        except ImportError:
+            continue
+        if module.sources_digest() == sources_digest():
+            builds[isa] = module
+    return builds
+
+
+def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
+    from triedec.model.isa import ISAS, supported
+
+    builds = _installed_builds()
+    assert supported()[-1] == "portable" and set(supported()) <= set(ISAS)
+    assert supported(frozenset()) == ("portable",)
+    assert "avx2" in supported(frozenset(ISAS["avx2"][1])) and "avx512vnni" not in supported(frozenset(ISAS["avx2"][1]))
+    if not builds:
+        pytest.skip("triedec was installed without its kernels' builds (they were built on first use)")
+    fastest = next(isa for isa in supported() if isa in builds)
+    assert KERNEL.isa() == fastest and KERNEL is builds[fastest]
+
+
+def test_every_installed_build_gives_the_same_bits():
+    """The ISA decides the speed only: every build this CPU runs (vector and portable paths alike)
+    gives the int4 and int8 linears, the RMS norm and tree attention the same bits."""
+    builds = _installed_builds()
+    if len(builds) < 2:
+        pytest.skip("fewer than two installed builds run on this CPU")
+    generator = torch.Generator().manual_seed(11)
+    int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
+    int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
+    x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
+    q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
+    outputs = {}
+    with torch.inference_mode():
+        for isa, module in builds.items():
+            outputs[isa] = (module.int4_linear(x, int4.packed, int4.scales_zeros, False),
+                            module.int8_linear(x, int8.packed, int8.scales, False),
+                            module.rms_norm(norm_x, norm_w, 1e-6, False),
+                            module.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+    first, *others = outputs.values()
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

@@ -38,6 +38,7 @@ import torch
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.machine import CpuWatch, host_key
+from triedec.core.params import CALIBRATION_PROMPTS, CALIBRATION_REPEATS, CALIBRATION_TOKENS
 from triedec.core.tree import TokenTree
 from triedec.drafters import Drafter, ModelInfo
 from triedec.drafters.registry import NEEDS_COST, profile_specs
@@ -179,7 +180,7 @@ def _tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
 def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
                        batch: Sequence[tuple[int, Sequence[int]]] = BATCH_GRID,
                        context_tokens: int = CONTEXT_TOKENS, long_context: int = LONG_CONTEXT,
-                       repeats: int = 5, k: int = 8,
+                       repeats: int = CALIBRATION_REPEATS, k: int = 8,
                        progress: Callable[[int, int], None] | None = None,
                        should_stop: Callable[[], bool] | None = None) -> CostModel:
     """Median seconds of forwards (module doc), each followed by the top-k of its logits that
@@ -241,7 +242,7 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
 
 
 def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] = (1, 16),
-                              context_tokens: int = 512, repeats: int = 5) -> dict[int, float]:
+                              context_tokens: int = 512, repeats: int = CALIBRATION_REPEATS) -> dict[int, float]:
     """Median seconds of stock transformers' own forward of T tokens (a causal chain) on a
     ``context_tokens`` cache, run as ``generate`` runs it (its default ``DynamicCache``): the
     yardstick the cost curve is read against. ``model`` is an unmodified transformers model."""
@@ -318,8 +319,8 @@ def _bar(description: str, unit: str) -> Iterator[Callable[[int, int], None]]:
 
 
 def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = frozenset({NEEDS_COST}),
-                      force: bool = False, *, prompts: int = 6, max_new_tokens: int = 96,
-                      repeats: int = 5) -> Calibration:
+                      force: bool = False, *, prompts: int = CALIBRATION_PROMPTS,
+                      max_new_tokens: int = CALIBRATION_TOKENS, repeats: int = CALIBRATION_REPEATS) -> Calibration:
     """The cached calibration of ``lm`` on its device, with at least the parts in ``needs``
     (``"cost"``, and profile names); the missing parts (all of them if ``force``) are measured and
     the file is rewritten atomically. A file from an older triedec version is measured anew. A
@@ -371,7 +372,7 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
     return cached
 
 
-def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int = 5,
+def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int = CALIBRATION_REPEATS,
                    should_stop: Callable[[], bool] | None = None) -> Calibration:
     """``calibration`` with its cost model measured again now (its profiles kept), under a
     :class:`~triedec.core.machine.CpuWatch`, and written atomically over the cached file: what a

@@ -42,6 +42,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
 from triedec.core.errors import TriedecError
+from triedec.core.params import DEFAULT_METHOD
 from triedec.core.sampling import Sampling
 
 _PROCESSORS = (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
@@ -57,7 +58,7 @@ def custom_generate(
     generation_config: Any,
     synced_gpus: bool = False,
     streamer: Any = None,
-    method: str = "auto",
+    method: str = DEFAULT_METHOD,
     method_options: Mapping[str, object] | None = None,
     triedec_streamer: Any = None,
     **model_kwargs: Any,

@@ -116,13 +116,13 @@ class Prompts:
 
     def at_least_tokens(self, prompt: Prompt) -> int:
         """A lower bound on the tokens ``prompt`` makes, from its size alone (token ids: their
-        count; text: its UTF-8 bytes over :attr:`max_token_bytes`): a prompt surely too long for
-        the context is refused before it is tokenized, at a cost that does not grow with it."""
+        count; text: its characters over :attr:`max_token_bytes`, since a character is at least one
+        UTF-8 byte): a prompt surely too long for the context is refused before it is tokenized, at
+        a cost that does not grow with it."""
         if isinstance(prompt, str):
-            size = len(prompt.encode("utf-8", "surrogatepass"))
+            size = len(prompt)
         elif prompt and isinstance(prompt[0], Mapping):
-            size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt  # type: ignore[index]
-                       if isinstance(m.get("content"), str))  # type: ignore[union-attr]
+            size = sum(len(m["content"]) for m in prompt if isinstance(m.get("content"), str))  # type: ignore[union-attr,index]
         else:
             return len(prompt)
         return math.ceil(size / self.max_token_bytes)

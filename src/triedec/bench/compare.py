@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from triedec.bench.stats import compare
+from triedec.bench.stats import compare, ratio_text
 from triedec.bench.summary import units
 from triedec.core.errors import TriedecError
 
@@ -85,11 +85,7 @@ def _vs_stock(results: Mapping[str, Any], method: str) -> dict[str, Any] | None:
 
 def compare_markdown(report: Mapping[str, Any], a_name: str, b_name: str) -> str:
     def fmt(c: Mapping[str, Any] | None) -> str:
-        if not c:
-            return "—"
-        if not c.get("ci95"):
-            return f"{c['geomean']:.2f}x ({c['prompts']})"
-        return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}] ({c['prompts']})"
+        return ratio_text(c, with_count=True)
 
     lines = [f"# {b_name} against {a_name}", ""]
     if report["cross_machine"]:

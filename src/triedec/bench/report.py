@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from triedec.bench.runners import OWN_BASELINE, REFERENCE
-from triedec.bench.stats import ratio_interval
+from triedec.bench.stats import ratio_interval, ratio_text
 from triedec.bench.summary import LOW_REPETITION, units
 from triedec.core.sampling import Sampling
 
@@ -92,11 +92,7 @@ def _sampling_text(results: dict[str, Any]) -> str:
 
 def _cmp(c: dict[str, Any] | None) -> str:
     """A paired comparison as ``1.23x [1.10, 1.35]`` (geometric mean, 95% interval)."""
-    if not c:
-        return "—"
-    if not c.get("ci95"):
-        return f"{c['geomean']:.2f}x (n={c['prompts']})"
-    return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]"
+    return ratio_text(c)
 
 
 def _protocol(results: dict[str, Any]) -> str:

@@ -190,3 +190,15 @@ def compare(speeds: Mapping[str, float], baseline: Mapping[str, float],
     count = len(set(groups))
     low, high = bootstrap_interval(ratios, units=groups) if count >= MIN_UNITS else (None, None)
     return Comparison(geometric_mean(ratios), statistics.median(ratios), low, high, len(ratios), count)
+
+
+def ratio_text(c: Mapping[str, Any] | None, with_count: bool = False) -> str:
+    """A paired comparison as ``1.23x [1.10, 1.35]`` (geometric mean, 95% interval; ``with_count``:
+    then the number of prompts in parentheses); without an interval ``1.23x (n=4)`` (``1.23x (4)``
+    with the count); ``—`` without a value."""
+    if not c:
+        return "—"
+    count = f" ({c['prompts']})" if with_count else ""
+    if not c.get("ci95"):
+        return f"{c['geomean']:.2f}x" + (count or f" (n={c['prompts']})")
+    return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]{count}"

@@ -161,10 +161,11 @@ def build_parser(commands: Collection[str] | None = None) -> argparse.ArgumentPa
 
 
 def _generate_flags(gen: argparse.ArgumentParser) -> None:
-    from triedec.core.params import MAX_NEW_TOKENS
+    from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS
 
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (read from stdin if absent or '-')")
-    gen.add_argument("--method", default="auto", help="decoding method (default auto; see `triedec methods`)")
+    gen.add_argument("--method", default=DEFAULT_METHOD,
+                     help=f"decoding method (default {DEFAULT_METHOD}; see `triedec methods`)")
     gen.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
                      help=f"most tokens to generate (default {MAX_NEW_TOKENS})")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
@@ -182,9 +183,14 @@ def _methods_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_flags(cal: argparse.ArgumentParser) -> None:
-    cal.add_argument("--prompts", type=int, default=6, help="calibration prompts (the first warms up; default 6)")
-    cal.add_argument("--max-new-tokens", type=int, default=96, help="tokens per calibration prompt (default 96)")
-    cal.add_argument("--repeats", type=int, default=5, help="timed repeats per tree size (median; default 5)")
+    from triedec.core.params import CALIBRATION_PROMPTS, CALIBRATION_REPEATS, CALIBRATION_TOKENS
+
+    cal.add_argument("--prompts", type=int, default=CALIBRATION_PROMPTS,
+                     help=f"calibration prompts (the first warms up; default {CALIBRATION_PROMPTS})")
+    cal.add_argument("--max-new-tokens", type=int, default=CALIBRATION_TOKENS,
+                     help=f"tokens per calibration prompt (default {CALIBRATION_TOKENS})")
+    cal.add_argument("--repeats", type=int, default=CALIBRATION_REPEATS,
+                     help=f"timed repeats per tree size (median; default {CALIBRATION_REPEATS})")
     cal.add_argument("--show", action="store_true",
                      help="print the cached calibration and measure nothing (exit status 1 if none is cached)")
     cal.add_argument("--json", action="store_true",
@@ -265,13 +271,14 @@ def _serve_flags(srv: argparse.ArgumentParser) -> None:
     require_extra("server", "triedec serve")
     from triedec.api.decoders import DecoderLimits
     from triedec.core.limits import BatchLimits
+    from triedec.core.params import DEFAULT_METHOD
     from triedec.core.settings import add_flags
-    from triedec.server.config import SERVER_LIMITS, ServerConfig
+    from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, SERVER_LIMITS, ServerConfig
 
-    srv.add_argument("--method", default="auto", help="default decoding method (a request may name another in its "
-                                                     "extra body; default auto)")
-    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
-    srv.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    srv.add_argument("--method", default=DEFAULT_METHOD, help="default decoding method (a request may name another in "
+                                                             f"its extra body; default {DEFAULT_METHOD})")
+    srv.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (default %(default)s)")
+    srv.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s)")
     srv.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                      help="the model id clients send and /v1/models lists (--served-model-name as vLLM spells it; "
                           "default: the model's directory name, or SmolLM2-135M-Instruct for the embedded default)")

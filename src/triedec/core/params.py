@@ -103,3 +103,10 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
 
 GREEDY_SAMPLING = Sampling()
 """The defaults: greedy decoding."""
+
+CALIBRATION_PROMPTS = 6
+"""calibration prompts a profile is measured on (the first warms up)"""
+CALIBRATION_TOKENS = 96
+"""tokens generated per calibration prompt"""
+CALIBRATION_REPEATS = 5
+"""timed repeats per measured size (the median is kept)"""

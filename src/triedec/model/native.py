@@ -2,16 +2,19 @@
 (:mod:`triedec.model.attention`), the row-wise RMS norm (:mod:`triedec.model.rmsnorm`) and the linears on
 8-bit activations (:mod:`triedec.model.precision`), one C++ extension.
 
-It is built with ``torch.utils.cpp_extension`` the first time a kernel is needed (``make`` builds
-it during setup; about a minute with the C++ compiler; ``ninja`` comes with triedec's
-dependencies) and cached under ``kernels/`` in triedec's cache (:func:`triedec.core.paths.cache_root`,
-``~/.cache/triedec`` by default), one build per source, flags, torch version, Python and CPU.
-Pure torch: nothing here knows transformers.
+It is built when the package is installed (``setup.py``: one build per instruction set,
+:mod:`triedec.model.isa`), and :func:`load_kernel` imports the fastest build this CPU runs. Where no
+installed build matches the sources beside it (installed without torch in the build environment,
+or the sources edited since), it is built on first use with ``torch.utils.cpp_extension`` for this
+CPU (``-march=native``; about a minute with the C++ compiler) and cached under ``kernels/`` in
+triedec's cache (:func:`triedec.core.paths.cache_root`, ``~/.cache/triedec`` by default), with a
+warning that says why. Pure torch: nothing here knows transformers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import os
 import platform
@@ -25,23 +28,18 @@ import torch
 
 from triedec.core.errors import TriedecError
 from triedec.core.paths import cache_root
+from triedec.model.isa import COMMON_FLAGS, CSRC, HEADERS, SOURCES, module_name, sources_digest, supported
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "a8_linears.cpp", "bindings.cpp")
-"""The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp``
-binds)."""
-HEADERS = ("kernels.h",)
 OPENMP = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
 """Whether the kernels are built with OpenMP: where torch runs its own ops on GNU OpenMP (Linux
 wheels); elsewhere (macOS' compiler takes no plain ``-fopenmp``) they run on the calling thread."""
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native", *(("-fopenmp",) if OPENMP else ()))
-"""``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
-lane as in a scalar tail); the kernels' own fused ones are explicit. ``-march=native``: the build is
-for the CPU it runs on (the build directory names that CPU). ``-fopenmp``: ``at::parallel_for`` runs
-on torch's intra-op threads (``torch.set_num_threads``) only when the including file is compiled
-with OpenMP; without it, it runs the whole range on the calling thread. The symbols resolve to the
-OpenMP runtime torch itself loaded, so there is one thread pool. ``parallel_threads()`` says how
-many threads a kernel's loop gets."""
+CFLAGS = (*COMMON_FLAGS, "-march=native", *(("-fopenmp",) if OPENMP else ()))
+"""The flags of a build made on first use. ``-march=native``: for the CPU it runs on (the build
+directory names that CPU). ``-fopenmp``: ``at::parallel_for`` runs on torch's intra-op threads
+(``torch.set_num_threads``) only when the including file is compiled with OpenMP; without it, it
+runs the whole range on the calling thread. The symbols resolve to the OpenMP runtime torch itself
+loaded, so there is one thread pool. ``parallel_threads()`` says how many threads a kernel's loop
+gets. The installed builds use the same flags with their ISA's instead of ``-march=native``."""
 NAME = "triedec_kernels"
 
 _log = logging.getLogger("triedec")
@@ -62,7 +60,7 @@ def _cpu_name() -> str:
 
 def build_directory() -> Path:
     """Where the extension for these sources, these flags, this torch, this Python and this CPU is
-    built: ``<cache>/kernels/triedec-<hash>`` under :func:`triedec.core.paths.cache_root`."""
+    built on first use: ``<cache>/kernels/triedec-<hash>`` under :func:`triedec.core.paths.cache_root`."""
     digest = hashlib.sha256()
     parts = [(CSRC / name).read_bytes() for name in (*SOURCES, *HEADERS)]
     for part in (*parts, " ".join(CFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
@@ -73,9 +71,33 @@ def build_directory() -> Path:
 
 
 def build_id() -> str:
-    """The digest that names :func:`build_directory` (sources, flags, torch, Python, CPU): what a
-    measurement of these kernels' speed depends on (:func:`triedec.api.calibration.device_key`)."""
+    """What a measurement of these kernels' speed depends on (:func:`triedec.api.calibration.device_key`):
+    the loaded build's ISA and sources with torch, Python and the CPU for an installed build, the
+    name of :func:`build_directory` for one built on first use."""
+    module = load_kernel()
+    if getattr(module, "__name__", "").startswith("triedec.model._kernels_"):
+        digest = hashlib.sha256("\0".join((module.isa(), module.sources_digest(), torch.__version__, sys.version,
+                                           platform.machine(), _cpu_name())).encode())
+        return f"{module.isa()}-{digest.hexdigest()[:12]}"
     return build_directory().name.removeprefix("triedec-")
+
+
+def installed_build() -> tuple[ModuleType | None, str]:
+    """The fastest installed build this CPU runs whose sources are the ones beside it, or None with
+    the reason there is none."""
+    wanted = sources_digest()
+    reasons = []
+    for isa in supported():
+        try:
+            module = importlib.import_module(f"triedec.model.{module_name(isa)}")
+        except ImportError as exc:
+            reasons.append(f"{isa}: not installed ({exc})")
+            continue
+        if module.sources_digest() != wanted:
+            reasons.append(f"{isa}: built from other sources (edited since install?)")
+            continue
+        return module, ""
+    return None, "; ".join(reasons) or "no build for this CPU"
 
 
 def _put_ninja_on_path() -> None:
@@ -91,8 +113,9 @@ def _put_ninja_on_path() -> None:
 
 
 def load_kernel(verbose: bool = False) -> ModuleType:
-    """The compiled extension, built on first use (thread-safe; later calls return it at once).
-    Raises :class:`TriedecError` with the compiler's reason when it cannot be built."""
+    """The compiled extension: the installed build for this CPU, else one built now (module doc;
+    thread-safe; later calls return it at once). Raises :class:`TriedecError` with the compiler's
+    reason when it cannot be built."""
     global _module, _failure
     if _module is not None:
         return _module
@@ -100,27 +123,37 @@ def load_kernel(verbose: bool = False) -> ModuleType:
         if _module is None:
             if _failure is not None:
                 raise TriedecError(_failure)
-            from torch.utils import cpp_extension
-
-            _put_ninja_on_path()
-            where = build_directory()
-            where.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if not any(where.glob("*.so")):
-                _log.warning("building triedec's kernels in %s (once per machine, ~1 min)", where)
-            try:
-                _module = cpp_extension.load(name=NAME, sources=[str(CSRC / name) for name in SOURCES],
-                                             extra_cflags=list(CFLAGS), extra_include_paths=[str(CSRC)],
-                                             build_directory=str(where), verbose=verbose)
-            except Exception as exc:  # compiler missing or failing: say so once, keep the reason
-                _failure = (f"triedec's kernels could not be built ({type(exc).__name__}: "
-                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
-                            "run scripts/setup.sh (it installs a C++ compiler)")
-                raise TriedecError(_failure) from exc
+            _module, why = installed_build()
+            if _module is None:
+                _module = _build_now(why, verbose)
     return _module
 
 
+def _build_now(why: str, verbose: bool) -> ModuleType:
+    """Build the extension for this CPU into :func:`build_directory` (or load it from there)."""
+    global _failure
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    where = build_directory()
+    where.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not any(where.glob("*.so")):
+        _log.warning("no installed build of triedec's kernels fits (%s): building them in %s (~1 min); "
+                     "reinstall triedec (scripts/setup.sh) to build them at install", why, where)
+    digest = f'-DTRIEDEC_SOURCES_DIGEST="{sources_digest()}"'
+    try:
+        return cpp_extension.load(name=NAME, sources=[str(CSRC / name) for name in SOURCES],
+                                  extra_cflags=[*CFLAGS, digest], extra_include_paths=[str(CSRC)],
+                                  build_directory=str(where), verbose=verbose)
+    except Exception as exc:  # compiler missing or failing: say so once, keep the reason
+        _failure = (f"triedec's kernels could not be built ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "
+                    "run scripts/setup.sh (it installs a C++ compiler)")
+        raise TriedecError(_failure) from exc
+
+
 def kernel_available() -> bool:
-    """Whether the extension is built or can be built here (builds it if needed)."""
+    """Whether the extension is installed or can be built here (builds it if needed)."""
     try:
         load_kernel()
     except TriedecError:

@@ -48,7 +48,7 @@ from triedec.cli.serve_config import serve_values, server_config
 from triedec.core.errors import TriedecError
 from triedec.ray.routing import AffinityRouter, affinity_key
 from triedec.server.app import create_app
-from triedec.server.config import ServerConfig
+from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
 from triedec.server.schemas import error
 from triedec.server.transport import front_door
 
@@ -311,8 +311,8 @@ def app(args: dict[str, str]) -> Any:
     return build(settings, model, config)
 
 
-def run(settings: RaySettings, model: ModelSpec, config: ServerConfig, host: str = "127.0.0.1",
-        port: int = 8000) -> None:
+def run(settings: RaySettings, model: ModelSpec, config: ServerConfig, host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT) -> None:
     """``triedec serve --ray``: join the Ray cluster at ``RAY_ADDRESS`` (else start one on this
     machine), serve on ``host:port`` until SIGINT/SIGTERM, then shut Serve down (each replica
     writes its learned state). The model is checked before Ray starts."""

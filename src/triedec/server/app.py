@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +25,7 @@ from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.drafters.state import check_location
 from triedec.engine.methods import method as find_method
 from triedec.server.auth import MaskQueryStrings
-from triedec.server.config import ServerConfig
+from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
 from triedec.server.memory import tune_allocator
 from triedec.server.playground import add_routes as add_playground
 from triedec.server.playground import info as playground_info
@@ -41,6 +44,10 @@ from triedec.server.tenancy import ANONYMOUS, Scopes, tenant_file
 from triedec.server.transport import front_door_layers
 
 log = logging.getLogger("triedec.server")
+
+SWITCH_INTERVAL = 0.0005
+"""seconds a thread may hold the GIL while another waits for it, in a server's process (Python's
+default is 0.005)"""
 
 
 def _errors(app: FastAPI) -> None:
@@ -82,6 +89,10 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     lifespan's shutdown cancels what is left and writes the learned state."""
     config = config or ServerConfig()
     tune_allocator()  # big buffers go back to the system when freed (server/memory.py)
+    # The engine thread takes the GIL back after each torch op; while the event loop is busy (a flood of refusals)
+    # each take waits up to the switch interval, 5 ms by default: dozens of waits a step. A short interval keeps
+    # everyone else's requests at their speed under such a flood (tests/test_hostile.py).
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
     Scopes(config.tenancy(), lm.forget).check(config.method, config.method_options)
     lm.limit_decoders(config.decoders)
     _check_state_locations(config)
@@ -95,6 +106,8 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if service.sharing is not None:
             service.sharing.start()
+        service.scheduler.start()  # the engine's thread (unless the caller runs it) at the process's priority
+        yield_to_engine()  # then this thread, and the worker threads it starts, below it
         yield
         if service.sharing is not None:  # a last exchange while the engine still runs
             await run_in_threadpool(service.sharing.close)
@@ -107,18 +120,18 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible endpoints over triedec's lossless speculative decoding")
     app.state.scheduler, app.state.config, app.state.lm = service.scheduler, config, lm
     app.state.sharing = service.sharing
-    for layer, options in front_door_layers(config):  # each added one is outermost
+    for layer, options in front_door_layers(config, service.precheck):  # each added one is outermost
         app.add_middleware(layer, **options)
     _errors(app)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(CHAT_SHAPE.path, response_model=None)
     async def chat_completions(request: Request, req: ChatRequest) -> Any:
         if not req.messages:
             return _warn_ignored(req, error(400, "messages must not be empty", param="messages"))
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         return _warn_ignored(req, await service.respond(request, req, messages, CHAT_SHAPE))
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(COMPLETION_SHAPE.path, response_model=None)
     async def completions(request: Request, req: CompletionRequest) -> Any:
         if not req.prompt:
             return _warn_ignored(req, error(400, "prompt must not be empty", param="prompt"))
@@ -149,6 +162,25 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         return PlainTextResponse(generate_latest(service.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+HTTP_NICENESS = 5
+"""how much lower than the engine's the priority of the HTTP side's threads is (Linux ``nice``):
+parsing, validating and refusing requests is one client's work, a forward is everyone's"""
+
+
+def yield_to_engine() -> None:
+    """Lower the calling thread's CPU priority by :data:`HTTP_NICENESS` (threads it starts inherit
+    it). On a machine whose cores a flood of requests keeps busy, the engine's threads (torch's
+    among them, which wait on each other in every parallel op) then still get the CPU when they
+    need it. A no-op where threads have no priority of their own (not Linux) or it cannot be set."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + HTTP_NICENESS))
+    except OSError as exc:
+        log.info("could not lower the HTTP threads' priority: %s", exc)
 
 
 def _calibrate_everything(lm: LM) -> None:
@@ -200,14 +232,13 @@ def listening_socket(host: str, port: int, send_buffer: int) -> socket.socket:
     return sock
 
 
-def serve(lm: LM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(lm: LM, config: ServerConfig, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT) -> None:
     """Run the server until SIGINT/SIGTERM: the engine's loop on this (the main) thread, where the
     model was loaded (see :mod:`triedec.server.scheduler` on why), uvicorn on a thread of its own.
     On the first signal uvicorn stops accepting and lets in-flight requests finish for
     ``config.drain_seconds``; the scheduler then cancels the rest and writes the learned state. A
     second signal exits at once."""
     import signal
-    import threading
 
     import uvicorn
 

@@ -97,6 +97,10 @@ class SharingConfig:
         return f"SharingConfig(interval={self.interval}, max_entries={self.max_entries})"
 
 
+DEFAULT_HOST = "127.0.0.1"
+"""the address a server listens on unless told otherwise: loopback only"""
+DEFAULT_PORT = 8000
+
 SERVER_LIMITS = BatchLimits(max_kv_bytes=4 << 30)
 """The engine's limits a server starts with: the library's, with the KV the running requests may
 reserve capped at 4 GiB."""

@@ -164,6 +164,11 @@ class Scheduler:
             self._cond.notify()
         return future
 
+    def start(self) -> None:
+        """Start the loop on a thread of its own now, unless a caller runs it (:meth:`claim`) or it runs."""
+        with self._cond:
+            self._ensure_loop()
+
     def _ensure_loop(self) -> None:
         """Under the condition: start the loop on a thread of its own unless one runs it."""
         if self._thread is None and not self._running.is_set():
@@ -224,11 +229,7 @@ class Scheduler:
             if remeasure:
                 self._remeasure()
                 continue
-            with self._cond:
-                arrived = list(self._incoming)
-                self._incoming.clear()
-                calls = list(self._calls)
-                self._calls.clear()
+            arrived, calls = self._take_arrivals()
             for fn, future in calls:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -354,12 +355,16 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(report)
 
-    def _shutdown(self) -> None:
+    def _take_arrivals(self) -> tuple[list[Job], list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]]:
+        """The jobs submitted and the calls made since the last take, taken under the condition."""
         with self._cond:
-            arrived = list(self._incoming)
+            arrived, calls = list(self._incoming), list(self._calls)
             self._incoming.clear()
-            calls = list(self._calls)
             self._calls.clear()
+        return arrived, calls
+
+    def _shutdown(self) -> None:
+        arrived, calls = self._take_arrivals()
         for _, future in calls:
             future.cancel()
         for job in [*arrived, *self._jobs.values()]:

@@ -120,6 +120,8 @@ class Shape:
     object: str
     chunk_object: str
     chat: bool
+    path: str
+    """the route that answers in this shape"""
 
     def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"index": 0}
@@ -133,8 +135,10 @@ class Shape:
         return {**out, "finish_reason": reason, "logprobs": None}
 
 
-CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
-COMPLETION_SHAPE = Shape("completions", "cmpl", "text_completion", "text_completion", chat=False)
+CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True,
+                   path="/v1/chat/completions")
+COMPLETION_SHAPE = Shape("completions", "cmpl", "text_completion", "text_completion", chat=False,
+                         path="/v1/completions")
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,

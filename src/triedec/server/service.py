@@ -36,6 +36,8 @@ from triedec.server.jobs import Job
 from triedec.server.metrics import Metrics
 from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
 from triedec.server.schemas import (
+    CHAT_SHAPE,
+    COMPLETION_SHAPE,
     Generation,
     Shape,
     error,
@@ -143,6 +145,32 @@ class Service:
         if isinstance(limit, int) and not isinstance(limit, bool) and least + limit > context:
             raise FieldError(name, f"the prompt (at least {least} tokens) + {name} ({limit}) exceed the model's "
                                    f"context of {context} tokens")
+
+    def precheck(self, path: str, body: bytes) -> JSONResponse | None:
+        """A generation request's body, looked at before FastAPI parses and validates it: a prompt
+        surely too long for the context gets its 400 here, at the cost of one JSON parse (a 1 MiB
+        refusal is then a few milliseconds of CPU). Anything else, malformed bodies included, goes
+        on to the app, which answers it as usual."""
+        chat = path == CHAT_SHAPE.path
+        if not chat and path != COMPLETION_SHAPE.path:
+            return None
+        try:
+            found = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(found, dict):
+            return None
+        prompt = found.get("messages") if chat else found.get("prompt")
+        if chat and isinstance(prompt, list):
+            prompt = [m for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        elif not isinstance(prompt, str):
+            return None
+        limits = {k: found.get(k) for k in ("max_tokens", *(("max_completion_tokens",) if chat else ()))}
+        try:
+            self.check_size(_Limits(**limits), prompt or "", chat)
+        except FieldError as exc:
+            return error(400, str(exc), param=exc.param)
+        return None
 
     def tenant(self, request: Request, req: Generation) -> str:
         """Whose request this is: the API key's tenant, else the ``user`` field, else anonymous."""
@@ -382,6 +410,14 @@ def shown_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` as a client may see them: learned-state file paths (the operator's) left out."""
     files = set(find_method(method).spec.state_files(options))
     return {k: v for k, v in options.items() if k not in files}
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """A body's token limits as :meth:`Service.check_size` reads them from a request."""
+
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
 
 
 class FieldError(TriedecError):

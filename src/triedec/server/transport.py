@@ -7,7 +7,10 @@ wraps its relay in the same layers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from triedec.server.auth import RequireKey
@@ -19,12 +22,26 @@ from triedec.server.schemas import (
 log = logging.getLogger("triedec.server")
 
 
-def front_door_layers(config: ServerConfig) -> list[tuple[type, dict[str, Any]]]:
+BODIES_PER_PEER = 2
+"""request bodies one peer (a client address) may have read and prechecked at once"""
+BIG_BODY = 256 << 10
+"""a body (its declared length) from this size up is read in turn with the other big ones"""
+BIG_BODY_PAUSE = 2.0
+"""a big body's turn lasts this many times its reading and precheck again: big bodies get at most a
+third of the event loop's time"""
+
+Precheck = Callable[[str, bytes], Any]
+"""``(path, body) -> an ASGI response or None``: a look at a whole request body before the app
+parses it, which may refuse it at once (the server's: a prompt surely too long for the context)."""
+
+
+def front_door_layers(config: ServerConfig, precheck: Precheck | None = None) -> list[tuple[type, dict[str, Any]]]:
     """The server's front door as ASGI middleware classes with their options, innermost first:
-    the body's size and time limits (413, 408) and the send timeout, then the API key (401, before
-    any body is read), then, outermost, the Host check (400, before anything else)."""
+    the body's size and time limits (413, 408), ``precheck`` on the whole body, and the send
+    timeout, then the API key (401, before any body is read), then, outermost, the Host check (400,
+    before anything else)."""
     return [(_Transport, {"limit": config.max_body_bytes, "body_seconds": config.body_seconds,
-                          "send_seconds": config.send_seconds}),
+                          "send_seconds": config.send_seconds, "precheck": precheck}),
             (RequireKey, {"keys": config.api_keys}),
             (AllowedHosts, {"hosts": config.hosts()})]
 
@@ -94,9 +111,12 @@ class _Transport:
     it; a response message the client has not taken within ``send_seconds`` (a client that stopped
     reading its stream) ends the response, and the server closes the connection."""
 
-    def __init__(self, app: Any, limit: int, body_seconds: float, send_seconds: float) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, body_seconds: float, send_seconds: float,
+                 precheck: Precheck | None = None) -> None:
+        self.app, self.limit, self.precheck = app, limit, precheck
         self.body_seconds, self.send_seconds = body_seconds, send_seconds
+        self._gates: dict[str, list[Any]] = {}  # peer -> [its semaphore, requests holding or awaiting it]
+        self._big_turn = asyncio.Lock()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -116,25 +136,13 @@ class _Transport:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
             return
-        parts: list[bytes] = []
-        size, more = 0, True
-        deadline = asyncio.get_running_loop().time() + self.body_seconds
-        while more:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except TimeoutError:
-                await error(408, f"the request body did not arrive within {self.body_seconds:g} s",
-                            code="timeout")(scope, receive, send)
-                return
-            if message["type"] != "http.request":
-                return  # the client left
-            parts.append(message.get("body", b""))
-            size += len(parts[-1])
-            more = message.get("more_body", False)
-            if size > self.limit:
-                await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
-                return
-        body, replayed = b"".join(parts), False
+        peer = (scope.get("client") or ("",))[0]
+        big = declared is not None and declared.isdigit() and int(declared) > BIG_BODY
+        async with self._gate(peer), self._big_bodies(big):
+            answered = await self._read_body(scope, receive, send)
+        if answered is None:
+            return
+        body, replayed = answered, False
 
         async def replay() -> dict[str, Any]:
             nonlocal replayed
@@ -144,6 +152,69 @@ class _Transport:
             return await receive()
 
         await self._run(scope, replay, timed_send)
+
+    @contextlib.asynccontextmanager
+    async def _big_bodies(self, big: bool) -> AsyncIterator[None]:
+        """Bodies over :data:`BIG_BODY` are read and prechecked one at a time, and each holds the
+        turn :data:`BIG_BODY_PAUSE` times as long again as it took: reading and parsing a large
+        body holds the GIL (``json.loads`` is one long C call), so a flood of them could otherwise
+        keep the engine's thread waiting for the GIL dozens of times a step. This caps their share
+        of the server's time at ``1 / (1 + BIG_BODY_PAUSE)``; large requests of a flood wait for
+        their turn (and so send more slowly) instead of slowing everyone's decoding."""
+        if not big:
+            yield
+            return
+        async with self._big_turn:
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                await asyncio.sleep(BIG_BODY_PAUSE * (time.perf_counter() - started))
+
+    @contextlib.asynccontextmanager
+    async def _gate(self, peer: str) -> AsyncIterator[None]:
+        """At most :data:`BODIES_PER_PEER` request bodies of one peer read and prechecked at once;
+        the peer's others wait without being read (the server stops reading their sockets), so a
+        flood of large bodies from one peer keeps the event loop's queue short for everyone else."""
+        gate = self._gates.get(peer)
+        if gate is None:
+            gate = self._gates[peer] = [asyncio.Semaphore(BODIES_PER_PEER), 0]
+        gate[1] += 1
+        try:
+            async with gate[0]:
+                yield
+        finally:
+            gate[1] -= 1
+            if not gate[1]:
+                del self._gates[peer]
+
+    async def _read_body(self, scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
+        """The whole request body, or None once an answer was sent (408, 413, the client left, or
+        the precheck refused it)."""
+        parts: list[bytes] = []
+        size, more = 0, True
+        deadline = asyncio.get_running_loop().time() + self.body_seconds
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except TimeoutError:
+                await error(408, f"the request body did not arrive within {self.body_seconds:g} s",
+                            code="timeout")(scope, receive, send)
+                return None
+            if message["type"] != "http.request":
+                return None  # the client left
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            more = message.get("more_body", False)
+            if size > self.limit:
+                await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
+                return None
+        body = b"".join(parts)
+        refused = self.precheck(scope.get("path", ""), body) if self.precheck is not None else None
+        if refused is not None:
+            await refused(scope, receive, send)
+            return None
+        return body
 
     async def _run(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         try:

@@ -1,11 +1,13 @@
-// The Python bindings of triedec's extension (triedec/native.py builds and loads it). Every kernel
-// releases the GIL while it runs, as torch's own ops do: it touches no Python object.
+// The Python bindings of triedec's extension (setup.py builds it once per ISA; triedec/model/native.py
+// loads the fastest this CPU runs). Every kernel releases the GIL while it runs, as torch's own ops
+// do: it touches no Python object.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
 
 #include <mutex>
 #include <set>
+#include <string>
 
 namespace {
 
@@ -21,6 +23,13 @@ int64_t parallel_threads() {
   return static_cast<int64_t>(seen.size());
 }
 
+#ifndef TRIEDEC_SOURCES_DIGEST
+#define TRIEDEC_SOURCES_DIGEST ""
+#endif
+#ifndef TRIEDEC_ISA
+#define TRIEDEC_ISA "native"
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -28,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order", release());
   m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call", release());
   m.def("rms_norm", &rms_norm, "RMS norm of each row, summed in a fixed order", release());
+  m.def("sources_digest", [] { return std::string(TRIEDEC_SOURCES_DIGEST); },
+        "the digest of the sources this build was made from (triedec.model.isa.sources_digest)");
+  m.def("isa", [] { return std::string(TRIEDEC_ISA); }, "the instruction set this build was made for");
   m.def("parallel_threads", &parallel_threads, "how many threads the kernels' parallel loops run on", release());
   m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run AVX512-VNNI here");
   m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products",

@@ -1,0 +1,70 @@
+"""Which builds of triedec's kernels exist and which one this CPU runs: one build of the same
+sources per instruction set (ISA), made when the package is installed (``setup.py``) and chosen at
+run time (:func:`best`). Torch-free, so that ``setup.py`` reads these declarations as they are.
+
+Every build computes the same bits: each kernel's vector path and its portable path perform the
+same IEEE operations per element in the same order (``-ffp-contract=off``), so the ISA decides
+only the speed (docs/kernels.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "a8_linears.cpp", "bindings.cpp")
+"""The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp`` binds)."""
+HEADERS = ("kernels.h",)
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+"""``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
+lane as in a scalar tail); the kernels' own fused ones are explicit."""
+
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                    "-mf16c"),
+                   ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c")),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "portable": ((), ()),
+}
+"""Each build: its compiler flags and the CPU flags (``/proc/cpuinfo``) it needs, fastest first.
+``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX2 path; ``avx2``
+tree attention's AVX2 path; ``portable`` plain C++ everywhere."""
+
+
+def module_name(isa: str) -> str:
+    """The build's module, inside this package: ``triedec.model._kernels_<isa>``."""
+    return f"_kernels_{isa}"
+
+
+def buildable() -> tuple[str, ...]:
+    """The builds this machine's compiler target takes: all of them on x86-64, ``portable`` elsewhere."""
+    return tuple(ISAS) if platform.machine().lower() in ("x86_64", "amd64") else ("portable",)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The builds this CPU can run, fastest first (``portable`` always)."""
+    have = cpu_flags() if flags is None else flags
+    return tuple(isa for isa in buildable() if set(ISAS[isa][1]) <= have)
+
+
+def sources_digest() -> str:
+    """A digest of the kernels' sources and common flags: what a build was made from. A build
+    whose digest differs from the sources beside it is stale (the sources changed since install)."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+        digest.update(b"\0")
+    digest.update(" ".join(COMMON_FLAGS).encode())
+    return digest.hexdigest()[:16]
