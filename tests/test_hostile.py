@@ -44,6 +44,17 @@ def _rss() -> int:
     return 0
 
 
+def _timed(client: httpx.Client, url: str, body: dict, times: int, status: int = 200) -> list[float]:
+    """Seconds of each of ``times`` requests of ``body`` to ``url``, one after another, each
+    answered with ``status``."""
+    seconds = []
+    for _ in range(times):
+        started = time.perf_counter()
+        assert client.post(url, json=body).status_code == status
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 def _client(address: str) -> httpx.Client:
     """An HTTP client whose connections come from ``address`` (any 127.x.y.z on Linux): another peer."""
     return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=120)
@@ -84,29 +95,17 @@ def test_oversized_prompts_are_refused_before_tokenizing_and_leave_the_others_al
     huge = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 4}
     short = {"model": MODEL, "messages": QUESTION, "max_tokens": 8}
     with serving(create_app(lm, config)) as url, _client("127.0.0.2") as c:  # the others: another peer
-        for _ in range(3):  # warm: the first requests build what later ones reuse
-            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-        alone = []
-        for _ in range(5):
-            started = time.perf_counter()
-            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-            alone.append(time.perf_counter() - started)
-        alone_refusals = []
-        for _ in range(5):
-            started = time.perf_counter()
-            assert c.post(f"{url}/v1/chat/completions", json=huge).status_code == 400
-            alone_refusals.append(time.perf_counter() - started)
+        chat = f"{url}/v1/chat/completions"
+        _timed(c, chat, short, 3)  # warm: the first requests build what later ones reuse
+        alone = _timed(c, chat, short, 5)
+        alone_refusals = _timed(c, chat, huge, 5, status=400)
         rss_before = _rss()
         attacker = subprocess.Popen([sys.executable, "-c", ATTACK, f"{url}/v1/chat/completions", "20"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         attacker.stdin.write(json.dumps(huge).encode())
         attacker.stdin.close()
         time.sleep(3)
-        under_attack = []
-        for _ in range(5):
-            started = time.perf_counter()
-            assert c.post(f"{url}/v1/chat/completions", json=short).status_code == 200
-            under_attack.append(time.perf_counter() - started)
+        under_attack = _timed(c, chat, short, 5)
         found = json.loads(attacker.stdout.read())
         assert attacker.wait(60) == 0
         grown = _rss() - rss_before
@@ -206,13 +205,8 @@ def test_a_peer_that_never_reads_holds_neither_the_slots_nor_its_own_forever(lm)
     short = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8}
     with serving(create_app(lm, config)) as url:
         with _client("127.0.0.2") as c:
-            for _ in range(2):
-                assert c.post(f"{url}/v1/completions", json=short).status_code == 200
-            alone = []
-            for _ in range(3):
-                started = time.perf_counter()
-                assert c.post(f"{url}/v1/completions", json=short).status_code == 200
-                alone.append(time.perf_counter() - started)
+            _timed(c, f"{url}/v1/completions", short, 2)  # warm
+            alone = _timed(c, f"{url}/v1/completions", short, 3)
             socks = [_never_reading_stream(url, "127.0.0.3", hog) for _ in range(16)]
             deadline = time.monotonic() + 10
             while httpx.get(f"{url}/health").json()["running"] < 16 and time.monotonic() < deadline:
