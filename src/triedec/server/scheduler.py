@@ -213,10 +213,10 @@ class Scheduler:
         batch = self.batch
         while True:
             remeasure = False
+            if not self._has_work():  # a glance without the lock: at worst one trim too many or too few
+                release_memory()  # the server just went idle: hand the peak's free pages back, outside the lock
             with self._cond:
                 idle_since = time.perf_counter()
-                if not self._has_work():
-                    release_memory()  # the server just went idle: hand the peak's free pages back
                 while not self._has_work():
                     quiet = self._quiet_needed if self._remeasure_wanted() else None
                     waited = time.perf_counter() - idle_since
