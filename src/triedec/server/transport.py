@@ -25,9 +25,9 @@ log = logging.getLogger("triedec.server")
 BODIES_PER_PEER = 2
 """request bodies one peer (a client address) may have read and prechecked at once"""
 BIG_BODY = 256 << 10
-"""a body from this size up is prechecked in turn with the other big ones"""
+"""a body (its declared length) from this size up is read in turn with the other big ones"""
 BIG_BODY_PAUSE = 2.0
-"""a big body's turn lasts this many times its precheck again: parsing big bodies gets at most a
+"""a big body's turn lasts this many times its reading and precheck again: big bodies get at most a
 third of the event loop's time"""
 
 Precheck = Callable[[str, bytes], Any]
@@ -137,7 +137,8 @@ class _Transport:
             await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
             return
         peer = (scope.get("client") or ("",))[0]
-        async with self._gate(peer):
+        big = declared is not None and declared.isdigit() and int(declared) > BIG_BODY
+        async with self._gate(peer), self._big_bodies(big):
             answered = await self._read_body(scope, receive, send)
         if answered is None:
             return
@@ -154,14 +155,12 @@ class _Transport:
 
     @contextlib.asynccontextmanager
     async def _big_bodies(self, big: bool) -> AsyncIterator[None]:
-        """Bodies over :data:`BIG_BODY`, once they have arrived, are prechecked one at a time, and
-        each holds the turn :data:`BIG_BODY_PAUSE` times as long again as its precheck took: parsing
-        a large body holds the GIL (``json.loads`` is one long C call), so a flood of them could
-        otherwise keep the engine's thread waiting for the GIL dozens of times a step. This caps
-        their parsing's share of the server's time at ``1 / (1 + BIG_BODY_PAUSE)``; large requests
-        of a flood wait for their turn (and so send more slowly) instead of slowing everyone's
-        decoding. The turn is taken only once a body is in, so a client that sends slowly holds
-        none."""
+        """Bodies over :data:`BIG_BODY` are read and prechecked one at a time, and each holds the
+        turn :data:`BIG_BODY_PAUSE` times as long again as it took: reading and parsing a large
+        body holds the GIL (``json.loads`` is one long C call), so a flood of them could otherwise
+        keep the engine's thread waiting for the GIL dozens of times a step. This caps their share
+        of the server's time at ``1 / (1 + BIG_BODY_PAUSE)``; large requests of a flood wait for
+        their turn (and so send more slowly) instead of slowing everyone's decoding."""
         if not big:
             yield
             return
@@ -211,10 +210,7 @@ class _Transport:
                 await error(413, f"the request body exceeds {self.limit} bytes")(scope, receive, send)
                 return None
         body = b"".join(parts)
-        if self.precheck is None:
-            return body
-        async with self._big_bodies(len(body) > BIG_BODY):  # taken once the body is in: a slow sender holds no turn
-            refused = self.precheck(scope.get("path", ""), body)
+        refused = self.precheck(scope.get("path", ""), body) if self.precheck is not None else None
         if refused is not None:
             await refused(scope, receive, send)
             return None
