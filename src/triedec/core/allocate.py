@@ -122,9 +122,9 @@ class DraftGate:
     are ``ar``'s whatever it verifies), only the host time spent drafting. One per request; the
     engine calls :meth:`proposes` before each step's proposal and :meth:`verified` after it.
 
-    Alone, a token costs a whole forward (~40 ms here) against well under a millisecond of
-    drafting, so one accepted token in ~50 drafted steps pays; at 16 requests in a forward a token
-    costs ~5 ms and drafting has to earn ~8x more to go on.
+    Alone, a token costs a whole forward against a small fraction of that for drafting, so a rare
+    accepted token pays; in a full batch a token costs a share of a forward, and drafting has to
+    earn proportionally more to go on.
     """
 
     def __init__(self, patience: int = 2, max_skip: int = 32, pace: Pace | None = None,

@@ -12,8 +12,8 @@ from triedec.core.settings import MIB, setting
 
 PREFILL_CHUNK = 128
 """Prompt tokens per prefill forward: long prompts are prefilled in chunks beside other requests'
-decoding steps (a 128-token chunk costs about what a whole prompt's share does here, ~0.3 s on the
-2-core CPU measured), at fixed offsets so that a prompt's arithmetic never depends on the load."""
+decoding steps (so a long prompt holds the others' steps no longer than one chunk's forward),
+at fixed offsets so that a prompt's arithmetic never depends on the load."""
 
 
 @dataclass(frozen=True)

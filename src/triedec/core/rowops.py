@@ -1,11 +1,10 @@
 """The per-row reductions over logits that every decoding step runs on the host: each row's argmax
 (greedy acceptance) and each row's top-k indices (the recycling matrix's update).
 
-On a CPU, torch's last-dimension ``argmax`` and ``topk`` scan a row without vectorising it: over
-the default model's 49,152-token vocabulary, 2 threads of an AVX-512 EPYC, they take ~45 and ~85
-us a row, while numpy's ``argmax`` takes ~4 us and :func:`topk_indices`' two-level search ~35 us.
-At 16 requests a step that is ~2 ms of a ~80 ms step, for ``ar`` as much as for speculation.
-Both give torch's answer:
+On a CPU, torch's last-dimension ``argmax`` and ``topk`` scan a row without vectorising it, so
+over a large vocabulary they are several times slower than numpy's vectorised ``argmax`` and
+:func:`topk_indices`' two-level search (``docs/batching.md`` has the measurements), a cost paid per
+row, for ``ar`` as much as for speculation. Both give torch's answer:
 
 * :func:`argmax` -- numpy's argmax on CPU float rows, torch's elsewhere; both return the first
   index of the maximum, and treat NaN as the maximum (its first index), so greedy decoding picks

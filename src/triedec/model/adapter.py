@@ -28,7 +28,7 @@ Quirks handled here (checked on transformers 5.x):
 * default position ids would be ``arange + cache length`` (wrong for tree tokens): always passed;
 * one query that sees its whole cache gets no mask at all, so sdpa takes its grouped-query path;
 * under a tree mask, stock ``sdpa`` copies the grouped K/V once per query head (``repeat_kv``,
-  ~1 ms per layer on a 512-token cache here); outside triedec's forwards, with
+  per layer and step, growing with the cache); outside triedec's forwards, with
   ``kernels="auto"``, the base function is ``_gqa_sdpa``, which lets torch's sdpa read the groups
   in place (``enable_gqa``) and is otherwise the stock function.
 

