@@ -214,7 +214,7 @@ def test_long_prompts_are_prefilled_in_chunks_beside_running_requests():
     prefill_steps = 0
     while late.prefilling or not late.generated:
         report = batch.step()
-        assert report.prefill_tokens <= PREFILL_CHUNK
+        assert report.plan.prefill_tokens <= PREFILL_CHUNK
         assert 0 < report.forward_seconds <= report.seconds  # the rest of the step is host time
         prefill_steps += 1
         assert all(r.take() for r in runners if not r.done)  # the running requests moved on

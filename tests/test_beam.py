@@ -19,13 +19,13 @@ def run_beam(model, prompt, options: BeamOptions, max_new_tokens: int, eos) -> t
     """triedec's beam search; also checks that the streamed chunks add up to the best hypothesis."""
     eos_ids = frozenset([eos] if isinstance(eos, int) else eos)
     streamed, result = drain(beam_search(ModelAdapter(model), prompt, options, StopRule(max_new_tokens, eos_ids)))
-    assert streamed == list(result.hypotheses[0].token_ids)
+    assert streamed == list(result.sequences[0].token_ids)
     return result
 
 
 def assert_same(ours, theirs) -> None:
-    assert [list(h.token_ids) for h in ours.hypotheses] == [t for t, _ in theirs]
-    for h, (_, score) in zip(ours.hypotheses, theirs, strict=True):
+    assert [list(h.token_ids) for h in ours.sequences] == [t for t, _ in theirs]
+    for h, (_, score) in zip(ours.sequences, theirs, strict=True):
         assert h.score == pytest.approx(score, abs=1e-4)
 
 
@@ -78,7 +78,7 @@ def test_one_beam_is_greedy(name):
     model = MODELS[name]()
     for prompt in tiny_prompts(seed=7, count=6):
         ours = run_beam(model, prompt, BeamOptions(num_beams=1), 20, EOS)
-        assert list(ours.hypotheses[0].token_ids) == hf_greedy(model, prompt, 20)
+        assert list(ours.sequences[0].token_ids) == hf_greedy(model, prompt, 20)
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "gemma3-eager"])
@@ -88,8 +88,8 @@ def test_garbage_collection_never_changes_the_output(name):
     for prompt in tiny_prompts(seed=8, count=3):
         results = {g: run_beam(model, prompt, BeamOptions(num_beams=6, num_return_sequences=3, gc_every=g), 60,
                                frequent_eos(model, prompt)) for g in (1, 15, 0)}
-        tokens = {g: [h.token_ids for h in r.hypotheses] for g, r in results.items()}
-        scores = {g: [h.score for h in r.hypotheses] for g, r in results.items()}
+        tokens = {g: [h.token_ids for h in r.sequences] for g, r in results.items()}
+        scores = {g: [h.score for h in r.sequences] for g, r in results.items()}
         assert tokens[1] == tokens[15] == tokens[0]
         assert scores[1] == pytest.approx(scores[0], abs=1e-5) and scores[15] == pytest.approx(scores[0], abs=1e-5)
         every = results[1].stats

@@ -406,7 +406,7 @@ def test_beam_search_returns_transformers_hypotheses_in_the_mode(mode):
             options = BeamOptions(num_beams=[2, 3, 4, 6][i % 4], num_return_sequences=[1, 2, 2, 3][i % 4])
             _, result = drain(beam_search(adapter, prompt, options, StopRule(12, frozenset([EOS]))))
             theirs = hf_beam(stock, prompt, options, 12, EOS)
-            ours = [(list(h.token_ids), h.score) for h in result.hypotheses]
+            ours = [(list(h.token_ids), h.score) for h in result.sequences]
             assert len(ours) == len(theirs) == options.num_return_sequences
             for (tokens, a), (their_tokens, b) in zip(ours, theirs, strict=True):
                 if tokens == their_tokens:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BeamOptions": "engine.beam", "BeamStats": "engine.beam", "Hypothesis": "engine.beam",
+    "BeamOptions": "engine.beam", "Hypothesis": "engine.beam",
     "CostModel": "core.costmodel",
     "BaseDrafter": "drafters", "BaseSession": "drafters", "Drafter": "drafters", "DrafterSession": "drafters",
     "ModelInfo": "drafters", "Verified": "drafters", "register": "drafters",
@@ -26,7 +26,7 @@ _EXPORTS = {
     "GenerationRequest": "api.generation",
     "LM": "api.lm", "GenerationResult": "api.lm", "load": "api.loading",
     "Method": "engine.methods", "method": "engine.methods", "methods": "engine.methods",
-    "DecodeStats": "engine.outcome", "Outcome": "engine.outcome", "Stats": "engine.outcome",
+    "Outcome": "engine.outcome", "Stats": "engine.outcome",
     "Request": "engine.request", "StopRule": "engine.request",
     "Sampling": "core.sampling",
     "TokenTree": "core.tree",
@@ -59,9 +59,9 @@ if TYPE_CHECKING:
     from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
     from triedec.drafters.base import Draft
     from triedec.engine.batch import Batch, BatchLimits, speculative_decode
-    from triedec.engine.beam import BeamOptions, BeamStats, Hypothesis
+    from triedec.engine.beam import BeamOptions, Hypothesis
     from triedec.engine.methods import Method, method, methods
-    from triedec.engine.outcome import DecodeStats, Outcome, Stats
+    from triedec.engine.outcome import Outcome, Stats
     from triedec.engine.request import Request, StopRule
 
 __all__ = [
@@ -71,9 +71,7 @@ __all__ = [
     "Batch",
     "BatchLimits",
     "BeamOptions",
-    "BeamStats",
     "CostModel",
-    "DecodeStats",
     "Draft",
     "Drafter",
     "DrafterSession",

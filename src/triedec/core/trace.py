@@ -14,7 +14,7 @@ each with its *origin*, and the tree it verified with the accepted path:
 Beam search records its live hypotheses as the step's tree (the best one as the accepted path)
 and the tokens that became certain, all of origin :data:`MODEL`.
 
-The same accounting fills :attr:`~triedec.engine.outcome.DecodeStats.accepted_by_origin`, so the counts of
+The same accounting fills :attr:`~triedec.engine.outcome.Stats.accepted_by_origin`, so the counts of
 a request's recorded origins equal its stats. Pure values; JSON through :meth:`StepTrace.as_json`
 (the server's stream extension, ``docs/playground.md``).
 """

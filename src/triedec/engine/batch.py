@@ -1,7 +1,9 @@
 """The step loop: one forward for every running request, under one verify budget.
 
 A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's engine core). Each
-:meth:`Batch.step`:
+:meth:`Batch.step` is four named calls: admit, :meth:`~Batch.schedule` (steps 2-3, which return a
+frozen :class:`StepPlan`, as vLLM v1's ``SchedulerOutput``), :meth:`~Batch.verify` (4-6) and
+:meth:`~Batch.retire_finished` (7):
 
 1. **admits** waiting runs at the step boundary, oldest first, within :class:`BatchLimits`
    (running requests, KV memory) and each group's running cap (a server tenant's share); a
@@ -40,32 +42,59 @@ from triedec.core.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.limits import BatchLimits
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
-from triedec.engine.outcome import DecodeStats, Outcome, Stats
+from triedec.engine.outcome import Outcome, Stats
 from triedec.engine.request import Request, StopRule
 from triedec.engine.runs import Run
-from triedec.model.adapter import ModelAdapter
+from triedec.model.adapter import ForwardItem, ModelAdapter
 
-__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "DecodeStats", "Outcome", "Request", "Run", "Stats", "StepReport",
+__all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "Outcome", "Request", "Run", "Stats", "StepPlan", "StepReport",
            "StopRule", "run_alone", "speculative_decode"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step does, fixed before its forward (vLLM v1's ``SchedulerOutput``): the runs
+    running, the requests whose next prompt chunk goes in (``chunks``) and those that verify a
+    tree (``decoding``), the forward's ``items`` (chunks first, then trees sized by the
+    allocator), the ``context`` tokens they attend to, and counts for the report."""
+
+    running: tuple[Run, ...]
+    chunks: tuple[Request, ...]
+    decoding: tuple[Request, ...]
+    items: tuple[ForwardItem, ...]
+    context: int
+    tokens_before: int
+    """tokens the decoding requests had generated before the step (the pace's baseline)"""
+    proposed_nodes: int
+    draft_nodes: int
+
+    @property
+    def requests(self) -> int:
+        """items in the forward: prompt chunks and verified trees"""
+        return len(self.items)
+
+    @property
+    def tokens(self) -> int:
+        return sum(i.size for i in self.items)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(i.size for i in self.items[: len(self.chunks)])
 
 
 @dataclass(frozen=True)
 class StepReport:
     """What one :meth:`Batch.step` did: the request ids of the runs that finished during it
-    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), and
-    what its forward carried: ``requests`` (items: prompt chunks and
-    verified trees), ``tokens``, ``prefill_tokens``, ``draft_nodes`` verified and ``proposed_nodes``
-    drafted, the step's wall ``seconds`` and its forward's ``forward_seconds`` (the rest is host
-    time: drafting, allocating, accepting, committing)."""
+    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), its
+    :class:`StepPlan` (what its forward carried: ``requests``, ``tokens``, ``prefill_tokens``,
+    ``draft_nodes`` verified and ``proposed_nodes`` drafted), the step's wall
+    ``seconds`` and its forward's ``forward_seconds`` (the rest is host time: drafting,
+    allocating, accepting, committing)."""
 
-    finished: tuple[str, ...] = ()
-    requests: int = 0
-    tokens: int = 0
-    prefill_tokens: int = 0
-    draft_nodes: int = 0
-    proposed_nodes: int = 0
-    seconds: float = 0.0
-    forward_seconds: float = 0.0
+    finished: tuple[str, ...]
+    plan: StepPlan
+    seconds: float
+    forward_seconds: float
 
 
 class Batch:
@@ -289,7 +318,17 @@ class Batch:
         finished during it and what the forward carried."""
         started = time.perf_counter()
         self._admit()
-        running = [self.runs[i] for i in self.running]
+        plan = self.schedule()
+        forward_seconds = self.verify(plan)
+        finished = self.retire_finished()
+        seconds = time.perf_counter() - started
+        self._learn(plan, seconds, forward_seconds)
+        return StepReport(finished, plan, seconds, forward_seconds)
+
+    def schedule(self) -> StepPlan:
+        """Propose and allocate: which requests put a prompt chunk in this step's forward, which
+        verify a tree and how many of their draft's nodes it holds (module doc, 2-3)."""
+        running = tuple(self.runs[i] for i in self.running)
         requests: list[Request] = [r for r in running if r.shares_forward]  # type: ignore[misc]
         chunks, budget = [], self.limits.max_prefill_tokens
         for r in requests:
@@ -298,42 +337,56 @@ class Batch:
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafts = [r.propose() for r in decoding]
-        before = sum(len(r.generated) for r in decoding) if self.gate_drafts else 0  # tokens so far, for the pace
         context = sum(r.context_tokens for r in (*chunks, *decoding))
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
                           context=context, max_tokens=self.limits.max_tokens_per_forward,
                           host_seconds=self.host_seconds)
         items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
+        return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
+                        tokens_before=sum(len(r.generated) for r in decoding),
+                        proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts))
+
+    def verify(self, plan: StepPlan) -> float:
+        """One forward over the plan's items, then accept and commit per request; runs with a loop
+        of their own advance one step (module doc, 4-6). Returns the forward's seconds."""
         forward_seconds = 0.0
-        if items:
+        if plan.items:
             forward_started = time.perf_counter()
-            logits = self.adapter.forward_batch(items)
+            logits = self.adapter.forward_batch(plan.items)
             self.adapter.synchronize()
             forward_seconds = time.perf_counter() - forward_started
             if self._observed is not None:
-                self._observed.observe(sum(i.size for i in items), len(items), context, forward_seconds)
-            for r, rows in zip(chunks, logits, strict=False):
+                self._observed.observe(plan.tokens, len(plan.items), plan.context, forward_seconds)
+            for r, rows in zip(plan.chunks, logits, strict=False):
                 r.prefilled(rows)
-            for r, rows in zip(decoding, logits[len(chunks) :], strict=True):
+            for r, rows in zip(plan.decoding, logits[len(plan.chunks) :], strict=True):
                 r.verified(rows)
-        for run in running:
+        for run in plan.running:
             if not run.shares_forward and not run.done:
                 run.advance()  # type: ignore[attr-defined]
-        finished = [i for i in self.running if self.runs[i].done]
+        return forward_seconds
+
+    def retire_finished(self) -> tuple[str, ...]:
+        """Finished runs leave (their session ends, their KV is freed); learned state is written
+        when the batch goes idle or every ``persist_every`` finished requests (module doc, 7)."""
+        finished = tuple(i for i in self.running if self.runs[i].done)
         for rid in finished:
             self.running.remove(rid)
             self._retire(rid, "")
         if self.idle or self._finished_since_persist >= self.limits.persist_every:
             self.persist()
-        seconds = time.perf_counter() - started
-        if self.gate_drafts and decoding:
-            self._pace.observe(seconds, sum(len(r.generated) for r in decoding) - before)
-        if self._observed is not None and decoding:
+        return finished
+
+    def _learn(self, plan: StepPlan, seconds: float, forward_seconds: float) -> None:
+        """What the step taught about the machine: the pace of committed tokens (``gate_drafts``)
+        and the host seconds outside the forward (``learn_cost``)."""
+        if not plan.decoding:
+            return
+        if self.gate_drafts:
+            self._pace.observe(seconds, sum(len(r.generated) for r in plan.decoding) - plan.tokens_before)
+        if self._observed is not None:
             self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
-        return StepReport(tuple(finished), len(items), sum(i.size for i in items),
-                          sum(i.size for i in items[: len(chunks)]), sum(counts) - len(counts),
-                          sum(d.size - 1 for d in drafts), seconds, forward_seconds)
 
     @property
     def sizing_cost(self) -> ForwardCost | None:
@@ -402,6 +455,6 @@ def speculative_decode(
     """Decoding of ``prompt`` alone with drafts from ``drafter``, each step's tokens chosen by
     ``rule`` (greedy by default, or sampling: :mod:`triedec.core.accept`), drafts sized under ``cost``;
     exactly equal to autoregressive decoding with the same rule, whatever the drafts. Yields the
-    newly committed tokens; returns the :class:`~triedec.engine.outcome.DecodeStats`."""
+    newly committed tokens; returns the :class:`~triedec.engine.outcome.Stats`."""
     outcome = yield from run_alone(adapter, Request(drafter, prompt, stop, documents, rule), cost)
     return outcome.stats

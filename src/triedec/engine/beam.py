@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,34 +39,10 @@ from triedec.engine.request import StopRule, prompt_chunk
 from triedec.engine.runs import SoloRun
 from triedec.model.adapter import ModelAdapter
 
-__all__ = ["METHOD", "BeamOptions", "BeamResult", "BeamScorer", "BeamSearchDecoder", "BeamStats", "Hypothesis",
+__all__ = ["METHOD", "BeamOptions", "BeamScorer", "BeamSearchDecoder", "Hypothesis",
            "beam_search", "check_request", "kv_slots"]
 
 METHOD = "beam"
-
-
-@dataclass
-class BeamStats(Stats):
-    """:class:`~triedec.engine.batch.Stats` of a beam search (``new_tokens``: tokens of the best
-    hypothesis; ``computed_tokens``: b per step; ``peak_kv_tokens``: most trie KV slots in use),
-    plus ``num_beams``, ``hf_peak_kv_tokens`` (what transformers holds for the same run: b copies
-    of prompt + steps), ``kv_bytes_per_token`` (peak KV bytes / (prompt + new tokens)) and
-    ``gc_runs`` (compactions)."""
-
-    num_beams: int = 0
-    hf_peak_kv_tokens: int = 0
-    kv_bytes_per_token: float = 0.0
-    gc_runs: int = 0
-
-    def summary(self) -> str:
-        return (f"{super().summary()} | {self.num_beams} beams, KV peak {self.peak_kv_tokens} tokens "
-                f"(transformers: {self.hf_peak_kv_tokens})")
-
-
-@dataclass(frozen=True)
-class BeamResult:
-    hypotheses: tuple[Hypothesis, ...]
-    stats: BeamStats
 
 
 def kv_slots(prompt_len: int, num_beams: int, max_new_tokens: int) -> int:
@@ -137,12 +112,13 @@ class _TrieKV:
 def beam_search(
     adapter: ModelAdapter, prompt: Sequence[int], options: BeamOptions, stop: StopRule,
     documents: Sequence[Sequence[int]] = (), steps: list[StepTrace] | None = None,
-) -> Generator[list[int], None, BeamResult]:
+) -> Generator[list[int], None, Outcome]:
     """Beam search over ``prompt`` with transformers' semantics on a shared trie KV cache.
 
     The returned generator yields once per forward (a prompt chunk, or one step of all beams): the
     tokens of the best hypothesis that became certain since (the stable prefix of all candidates;
-    often none), and the rest at the end; it returns the hypotheses and stats. So whoever drives it
+    often none), and the rest at the end; it returns an :class:`~triedec.engine.outcome.Outcome`
+    (stats, and the hypotheses best first as its ``sequences``). So whoever drives it
     (the engine's :class:`~triedec.engine.runs.SoloRun`) gets control back after every forward, and a
     time limit or a cancel takes effect within one. Stops at EOS / stop tokens
     (``stop.eos_token_ids``) and ``stop.max_new_tokens``. Stop strings and context documents are
@@ -203,14 +179,14 @@ def _record(step: int, fresh: Sequence[int], root: int, streamed: int,
 
 
 def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
-            stop: StopRule, steps: list[StepTrace] | None = None) -> Generator[list[int], None, BeamResult]:
+            stop: StopRule, steps: list[StepTrace] | None = None) -> Generator[list[int], None, Outcome]:
     start = time.perf_counter()
     b = options.num_beams
     scorer = BeamScorer(options, len(prompt), stop.max_new_tokens, stop.eos_token_ids)
     trie = _TrieKV(adapter, len(prompt), b, options.gc_every, kv_slots(len(prompt), b, stop.max_new_tokens))
 
     logits = yield from _prefill(adapter, trie.cache, prompt)  # [1, vocab]
-    stats = BeamStats(num_beams=b, prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
+    stats = Stats(num_beams=b, prompt_tokens=len(prompt), prefill_seconds=time.perf_counter() - start)
     log_probs = torch.log_softmax(logits, dim=-1).expand(b, -1)  # every beam starts at the prompt
     streamed: tuple[int, ...] = ()
     while True:
@@ -249,7 +225,7 @@ def _search(adapter: ModelAdapter, prompt: list[int], options: BeamOptions,
     stats.hf_peak_kv_tokens = b * (len(prompt) + stats.steps)
     stats.kv_bytes_per_token = stats.kv_bytes / (len(prompt) + len(best))
     stats.gc_runs = trie.gc_runs
-    return BeamResult(tuple(results), stats)
+    return Outcome(stats, tuple(results))
 
 
 @register(METHOD, BeamOptions, "trie beam search: transformers' beam search results, all beams sharing one "
@@ -272,8 +248,7 @@ class BeamSearchDecoder:
         reserve = kv_slots(len(ids), self.options.num_beams, stop.max_new_tokens)  # what its trie may grow to
 
         def loop(adapter: Any, steps: list[StepTrace] | None) -> Generator[list[int], None, Outcome]:
-            result = yield from beam_search(adapter, ids, self.options, stop, steps=steps)
-            return Outcome(result.stats, result.hypotheses)
+            return (yield from beam_search(adapter, ids, self.options, stop, steps=steps))
 
         return SoloRun(loop, reserve)
 

@@ -37,7 +37,7 @@ from triedec.core.limits import PREFILL_CHUNK
 from triedec.core.trace import MODEL, StepTrace, origin_of
 from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
-from triedec.engine.outcome import DecodeStats, Outcome
+from triedec.engine.outcome import Outcome, Stats
 from triedec.model.adapter import ForwardItem, ModelAdapter
 
 
@@ -108,7 +108,7 @@ class Request:
         self.drafter, self.stop, self.documents, self.rule = drafter, stop, documents, rule
         self.generated: list[int] = []
         self.reason: str | None = None
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt), seed=rule.seed)
+        self.stats = Stats(prompt_tokens=len(self.prompt), seed=rule.seed)
         self.submitted = time.perf_counter()
         self.session: DrafterSession | None = None
         self.cache: KVCache | None = None

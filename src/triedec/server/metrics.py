@@ -51,13 +51,14 @@ class Metrics:
 
     def step(self, carried: StepReport) -> None:
         """One engine step (called on the scheduler thread)."""
-        if not carried.requests:
+        plan = carried.plan
+        if not plan.requests:
             return
         self.steps.inc()
-        self.batch.observe(carried.requests)
-        self.forward_tokens.observe(carried.tokens)
-        self.budget.observe(carried.tokens / self.max_tokens)
-        self.draft_nodes.observe(carried.draft_nodes)
+        self.batch.observe(plan.requests)
+        self.forward_tokens.observe(plan.tokens)
+        self.budget.observe(plan.tokens / self.max_tokens)
+        self.draft_nodes.observe(plan.draft_nodes)
 
     def finished(self, endpoint: str, method: str, outcome: Outcome) -> None:
         s = outcome.stats
@@ -66,7 +67,7 @@ class Metrics:
         self.tokens_per_s.labels(method).observe(s.tokens_per_s)
         self.latency.labels(method).observe(s.seconds)
         self.queued.labels(method).observe(s.queued_seconds)
-        if getattr(s, "mean_accepted", 0):
+        if s.mean_accepted:
             self.accepted.labels(method).observe(s.mean_accepted)
 
     def sharing(self, status: Callable[[], dict[str, Any]]) -> None:

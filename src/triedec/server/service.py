@@ -237,16 +237,15 @@ class Service:
 
     def extension(self, prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
         s = outcome.stats
-        drafter = getattr(s, "drafter", None) or {}
         ext = {"method": prepared.method, "options": prepared.options,
-               "tokens_per_step": getattr(s, "mean_accepted", None), "tokens_per_s": s.tokens_per_s,
+               "tokens_per_step": s.mean_accepted, "tokens_per_s": s.tokens_per_s,
                "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
-               "queued_seconds": s.queued_seconds, "seed": getattr(s, "seed", None), "stop_reason": s.stop_reason,
-               "tokens_from_store": int(drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
+               "queued_seconds": s.queued_seconds, "seed": s.seed, "stop_reason": s.stop_reason,
+               "tokens_from_store": int(s.drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
                "exactness": s.exactness}
         if prepared.trace:  # the per-step stats the page checks its own counts against
-            ext["accepted_by_origin"] = dict(getattr(s, "accepted_by_origin", {}) or {})
-            ext["accepted_per_step"] = list(getattr(s, "accepted_per_step", []) or [])
+            ext["accepted_by_origin"] = dict(s.accepted_by_origin)
+            ext["accepted_per_step"] = list(s.accepted_per_step)
             ext["new_tokens"] = s.new_tokens
         return ext
 
