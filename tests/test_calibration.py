@@ -195,7 +195,7 @@ def test_a_busy_calibration_is_measured_again_in_process_with_its_profiles_kept(
     FakeWatch.share = 0.6
     busy = tiny_lm.calibration()
     profiles = {"recycling": RecyclingProfile(tuple(monotone_rates()), 8)}
-    tiny_lm._calibration = busy = dataclasses.replace(busy, profiles=profiles)
+    tiny_lm.calibrator._calibration = busy = dataclasses.replace(busy, profiles=profiles)
     assert busy.busy
     FakeWatch.share = 0.7  # still busy: measured, used, still marked
     assert tiny_lm.remeasure_if_busy() is False and tiny_lm.loaded_calibration().busy

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -133,6 +134,27 @@ def test_built_methods_are_an_lru_bounded_in_count_and_bytes_per_scope_and_overa
     assert cache.forget("d") == 1 and ("d", "m", 1) not in cache
 
 
+def test_threads_asking_for_the_same_method_at_once_build_it_once():
+    cache, built, gate = BuiltMethods(), [], threading.Barrier(8)
+
+    class Built:
+        def max_learned_bytes(self) -> int:
+            return 1
+
+    def build() -> Built:
+        built.append(None)
+        time.sleep(0.05)  # a slow build: the other threads arrive while it runs
+        return Built()
+
+    def ask() -> Built:
+        gate.wait()
+        return cache.get_or_build(("a", "m", 1), build)
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: ask(), range(8)))
+    assert len(built) == 1 and all(g is got[0] for g in got)
+
+
 def test_the_lm_keeps_built_methods_within_its_limits(lm):
     fresh = lm.fresh()
     fresh.limit_decoders(DecoderLimits(per_scope=2, total=3))
@@ -204,7 +226,7 @@ def test_twenty_option_sets_from_one_key_keep_memory_bounded(default_lm):
         grown = _rss() - before
         with pytest.raises(openai.BadRequestError, match="k may be at most 64"):
             client.chat.completions.create(**ask, extra_body={"method": "auto", "method_options": {"k": 1003}})
-        assert sum(1 for key in lm._decoders if key[0] == ("tenant", "alice")) == per
+        assert sum(1 for key in lm.methods if key[0] == ("tenant", "alice")) == per
     # without the bound, 20 methods would hold 20 matrices (500 MB); the LRU keeps `per` of them
     assert grown < (per + 2) * matrix, f"RSS grew by {grown / 2**20:.0f} MiB"
 

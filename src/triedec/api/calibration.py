@@ -27,6 +27,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -394,3 +395,47 @@ def _write(path: Path, calibration: Calibration) -> None:
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(calibration.to_json())
     os.replace(tmp, path)
+
+
+class Calibrator:
+    """The calibration one loaded model uses, over its life: read from ``cache_dir`` or measured
+    the first time a method needs it (:meth:`get`), measured again on request
+    (:meth:`recalibrate`), or its cost model again when it was measured on a busy machine
+    (:meth:`remeasure_if_busy`). Thread-safe (one lock; a measurement runs under it, so it runs
+    once)."""
+
+    def __init__(self, target: Target, cache_dir: Path) -> None:
+        self.target, self.cache_dir = target, cache_dir
+        self._calibration: Calibration | None = None
+        self._lock = threading.RLock()
+
+    def get(self, needs: frozenset[str] = frozenset({NEEDS_COST})) -> Calibration:
+        """A calibration with at least the parts in ``needs`` (``"cost"``, or a method's name for
+        its profile): the one in use, else read from the cache directory or measured and cached."""
+        with self._lock:
+            cal = self._calibration
+            if cal is None or not set(needs) - {NEEDS_COST} <= set(cal.profiles):
+                self._calibration = load_or_calibrate(self.target, self.cache_dir, frozenset(needs))
+            return self._calibration
+
+    def recalibrate(self, **kwargs: Any) -> Calibration:
+        """Measure the whole calibration again (:func:`load_or_calibrate`'s ``force``) and use it."""
+        with self._lock:
+            self._calibration = load_or_calibrate(self.target, self.cache_dir, frozenset({NEEDS_COST}), force=True,
+                                                  **kwargs)
+            return self._calibration
+
+    def remeasure_if_busy(self, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Measure the cost model again if the calibration in use was taken on a busy machine
+        (:func:`remeasure_cost`); True when the one in use is now a quiet one."""
+        with self._lock:
+            cal = self._calibration
+            if cal is None or not cal.busy:
+                return cal is not None
+            self._calibration = remeasure_cost(self.target, self.cache_dir, cal, should_stop=should_stop)
+            return not self._calibration.busy
+
+    @property
+    def loaded(self) -> Calibration | None:
+        """The calibration in use (None if nothing needed one yet)."""
+        return self._calibration

@@ -17,20 +17,29 @@ Past a bound, the least recently used other methods are dropped (their learned s
 state files were written by the engine as requests finished, and a dropped method is built again,
 from its file, when it is next used). A single method whose bound alone exceeds a cap is refused
 with a :class:`~triedec.core.errors.TriedecError` naming the cap. A request that is running keeps its
-method alive until it ends, whatever the cache drops. Not thread-safe by itself: the LM locks
-around it.
+method alive until it ends, whatever the cache drops. Thread-safe: one lock guards the cache,
+and a method is built under it, so two threads asking for the same one build it once.
+
+It is also where an LM's **learned-state exchange** lives (:meth:`BuiltMethods.export_learned`,
+:meth:`BuiltMethods.absorb_learned`): what each built method learned, named by scope, method and
+:func:`options_id`, so that replicas can trade it (:mod:`triedec.server.sharing`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
+import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.settings import MIB, setting
+from triedec.drafters.learned import Learned
 
 log = logging.getLogger("triedec")
 
@@ -71,24 +80,51 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def options_id(options: Any) -> str:
+    """A method's options as a short stable id, equal across processes for equal values; options
+    that name a learned-state file are left out (each replica has its own files)."""
+    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if not f.metadata.get("state_file")}
+    text = json.dumps(values, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class BuiltMethods:
-    """Built decoders by :data:`Key`, least recently used first, within :class:`DecoderLimits`."""
+    """Built decoders by :data:`Key`, least recently used first, within :class:`DecoderLimits`
+    (module doc)."""
 
     def __init__(self, limits: DecoderLimits | None = None) -> None:
         self.limits = limits or DecoderLimits()
         self._items: OrderedDict[Key, tuple[Any, int]] = OrderedDict()  # key -> (decoder, its byte bound)
+        self._lock = threading.RLock()
+
+    def get_or_build(self, key: Key, build: Callable[[], Any]) -> Any:
+        """The decoder kept for ``key`` (now the most recently used), else ``build()``'s, kept
+        within the bounds (a method over a byte cap alone raises)."""
+        with self._lock:
+            found = self.get(key)
+            if found is None:
+                found = build()
+                self.put(key, found, found.max_learned_bytes())
+            return found
+
+    def set_limits(self, limits: DecoderLimits) -> None:
+        """Bound the methods built from now on by ``limits`` (applied at the next build)."""
+        with self._lock:
+            self.limits = limits
 
     def get(self, key: Key) -> Any | None:
         """The decoder built for ``key`` (now the most recently used), or None."""
-        found = self._items.get(key)
-        if found is None:
-            return None
-        self._items.move_to_end(key)
-        return found[0]
+        with self._lock:
+            found = self._items.get(key)
+            if found is None:
+                return None
+            self._items.move_to_end(key)
+            return found[0]
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._items
-
+        with self._lock:
+            return key in self._items
     def check(self, key: Key, nbytes: int) -> None:
         """Refuse a method whose learned-state bound alone exceeds a byte cap."""
         limits = self.limits
@@ -102,12 +138,13 @@ class BuiltMethods:
         """Keep ``decoder`` for ``key`` (its learned state bounded by ``nbytes``), then drop the
         least recently used others until every bound holds."""
         self.check(key, nbytes)
-        self._items[key] = (decoder, nbytes)
-        self._items.move_to_end(key)
-        limits = self.limits
-        scope = key[0]
-        self._evict(lambda k: k[0] == scope, limits.per_scope, limits.scope_bytes, key)
-        self._evict(lambda k: True, limits.total, limits.total_bytes, key)
+        with self._lock:
+            self._items[key] = (decoder, nbytes)
+            self._items.move_to_end(key)
+            limits = self.limits
+            scope = key[0]
+            self._evict(lambda k: k[0] == scope, limits.per_scope, limits.scope_bytes, key)
+            self._evict(lambda k: True, limits.total, limits.total_bytes, key)
 
     def _evict(self, within: Any, count: int, nbytes: int | None, keep: Key) -> None:
         chosen = [k for k in self._items if within(k)]
@@ -125,23 +162,44 @@ class BuiltMethods:
 
     def forget(self, scope: Hashable) -> int:
         """Drop every method of ``scope``; returns how many."""
-        dropped = [k for k in self._items if k[0] == scope]
-        for k in dropped:
-            del self._items[k]
-        return len(dropped)
+        with self._lock:
+            dropped = [k for k in self._items if k[0] == scope]
+            for k in dropped:
+                del self._items[k]
+            return len(dropped)
 
     def items(self) -> Iterator[tuple[Key, Any]]:
         """(key, decoder), least recently used first (a snapshot)."""
-        return iter([(k, v[0]) for k, v in self._items.items()])
+        with self._lock:
+            return iter([(k, v[0]) for k, v in self._items.items()])
 
     def __iter__(self) -> Iterator[Key]:
         """The keys, least recently used first (a snapshot)."""
-        return iter(list(self._items))
+        with self._lock:
+            return iter(list(self._items))
+
+    def export_learned(self) -> list[tuple[Hashable, str, str, Learned]]:
+        """What every built method learned since the last call, as (scope, method name,
+        :func:`options_id`, learned), empty values included. Call it on the thread that runs the
+        engine (it may run torch ops)."""
+        return [(scope, name, options_id(opts), decoder.export_learned())
+                for (scope, name, opts), decoder in self.items()]
+
+    def absorb_learned(self, scope: Hashable, method_name: str, options: str, learned: Learned) -> int:
+        """Merge ``learned`` into the methods built for ``scope`` named ``method_name`` whose
+        :func:`options_id` is ``options``; returns how many took it."""
+        matching = [decoder for (sc, name, opts), decoder in self.items()
+                    if sc == scope and name == method_name and options_id(opts) == options]
+        for decoder in matching:
+            decoder.absorb_learned(learned)
+        return len(matching)
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
 
     @property
     def learned_bytes(self) -> int:
         """The sum of the kept methods' learned-state bounds."""
-        return sum(v[1] for v in self._items.values())
+        with self._lock:
+            return sum(v[1] for v in self._items.values())

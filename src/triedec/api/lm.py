@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import os
 import secrets
 import sys
@@ -16,7 +14,7 @@ from typing import Any
 
 import torch
 
-from triedec.api.calibration import Calibration, load_or_calibrate, remeasure_cost
+from triedec.api.calibration import Calibration, Calibrator
 from triedec.api.decoders import BuiltMethods, DecoderLimits
 from triedec.api.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_of
 from triedec.api.prompts import Prompts
@@ -51,6 +49,14 @@ class GenerationResult:
 class LM:
     """A loaded causal LM. ``model`` and ``tokenizer`` are the plain transformers objects.
 
+    The LM is the front door (:meth:`start`, :meth:`generate`, :meth:`stream`,
+    :meth:`generate_batch`) over parts that each do one job: :attr:`prompts` (tokenizer and chat
+    template, :mod:`triedec.api.prompts`), :attr:`adapter` (the model's forward,
+    :mod:`triedec.model.adapter`), :attr:`calibrator` (the device calibration's lifecycle,
+    :class:`~triedec.api.calibration.Calibrator`) and :attr:`methods` (the built methods and their
+    learned-state exchange, :class:`~triedec.api.decoders.BuiltMethods`); its other methods are
+    shortcuts to them.
+
     Each method is built once per options value and kept for the life of this object, so learned
     drafter state (Token Recycling's matrix, agreement rates, auto's store) stays warm across
     requests; all per-request state lives in the request that :meth:`start` returns (and that
@@ -71,10 +77,11 @@ class LM:
         self.limits = limits or BatchLimits()
         self._reference_loader = reference
         self._reference: Any = None
+        self._reference_lock = threading.Lock()
         self.cache_dir = cache_root(cache_dir)
-        self._decoders = BuiltMethods(decoders)  # (scope, method, options) -> decoder, least recently used first
-        self._calibration: Calibration | None = None
-        self._lock = threading.RLock()  # guards the two caches above
+        self.methods = BuiltMethods(decoders)
+        """(scope, method, options) -> built decoder, least recently used first"""
+        self.calibrator = Calibrator(self, self.cache_dir)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if gen_eos is None:
             gen_eos = tokenizer.eos_token_id
@@ -95,19 +102,12 @@ class LM:
         cost model, under a minute; a method's name: its profile, e.g. ``"recycling"``, a minute
         or two): read from the cache directory, or measured once and cached. See
         :mod:`triedec.api.calibration`."""
-        with self._lock:
-            cal = self._calibration
-            if cal is None or not set(needs) - {NEEDS_COST} <= set(cal.profiles):
-                self._calibration = load_or_calibrate(self, self.cache_dir, frozenset(needs))
-            return self._calibration
+        return self.calibrator.get(needs)
 
     def recalibrate(self, **kwargs: Any) -> Calibration:
         """Measure the whole calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and
         cache it. Methods already built keep what they were built with."""
-        with self._lock:
-            self._calibration = load_or_calibrate(self, self.cache_dir, frozenset({NEEDS_COST}), force=True,
-                                                  **kwargs)
-            return self._calibration
+        return self.calibrator.recalibrate(**kwargs)
 
     def remeasure_if_busy(self, should_stop: Callable[[], bool] | None = None) -> bool:
         """If the calibration in use was measured while other processes took the CPU its threads
@@ -117,21 +117,17 @@ class LM:
         raises :class:`~triedec.api.calibration.Interrupted` when ``should_stop()`` says so. The
         engine sizes drafts under the new cost model from its next step; methods already built
         keep what they were built with."""
-        with self._lock:
-            cal = self._calibration
-            if cal is None or not cal.busy:
-                return cal is not None
-            self._calibration = remeasure_cost(self, self.cache_dir, cal, should_stop=should_stop)
-            return not self._calibration.busy
+        return self.calibrator.remeasure_if_busy(should_stop)
 
     def loaded_calibration(self) -> Calibration | None:
         """The calibration loaded or measured so far (None if nothing needed one yet)."""
-        return self._calibration
+        return self.calibrator.loaded
 
     def cost_model(self) -> CostModel | None:
         """The device's cost model the engine sizes drafts under, once any built method needed it
         (None before: drafts are then sized as for a flat curve)."""
-        return None if self._calibration is None else self._calibration.cost
+        cal = self.calibrator.loaded
+        return None if cal is None else cal.cost
 
     def model_info(self, needs: frozenset[str] = frozenset()) -> ModelInfo:
         """What drafters get to know about this model (see :class:`~triedec.drafters.ModelInfo`),
@@ -146,8 +142,7 @@ class LM:
         """This model without any learned state: the same weights, tokenizer and calibration, no
         built methods (a benchmark measures each phase from fresh state this way)."""
         other = copy.copy(self)
-        other._decoders = BuiltMethods(self._decoders.limits)
-        other._lock = threading.RLock()
+        other.methods = BuiltMethods(self.methods.limits)
         return other
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -176,55 +171,40 @@ class LM:
         (:mod:`triedec.api.decoders`); a method whose bound alone exceeds a cap raises."""
         found = find_method(method_name)
         opts = found.make_options(options)
-        key = (scope, method_name, opts)
-        with self._lock:
-            built = self._decoders.get(key)
-            if built is None:
-                built = found.build(opts, self.model_info(found.needs(opts)))
-                self._decoders.put(key, built, built.max_learned_bytes())
-            return built
+        return self.methods.get_or_build((scope, method_name, opts),
+                                         lambda: found.build(opts, self.model_info(found.needs(opts))))
 
     def limit_decoders(self, limits: DecoderLimits) -> None:
         """Keep the methods built from now on within ``limits`` (:mod:`triedec.api.decoders`; the
         server passes its ``--max-methods*`` and ``--max-learned-mib*`` flags); the bounds are
         applied at the next build."""
-        with self._lock:
-            self._decoders.limits = limits
+        self.methods.set_limits(limits)
 
     def is_built(self, method_name: str, *, scope: Hashable = None, **options: object) -> bool:
         """Whether :meth:`decoder` would return a method already built (no measuring, no
         building); bad names or values raise."""
         found = find_method(method_name)
-        with self._lock:
-            return (scope, method_name, found.make_options(options)) in self._decoders
+        return (scope, method_name, found.make_options(options)) in self.methods
 
     def forget(self, scope: Hashable) -> int:
         """Drop the methods built for ``scope`` and their learned state (a request still running
         keeps its method until it ends; learned-state files are written by the engine as
         usual); returns how many were dropped."""
-        with self._lock:
-            return self._decoders.forget(scope)
+        return self.methods.forget(scope)
 
     def export_learned(self) -> list[tuple[Hashable, str, str, Learned]]:
         """What every built method learned here since the last call, as (scope, method name,
-        :func:`options_id`, learned), empty values included (every scope this LM holds is listed).
+        :func:`~triedec.api.decoders.options_id`, learned), empty values included (every scope this LM holds is listed).
         For exchanging learned state between replicas (:mod:`triedec.drafters.learned`,
         :mod:`triedec.server.sharing`); call it on the thread that runs the engine (it may run
         torch ops)."""
-        with self._lock:
-            built = list(self._decoders.items())
-        return [(scope, name, options_id(opts), decoder.export_learned()) for (scope, name, opts), decoder in built]
+        return self.methods.export_learned()
 
     def absorb_learned(self, scope: Hashable, method_name: str, options: str, learned: Learned) -> int:
         """Merge another replica's ``learned`` into the methods built for ``scope`` whose name is
-        ``method_name`` and whose :func:`options_id` is ``options``; returns how many took it (0:
+        ``method_name`` and whose :func:`~triedec.api.decoders.options_id` is ``options``; returns how many took it (0:
         none is built here). Malformed state raises :class:`~triedec.core.errors.TriedecError`."""
-        with self._lock:
-            matching = [decoder for (sc, name, opts), decoder in self._decoders.items()
-                        if sc == scope and name == method_name and options_id(opts) == options]
-        for decoder in matching:
-            decoder.absorb_learned(learned)
-        return len(matching)
+        return self.methods.absorb_learned(scope, method_name, options, learned)
 
     def start(self, request: GenerationRequest, *, scope: Hashable = None) -> Run:
         """The one entry point: ``request``'s run, checked against this model and ready for an
@@ -352,7 +332,7 @@ class LM:
         are plain, else a second copy loaded once (the loaded ``model`` runs faster kernels)."""
         if self.adapter.kernels == "plain":
             return self.model
-        with self._lock:
+        with self._reference_lock:
             if self._reference is None:
                 if self._reference_loader is None:
                     raise TriedecError("this LM's model runs triedec's kernels and no stock copy can be loaded; "
@@ -365,15 +345,6 @@ class LM:
 for _form in (LM.generate, LM.stream, LM.generate_batch):
     reserve_option_names(keyword_names(_form, "prompt", "prompts"), f"LM.{_form.__name__}")
 del _form
-
-
-def options_id(options: Any) -> str:
-    """A method's options as a short stable id, equal across processes for equal values; options
-    that name a learned-state file are left out (each replica has its own files)."""
-    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-              if not f.metadata.get("state_file")}
-    text = json.dumps(values, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[str, Any]) -> GenerationRequest:
