@@ -72,34 +72,6 @@ inline float combine(const float* lane) {
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-#ifdef TRIEDEC_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m256 exp8(__m256 x) {  // exp_scalar on 8 lanes, the same operations
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kUnderflow), _CMP_GT_OQ);
-  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(kRound)),
-                                 _mm256_set1_ps(kRound));
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kP0);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
-}
-#endif
-
 struct Keys {  // the key slots one query sees: indices[0..count), or 0..count-1 when indices is null
   const int32_t* indices;
   int64_t count;
@@ -132,15 +104,42 @@ struct Output {  // one (query, head): its keys, where it is in them, its scores
   float best;
 };
 
+// ---- the AVX2 path ----------------------------------------------------------------------------
+// Each function below vectorises the leading part of one loop of the portable code that follows
+// (the same IEEE operations on every element) and returns where that scalar loop goes on. A build
+// without AVX2 (the portable one) gets the versions in the #else branch, which leave it all to the
+// scalar loops. Which build runs is chosen at import (triedec.model.native).
+#ifdef TRIEDEC_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 exp8(__m256 x) {  // exp_scalar on 8 lanes, the same operations
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kUnderflow), _CMP_GT_OQ);
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(kRound)),
+                                 _mm256_set1_ps(kRound));
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+}
+
 template <typename scalar_t>
-inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, int64_t stop) {
-  // the scores of o's keys whose slot is below `stop`, from o.cursor on; each score on its own
+inline int64_t scores_avx2(const Problem<scalar_t>& P, Output& o, const float* q, int64_t r, int64_t last) {
   const scalar_t* kbase = P.k + o.g * P.k_sh;
   const int64_t D = P.D;
-  int64_t r = o.cursor, n = o.keys.count;
-  const int64_t last = o.keys.below(r, stop);
-  (void)n;
-#ifdef TRIEDEC_AVX2
   if (D % kLanes == 0) {
     const __m256 scale = _mm256_set1_ps(P.scale);
     for (; r + kLanes <= last; r += kLanes) {
@@ -158,25 +157,14 @@ inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, 
       _mm256_storeu_ps(o.scores + r, _mm256_mul_ps(sums, scale));
     }
   }
-#endif
-  for (; r < last; ++r) {
-    const scalar_t* kp = kbase + o.keys.at(r) * P.k_ss;
-    float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
-    o.scores[r] = combine(lane) * P.scale;
-  }
-  o.cursor = last;
+  return r;
 }
 
 template <typename scalar_t>
-inline void values_until(const Problem<scalar_t>& P, Output& o, int64_t stop) {
-  // acc[d] += e_r * v[k_r][d] for o's keys whose slot is below `stop`, in rank order
+inline int64_t values_avx2(const Problem<scalar_t>& P, Output& o, int64_t first, int64_t last) {
   const scalar_t* vbase = P.v + o.g * P.v_sh;
-  const int64_t D = P.D, first = o.cursor, n = o.keys.count;
-  const int64_t last = o.keys.below(first, stop);
-  (void)n;
+  const int64_t D = P.D;
   int64_t d0 = 0;
-#ifdef TRIEDEC_AVX2
   if (D % kLanes == 0) {
     for (; d0 + 8 * kLanes <= D; d0 += 8 * kLanes) {  // 64 features at a time, in registers
       __m256 a[8];
@@ -195,24 +183,13 @@ inline void values_until(const Problem<scalar_t>& P, Output& o, int64_t stop) {
       _mm256_storeu_ps(o.acc + d0, a);
     }
   }
-#endif
-  for (int64_t i = first; i < last && d0 < D; ++i) {
-    const scalar_t* vp = vbase + o.keys.at(i) * P.v_ss;
-    for (int64_t d = d0; d < D; ++d) o.acc[d] = std::fma(o.scores[i], to_float(vp[d]), o.acc[d]);
-  }
-  o.cursor = last;
+  return d0;
 }
 
-// Several outputs that see the same keys (the heads of one query that share a key/value head):
-// each K or V vector loaded once serves them all. Every output's sums are formed by exactly the
-// operations of scores_until / values_until, in the same order, so the bits are the same.
 template <typename scalar_t, int NQ>
-inline void team_scores(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t stop) {
+inline int64_t team_scores_avx2(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
   const scalar_t* kbase = P.k + o[0].g * P.k_sh;
   const int64_t D = P.D;
-  int64_t r = o[0].cursor;
-  const int64_t last = o[0].keys.below(r, stop);
-#ifdef TRIEDEC_AVX2
   if (D % kLanes == 0) {
     const __m128 scale = _mm_set1_ps(P.scale);
     for (; r + 4 <= last; r += 4) {
@@ -236,26 +213,14 @@ inline void team_scores(const Problem<scalar_t>& P, Output* o, const float* q0, 
       }
     }
   }
-#endif
-  for (int i = 0; i < NQ; ++i) {
-    const float* q = q0 + i * D;
-    for (int64_t s = r; s < last; ++s) {
-      const scalar_t* kp = kbase + o[0].keys.at(s) * P.k_ss;
-      float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
-      o[i].scores[s] = combine(lane) * P.scale;
-    }
-    o[i].cursor = last;
-  }
+  return r;
 }
 
 template <typename scalar_t, int NQ>
-inline void team_values(const Problem<scalar_t>& P, Output* o, int64_t stop) {
+inline int64_t team_values_avx2(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
   const scalar_t* vbase = P.v + o[0].g * P.v_sh;
-  const int64_t D = P.D, first = o[0].cursor;
-  const int64_t last = o[0].keys.below(first, stop);
+  const int64_t D = P.D;
   int64_t d0 = 0;
-#ifdef TRIEDEC_AVX2
   if (D % kLanes == 0) {
     for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
       __m256 a[NQ][4];
@@ -282,7 +247,109 @@ inline void team_values(const Problem<scalar_t>& P, Output* o, int64_t stop) {
       }
     }
   }
+  return d0;
+}
+
+inline int64_t max_avx2(const Output& o, int64_t n, float& best) {
+  int64_t m = 0;
+  {  // the maximum is exact in any order (NaN scores are skipped, as below)
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (; m + kLanes <= n; m += kLanes) top = _mm256_max_ps(_mm256_loadu_ps(o.scores + m), top);
+    float lane[kLanes];
+    _mm256_storeu_ps(lane, top);
+    for (int j = 0; j < kLanes; ++j) best = lane[j] > best ? lane[j] : best;
+  }
+  return m;
+}
+
+inline int64_t exp_avx2(Output& o, int64_t n, float best, float* total) {
+  int64_t r = 0;
+  {
+    const __m256 top = _mm256_set1_ps(best);
+    __m256 tv = _mm256_setzero_ps();
+    for (; r + kLanes <= n; r += kLanes) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(o.scores + r), top));
+      _mm256_storeu_ps(o.scores + r, e);
+      tv = _mm256_add_ps(tv, e);
+    }
+    _mm256_storeu_ps(total, tv);
+  }
+  return r;
+}
+#else
+template <typename scalar_t>
+inline int64_t scores_avx2(const Problem<scalar_t>&, Output&, const float*, int64_t r, int64_t) { return r; }
+template <typename scalar_t>
+inline int64_t values_avx2(const Problem<scalar_t>&, Output&, int64_t, int64_t) { return 0; }
+template <typename scalar_t, int NQ>
+inline int64_t team_scores_avx2(const Problem<scalar_t>&, Output*, const float*, int64_t r, int64_t) { return r; }
+template <typename scalar_t, int NQ>
+inline int64_t team_values_avx2(const Problem<scalar_t>&, Output*, int64_t, int64_t) { return 0; }
+inline int64_t max_avx2(const Output&, int64_t, float&) { return 0; }
+inline int64_t exp_avx2(Output&, int64_t, float, float*) { return 0; }
 #endif
+
+// ---- the portable path (and the tails of the AVX2 one) --------------------------------------------
+
+template <typename scalar_t>
+inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, int64_t stop) {
+  // the scores of o's keys whose slot is below `stop`, from o.cursor on; each score on its own
+  const scalar_t* kbase = P.k + o.g * P.k_sh;
+  const int64_t D = P.D;
+  int64_t r = o.cursor;
+  const int64_t last = o.keys.below(r, stop);
+  r = scores_avx2(P, o, q, r, last);
+  for (; r < last; ++r) {
+    const scalar_t* kp = kbase + o.keys.at(r) * P.k_ss;
+    float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
+    o.scores[r] = combine(lane) * P.scale;
+  }
+  o.cursor = last;
+}
+
+template <typename scalar_t>
+inline void values_until(const Problem<scalar_t>& P, Output& o, int64_t stop) {
+  // acc[d] += e_r * v[k_r][d] for o's keys whose slot is below `stop`, in rank order
+  const scalar_t* vbase = P.v + o.g * P.v_sh;
+  const int64_t D = P.D, first = o.cursor;
+  const int64_t last = o.keys.below(first, stop);
+  const int64_t d0 = values_avx2(P, o, first, last);
+  for (int64_t i = first; i < last && d0 < D; ++i) {
+    const scalar_t* vp = vbase + o.keys.at(i) * P.v_ss;
+    for (int64_t d = d0; d < D; ++d) o.acc[d] = std::fma(o.scores[i], to_float(vp[d]), o.acc[d]);
+  }
+  o.cursor = last;
+}
+
+// Several outputs that see the same keys (the heads of one query that share a key/value head):
+// each K or V vector loaded once serves them all. Every output's sums are formed by exactly the
+// operations of scores_until / values_until, in the same order, so the bits are the same.
+template <typename scalar_t, int NQ>
+inline void team_scores(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t stop) {
+  const scalar_t* kbase = P.k + o[0].g * P.k_sh;
+  const int64_t D = P.D;
+  int64_t r = o[0].cursor;
+  const int64_t last = o[0].keys.below(r, stop);
+  r = team_scores_avx2<scalar_t, NQ>(P, o, q0, r, last);
+  for (int i = 0; i < NQ; ++i) {
+    const float* q = q0 + i * D;
+    for (int64_t s = r; s < last; ++s) {
+      const scalar_t* kp = kbase + o[0].keys.at(s) * P.k_ss;
+      float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
+      o[i].scores[s] = combine(lane) * P.scale;
+    }
+    o[i].cursor = last;
+  }
+}
+
+template <typename scalar_t, int NQ>
+inline void team_values(const Problem<scalar_t>& P, Output* o, int64_t stop) {
+  const scalar_t* vbase = P.v + o[0].g * P.v_sh;
+  const int64_t D = P.D, first = o[0].cursor;
+  const int64_t last = o[0].keys.below(first, stop);
+  const int64_t d0 = team_values_avx2<scalar_t, NQ>(P, o, first, last);
   for (int i = 0; i < NQ; ++i) {
     for (int64_t s = first; s < last && d0 < D; ++s) {
       const scalar_t* vp = vbase + o[0].keys.at(s) * P.v_ss;
@@ -296,32 +363,10 @@ inline float exponentiate(Output& o) {
   // scores -> exp(score - max) in place; returns the denominator (8 partial sums by rank mod 8)
   const int64_t n = o.keys.count;
   float best = -INFINITY;
-  int64_t m = 0;
-#ifdef TRIEDEC_AVX2
-  {  // the maximum is exact in any order (NaN scores are skipped, as below)
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    for (; m + kLanes <= n; m += kLanes) top = _mm256_max_ps(_mm256_loadu_ps(o.scores + m), top);
-    float lane[kLanes];
-    _mm256_storeu_ps(lane, top);
-    for (int j = 0; j < kLanes; ++j) best = lane[j] > best ? lane[j] : best;
-  }
-#endif
+  const int64_t m = max_avx2(o, n, best);
   for (int64_t i = m; i < n; ++i) best = o.scores[i] > best ? o.scores[i] : best;
   float total[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t r = 0;
-#ifdef TRIEDEC_AVX2
-  {
-    const __m256 top = _mm256_set1_ps(best);
-    __m256 tv = _mm256_setzero_ps();
-    for (; r + kLanes <= n; r += kLanes) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(o.scores + r), top));
-      _mm256_storeu_ps(o.scores + r, e);
-      tv = _mm256_add_ps(tv, e);
-    }
-    _mm256_storeu_ps(total, tv);
-  }
-#endif
-  for (; r < n; ++r) {
+  for (int64_t r = exp_avx2(o, n, best, total); r < n; ++r) {
     o.scores[r] = exp_scalar(o.scores[r] - best);
     total[r % kLanes] += o.scores[r];
   }
