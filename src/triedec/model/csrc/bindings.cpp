@@ -3,6 +3,8 @@
 // do: it touches no Python object.
 #include "kernels.h"
 
+#include <torch/extension.h>
+
 #include <ATen/Parallel.h>
 
 #include <mutex>

@@ -3,7 +3,10 @@
 // call carries.
 #pragma once
 
-#include <torch/extension.h>
+// torch/types.h (torch::Tensor, the factories, ATen) and not torch/extension.h, which adds
+// pybind11 and the whole C++ frontend: only bindings.cpp needs those, and the kernels compile in
+// about a third of the time.
+#include <torch/types.h>
 
 #include <vector>
 

@@ -22,7 +22,6 @@
 // is found 8 lanes at a time (a maximum is exact in any order).
 #include "kernels.h"
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
