@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 from helpers import RedisServer, free_port
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
@@ -24,6 +25,7 @@ from ray import serve
 
 from triedec.api.spec import ModelSpec
 from triedec.core.errors import TriedecError
+from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.ray.app import APP_NAME, REPLICA_HEADER, Engine, RaySettings, app, build, engine_options, parse_pairs, run
 from triedec.ray.routing import affinity_key, choose, rendezvous
 
@@ -210,7 +212,14 @@ CHATS = [[{"role": "user", "content": q}] for q in
 def ray_cluster(default_lm, tmp_path_factory):
     """Two engine replicas (one thread each) of the default model behind the gateway, sharing
     learned state through a real Redis; the model is loaded here first, so that its converted copy
-    is cached before the replicas load it."""
+    is cached before the replicas load it, and its one-thread calibration is measured here once
+    (on a new machine the two replicas would each measure it at startup, side by side, each slowed
+    by the other)."""
+    threads = torch.get_num_threads()
+    try:  # ModelSpec.load sets torch's threads to its own
+        ModelSpec(threads=1).load().calibration(frozenset({NEEDS_COST, *profile_specs()}))
+    finally:
+        torch.set_num_threads(threads)
     store = RedisServer(tmp_path_factory.mktemp("redis"))
     store.start()
     port = free_port()
