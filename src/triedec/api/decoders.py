@@ -35,11 +35,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.settings import MIB, setting
-from triedec.drafters.learned import Learned
+
+if TYPE_CHECKING:  # the CLI reads DecoderLimits for its flags without importing torch
+    from triedec.drafters.learned import Learned
 
 log = logging.getLogger("triedec")
 
