@@ -160,10 +160,10 @@ def test_the_lm_keeps_built_methods_within_its_limits(lm):
     fresh.limit_decoders(DecoderLimits(per_scope=2, total=3))
     for k in (1, 2, 3):
         fresh.decoder("recycling", scope="t", nodes=80, k=k)
-    assert [key[2].k for key in fresh._decoders] == [2, 3]
+    assert [key[2].k for key in fresh.methods] == [2, 3]
     for scope in ("u", "v"):
         fresh.decoder("recycling", scope=scope, nodes=80, k=1)
-    assert len(fresh._decoders) == 3
+    assert len(fresh.methods) == 3
     # a method whose bound alone is over a byte cap: refused with the cap named
     fresh.limit_decoders(DecoderLimits(scope_bytes=1 << 20))
     bound = fresh.decoder("auto", scope="w", store_capacity=1000).max_learned_bytes()

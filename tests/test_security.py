@@ -231,7 +231,7 @@ def test_idle_tenants_past_the_bound_are_dropped(lm):
     with serving(create_app(fresh, _config(learning="tenant", max_tenants=2))) as url:
         for user in ("u1", "u2", "u3", "u1"):
             _ask(url, "Bearer unused", user=user)
-        scopes = {key[0] for key in fresh._decoders if key[0] is not None}
+        scopes = {key[0] for key in fresh.methods if key[0] is not None}
     assert scopes == {("tenant", "user:u3"), ("tenant", "user:u1")}
 
 
