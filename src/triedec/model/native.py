@@ -140,7 +140,8 @@ def _build_now(why: str, verbose: bool) -> ModuleType:
     if not any(where.glob("*.so")):
         _log.warning("no installed build of triedec's kernels fits (%s): building them in %s (~1 min); "
                      "reinstall triedec (scripts/setup.sh) to build them at install", why, where)
-    digest = f'-DTRIEDEC_SOURCES_DIGEST="{sources_digest()}"'
+    # ninja runs the compiler through a shell, which would strip bare quotes: the macro must stay a string
+    digest = f'-DTRIEDEC_SOURCES_DIGEST=\\"{sources_digest()}\\"'
     try:
         return cpp_extension.load(name=NAME, sources=[str(CSRC / name) for name in SOURCES],
                                   extra_cflags=[*CFLAGS, digest], extra_include_paths=[str(CSRC)],
