@@ -121,6 +121,34 @@ def test_the_kernel_refuses_bad_input_with_a_message():
         KERNEL.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, False)
 
 
+# ---- rotary embeddings ---------------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(heads=st.integers(1, 5), tokens=st.integers(1, 9), half=st.integers(1, 40), seed=st.integers(0, 10**6),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), transposed=st.booleans())
+def test_the_rotary_kernel_gives_transformers_bits(heads, tokens, half, seed, dtype, transposed):
+    """``rotary`` against transformers' ``apply_rotary_pos_emb`` (rotate-half) on the model's own
+    cos and sin: ``torch.equal`` in every dtype, for a query laid out as the projection leaves it
+    (a transposed view) or dense, and odd head sizes' halves."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(seed)
+    dim = 2 * half
+    if transposed:  # [1, T, H, D] from the projection, seen as [1, H, T, D]
+        x = torch.randn(1, tokens, heads, dim, generator=generator).to(dtype).transpose(1, 2)
+    else:
+        x = torch.randn(1, heads, tokens, dim, generator=generator).to(dtype)
+    angles = torch.rand(1, tokens, half, generator=generator) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = (emb.cos() * 1.25).to(dtype), (emb.sin() * 1.25).to(dtype)
+    expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    with torch.inference_mode():
+        got = KERNEL.rotary(x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        KERNEL.rotary(x.float() if dtype != torch.float32 else x.double(), cos, sin)
+
+
 # ---- the linears on 8-bit activations ------------------------------------------------------------------
 
 def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +238,34 @@ def test_a_group_too_small_to_scale_quantizes_to_zeros_on_both_paths():
         got = layer(tiny)
         assert torch.equal(got, layer(zero))
         assert torch.equal(got, KERNEL.int4_linear(tiny, layer.packed, layer.scales_zeros, True))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_largest_codes_times_the_largest_activations_sum_exactly_on_every_path(sign):
+    """The integer sums at their extremes: every int4 code 15 and every int8 code +-127 (a sign per
+    output), times activations that all quantize to +-127. The AVX2 path sums products in 16-bit
+    lanes before widening (int4: a group's 32 products; int8: pairs), so an overflow there would
+    show here; the result must be the float64 product, on the vector and the portable path alike."""
+    K, N, rows = 4 * GROUP_SIZE, 80, 3  # a block of 64 outputs and a short one of 16
+    x = torch.full((rows, K), sign * 3.0).to(torch.bfloat16)
+    x[1] *= 0.5
+    int4 = Int4A8Linear(nn.Linear(K, N, bias=False))
+    scale = torch.full((K // GROUP_SIZE, N), 2.0**-6).bfloat16()
+    zero = torch.full((K // GROUP_SIZE, N), 2.0**-4).bfloat16()
+    int4.packed.copy_(pack_int4(torch.full((N, K), 15, dtype=torch.int32)))
+    int4.scales_zeros.copy_(pack_scales_zeros(scale, zero))
+    int8 = Int8A8Linear(nn.Linear(K, N, bias=False))
+    codes = torch.where(torch.arange(N)[:, None] % 2 == 0, 127, -127).to(torch.int8).expand(N, K).contiguous()
+    int8.packed.copy_(pack_int8(codes))
+    int8.scales.copy_(pack_int8_scales(torch.full((N, K // GROUP_SIZE), 2.0**-7).half()))
+    with torch.inference_mode():
+        got4, got8 = int4(x), int8(x)
+        assert torch.equal(got4, KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, True))
+        assert torch.equal(got8, KERNEL.int8_linear(x, int8.packed, int8.scales, True))
+    weight4 = dequantize_int4(unpack_int4(int4.packed), scale, zero).double()
+    weight8 = codes.double() * 2.0**-7
+    assert torch.equal(got4, (x.double() @ weight4.T).to(torch.bfloat16))
+    assert torch.equal(got8, (x.double() @ weight8.T).to(torch.bfloat16))
 
 
 def test_calls_from_several_threads_at_once_each_get_their_own_rows():

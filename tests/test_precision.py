@@ -423,14 +423,17 @@ def test_beam_search_returns_transformers_hypotheses_in_the_mode(mode):
 def test_the_calibration_key_follows_which_layers_are_int4_and_which_int8(tiny_model_dir, tmp_path):
     # a calibration measured before a change of which layers go to int8 must not be reused after it
     from triedec.api.calibration import calibration_path
+    from triedec.model.linears import JoinedPart
 
-    lm = triedec.load(tiny_model_dir, cache_dir=tmp_path, weights="int4-a8")
+    unjoined = triedec.load(tiny_model_dir, cache_dir=tmp_path, weights="int4-a8", kernels="plain").adapter.model
+    int4 = sum(type(m) is Int4A8Linear for m in unjoined.modules())
+    int8 = sum(type(m) is Int8A8Linear for m in unjoined.modules())
+    lm = triedec.load(tiny_model_dir, cache_dir=tmp_path, weights="int4-a8")  # its runner joins q/k/v, gate/up
     model, before, mix = lm.adapter.model, calibration_path(tmp_path, lm.adapter), layer_mix(lm.adapter.model)
-    int4 = sum(type(m) is Int4A8Linear for m in model.modules())
-    int8 = sum(type(m) is Int8A8Linear for m in model.modules())
-    assert int4 > 0 and mix == f"int4x{int4}-int8x0-int8g32x{int8}" and mix in before.name
+    assert any(isinstance(m, JoinedPart) for m in model.modules())
+    assert int4 > 0 and mix == f"int4x{int4}-int8x0-int8g32x{int8}" == layer_mix(unjoined) and mix in before.name
     parent, name, child = next((p, n, c) for p in model.modules() for n, c in p.named_children()
-                               if type(c) is Int4A8Linear)
+                               if type(c) is Int4A8Linear and not isinstance(p, JoinedPart))
     setattr(parent, name, Int8A8Linear(nn.Linear(child.in_features, child.out_features)))
     assert layer_mix(model) == f"int4x{int4 - 1}-int8x0-int8g32x{int8 + 1}"
     assert calibration_path(tmp_path, lm.adapter) != before
@@ -602,8 +605,8 @@ def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_in
 
 @pytest.mark.default_model
 @pytest.mark.skipif(not (kernel_available() and load_kernel().a8_linears_vectorized()),
-                    reason="int4-a8 runs its portable path on this CPU (no AVX512-VNNI): minutes per default-model "
-                           "calibration; the tiny-model tests cover the mode here")
+                    reason="int4-a8 runs its portable path on this CPU (neither AVX512-VNNI nor AVX2): minutes per "
+                           "default-model calibration; the tiny-model tests cover the mode here")
 def test_every_method_returns_ars_tokens_on_the_default_model_in_int4_a8():
     lm = triedec.load(weights="int4-a8")
     assert "int4-a8-weights" in lm.adapter.kernels and "fused-rmsnorm" in lm.adapter.kernels

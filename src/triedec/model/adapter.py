@@ -83,6 +83,7 @@ from triedec.model.linears import PackedLinear, pack_linears, packing_available,
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
 from triedec.model.rmsnorm import FusedRMSNorm, fuse_norms
+from triedec.model.runner import RUNNER, RUNNERS, TRANSFORMERS, runner_for
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
@@ -141,9 +142,15 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
     return kernels == "auto" and param.device.type == "cpu" and param.dtype in DTYPES and kernel_available()
 
 
-def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_attention: bool = False) -> str:
+OWN_RUNNER = "triedec-runner"
+"""How :func:`describe_kernels` names triedec's own runner (:mod:`triedec.model.runner`)."""
+
+
+def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_attention: bool = False,
+                     runner: bool = False) -> str:
     """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+`` (``weights``: how
-    its linear weights are stored, :attr:`triedec.model.precision.Precision.weights`)."""
+    its linear weights are stored, :attr:`triedec.model.precision.Precision.weights`; ``runner``:
+    whether triedec's own runner walks its layers)."""
     used = []
     if weights != "float":
         used.append(f"{weights}-weights")
@@ -155,6 +162,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append(FIXED_ORDER_ATTENTION)
     elif getattr(model.config, "_attn_implementation", None) == GQA_SDPA:
         used.append("gqa-sdpa")
+    if runner:
+        used.append(OWN_RUNNER)
     return "+".join(used) or "plain"
 
 
@@ -167,7 +176,9 @@ class ModelAdapter:
     objects passed in.
     """
 
-    def __init__(self, model: PreTrainedModel, kernels: str = "plain") -> None:
+    def __init__(self, model: PreTrainedModel, kernels: str = "plain", runner: str | None = None) -> None:
+        if runner not in (None, *RUNNERS):
+            raise TriedecError(f"runner must be one of {RUNNERS} or None, got {runner!r}")
         config = model.config
         attn = getattr(config, "_attn_implementation", None) or "eager"
         if attn not in BASES:
@@ -189,7 +200,16 @@ class ModelAdapter:
         apply_kernels(model, kernels)
         self.exact_attention = exact_attention_applies(model, kernels)
         """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
-        self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention)
+        self._runner = runner_for(model) if runner == RUNNER or (runner is None and kernels == "auto") else None
+        if runner == RUNNER and self._runner is None:
+            raise TriedecError(f"triedec's runner does not run {type(model).__name__} (it runs Llama and Qwen2); "
+                               f"use runner='{TRANSFORMERS}'")
+        self.runner = TRANSFORMERS if self._runner is None else RUNNER
+        """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by
+        default with ``kernels="auto"`` on the architectures it runs) or ``transformers`` (the model's
+        own forward: ``kernels="plain"``, or any other architecture). ``runner=`` picks one."""
+        self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention,
+                                        self._runner is not None)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
         native = self.exact_attention or any(isinstance(m, (FusedRMSNorm, *NATIVE_LINEARS)) for m in model.modules())
         self.native_build = build_id() if native else None
@@ -272,15 +292,20 @@ class ModelAdapter:
         placeholder = {k: self._placeholder for k in self.layout.windows} if self.layout.per_type \
             else self._placeholder
         try:
-            out = self.model(
-                input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
-                use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs,
-                **{self._cache_keyword: Cache(layers=[BatchCacheLayer(batch, i) for i in range(self._num_layers())])},
-            )
+            if self._runner is not None:
+                attention = BASES[self.model.config._attn_implementation]
+                logits = self._runner.forward(tokens, positions, batch, None if everything else keep.to(self.device),
+                                              attention)[0]
+            else:
+                layers = [BatchCacheLayer(batch, i) for i in range(self._num_layers())]
+                out = self.model(
+                    input_ids=tokens[None], position_ids=positions[None], attention_mask=placeholder,
+                    use_cache=True, **{BATCH_KEYWORD: batch}, **kwargs, **{self._cache_keyword: Cache(layers=layers)},
+                )
+                logits = out.logits[0]
         finally:
             self.fell_back = self.fell_back or batch.fell_back
-        logits = out.logits[0]
-        if not everything and not self._takes_logits_to_keep:
+        if not everything and not self._takes_logits_to_keep and self._runner is None:
             logits = logits[keep.to(logits.device)]
         logits = logits.float()
         found, at = [], 0

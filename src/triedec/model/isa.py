@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "a8_linears.cpp", "bindings.cpp")
+SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "bindings.cpp")
 """The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp`` binds)."""
 HEADERS = ("kernels.h",)
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
@@ -29,7 +29,7 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """Each build: its compiler flags and the CPU flags (``/proc/cpuinfo``) it needs, fastest first.
 ``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX2 path; ``avx2``
-tree attention's AVX2 path; ``portable`` plain C++ everywhere."""
+the linears' AVX2 path (``vpmaddubsw``) and tree attention's; ``portable`` plain C++ everywhere."""
 
 
 def module_name(isa: str) -> str:

@@ -66,6 +66,23 @@ class LinearStandIn(nn.Module):
         return ""
 
 
+class JoinedPart(LinearStandIn):
+    """What stands in the model for one of several linears made one
+    (:func:`triedec.model.runner.join`): its outputs of the joined layer's, so the model's own
+    forward still runs (computing the whole joined layer for each part; triedec's runner calls the
+    joined layer once instead)."""
+
+    def __init__(self, joined: LinearStandIn, start: int, stop: int) -> None:
+        super().__init__(nn.Linear(joined.in_features, stop - start, bias=False, device="meta"))
+        self.joined, self.start, self.stop = joined, start, stop
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.joined.rows(x)[:, self.start : self.stop].contiguous()
+
+    def repr_extra(self) -> str:
+        return f", outputs {self.start}..{self.stop} of a joined {type(self.joined).__name__}"
+
+
 class PackedLinear(LinearStandIn):
     """``y = x W^T + b`` with ``W`` pre-packed for oneDNN (fp32, CPU, inference only).
 

@@ -14,7 +14,7 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
 * ``int4-a8``: int4's weights (the same codes, scales and zeros), whose dot products run on the
   activations quantized to int8 per row and group of :data:`GROUP_SIZE` features, as llama.cpp
   runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
-  a portable path giving the same bits elsewhere); the LM head, and the layers a 4-bit GGUF stored
+  else AVX2, else a portable path, all giving the same bits); the LM head, and the layers a 4-bit GGUF stored
   with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
   layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit).
 
@@ -32,6 +32,7 @@ Pure torch (nothing here knows transformers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ from torch import nn
 
 from triedec.core.errors import TriedecError
 from triedec.core.params import GROUP_SIZE, WEIGHTS
-from triedec.model.linears import LinearStandIn
+from triedec.model.linears import JoinedPart, LinearStandIn
 from triedec.model.native import load_kernel
 
 QUANTIZED_DTYPE = torch.bfloat16
@@ -191,6 +192,22 @@ class Int4A8Linear(LinearStandIn):
         out = load_kernel().int4_linear(x, buffers["packed"], buffers["scales_zeros"], False)
         return _plus_bias(out, self.bias)
 
+    @classmethod
+    def joined(cls, layers: Sequence[Int4A8Linear]) -> Int4A8Linear:
+        """One layer whose outputs are ``layers``' outputs side by side (a layer's q, k and v
+        projections as one call), for layers of one input size, all with biases or none. Each
+        output keeps its codes, scale, zero and bias, and the kernel computes an output from those
+        and its row alone, in a fixed order: every output gets the bits its own layer gives it."""
+        first = _joinable(layers)
+        joined = cls.__new__(cls)
+        LinearStandIn.__init__(joined, nn.Linear(first.in_features, sum(m.out_features for m in layers),
+                                                 bias=False, device="meta"))
+        scales, zeros = zip(*(m.scale_and_zero() for m in layers), strict=True)
+        joined.register_buffer("packed", pack_int4(torch.cat([m.codes() for m in layers])))
+        joined.register_buffer("scales_zeros", pack_scales_zeros(torch.cat(scales, dim=1), torch.cat(zeros, dim=1)))
+        joined.bias = _joined_bias(layers)
+        return joined
+
     def repr_extra(self) -> str:
         return f", group_size={GROUP_SIZE}, activations=int8"
 
@@ -227,6 +244,19 @@ class Int8A8Linear(LinearStandIn):
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         buffers = self._buffers
         return _plus_bias(load_kernel().int8_linear(x, buffers["packed"], buffers["scales"], False), self.bias)
+
+    @classmethod
+    def joined(cls, layers: Sequence[Int8A8Linear]) -> Int8A8Linear:
+        """As :meth:`Int4A8Linear.joined`: the outputs of ``layers`` side by side, each with its own bits."""
+        first = _joinable(layers)
+        joined = cls.__new__(cls)
+        LinearStandIn.__init__(joined, nn.Linear(first.in_features, sum(m.out_features for m in layers),
+                                                 bias=False, device="meta"))
+        codes, scales = zip(*(m.codes_and_scales() for m in layers), strict=True)
+        joined.register_buffer("packed", pack_int8(torch.cat(codes)))
+        joined.register_buffer("scales", pack_int8_scales(torch.cat(scales)))
+        joined.bias = _joined_bias(layers)
+        return joined
 
     def repr_extra(self) -> str:
         return f", group_size={GROUP_SIZE}, activations=int8"
@@ -449,6 +479,21 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return (codes.float() - 8) * per_element_scale + per_element_zero
 
 
+def _joinable(layers: Sequence[LinearStandIn]) -> LinearStandIn:
+    """The first of ``layers``, once they are checked to be joinable: at least one, of one class
+    and input size, all with a bias or none (a zero bias added to a layer without one could turn a
+    -0 into +0)."""
+    if not layers or len({(type(m), m.in_features, m.bias is None) for m in layers}) != 1:
+        raise TriedecError("joined layers need one class, one input size, and biases on all or none")
+    return layers[0]
+
+
+def _joined_bias(layers: Sequence[LinearStandIn]) -> nn.Parameter | None:
+    if layers[0].bias is None:
+        return None
+    return nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
+
+
 def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else out + bias
 
@@ -519,11 +564,13 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
 def layer_mix(model: nn.Module) -> str:
     """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
     in int8 per group (:class:`Int8A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
-    unquantized for their shape, follow from the architecture). Loads of the same
-    file in the same mode have the same mix; which layers go to int8 (:data:`FINER_THAN_4BIT`, the
-    head) changes it, and with it the cost of a forward, so the calibration's key includes it
-    (:func:`triedec.api.calibration.device_key`)."""
-    kinds = [type(m) for m in model.modules()]
+    unquantized for their shape, follow from the architecture; layers the runner joined count as the
+    layers they join). Loads of the same file in the same mode have the same mix; which layers go
+    to int8 (:data:`FINER_THAN_4BIT`, the head) changes it, and with it the cost of a forward, so
+    the calibration's key includes it (:func:`triedec.api.calibration.device_key`)."""
+    modules = list(model.modules())
+    joined = {id(m.joined) for m in modules if isinstance(m, JoinedPart)}  # counted as the layers they join
+    kinds = [type(m.joined) if isinstance(m, JoinedPart) else type(m) for m in modules if id(m) not in joined]
     int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
     int8 = sum(kind is Int8Linear for kind in kinds)
     grouped = sum(kind is Int8A8Linear for kind in kinds)

@@ -3,6 +3,8 @@
 // Q4 file: on a CPU, float dot products of many rows are bound by arithmetic (a 16-row forward of
 // the default model is ~2 GMAC, ~22 ms at two cores' float peak), and integer dot products
 // (AVX512-VNNI's vpdpbusd: 64 multiply-adds an instruction) do four times as many per instruction.
+// Three paths give the same bits: AVX512-VNNI (tile4, tile8), AVX2 (tile4_avx2, tile8_avx2, for the
+// CPUs without AVX-512) and a portable one (int4_portable, int8_portable); the build's ISA picks.
 //
 // Activations: each row's features are quantized per group g of 32: a = max|x| / 127 and
 // x' = round(x * (127 / max|x|)) in -127..127 (nearest even; a = 0 and x' = 0 for a group whose
@@ -19,7 +21,7 @@
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
-// the same bits alone or in any call, and the vector path and the portable one give the same bits
+// the same bits alone or in any call, and the vector paths and the portable one give the same bits
 // (for finite activations: a NaN may take another group maximum on each).
 //
 // Packed layouts (triedec.precision.pack_int4 / pack_int8), for the 16 outputs 16v..16v+15:
@@ -51,12 +53,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define TRIEDEC_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TRIEDEC_A8_AVX2 1
+#endif
+#if defined(TRIEDEC_VNNI) || defined(TRIEDEC_A8_AVX2)
+#define TRIEDEC_A8_VECTOR 1
 #endif
 
 namespace {
 
-#ifdef TRIEDEC_VNNI
-constexpr bool kVector = true;  // the vector path is built; a call takes it unless asked for the portable one
+#ifdef TRIEDEC_A8_VECTOR
+constexpr bool kVector = true;  // a vector path is built; a call takes it unless asked for the portable one
 #else
 constexpr bool kVector = false;
 #endif
@@ -210,13 +218,8 @@ void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
   });
 }
 
-#ifdef TRIEDEC_VNNI
+#ifdef TRIEDEC_A8_VECTOR
 constexpr int kRows = 3;   // most rows per register tile (3 rows x 4 vectors: 12 sums and 12 accumulators)
-
-inline __m512 bf16_to_float(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 // The activations of one register tile: row r's quads of features (xq[r][i] holds features
 // 4i..4i+3), group scales a, a * Q and Q.
@@ -226,6 +229,13 @@ struct RowTile {
   const float* aq[kRows];
   const int32_t* sum[kRows];
 };
+#endif
+
+#ifdef TRIEDEC_VNNI
+inline __m512 bf16_to_float(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // int4_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the
@@ -311,6 +321,113 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
+#endif  // TRIEDEC_VNNI
+
+#ifdef TRIEDEC_A8_AVX2
+// AVX2 has no vpdpbusd. Its stand-in, vpmaddubsw (unsigned byte x signed byte, adjacent pairs
+// summed to int16 with saturation) then vpmaddwd by ones (pairs of int16 summed to int32), is
+// exact here because no int16 sum can saturate: int4 codes are 0..15 and activations -127..127, so
+// a pair is at most 2 * 15 * 127 = 3810 and a group's eight pairs per lane, added in int16, at most
+// 30480; int8 codes are taken as signed (the packed byte xor 128) and multiplied as |q| by x with
+// q's sign (vpsignb), a pair at most 2 * 127 * 127 = 32258, each widened to int32 before the next.
+// So D is the same integer as on the other paths, and the float operations per output are the
+// same ones in the same order. A 16-output vector is two halves of 8 (one 256-bit register each).
+
+inline __m256 bf16_to_float8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// int4_linear's tile on AVX2: rows r < R and vectors 0..V - 1 of a block (V = nvb); per group, per
+// vector, the group's 4 steps of 64 bytes (one 1 KiB window of the block's stream at a time). AVX2
+// has 16 registers, too few for every y of the tile beside the sums: y stays in y_out (L1), read
+// and written once per group.
+template <int R, int V>
+inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R * V * kCols; ++i) y_out[i] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int m = 0; m < kSteps; ++m) {
+        const uint8_t* at = codes + ((g * kSteps + m) * nvb + v) * 64;
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+          lo[h] = _mm256_and_si256(bytes, low);                          // features 8m..8m+3
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);    // features 8m+4..8m+7
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+          const __m256i x1 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
+          for (int h = 0; h < 2; ++h) {
+            acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(lo[h], x0));
+            acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(hi[h], x1));
+          }
+        }
+      }
+      const c10::BFloat16* at = sz + (g * 2 * nvb + v) * kCols;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = bf16_to_float8(at + 8 * h);
+        const __m256 constant = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_float8(at + nvb * kCols + 8 * h));
+        for (int r = 0; r < R; ++r) {
+          float* y = y_out + (r * V + v) * kCols + 8 * h;
+          const __m256i D = _mm256_madd_epi16(acc[r][h], ones);
+          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(D), _mm256_set1_ps(x.a[r][g]));
+          __m256 sum = _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y));
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(x.aq[r][g]), constant, sum);
+          _mm256_storeu_ps(y, sum);
+        }
+      }
+    }
+  }
+}
+
+// int8_linear's tile on AVX2: as tile4_avx2, the group's 8 steps of 4 features per vector.
+template <int R, int V>
+inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  constexpr int kQuads = kGroup / 4;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < R * V * kCols; ++i) y_out[i] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int m = 0; m < kQuads; ++m) {
+        const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
+        __m256i w[2], magnitude[2];
+        for (int h = 0; h < 2; ++h) {
+          w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h)), flip);  // q
+          magnitude[h] = _mm256_abs_epi8(w[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = _mm256_set1_epi32(x.xq[r][g * kQuads + m]);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xb, w[h]));
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
+        for (int r = 0; r < R; ++r) {
+          float* y = y_out + (r * V + v) * kCols + 8 * h;
+          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
+          _mm256_storeu_ps(y, _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y)));
+        }
+      }
+    }
+  }
+}
+#endif  // TRIEDEC_A8_AVX2
+
+#ifdef TRIEDEC_A8_VECTOR
 // Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows in
 // 1..kRows and vectors in 1..kBlock: the tiles are templates over their shape, so registers hold them.
 template <class F>
@@ -366,28 +483,37 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
   });
 }
 
-void int4_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
-               c10::BFloat16* out) {
+#ifdef TRIEDEC_VNNI
+#define TRIEDEC_TILE4 tile4
+#define TRIEDEC_TILE8 tile8
+#else
+#define TRIEDEC_TILE4 tile4_avx2
+#define TRIEDEC_TILE8 tile8_avx2
+#endif
+
+// The vector paths: this build's tiles (VNNI's or AVX2's) over the blocks of the packed weight.
+void int4_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
+                 c10::BFloat16* out) {
   const int64_t G = K / kGroup;
   for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
-    tile4<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * (K / 8) * 64,
-                                                           sz + b * kBlock * G * 2 * kCols, nvb, K, x, y);
+    TRIEDEC_TILE4<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * (K / 8) * 64,
+                                                                   sz + b * kBlock * G * 2 * kCols, nvb, K, x, y);
   });
 }
 
-void int8_vnni(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
-               c10::BFloat16* out) {
+void int8_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
+                 c10::BFloat16* out) {
   const int64_t G = K / kGroup;
   for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
-    tile8<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * K * kCols,
-                                                           scales + b * kBlock * G * kCols, nvb, K, x, y);
+    TRIEDEC_TILE8<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * K * kCols,
+                                                                   scales + b * kBlock * G * kCols, nvb, K, x, y);
   });
 }
 #else
-constexpr auto& int4_vnni = int4_portable;  // never chosen: kVector is false
-constexpr auto& int8_vnni = int8_portable;
+constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false
+constexpr auto& int8_vector = int8_portable;
 #endif
 
 }  // namespace
@@ -436,7 +562,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
   return run_linear(
       x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
-        int4_vnni(xs, R, K_, codes, sz, N, out);
+        int4_vector(xs, R, K_, codes, sz, N, out);
       },
       [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int4_portable(xs, R, K_, codes, sz, N, out); });
 }
@@ -457,7 +583,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const c10::Half* s = scales.data_ptr<c10::Half>();
   return run_linear(
       x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
-        int8_vnni(xs, R, K_, codes, s, N, out);
+        int8_vector(xs, R, K_, codes, s, N, out);
       },
       [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int8_portable(xs, R, K_, codes, s, N, out); });
 }

@@ -39,11 +39,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention", &tree_attention, "tree attention with a fixed reduction order", release());
   m.def("tree_attention_items", &tree_attention_items, "tree attention of several items in one call", release());
   m.def("rms_norm", &rms_norm, "RMS norm of each row, summed in a fixed order", release());
+  m.def("rotary", &rotary, "rotary position embedding (rotate-half), transformers' bits", release());
   m.def("sources_digest", [] { return std::string(TRIEDEC_SOURCES_DIGEST); },
         "the digest of the sources this build was made from (triedec.model.isa.sources_digest)");
   m.def("isa", [] { return std::string(TRIEDEC_ISA); }, "the instruction set this build was made for");
   m.def("parallel_threads", &parallel_threads, "how many threads the kernels' parallel loops run on", release());
-  m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run AVX512-VNNI here");
+  m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run a vector path (AVX512-VNNI or AVX2) here");
   m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products",
         release());
   m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products",

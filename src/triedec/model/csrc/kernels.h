@@ -21,6 +21,9 @@ torch::Tensor tree_attention_items(torch::Tensor query, std::vector<torch::Tenso
 // rms_norm.cpp: x [..., D] (last dimension contiguous), weight [D]; see that file.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool one_plus_weight);
 
+// rotary.cpp: x [B, H, T, D], cos / sin [B, T, D]; transformers' rotate-half rotary, the same bits.
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
 // a8_linears.cpp: x [R, K] bf16, quantized weights packed as that file says, 8-bit activations in
 // the dot products; see that file. `portable` forces the portable path (the tests compare the two).
 bool a8_linears_vectorized();

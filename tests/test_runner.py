@@ -1,0 +1,218 @@
+"""triedec's own runner (:mod:`triedec.model.runner`) against transformers' forward of the same
+model in the same precision mode and kernels: the same logits, bit for bit (``torch.equal``), for
+random trees on chunked prompts batched beside other requests (Llama with grouped and multi-query
+attention, tied and untied heads; Qwen2 with q/k/v biases), and the architectures it does not run
+keep transformers' forward."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from helpers import TINY_VOCAB, tiny_gemma3, tiny_llama
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from triedec.core.errors import TriedecError
+from triedec.model.adapter import BIT_EXACT, OWN_RUNNER, ForwardItem, ModelAdapter
+from triedec.model.precision import Precision
+from triedec.model.runner import RUNNER, TRANSFORMERS
+from triedec.model.source import quantize
+
+
+def _tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                      attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: give them values
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+def _mqa_llama(seed: int = 0):
+    model = tiny_llama(seed=seed)
+    cfg = copy.deepcopy(model.config)
+    cfg.num_key_value_heads = 1  # multi-query attention, the head untied
+    torch.manual_seed(seed)
+    return type(model)(cfg).eval()
+
+
+def _in_mode(model, dtype=None, weights="float"):
+    precision = Precision.of(dtype, weights)
+    if precision.quantized:
+        quantize(model, precision)
+        return model
+    return model.to(precision.dtype)
+
+
+MODELS = {
+    "llama-gqa-float32": lambda: tiny_llama(seed=2),
+    "llama-mqa-bfloat16": lambda: _in_mode(_mqa_llama(seed=4), "bfloat16"),
+    "llama-int8": lambda: _in_mode(tiny_llama(seed=6), weights="int8"),
+    "llama-int4": lambda: _in_mode(tiny_llama(seed=7), weights="int4"),
+    "llama-int4-a8": lambda: _in_mode(tiny_llama(seed=8), weights="int4-a8"),
+    "qwen2-bias-tied-float32": lambda: _tiny_qwen2(seed=3),
+    "qwen2-bias-int4-a8": lambda: _in_mode(_tiny_qwen2(seed=9), weights="int4-a8"),
+}
+
+
+@pytest.fixture(scope="module")
+def adapter_pairs():
+    """Per model: (triedec's runner, transformers' forward), each on its own copy, both kernels="auto"."""
+    pairs = {}
+    for name, make in MODELS.items():
+        model = make()
+        pairs[name] = (ModelAdapter(copy.deepcopy(model), "auto", runner=RUNNER),
+                       ModelAdapter(model, "auto", runner=TRANSFORMERS))
+    return pairs
+
+
+def _forward_both(pair, gen: random.Random) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The same random forwards on both adapters (each on caches of its own): prompt chunks of
+    several requests, then a batch of random trees on them. Returns every row each produced."""
+    outs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    requests = []
+    for _ in range(gen.randint(1, 3)):
+        prompt = [gen.randrange(TINY_VOCAB) for _ in range(gen.randint(1, 12))]
+        sizes, left = [], len(prompt)
+        while left:
+            sizes.append(gen.randint(1, left))
+            left -= sizes[-1]
+        requests.append((prompt, sizes))
+    tree_seed = gen.random()
+    for side, adapter in enumerate(pair):
+        caches = [adapter.new_cache(64) for _ in requests]
+        for cache, (prompt, sizes) in zip(caches, requests, strict=True):
+            at = 0
+            for size in sizes:
+                causal = torch.ones((size, size), dtype=torch.bool).tril()
+                item = ForwardItem(cache, torch.tensor(prompt[at : at + size]), torch.arange(at, at + size), causal)
+                outs[side].extend(adapter.forward_batch([item])[0])
+                cache.commit(list(range(size)))
+                at += size
+        tree_gen = random.Random(tree_seed)
+        items = []
+        for cache, (prompt, _) in zip(caches, requests, strict=True):
+            nodes = tree_gen.randint(1, 8)
+            parents = [tree_gen.randint(-1, i - 1) for i in range(nodes)]
+            visible = torch.zeros((nodes, nodes), dtype=torch.bool)
+            depth = []
+            for i, p in enumerate(parents):
+                if p >= 0:
+                    visible[i] = visible[p]
+                visible[i, i] = True
+                depth.append(1 + (depth[p] if p >= 0 else 0))
+            tokens = torch.tensor([tree_gen.randrange(TINY_VOCAB) for _ in range(nodes)])
+            positions = torch.tensor([len(prompt) + d - 1 for d in depth])
+            items.append(ForwardItem(cache, tokens, positions, visible, keep=tree_gen.choice([-1, 1, nodes])))
+        for rows in adapter.forward_batch(items):
+            outs[side].extend(rows)
+    return outs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31))
+def test_the_runner_gives_transformers_forwards_bits(adapter_pairs, name, seed):
+    mine, theirs = adapter_pairs[name]
+    assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
+    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" and mine.exactness == BIT_EXACT
+    got, expected = _forward_both((mine, theirs), random.Random(seed))
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
+
+
+def test_kernels_auto_runs_triedecs_runner_and_plain_transformers_forward():
+    assert ModelAdapter(tiny_llama(seed=1), "auto").runner == RUNNER
+    assert ModelAdapter(tiny_llama(seed=1), "plain").runner == TRANSFORMERS
+    assert ModelAdapter(tiny_llama(seed=1), "plain", runner=RUNNER).runner == RUNNER
+
+
+def test_an_architecture_the_runner_does_not_run_keeps_transformers_forward():
+    adapter = ModelAdapter(tiny_gemma3(seed=1), "auto")
+    assert adapter.runner == TRANSFORMERS and adapter.exactness == BIT_EXACT
+    with pytest.raises(TriedecError, match="does not run Gemma3ForCausalLM"):
+        ModelAdapter(tiny_gemma3(seed=1), "auto", runner=RUNNER)
+    with pytest.raises(TriedecError, match="runner must be one of"):
+        ModelAdapter(tiny_llama(seed=1), "auto", runner="vllm")
+
+
+def test_float32_greedy_through_the_runner_equals_transformers_generate():
+    """The runner in float32 with transformers' own kernels (``kernels="plain"``) and with
+    triedec's (``"auto"``): plain decoding's tokens equal stock ``generate``'s."""
+    from helpers import EOS, alone, hf_greedy, tiny_info
+
+    from triedec.engine.methods import method
+    from triedec.engine.request import StopRule
+
+    prompt = [5, 9, 14, 3, 22, 7]
+    expected = hf_greedy(tiny_llama(seed=11), prompt, 24)
+    ar = method("ar")
+    for kernels in ("plain", "auto"):
+        adapter = ModelAdapter(tiny_llama(seed=11), kernels, runner=RUNNER)
+        got, _ = alone(adapter, ar.build(ar.make_options({}), tiny_info()), prompt, StopRule(24, frozenset([EOS])))
+        assert got == expected, kernels
+
+
+def test_joined_projections_hold_the_weights_once_and_keep_the_models_own_forward():
+    """In int4-a8 the runner joins each layer's q/k/v and gate/up projections (one kernel call and
+    one activation quantization each); the model's modules become parts of the joined layers, so
+    transformers' own forward of that model still gives the unjoined model's logits."""
+    from triedec.model.precision import Int4A8Linear
+    from triedec.model.runner import JoinedPart
+
+    model = _in_mode(tiny_llama(seed=12), weights="int4-a8")
+    unjoined = copy.deepcopy(model)
+    adapter = ModelAdapter(model, "auto")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(isinstance(m, JoinedPart) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    assert attn.q_proj.joined is attn.v_proj.joined and isinstance(attn.q_proj.joined, Int4A8Linear)
+    # per layer: the joined q/k/v, the joined gate/up, o and down
+    assert sum(isinstance(m, Int4A8Linear) for m in model.modules()) == 4 * len(model.model.layers)
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, unjoined(ids).logits)
+    assert adapter.runner == RUNNER
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("weights", ["float", "int4-a8"])
+def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
+    """The default model in float32 and int4-a8 (its q/k/v and gate/up joined there): a prompt in
+    two chunks, then a draft tree beside another request's chunk, through triedec's runner and
+    through transformers' forward on the same kernels: every row ``torch.equal``."""
+    import triedec
+
+    mine = triedec.load(weights=weights).adapter
+    theirs = ModelAdapter(triedec.load(weights=weights, kernels="plain").model, "auto", runner=TRANSFORMERS)
+    assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
+    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}"
+    prompt = torch.tensor([1, 4093, 314, 253, 1345, 28, 1116, 335, 260, 6372, 2761, 47, 2])
+    tree = torch.tensor([[True, False, False, False], [True, True, False, False],
+                         [True, False, True, False], [True, True, False, True]])
+    rows = []
+    for adapter in (mine, theirs):
+        cache, other = adapter.new_cache(32), adapter.new_cache(32)
+        got = list(adapter.forward_batch([ForwardItem(cache, prompt[:5], torch.arange(5),
+                                                      torch.ones((5, 5), dtype=torch.bool).tril())])[0])
+        cache.commit(list(range(5)))
+        got += adapter.forward_batch([ForwardItem(cache, prompt[5:], torch.arange(5, 13),
+                                                  torch.ones((8, 8), dtype=torch.bool).tril(), keep=2)])[0]
+        cache.commit(list(range(8)))
+        chunk = ForwardItem(other, prompt[:7], torch.arange(7), torch.ones((7, 7), dtype=torch.bool).tril())
+        draft = ForwardItem(cache, torch.tensor([504, 281, 2114, 30]), torch.tensor([13, 14, 14, 15]), tree)
+        for part in adapter.forward_batch([chunk, draft]):
+            got += part
+        rows.append(got)
+    assert len(rows[0]) == len(rows[1]) == 5 + 2 + 7 + 4
+    for i, (a, b) in enumerate(zip(*rows, strict=True)):
+        assert torch.equal(a, b), f"row {i}"
