@@ -182,3 +182,32 @@ def test_a_sampling_request_without_a_seed_gets_one_and_reruns_with_it(tiny_lm):
     assert first.stats.seed is not None
     again = tiny_lm.generate(dataclasses.replace(request, sampling=Sampling(temperature=1.0, seed=first.stats.seed)))
     assert again.token_ids == first.token_ids
+
+
+def test_tokenizing_from_many_threads_at_once_gives_each_call_its_own_setting():
+    """transformers' fast tokenizers keep ``split_special_tokens`` as state of the shared tokenizer,
+    set by each call; a server tokenizes on many threads at once. Chat prompts (special tokens kept)
+    and completions (special tokens split) encoded side by side must get the ids each gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import tiny_tokenizer
+
+    from triedec.api.prompts import Prompts
+
+    prompts = Prompts(tiny_tokenizer(), 400)
+    chat = [{"role": "user", "content": "Tell me about the sea."}]
+    text = "<|im_start|>user says <|im_end|> twice <|im_start|>"
+    alone = {"chat": prompts.encode(chat), "split": prompts.encode(text, split_special=True),
+             "kept": prompts.encode(text, split_special=False)}
+    assert alone["split"] != alone["kept"]  # the setting matters for this text
+
+    def encode(i: int) -> bool:
+        kind = ("chat", "split", "kept")[i % 3]
+        for _ in range(60):
+            got = prompts.encode(chat) if kind == "chat" else prompts.encode(text, split_special=kind == "split")
+            if got != alone[kind]:
+                return False
+        return True
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        assert all(pool.map(encode, range(24)))

@@ -15,6 +15,7 @@ Token-id prompts are used as given either way.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import Any
@@ -29,6 +30,16 @@ class Prompts:
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lock = threading.Lock()
+
+    def _ids(self, text: str, split_special: bool, **kwargs: Any) -> list[int]:
+        """``text``'s token ids, one call at a time. transformers' fast tokenizers keep
+        ``split_special_tokens`` as a setting of the shared Rust tokenizer, which each call sets:
+        calls from several threads at once could tokenize with each other's setting (under load a
+        server's chat prompt, encoded without splitting, got its special tokens split by a
+        completion's call beside it, and the request another prompt)."""
+        with self._lock:
+            return list(self.tokenizer(text, split_special_tokens=split_special, **kwargs)["input_ids"])
 
     @property
     def has_chat_template(self) -> bool:
@@ -48,7 +59,7 @@ class Prompts:
         if isinstance(prompt, str):
             if chat:
                 return self.tokens(({"role": "user", "content": prompt},), split_special=split_special)
-            ids = self.tokenizer(prompt, split_special_tokens=split_special)["input_ids"]
+            ids = self._ids(prompt, split_special)
         elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
@@ -79,7 +90,7 @@ class Prompts:
         contents = [m.get("content") for m in messages]
         marked = [c for c in contents if isinstance(c, str) and any(s in c for s in self.special_texts)]
         if not split_special or not marked:
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self._ids(text, False, add_special_tokens=False)
         pieces: list[tuple[str, bool]] = []  # (text, split its special tokens)
         at = 0
         for content in marked:
@@ -97,7 +108,7 @@ class Prompts:
         ids: list[int] = []
         for piece, split in pieces:
             if piece:
-                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=split)["input_ids"]
+                ids += self._ids(piece, split, add_special_tokens=False)
         return ids
 
     @cached_property
@@ -149,7 +160,7 @@ class Prompts:
         documents = []
         for d in request.context:
             if isinstance(d, str):
-                documents.append(self.tokenizer(d, add_special_tokens=False)["input_ids"])
+                documents.append(self._ids(d, False, add_special_tokens=False))
             elif any(t >= self.vocab_size for t in d):
                 raise TriedecError(f"each context document must be a string or a list of token ids in "
                                    f"[0, {self.vocab_size})")
