@@ -47,7 +47,7 @@ def test_generate_streams_text_and_stats_from_stdin(capsys, monkeypatch, tiny_mo
     code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--method", "ar",
                              "--max-new-tokens", "8", stdin="Tell me a story", monkeypatch=monkeypatch)
     assert code == 0
-    assert "[ar] " in out and "tok/s" in out and "tokens/step" in out
+    assert "[ar] " in out and "tok/s" in out and "tokens/step" in out and "| triedec runner" in out
     assert "Loading weights" not in err and "it/s]" not in err  # transformers' own progress bars stay quiet
     from transformers.utils import logging as hf_logging
 
@@ -371,3 +371,17 @@ def test_generate_needs_no_extra(tiny_model_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "loaded: []"
+
+
+def test_serve_logs_the_models_precision_runner_and_kernels_at_startup(capsys, caplog, monkeypatch, tiny_model_dir):
+    import logging
+
+    import triedec.server
+
+    served = []
+    monkeypatch.setattr(triedec.server, "serve", lambda lm, config, host, port: served.append((lm, port)))
+    with caplog.at_level(logging.INFO, logger="triedec.server"):
+        code, _, _ = run_cli(capsys, "serve", "--model", str(tiny_model_dir), "--port", "8971")
+    assert code == 0 and served and served[0][1] == 8971
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model: "))
+    assert "precision float32; runner: triedec; kernels: " in line and line.endswith("+triedec-runner (bit-exact)")

@@ -66,7 +66,7 @@ def test_chat_completion_equals_lm_generate(client, lm):
     assert out.usage.prompt_tokens == len(lm.encode(CHAT))
     ext = out.model_extra["triedec"]
     assert ext["method"] == "pld" and ext["tokens_per_step"] >= 1 and ext["tokens_per_s"] > 0
-    assert ext["exactness"] == lm.adapter.exactness
+    assert ext["exactness"] == lm.adapter.exactness and ext["runner"] == lm.adapter.runner
     assert out.object == "chat.completion" and out.model == MODEL
 
 

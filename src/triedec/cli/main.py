@@ -213,6 +213,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from triedec.server import serve
 
     lm = load_model(args)
+    adapter = lm.adapter
+    logging.getLogger("triedec.server").info(
+        "model: precision %s; runner: %s; kernels: %s (%s)", adapter.precision.name, adapter.runner, adapter.kernels,
+        adapter.exactness)
     serve(lm, config, host=args.host, port=args.port)
     return 0
 

@@ -29,6 +29,7 @@ class Stats:
       ``stop_string``, ``length``, ``cancelled``);
     * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
     * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter);
+      ``runner``: which code walked its layers, ``triedec`` (its own runner) or ``transformers``;
     * ``exactness``: the guarantee the run had, ``bit-exact`` (every token's logits the same bits
       as plain decoding's, whatever tree or batch carried them: the kernels passed the load-time
       self-test) or ``up to rounding`` (``ModelAdapter.exactness``);
@@ -69,6 +70,7 @@ class Stats:
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
     kernels: str = ""
+    runner: str = ""
     exactness: str = ""
     seed: int | None = None
     # runs that verify drafts
@@ -99,7 +101,8 @@ class Stats:
         line = (f"{self.new_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:.1f} tok/s"
                 f" | {steps}, {self.computed_tokens} computed"
                 f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
-                f" | stop: {self.stop_reason} | {self.exactness}")
+                f" | stop: {self.stop_reason} | {self.exactness}"
+                + (f" | {self.runner} runner" if self.runner else ""))
         if self.num_beams:
             line += (f" | {self.num_beams} beams, KV peak {self.peak_kv_tokens} tokens "
                      f"(transformers: {self.hf_peak_kv_tokens})")
@@ -108,7 +111,7 @@ class Stats:
     def finish(self, start: float, new_tokens: int, cache: KVCache, reason: str, adapter: ModelAdapter) -> None:
         """Fill the common end-of-run fields (time since ``start``, KV use of ``cache``, what
         ``adapter`` ran and guaranteed)."""
-        self.kernels, self.exactness = adapter.kernels, adapter.exactness
+        self.kernels, self.runner, self.exactness = adapter.kernels, adapter.runner, adapter.exactness
         self.seconds = time.perf_counter() - start
         self.new_tokens = new_tokens
         self.tokens_per_s = new_tokens / self.seconds if self.seconds > 0 else 0.0

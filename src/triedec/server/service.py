@@ -242,7 +242,7 @@ class Service:
                "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
                "queued_seconds": s.queued_seconds, "seed": s.seed, "stop_reason": s.stop_reason,
                "tokens_from_store": int(s.drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
-               "exactness": s.exactness}
+               "exactness": s.exactness, "runner": s.runner}
         if prepared.trace:  # the per-step stats the page checks its own counts against
             ext["accepted_by_origin"] = dict(s.accepted_by_origin)
             ext["accepted_per_step"] = list(s.accepted_per_step)
