@@ -187,6 +187,15 @@ class ItemBatch:
             self.bounds.append((start, start + item.size))
             start += item.size
 
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Each item's new K/V of ``layer`` (``[1, kv_heads, N, dim]``, the items' tokens in the
+        row's order) into its own cache's pending slots."""
+        if len(self.items) == 1:
+            self.items[0].cache.write(layer, keys, values)
+        else:
+            for item, (start, stop) in zip(self.items, self.bounds, strict=True):
+                item.cache.write(layer, keys[:, :, start:stop], values[:, :, start:stop])
+
     def _seen(self, index: int, kind: str, exact: bool) -> Any:
         key = (index, kind, exact)
         if key not in self._prepared:
@@ -237,11 +246,7 @@ class BatchCacheLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(self.batch.items) == 1:
-            self.batch.items[0].cache.write(self.index, key_states, value_states)
-        else:
-            for item, (start, stop) in zip(self.batch.items, self.batch.bounds, strict=True):
-                item.cache.write(self.index, key_states[:, :, start:stop], value_states[:, :, start:stop])
+        self.batch.write(self.index, key_states, value_states)
         return key_states, value_states  # the dispatcher reads each item's own store
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

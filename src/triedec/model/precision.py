@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -198,10 +199,7 @@ class Int4A8Linear(LinearStandIn):
         projections as one call), for layers of one input size, all with biases or none. Each
         output keeps its codes, scale, zero and bias, and the kernel computes an output from those
         and its row alone, in a fixed order: every output gets the bits its own layer gives it."""
-        first = _joinable(layers)
-        joined = cls.__new__(cls)
-        LinearStandIn.__init__(joined, nn.Linear(first.in_features, sum(m.out_features for m in layers),
-                                                 bias=False, device="meta"))
+        joined = _empty_join(cls, layers)
         scales, zeros = zip(*(m.scale_and_zero() for m in layers), strict=True)
         joined.register_buffer("packed", pack_int4(torch.cat([m.codes() for m in layers])))
         joined.register_buffer("scales_zeros", pack_scales_zeros(torch.cat(scales, dim=1), torch.cat(zeros, dim=1)))
@@ -248,10 +246,7 @@ class Int8A8Linear(LinearStandIn):
     @classmethod
     def joined(cls, layers: Sequence[Int8A8Linear]) -> Int8A8Linear:
         """As :meth:`Int4A8Linear.joined`: the outputs of ``layers`` side by side, each with its own bits."""
-        first = _joinable(layers)
-        joined = cls.__new__(cls)
-        LinearStandIn.__init__(joined, nn.Linear(first.in_features, sum(m.out_features for m in layers),
-                                                 bias=False, device="meta"))
+        joined = _empty_join(cls, layers)
         codes, scales = zip(*(m.codes_and_scales() for m in layers), strict=True)
         joined.register_buffer("packed", pack_int8(torch.cat(codes)))
         joined.register_buffer("scales", pack_int8_scales(torch.cat(scales)))
@@ -479,13 +474,24 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     return (codes.float() - 8) * per_element_scale + per_element_zero
 
 
-def _joinable(layers: Sequence[LinearStandIn]) -> LinearStandIn:
-    """The first of ``layers``, once they are checked to be joinable: at least one, of one class
-    and input size, all with a bias or none (a zero bias added to a layer without one could turn a
-    -0 into +0)."""
-    if not layers or len({(type(m), m.in_features, m.bias is None) for m in layers}) != 1:
+_Stand = TypeVar("_Stand", bound=LinearStandIn)
+
+
+def joinable(layers: Sequence[LinearStandIn]) -> bool:
+    """Whether ``layers`` can be joined into one (``joined``): at least one, of one class and input
+    size, all with a bias or none (a zero bias added to a layer without one could turn a -0 into +0)."""
+    return bool(layers) and len({(type(m), m.in_features, m.bias is None) for m in layers}) == 1
+
+
+def _empty_join(cls: type[_Stand], layers: Sequence[LinearStandIn]) -> _Stand:
+    """A ``cls`` of ``layers``' input size and their outputs together, its buffers not set yet;
+    refused unless :func:`joinable`."""
+    if not joinable(layers):
         raise TriedecError("joined layers need one class, one input size, and biases on all or none")
-    return layers[0]
+    joined = cls.__new__(cls)
+    LinearStandIn.__init__(joined, nn.Linear(layers[0].in_features, sum(m.out_features for m in layers),
+                                             bias=False, device="meta"))
+    return joined
 
 
 def _joined_bias(layers: Sequence[LinearStandIn]) -> nn.Parameter | None:

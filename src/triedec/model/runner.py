@@ -29,7 +29,7 @@ from torch import nn
 from triedec.model.dispatch import ItemBatch
 from triedec.model.linears import JoinedPart, LinearStandIn
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS
+from triedec.model.precision import NATIVE_LINEARS, joinable
 
 RUNNER = "triedec"
 """How the stats name this runner."""
@@ -69,11 +69,9 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
     :class:`~triedec.model.linears.JoinedPart` of it, so the weights are held once. Returns the joined layer and where
     each part ends, or None (the linears stay as they are)."""
     parts = [getattr(parent, name) for name in names]
-    kind = type(parts[0])
-    if kind not in NATIVE_LINEARS or any(type(m) is not kind for m in parts) \
-            or len({(m.in_features, m.bias is None) for m in parts}) != 1:
+    if type(parts[0]) not in NATIVE_LINEARS or not joinable(parts):
         return None
-    joined = kind.joined(parts)
+    joined = type(parts[0]).joined(parts)
     ends, at = [], 0
     for name, part in zip(names, parts, strict=True):
         setattr(parent, name, JoinedPart(joined, at, at + part.out_features))
@@ -115,8 +113,6 @@ class DecoderRunner:
         hidden = self.embed(tokens[None])
         cos, sin = self.rotary(hidden, positions[None])
         n = tokens.shape[0]
-        items, bounds = batch.items, batch.bounds
-        single = len(items) == 1
         for index, (first_norm, attn, second_norm, mlp, qkv, gate_up) in enumerate(self.layers):
             residual = hidden
             x = first_norm(hidden)
@@ -132,11 +128,7 @@ class DecoderRunner:
                 key = out[:, q_end:k_end].view(shape).transpose(1, 2)
                 value = out[:, k_end:].view(shape).transpose(1, 2)
             query, key = self._rotate(query, key, cos, sin)
-            if single:
-                items[0].cache.write(index, key, value)
-            else:
-                for item, (start, stop) in zip(items, bounds, strict=True):
-                    item.cache.write(index, key[:, :, start:stop], value[:, :, start:stop])
+            batch.write(index, key, value)
             out, _ = batch.attend(attn, query, base(attn), {"dropout": 0.0, "scaling": attn.scaling})
             hidden = residual + attn.o_proj(out.reshape(1, n, -1).contiguous())
             residual = hidden
