@@ -176,7 +176,10 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "context"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 2}, 400, "unsupported field(s): n"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True}, 400, "unsupported"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logit_bias": {"5": 1.0}}, 400,
+     "unsupported field(s): logit_bias"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400,
+     "top_logprobs must lie in [0, 20]"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, 400,
      "unsupported field(s): tools"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": -1}, 400, "temperature"),
@@ -187,7 +190,7 @@ BAD = [
      "beam search does not sample"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "token ids"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "unsupported field(s): echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "unsupported field(s): best_of"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
 ]
 

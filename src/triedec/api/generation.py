@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triedec.core.errors import TriedecError, positive_int
-from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS
+from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS, Logprobs
 from triedec.core.sampling import Sampling
 from triedec.drafters.registry import keyword_names, reserve_option_names
 from triedec.engine.methods import method as find_method
@@ -42,7 +42,9 @@ class GenerationRequest:
     * ``max_new_tokens`` >= 1; ``stop``: strings that end generation like EOS (the stopping token
       is kept, nothing after it); ``stop_token_ids``: extra EOS ids;
     * ``context``: extra documents (strings or token ids) that context-based drafters may draft from;
-    * ``sampling``: how each token is chosen (:class:`~triedec.core.sampling.Sampling`; greedy by default).
+    * ``sampling``: how each token is chosen (:class:`~triedec.core.sampling.Sampling`; greedy by default);
+    * ``logprobs``: what to report of each new token's probability (:class:`~triedec.core.params.Logprobs`:
+      its logprob and the ``top`` most likely alternatives, ``raw`` or ``processed``); None: nothing.
 
     :meth:`of` builds one from ``LM.generate``'s keyword arguments.
     """
@@ -56,6 +58,7 @@ class GenerationRequest:
     context: tuple[str | tuple[int, ...], ...] = ()
     chat: bool = False
     sampling: Sampling = field(default_factory=Sampling)
+    logprobs: Logprobs | None = None
 
     def __post_init__(self) -> None:
         found = find_method(self.method)
@@ -81,6 +84,8 @@ class GenerationRequest:
             raise TriedecError(f"chat must be true or false, got {self.chat!r}")
         if not isinstance(self.sampling, Sampling):
             raise TriedecError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if self.logprobs is not None and not isinstance(self.logprobs, Logprobs):
+            raise TriedecError(f"logprobs must be a Logprobs or None, got {type(self.logprobs).__name__}")
 
     @classmethod
     def of(
@@ -99,14 +104,23 @@ class GenerationRequest:
         min_p: float = Sampling.min_p,
         repetition_penalty: float = Sampling.repetition_penalty,
         seed: int | None = Sampling.seed,
+        logprobs: int | None = None,
+        logprobs_mode: str = Logprobs.mode,
+        prompt_logprobs: bool = Logprobs.prompt,
         **options: object,
     ) -> GenerationRequest:
         """The request for ``LM.generate``'s keyword arguments: the sampling parameters become a
-        :class:`~triedec.core.sampling.Sampling`, every other keyword is an option of ``method``."""
+        :class:`~triedec.core.sampling.Sampling`; ``logprobs`` (None: none; k in 0-20: each token's
+        logprob and the k most likely alternatives), ``logprobs_mode`` and ``prompt_logprobs`` (the
+        prompt's tokens scored too) a :class:`~triedec.core.params.Logprobs`; every other keyword
+        is an option of ``method``."""
         sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        asked = None
+        if logprobs is not None or prompt_logprobs:
+            asked = Logprobs(0 if logprobs is None else logprobs, logprobs_mode, prompt_logprobs)
         return cls(prompt=prompt, method=method, options=options, max_new_tokens=max_new_tokens,
                    stop=stop, stop_token_ids=stop_token_ids, context=context, chat=chat,  # type: ignore[arg-type]
-                   sampling=sampling)
+                   sampling=sampling, logprobs=asked)
 
 
 reserve_option_names(keyword_names(GenerationRequest.of, "options"), "GenerationRequest.of")

@@ -20,6 +20,7 @@ from triedec.api.generation import DEFAULT_METHOD, GenerationRequest, Prompt, va
 from triedec.api.prompts import Prompts
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError
+from triedec.core.logprobs import TokenLogprob
 from triedec.core.paths import cache_root
 from triedec.drafters import ModelInfo
 from triedec.drafters.learned import Learned
@@ -36,7 +37,8 @@ from triedec.model.adapter import ModelAdapter
 @dataclass(frozen=True)
 class GenerationResult:
     """``text``: the decoded new tokens (cut right after a stop string, if one ended generation);
-    ``token_ids``: the new tokens only; ``stats``: counters and timings. Beam search also returns
+    ``token_ids``: the new tokens only; ``stats``: counters and timings; ``logprobs``: each new
+token's :class:`~triedec.core.logprobs.TokenLogprob` when asked for. Beam search also returns
     ``sequences``: the ``num_return_sequences`` best hypotheses with their scores, best first
     (``token_ids`` is the first one's)."""
 
@@ -44,6 +46,11 @@ class GenerationResult:
     token_ids: list[int]
     stats: Stats
     sequences: tuple[Hypothesis, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """one per token of ``token_ids`` when the request asked for them (``logprobs=k``), else empty"""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """with ``prompt_logprobs=True``: one per prompt token after the first, each scored after the
+    tokens before it, else empty"""
 
 
 class LM:
@@ -221,7 +228,7 @@ class LM:
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
         decoder = self.decoder(request.method, scope=scope, **vars_of(request.options))
-        return decoder.start(prompt_ids, rule, documents, sampling)
+        return decoder.start(prompt_ids, rule, documents, sampling, request.logprobs)
 
     def stream(self, prompt: Prompt | GenerationRequest, method: str = DEFAULT_METHOD,
                **kwargs: Any) -> Generator[list[int], None, Outcome]:
@@ -261,10 +268,19 @@ class LM:
         position i is drawn with a uniform number that depends only on ``(seed, i)``, so every
         method returns ``ar``'s tokens for the same ``seed``, and a rerun reproduces them. Without
         a ``seed`` one is drawn and reported in ``stats.seed``.
+
+        ``logprobs=k`` (0-20) returns each new token's logprob and its k most likely alternatives
+        in ``result.logprobs``: by default (``logprobs_mode="raw"``) ``torch.log_softmax`` of the
+        model's float32 logits, with ``"processed"`` the distribution the token was chosen from.
+        They come from the rows the step verified (no extra forward), so every method returns
+        ``ar``'s values, bit for bit. ``prompt_logprobs=True`` scores the prompt's tokens too
+        (``result.prompt_logprobs``, from the prefill's rows). Beam search reports none.
         """
         request = _request(prompt, method, kwargs)
-        steps = self.stream(request)
+        run = self.start(request)
+        steps = run_alone(self.adapter, run, self.cost_model(), self.limits)
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             try:
                 new = next(steps)
@@ -272,9 +288,10 @@ class LM:
                 outcome = done.value
                 break
             tokens += new
+            logprobs += run.take_logprobs()
             if on_tokens is not None:
                 on_tokens(new)
-        return GenerationResult(self.decode_result(tokens, request.stop), tokens, outcome.stats, outcome.sequences)
+        return _result(self.decode_result(tokens, request.stop), tokens, outcome, request, logprobs)
 
     def generate_batch(self, prompts: Sequence[Prompt | GenerationRequest], method: str = DEFAULT_METHOD, *,
                        progress: bool = True, max_running: int | None = None,
@@ -297,6 +314,7 @@ class LM:
         limits = self.limits if max_running is None else dataclasses.replace(self.limits, max_running=max_running)
         batch = Batch(self.adapter, self.cost_model(), limits)
         tokens: list[list[int]] = [[] for _ in runs]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in runs]
         bar = None
         if progress:
             from tqdm import tqdm
@@ -311,6 +329,7 @@ class LM:
                 for i, run in enumerate(runs):
                     fresh = run.take()
                     tokens[i] += fresh
+                    logprobs[i] += run.take_logprobs()
                     produced += len(fresh)
                 if bar is not None:
                     bar.update(len(finished))
@@ -319,8 +338,8 @@ class LM:
             batch.close()
             if bar is not None:
                 bar.close()
-        return [GenerationResult(self.decode_result(t, r.stop), t, run.outcome.stats, run.outcome.sequences)
-                for t, r, run in zip(tokens, requests, runs, strict=True)]
+        return [_result(self.decode_result(t, r.stop), t, run.outcome, r, lp)
+                for t, lp, r, run in zip(tokens, logprobs, requests, runs, strict=True)]
 
     @property
     def device(self) -> torch.device:
@@ -345,6 +364,14 @@ class LM:
 for _form in (LM.generate, LM.stream, LM.generate_batch):
     reserve_option_names(keyword_names(_form, "prompt", "prompts"), f"LM.{_form.__name__}")
 del _form
+
+
+def _result(text: str, tokens: list[int], outcome: Outcome, request: GenerationRequest,
+            logprobs: Sequence[TokenLogprob]) -> GenerationResult:
+    """A finished run's result; with prompt logprobs, the prompt's come first in ``logprobs``."""
+    scored = outcome.stats.prompt_tokens - 1 if request.logprobs is not None and request.logprobs.prompt else 0
+    return GenerationResult(text, tokens, outcome.stats, outcome.sequences, tuple(logprobs[scored:]),
+                            tuple(logprobs[:scored]))
 
 
 def _request(prompt: Prompt | GenerationRequest, method: str, kwargs: Mapping[str, Any]) -> GenerationRequest:

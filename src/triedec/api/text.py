@@ -66,3 +66,75 @@ class TextStream:
             return ""
         delta, self.sent = text[len(self.sent) :], text
         return delta
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """One token's own text (special tokens spelled out); an incomplete UTF-8 character shows as
+    U+FFFD, as the tokenizer decodes it."""
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def token_label(tokenizer: Any, token: int) -> str:
+    """How a response names one token: its :func:`token_text`, or, when that text hides bytes of
+    an incomplete character, OpenAI's ``bytes:\\xNN...`` spelling of its bytes (so tokens that
+    decode alike keep names of their own)."""
+    text = token_text(tokenizer, token)
+    if "\ufffd" not in text:
+        return text
+    raw = bytes(token_bytes(tokenizer, token))
+    return text if raw == text.encode("utf-8") else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def token_bytes(tokenizer: Any, token: int) -> list[int]:
+    """One token's UTF-8 bytes, also when they are part of a character (OpenAI's ``bytes``): the
+    byte-level BPE alphabet (GPT-2's, as transformers defines it) or a ``<0xNN>`` byte-fallback piece
+    read back to its bytes; otherwise the bytes of :func:`token_text`."""
+    text = token_text(tokenizer, token)
+    if "\ufffd" not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        table = _BYTE_DECODER
+        if piece and all(c in table for c in piece):
+            return [table[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+class TokenOffsets:
+    """Where each token's text starts in the text of every token given so far: the length of the
+    complete characters the tokens before it decode to (a token that completes a character another
+    began starts after that character). Incremental: O(tokens) in all."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._text = TextStream(tokenizer)
+
+    def add(self, tokens: Sequence[int]) -> list[int]:
+        """The offsets of ``tokens``, which follow every token added before."""
+        offsets = []
+        for token in tokens:
+            offsets.append(len(self._text.sent))
+            self._text.add([token])
+        return offsets
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet read back, character -> byte: GPT-2's table (printable bytes
+    stand for themselves, the other 68 for code points 256 and up, in byte order), which every
+    byte-level BPE tokenizer uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()

@@ -79,7 +79,17 @@ class AcceptanceRule(Protocol):
 
     seed: int | None
 
+    @property
+    def penalized(self) -> bool:
+        """Whether :meth:`processed` reads the row's prefix (a repetition penalty applies)."""
+        ...
+
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance: ...
+
+    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """The logits the rule chooses from after a row ``[V]`` whose prefix holds the token ids
+        ``seen``."""
+        ...
 
 
 class _PerNode:
@@ -120,11 +130,18 @@ class GreedyRule:
     repetition_penalty: float = 1.0
     seed: None = None
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        return penalize(row, seen, self.repetition_penalty)
+
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        if self.repetition_penalty == 1.0:
+        if not self.penalized:
             return accept_greedy(tree, argmax(logits))
         nodes = _PerNode(tree, logits, context, penalized=True)
-        return walk(tree, _memo(lambda i: int(penalize(nodes.row(i), nodes.seen(i), self.repetition_penalty).argmax())))
+        return walk(tree, _memo(lambda i: int(self.processed(nodes.row(i), nodes.seen(i)).argmax())))
 
 
 @dataclass(frozen=True)
@@ -135,12 +152,19 @@ class SamplingRule:
     sampling: Sampling
     seed: int
 
+    @property
+    def penalized(self) -> bool:
+        return self.sampling.repetition_penalty != 1.0
+
+    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        return process(row, seen, self.sampling)
+
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        nodes = _PerNode(tree, logits, context, penalized=self.sampling.repetition_penalty != 1.0)
+        nodes = _PerNode(tree, logits, context, penalized=self.penalized)
         depths = tree.depths
 
         def choose(i: int) -> int:
-            return draw(process(nodes.row(i), nodes.seen(i), self.sampling), uniform(self.seed, position + depths[i]))
+            return draw(self.processed(nodes.row(i), nodes.seen(i)), uniform(self.seed, position + depths[i]))
 
         return walk(tree, _memo(choose))
 

@@ -1,5 +1,6 @@
 """What a user chooses, declared without torch: the sampling parameters (:class:`Sampling`), a
-request's defaults (:data:`MAX_NEW_TOKENS`, :data:`DEFAULT_METHOD`) and the weight modes
+request's defaults (:data:`MAX_NEW_TOKENS`, :data:`DEFAULT_METHOD`), what it asks to see of each
+token's probability (:class:`Logprobs`) and the weight modes
 (:data:`WEIGHTS`, :data:`GROUP_SIZE`).
 
 Pure core: imports only :mod:`triedec.core.errors` and the standard library, so that ``triedec COMMAND
@@ -96,6 +97,34 @@ class Sampling:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask to see per token (OpenAI's cap for ``top_logprobs``)."""
+LOGPROB_MODES = ("raw", "processed")
+"""Which distribution logprobs describe: ``raw``, the model's own log-softmax of its float32 logits
+(vLLM's default), or ``processed``, the distribution the token was chosen from (after the
+repetition penalty, temperature, top-k, top-p and min-p; at temperature 0, after the penalty)."""
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """What a request asks to see of each generated token's probability: its logprob and the
+    ``top`` most likely tokens' (0 to :data:`MAX_TOP_LOGPROBS`), in distribution ``mode``
+    (:data:`LOGPROB_MODES`); with ``prompt``, each prompt token's after the first too (scoring a
+    text, as evaluation harnesses do)."""
+
+    top: int = 0
+    mode: str = "raw"
+    prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top, bool) or not isinstance(self.top, int) or not 0 <= self.top <= MAX_TOP_LOGPROBS:
+            raise TriedecError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top!r}")
+        if self.mode not in LOGPROB_MODES:
+            raise TriedecError(f"logprobs_mode must be one of {', '.join(LOGPROB_MODES)}, got {self.mode!r}")
+        if not isinstance(self.prompt, bool):
+            raise TriedecError(f"prompt_logprobs must be true or false, got {self.prompt!r}")
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))

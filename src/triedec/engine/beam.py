@@ -28,6 +28,7 @@ from triedec.core.beamscore import BeamOptions, BeamScorer, Hypothesis
 from triedec.core.errors import TriedecError
 from triedec.core.kvcache import KVCache
 from triedec.core.limits import PREFILL_CHUNK
+from triedec.core.logprobs import Logprobs
 from triedec.core.sampling import GREEDY_SAMPLING, Sampling
 from triedec.core.trace import MODEL, StepTrace
 from triedec.core.tree import TokenTree
@@ -240,7 +241,9 @@ class BeamSearchDecoder:
         self.options = options
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
-              sampling: Sampling = GREEDY_SAMPLING) -> SoloRun:
+              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None) -> SoloRun:
+        if logprobs is not None:
+            raise TriedecError("beam search does not report logprobs (its hypotheses carry their scores)")
         if not sampling.plain:
             raise TriedecError("beam search does not sample and applies no repetition penalty: use temperature=0 "
                                "and repetition_penalty=1 with method 'beam'")

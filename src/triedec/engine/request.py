@@ -34,6 +34,8 @@ from triedec.core.allocate import DraftGate
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.kvcache import KVCache
 from triedec.core.limits import PREFILL_CHUNK
+from triedec.core.logprobs import Logprobs, TokenLogprob, token_logprob
+from triedec.core.sampling import seen_tokens
 from triedec.core.trace import MODEL, StepTrace, origin_of
 from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
@@ -101,11 +103,16 @@ class Request:
     """its steps join the batch's shared forward (:class:`~triedec.engine.runs.Run`)"""
 
     def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
-                 documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY) -> None:
+                 documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY,
+                 logprobs: Logprobs | None = None) -> None:
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise TriedecError("the prompt is empty (no tokens)")
         self.drafter, self.stop, self.documents, self.rule = drafter, stop, documents, rule
+        self.logprobs = logprobs
+        """what to report of each new token's probability (None: nothing): computed from the row
+        that chose it (:mod:`triedec.core.logprobs`), so every method reports ``ar``'s values"""
+        self._fresh_logprobs: list[TokenLogprob] = []
         self.generated: list[int] = []
         self.reason: str | None = None
         self.stats = Stats(prompt_tokens=len(self.prompt), seed=rule.seed)
@@ -164,6 +171,14 @@ class Request:
         fresh, self._fresh = self._fresh, []
         return fresh
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the tokens committed since the last call, one per token in their order
+        (always empty unless the request asked for them); with ``logprobs.prompt``, each prompt
+        token's after the first come first (``len(prompt) - 1`` of them, before the first
+        generated token's)."""
+        fresh, self._fresh_logprobs = self._fresh_logprobs, []
+        return fresh
+
     def record_steps(self) -> None:
         """From now on, keep a :class:`~triedec.core.trace.StepTrace` of every step (before
         :meth:`start`; memory: one tree of at most ``MAX_TREE_NODES`` nodes per step until taken)."""
@@ -209,6 +224,22 @@ class Request:
         if self.gate is not None:
             stats.skipped_drafts = self.gate.skipped
 
+    def _score(self, rows: Sequence[torch.Tensor], new: Sequence[int], prefix: Sequence[int] | None = None) -> None:
+        """The logprobs of ``new`` (tokens about to be committed, or prompt tokens), token j
+        following ``rows[j]``, when the request asked for them: under the model's raw distribution,
+        or the one the rule chooses from (after token j's own prefix: ``prefix``, by default the
+        committed tokens, then ``new[:j]``)."""
+        ask = self.logprobs
+        if ask is None:
+            return
+        if prefix is None:
+            prefix = [*self.prompt, *self.generated]
+        for j, (row, token) in enumerate(zip(rows, new, strict=True)):
+            if ask.mode == "processed":
+                seen = seen_tokens(prefix, new[:j]) if self.rule.penalized else seen_tokens(())
+                row = self.rule.processed(row.detach().to("cpu"), seen)
+            self._fresh_logprobs.append(token_logprob(row, token, ask.top))
+
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
         """Commit ``new`` (each token with its origin) and count the origins; record the step if asked."""
@@ -243,6 +274,8 @@ class Request:
         assert self.cache is not None
         start, stop = self._chunk()
         keep = max(self._observed_rows(start, stop), 1 if stop == len(self.prompt) else 0)
+        if self.logprobs is not None and self.logprobs.prompt:
+            keep = stop - start  # every row scores the prompt token after it
         return prompt_chunk(self.cache, self.prompt, start, stop, keep)
 
     def prefilled(self, logits: torch.Tensor) -> None:
@@ -253,6 +286,9 @@ class Request:
         self.cache.commit(range(stop - start))
         self._prefilled = stop
         final = stop == len(self.prompt)
+        if self.logprobs is not None and self.logprobs.prompt:  # row r: position start + r, scoring the next one
+            scored = min(stop, len(self.prompt) - 1) - start
+            self._score(list(logits[:scored]), self.prompt[start + 1 : start + 1 + scored], self.prompt[: start + 1])
         first = None
         if final:
             first = self.rule.accept(TokenTree.root_only(self.prompt[-1]), logits[-1:], self.prompt, 0).tokens[0]
@@ -264,7 +300,9 @@ class Request:
             self.session.observe(Verified(chain, logits[-rows:], Acceptance(tuple(range(rows)), (*tail[1:], after))))
         if final:
             assert first is not None
-            self._emit(*self.stop.cut([], [first]), (MODEL,))
+            new, reason = self.stop.cut([], [first])
+            self._score([logits[-1]], new)
+            self._emit(new, reason, (MODEL,))
             self._adapter.synchronize()  # type: ignore[union-attr]
             self.stats.prefill_seconds = time.perf_counter() - self._started
 
@@ -308,6 +346,7 @@ class Request:
             self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
                                self._draft_seconds + time.perf_counter() - started)
         new, reason = self.stop.cut(self.generated, acceptance.tokens)
+        self._score([logits[i] for i in acceptance.path[: len(new)]], new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
         stats.steps += 1

@@ -9,6 +9,7 @@ from collections.abc import Callable, Generator
 from typing import Protocol
 
 from triedec.core.errors import TriedecError
+from triedec.core.logprobs import TokenLogprob
 from triedec.core.trace import StepTrace
 from triedec.engine.outcome import Outcome, Stats
 from triedec.model.adapter import ModelAdapter
@@ -17,10 +18,11 @@ from triedec.model.adapter import ModelAdapter
 class Run(Protocol):
     """What a batch runs: a :class:`~triedec.engine.request.Request` (decoded in the shared forward,
     ``shares_forward`` True) or a :class:`SoloRun` (a loop of its own, ``shares_forward`` False:
-    beam search). ``start`` when admitted, ``take`` the tokens committed
-    since the last call, ``done``, ``outcome`` once done, ``close`` (idempotent) to end it early or
-    release it; ``kv_tokens`` is the KV it reserves. ``record_steps`` (before ``start``) makes it
-    keep a :class:`~triedec.core.trace.StepTrace` per step, which ``take_steps`` hands over."""
+    beam search). ``start`` when admitted, ``take`` the tokens committed since the last call
+    (``take_logprobs`` their logprobs, when the request asked for them), ``done``, ``outcome``
+    once done, ``close`` (idempotent) to end it early or release it; ``kv_tokens`` is the KV it
+    reserves. ``record_steps`` (before ``start``) makes it keep a
+    :class:`~triedec.core.trace.StepTrace` per step, which ``take_steps`` hands over."""
 
     shares_forward: bool
     """whether its steps join the batch's shared forward (else it advances in a loop of its own)"""
@@ -37,6 +39,8 @@ class Run(Protocol):
     def start(self, adapter: ModelAdapter) -> None: ...
 
     def take(self) -> list[int]: ...
+
+    def take_logprobs(self) -> list[TokenLogprob]: ...
 
     def record_steps(self) -> None: ...
 
@@ -100,6 +104,10 @@ class SoloRun:
     def take(self) -> list[int]:
         fresh, self._fresh = self._fresh, []
         return fresh
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """Always empty: a solo run (beam search) reports no logprobs."""
+        return []
 
     def record_steps(self) -> None:
         if self._trace is None:

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from triedec.core.logprobs import TokenLogprob
 from triedec.core.trace import StepTrace
 from triedec.engine.runs import Run
 
@@ -53,12 +54,18 @@ class Job:
         self.steps: list[StepTrace] = []
         """the step records of the tokens the last :meth:`next` returned (empty unless the run
         records its steps); the handler reads them before it calls :meth:`next` again"""
+        self._logprobs: list[TokenLogprob] = []
+        self.logprobs: list[TokenLogprob] = []
+        """the logprobs of the tokens the last :meth:`next` returned, one per token (empty unless
+        the request asked for them); read like :attr:`steps`"""
         self._final: tuple[str, Any] | None = None
         self._signalled = False
         self._ready = asyncio.Event()
 
-    def emit(self, kind: str, value: Any, steps: Sequence[StepTrace] = ()) -> None:
-        """From the scheduler thread: ``("tokens", list[int])`` with their step records, or a final
+    def emit(self, kind: str, value: Any, steps: Sequence[StepTrace] = (),
+             logprobs: Sequence[TokenLogprob] = ()) -> None:
+        """From the scheduler thread: ``("tokens", list[int])`` with their step records and
+        logprobs, or a final
         event (``done``, ``error``, ``cancelled``, ``timeout``); never blocks."""
         with self._lock:
             if self._final is not None:
@@ -68,6 +75,7 @@ class Job:
                     self.untaken_since = time.perf_counter()
                 self._tokens += value
                 self._steps += steps
+                self._logprobs += logprobs
                 self.emitted += len(value)
             else:
                 self._final = (kind, value)
@@ -88,6 +96,7 @@ class Job:
                     tokens, self._tokens = self._tokens, []
                     self.untaken_since = None
                     self.steps, self._steps = self._steps, []
+                    self.logprobs, self._logprobs = self._logprobs, []
                     return "tokens", tokens
                 if self._final is not None:
                     return self._final

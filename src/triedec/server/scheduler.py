@@ -317,7 +317,7 @@ class Scheduler:
         self._drop(job, "time_limit")
         fresh = job.run.take()
         if fresh:
-            job.emit("tokens", fresh, job.run.take_steps())
+            job.emit("tokens", fresh, job.run.take_steps(), job.run.take_logprobs())
         if not job.emitted:
             self._finish(job, "timeout", None)
             return
@@ -348,7 +348,7 @@ class Scheduler:
         for job in self._jobs.values():
             fresh = job.run.take()
             if fresh:
-                job.emit("tokens", fresh, job.run.take_steps())
+                job.emit("tokens", fresh, job.run.take_steps(), job.run.take_logprobs())
         for rid in report.finished:
             job = self._jobs.pop(rid)
             self._finish(job, "done", job.run.outcome)

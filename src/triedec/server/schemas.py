@@ -4,11 +4,16 @@ fields triedec does not support named), and OpenAI's error shape."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from triedec.api.text import token_bytes, token_label
+from triedec.core.errors import TriedecError
+from triedec.core.logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 
 
 class _Body(BaseModel):
@@ -39,9 +44,9 @@ class StreamOptions(_Body):
 
 
 UNSUPPORTED_NEUTRAL: dict[str, object] = {
-    "n": 1, "logprobs": False, "top_logprobs": None, "tools": None, "tool_choice": None, "functions": None,
+    "n": 1, "tools": None, "tool_choice": None, "functions": None,
     "function_call": None, "response_format": None, "logit_bias": None, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "parallel_tool_calls": None, "echo": False, "best_of": None, "suffix": None,
+    "frequency_penalty": 0.0, "parallel_tool_calls": None, "best_of": None, "suffix": None,
 }
 """OpenAI fields the server knows but does not support, with the value that asks for nothing."""
 
@@ -68,13 +73,16 @@ class Generation(_Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    logprobs_mode: str | None = Field(default=None, description="which distribution logprobs describe: 'raw' (the "
+                                      "model's log-softmax, the default) or 'processed' (the one the token was "
+                                      "chosen from, after the penalty, temperature and filters)")
     trace: bool = Field(default=False, description="return each decoding step: its tokens, each token's origin "
                         "(the model, or the draft source it was accepted from) and the verified tree, in the "
                         "triedec extension (docs/playground.md)")
-    # known, unsupported
-    n: int | None = None
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
+    # known, unsupported
+    n: int | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -85,6 +93,37 @@ class Generation(_Body):
         known = set(UNSUPPORTED_NEUTRAL)
         names = sorted(k for k in (self.model_extra or {}) if k not in known)
         return ["".join(c for c in n if c.isascii() and (c.isalnum() or c in "_.-"))[:64] or "?" for n in names][:16]
+
+    def asked_logprobs(self, chat: bool) -> Logprobs | None:
+        """What the request asks to see of each token's probability, in its endpoint's spelling:
+        chat ``logprobs: true`` with ``top_logprobs`` 0-20; completions ``logprobs: k`` (0-20)."""
+        mode = Logprobs.mode if self.logprobs_mode is None else self.logprobs_mode
+        if chat:
+            if self.logprobs is not None and not isinstance(self.logprobs, bool):
+                raise FieldError("logprobs", f"logprobs must be true or false in a chat request, got {self.logprobs!r}"
+                                             " (the number of alternatives is top_logprobs)")
+            if not self.logprobs:
+                if self.top_logprobs is not None:
+                    raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+                return None
+            top = 0 if self.top_logprobs is None else self.top_logprobs
+            name = "top_logprobs"
+        else:
+            if self.top_logprobs is not None:
+                raise FieldError("top_logprobs", "top_logprobs is a chat field: a completion request asks for k "
+                                                 "alternatives with logprobs: k")
+            if self.logprobs is None or self.logprobs is False:
+                return None
+            if self.logprobs is True:
+                raise FieldError("logprobs", "logprobs must be an integer in a completion request (the number of "
+                                             "alternatives, 0-20), got true")
+            top, name = self.logprobs, "logprobs"
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise FieldError(name, f"{name} must lie in [0, {MAX_TOP_LOGPROBS}] (this server's cap), got {top}")
+        try:
+            return Logprobs(top, mode, prompt=bool(getattr(self, "echo", False)))
+        except TriedecError as exc:
+            raise FieldError("logprobs_mode", str(exc)) from None
 
     def unsupported(self) -> list[str]:
         given = self.model_dump(exclude_unset=True)
@@ -123,7 +162,8 @@ class Shape:
     path: str
     """the route that answers in this shape"""
 
-    def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False) -> dict[str, Any]:
+    def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"index": 0}
         if not self.chat:
             out["text"] = text or ""
@@ -132,13 +172,47 @@ class Shape:
         else:
             out["delta"] = {"role": "assistant", "content": ""} if first else ({} if text is None else
                                                                               {"content": text})
-        return {**out, "finish_reason": reason, "logprobs": None}
+        return {**out, "finish_reason": reason, "logprobs": logprobs}
+
+    def logprobs(self, items: Sequence[TokenLogprob], tokenizer: Any, offsets: Sequence[int],
+                 lead: int | None = None) -> dict[str, Any]:
+        """``items`` (one per token) in this endpoint's ``logprobs`` shape: chat's ``{"content":
+        [{token, logprob, bytes, top_logprobs}]}``, or completions' ``{tokens, token_logprobs,
+        top_logprobs, text_offset}`` (its ``top_logprobs`` dicts hold the chosen token too, as
+        OpenAI's and vLLM's do; ``offsets``: each token's start in the text; ``lead``: an echoed
+        prompt's first token, which has no logprob: ``null`` in both lists)."""
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                return {"token": token_label(tokenizer, token), "logprob": logprob,
+                        "bytes": token_bytes(tokenizer, token)}
+
+            return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, v) for t, v in i.top]}
+                                for i in items], "refusal": None}
+        tops: list[dict[str, float] | None] = []
+        for i in items:
+            top = {token_label(tokenizer, t): v for t, v in i.top}
+            if i.top:
+                top.setdefault(token_label(tokenizer, i.token), i.logprob)
+            tops.append(top)
+        tokens: list[str] = [token_label(tokenizer, i.token) for i in items]
+        values: list[float | None] = [i.logprob for i in items]
+        if lead is not None:
+            tokens, values, tops = [token_label(tokenizer, lead), *tokens], [None, *values], [None, *tops]
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
 
 
 CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True,
                    path="/v1/chat/completions")
 COMPLETION_SHAPE = Shape("completions", "cmpl", "text_completion", "text_completion", chat=False,
                          path="/v1/completions")
+
+
+class FieldError(TriedecError):
+    """Bad input in one request field, named as the client sent it (``param`` of the 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,

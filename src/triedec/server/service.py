@@ -21,8 +21,9 @@ from starlette.concurrency import run_in_threadpool
 
 from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
-from triedec.api.text import TextStream
+from triedec.api.text import TextStream, TokenOffsets
 from triedec.core.errors import StateFileError, TriedecError
+from triedec.core.logprobs import TokenLogprob
 from triedec.core.sampling import SAMPLING_FIELDS, Sampling
 from triedec.core.trace import StepTrace
 from triedec.drafters.base import FROM_STORE
@@ -38,6 +39,7 @@ from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
 from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
+    FieldError,
     Generation,
     Shape,
     error,
@@ -58,6 +60,13 @@ class _Prepared:
     stops: tuple[str, ...]
     trace: bool = False
     """the client asked for each step's record (``trace``)"""
+    logprobs: bool = False
+    """the client asked for each token's logprobs"""
+    echo: tuple[int, ...] | None = None
+    """the prompt's token ids, when the response starts with the prompt (completions' ``echo``)"""
+    score_only: bool = False
+    """``echo`` with ``max_tokens`` 0: the prompt is scored, and the one token the engine
+    generates (from the prefill's last row, no extra forward) is not returned"""
 
 
 class Service:
@@ -89,7 +98,7 @@ class Service:
         unsupported = req.unsupported()
         if unsupported:
             raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec returns one choice, "
-                               "without logprobs, tools or penalties other than repetition_penalty)")
+                               "without tools or penalties other than repetition_penalty)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
@@ -110,6 +119,12 @@ class Service:
         limit = getattr(req, "max_completion_tokens", None)
         name = "max_tokens" if limit is None else "max_completion_tokens"  # errors name the field the client sent
         limit = req.max_tokens if limit is None else limit
+        echo = bool(getattr(req, "echo", False))
+        if echo and req.stream:
+            raise FieldError("echo", "echo is not supported with stream: true")
+        score_only = echo and limit == 0 and not isinstance(limit, bool)
+        if score_only:
+            limit = 1  # the first token comes from the prefill's last row: it costs no forward
         if limit is None:
             room = (lm.max_context - len(ids)) if lm.max_context else config.default_max_tokens
             limit = max(1, min(config.default_max_tokens, room))
@@ -121,11 +136,14 @@ class Service:
             raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
                                    f"{lm.max_context} tokens")
         given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
-        request = GenerationRequest(ids, method, options, limit, req.stop, sampling=Sampling(**given))
+        logprobs = req.asked_logprobs(chat)
+        request = GenerationRequest(ids, method, options, limit, req.stop, sampling=Sampling(**given),
+                                    logprobs=logprobs)
         run = lm.start(request, scope=scope)
         if req.trace:
             run.record_steps()
-        return _Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace)
+        return _Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace,
+                         logprobs is not None, tuple(ids) if echo else None, score_only)
 
     def check_size(self, req: Generation, prompt: Any, chat: bool) -> None:
         """Refuse a prompt surely too long for the context from its size alone, before anything is
@@ -251,7 +269,7 @@ class Service:
 
     @staticmethod
     def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:
-        n = outcome.stats.new_tokens
+        n = 0 if prepared.score_only else outcome.stats.new_tokens
         return {"prompt_tokens": prepared.prompt_tokens, "completion_tokens": n,
                 "total_tokens": prepared.prompt_tokens + n}
 
@@ -287,12 +305,14 @@ class Service:
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
         steps: list[dict[str, Any]] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             event = await self.next_event(request, job)
             if event is None:
                 return error(499, "client disconnected")
             kind, value = event
             if kind == "tokens":
+                logprobs += job.logprobs
                 if prepared.trace:
                     steps += _traced(text, value, job.steps)
                 else:
@@ -302,7 +322,18 @@ class Service:
                 ext = self.extension(prepared, value)
                 if prepared.trace:
                     ext["trace"] = steps
-                return JSONResponse(make(text.text, self.finish_reason(value), self.usage(prepared, value), ext))
+                body, reason, shown = text.text, self.finish_reason(value), None
+                if prepared.score_only:
+                    body, reason, text.tokens = "", "length", []
+                tokenizer, prompt = self.lm.tokenizer, prepared.echo
+                if prompt is not None:  # the prompt's text (as it decodes), then the completion's
+                    body = tokenizer.decode(list(prompt), skip_special_tokens=True) + body
+                if prepared.logprobs:  # an echoed prompt's entries come first (its first token has none)
+                    offsets = TokenOffsets(tokenizer)
+                    lead, where = (None, []) if prompt is None else (prompt[0], offsets.add(prompt))
+                    kept = len(text.tokens) + (0 if prompt is None else len(prompt) - 1)
+                    shown = shape.logprobs(logprobs[:kept], tokenizer, where + offsets.add(text.tokens), lead)
+                return JSONResponse(make(body, reason, self.usage(prepared, value), ext, shown))
             else:
                 return self.failure(kind, value, prepared, shape)
 
@@ -310,13 +341,23 @@ class Service:
                      first: tuple[str, Any]) -> AsyncIterator[str]:
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
+        offsets = TokenOffsets(self.lm.tokenizer)
         try:
             yield _sse(chunk(None, None, first=True))
             kind, value = first
             while True:
                 if kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
+                    logprobs = job.logprobs
                     for step in _traced(text, value, job.steps):
-                        yield _sse(chunk("".join(step["text"]), None, ext={"trace": [step]}))
+                        shown = None
+                        if prepared.logprobs:
+                            count = len(step["tokens"])
+                            mine, logprobs = logprobs[:count], logprobs[count:]
+                            shown = shape.logprobs(mine, self.lm.tokenizer, offsets.add(step["tokens"]))
+                        yield _sse(chunk("".join(step["text"]), None, ext={"trace": [step]}, logprobs=shown))
+                elif kind == "tokens" and prepared.logprobs:  # each token's logprobs in the chunk it arrived in
+                    shown = shape.logprobs(job.logprobs, self.lm.tokenizer, offsets.add(value))
+                    yield _sse(chunk(text.add(value), None, logprobs=shown))
                 elif kind == "tokens":
                     delta = text.add(value)
                     if delta:
@@ -364,12 +405,13 @@ class Service:
                     return self.failure(*event, prepared, shape)
 
                 def chunk(delta: str | None, reason: str | None, first: bool = False,
-                          usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None) -> dict[str, Any]:
+                          usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None,
+                          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
                     out = envelope(shape.chunk_object)
                     if usage is not None:
                         out["choices"], out["usage"] = [], usage
                     else:
-                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first)]
+                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first, logprobs=logprobs)]
                     if ext is not None:
                         out["triedec"] = ext
                     return out
@@ -379,8 +421,10 @@ class Service:
                 return _JobStream(job, self.stream(job, prepared, shape, chunk, include, event),
                                   media_type="text/event-stream")
 
-            def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
-                return {**envelope(shape.object), "choices": [shape.choice(text, reason, streaming=False)],
+            def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any],
+                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
+                return {**envelope(shape.object),
+                        "choices": [shape.choice(text, reason, streaming=False, logprobs=logprobs)],
                         "usage": use, "triedec": ext}
 
             return await self.complete(request, job, prepared, shape, make)
@@ -417,14 +461,6 @@ class _Limits:
 
     max_tokens: Any = None
     max_completion_tokens: Any = None
-
-
-class FieldError(TriedecError):
-    """Bad input in one request field, named as the client sent it (``param`` of the 400)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _param_of(exc: Exception, req: Generation) -> str | None:
