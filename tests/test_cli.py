@@ -118,6 +118,10 @@ def test_generate_beam_bad_input(capsys, tiny_model_dir, argv, message):
         (["generate", "--repetition-penalty", "0", "hi"], "repetition_penalty must lie in [1e-06, 1e+06]"),
         (["generate", "--seed", "-1", "--temperature", "0.5", "hi"], "seed must be an integer"),
         (["generate", "--method", "beam", "--temperature", "0.5", "hi"], "beam search does not sample"),
+        (["generate", "--presence-penalty", "3", "hi"], "presence_penalty must lie in [-2, 2]"),
+        (["generate", "--logit-bias", "5=200", "hi"], "logit_bias values must lie in [-100, 100]"),
+        (["generate", "--min-tokens", "-1", "hi"], "min_tokens must be an integer >= 0"),
+        (["bench", "--frequency-penalty", "1"], "which take no frequency_penalty"),
         (["serve", "--port", "0"], "--port"),
         (["serve", "--method", "nope"], "unknown method"),
         (["serve", "--max-running", "0"], "max_running"),
@@ -184,6 +188,24 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     state.write_bytes(b"not a state file")
     code, _, err = run_cli(capsys, *argv)
     assert code == 2 and "not a readable state file" in err
+
+
+def test_a_malformed_logit_bias_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--logit-bias", "5:2", "hi"])
+    assert exited.value.code == 2
+    assert "argument --logit-bias: expected ID=BIAS pairs separated by commas, got '5:2'" in capsys.readouterr().err
+
+
+def test_generate_takes_openais_sampling_fields(capsys, tiny_model_dir):
+    import triedec
+
+    code, out, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--max-new-tokens", "10", "--json",
+                           "--presence-penalty", "1.5", "--logit-bias", "7=4,11=-100", "--min-tokens", "3", "Hello")
+    assert code == 0
+    want = triedec.load(tiny_model_dir).generate("Hello", max_new_tokens=10, presence_penalty=1.5,
+                                                 logit_bias={7: 4.0, 11: -100.0}, min_tokens=3)
+    assert json.loads(out)["token_ids"] == want.token_ids
 
 
 def test_generate_ngram_trie_and_lookahead(capsys, tiny_model_dir):

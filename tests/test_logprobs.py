@@ -320,3 +320,74 @@ def test_echo_cannot_stream_and_max_tokens_0_needs_echo(base):
     for body, param in (({"echo": True, "stream": True}, "echo"), ({"max_tokens": 0}, "max_tokens")):
         response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", **body}, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_prompt_token_the_processed_distribution_excludes_shows_as_vllms_floor(base):
+    """Scored under ``processed`` with top_k=1, most prompt tokens have no mass (-inf): the JSON
+    shows -9999.0 for them, as vLLM does (JSON has no infinity), never a 500."""
+    payload = {"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0.5,
+               "top_k": 1, "seed": 1, "logprobs_mode": "processed"}
+    response = httpx.post(f"{base}/v1/completions", json=payload, timeout=60)
+    assert response.status_code == 200, response.text
+    values = response.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert -9999.0 in values and all(v == -9999.0 or v == 0.0 for v in values)
+
+
+# ---- n: several choices for one prompt ----------------------------------------------------------
+
+
+def test_n_sampled_choices_are_seeded_seed_plus_i_and_each_equals_its_solo_run(client, lm):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, n=3, temperature=0.9, seed=40,
+                                         logprobs=True, top_logprobs=1, extra_body={"method": "auto"})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for i, choice in enumerate(out.choices):
+        want = lm.generate(CHAT, "ar", max_new_tokens=12, chat=True, temperature=0.9, seed=40 + i, logprobs=1)
+        assert choice.message.content == want.text
+        assert [c.logprob for c in choice.logprobs.content] == [x.logprob for x in want.logprobs]
+    total = sum(len(lm.generate(CHAT, "ar", max_new_tokens=12, chat=True, temperature=0.9, seed=40 + i).token_ids)
+                for i in range(3))
+    assert out.usage.completion_tokens == total
+    assert [c["seed"] for c in out.model_extra["triedec"]["choices"]] == [40, 41, 42]
+
+
+def test_n_without_a_seed_draws_one_and_greedy_choices_are_equal(base, lm):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "n": 4, "temperature": 0.8}
+    ext = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["triedec"]
+    seeds = [c["seed"] for c in ext["choices"]]
+    assert seeds == [seeds[0] + i for i in range(4)]
+    greedy = httpx.post(f"{base}/v1/completions", json={**body, "temperature": 0}, timeout=60).json()
+    texts = [c["text"] for c in greedy["choices"]]
+    assert texts == [lm.generate(PROMPT, "auto", max_new_tokens=6).text] * 4
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    ({"n": 17}, 400), ({"n": 0}, 400), ({"n": 2, "stream": True}, 400), ({"n": 2, "method": "beam"}, 400),
+])
+def test_n_past_its_cap_or_with_stream_or_beam_gets_a_400_naming_n(base, body, status):
+    payload = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **body}
+    response = httpx.post(f"{base}/v1/completions", json=payload, timeout=60)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == "n"
+
+
+def test_n_counts_in_the_tenants_share(lm):
+    config = ServerConfig(model_name=MODEL, method="ar", tenant_max_running=2, tenant_max_queued=0)
+    with serving(create_app(lm, config)) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=60).status_code == 200
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=60)
+        assert refused.status_code == 429, refused.text
+
+
+def test_choices_refused_half_way_free_what_was_submitted(lm):
+    """With one slot and one place in the queue, one of three choices is refused (503): the
+    choices already submitted are cancelled, and the server answers the next request as usual."""
+    config = ServerConfig(model_name=MODEL, method="ar", limits=BatchLimits(max_running=1), max_queue=1)
+    with serving(create_app(lm, config)) as url:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "n": 3}, timeout=60)
+        assert refused.status_code == 503, refused.text
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200, again.text
+        health = httpx.get(f"{url}/health", timeout=60).json()
+        assert health["running"] == 0 and health["waiting"] == 0, health

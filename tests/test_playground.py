@@ -147,6 +147,15 @@ def test_a_chat_streams_and_the_page_text_equals_the_api_text(browser, open_url)
     text = browser.execute_script("return arguments[0].textContent", body)
     assert text == api_text(open_url, COUNTING, method="auto", max_tokens=64)
     assert errors(browser) == []
+    # each token shows its logprob and the likeliest alternatives on hover: the API's values
+    r = httpx.post(open_url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": COUNTING}], "method": "auto", "max_tokens": 64, "logprobs": True,
+        "top_logprobs": 5})
+    want = [c["logprob"] for c in r.json()["choices"][0]["logprobs"]["content"]]
+    spans = answer.find_elements(*by(".body .tok"))
+    assert [float(s.get_attribute("data-logprob")) for s in spans] == want
+    assert all(" · logprob " in s.get_attribute("title") and "likeliest: " in s.get_attribute("title")
+               for s in spans)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     browser.save_screenshot(str(ARTIFACTS / "chat.png"))
 

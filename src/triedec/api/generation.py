@@ -44,7 +44,9 @@ class GenerationRequest:
     * ``context``: extra documents (strings or token ids) that context-based drafters may draft from;
     * ``sampling``: how each token is chosen (:class:`~triedec.core.sampling.Sampling`; greedy by default);
     * ``logprobs``: what to report of each new token's probability (:class:`~triedec.core.params.Logprobs`:
-      its logprob and the ``top`` most likely alternatives, ``raw`` or ``processed``); None: nothing.
+      its logprob and the ``top`` most likely alternatives, ``raw`` or ``processed``); None: nothing;
+    * ``ignore_eos``: the model's end-of-sequence tokens do not stop generation (``stop_token_ids``
+      still do; vLLM's, what benchmark clients send to get ``max_new_tokens`` tokens).
 
     :meth:`of` builds one from ``LM.generate``'s keyword arguments.
     """
@@ -59,6 +61,7 @@ class GenerationRequest:
     chat: bool = False
     sampling: Sampling = field(default_factory=Sampling)
     logprobs: Logprobs | None = None
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         found = find_method(self.method)
@@ -84,6 +87,8 @@ class GenerationRequest:
             raise TriedecError(f"chat must be true or false, got {self.chat!r}")
         if not isinstance(self.sampling, Sampling):
             raise TriedecError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TriedecError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.logprobs is not None and not isinstance(self.logprobs, Logprobs):
             raise TriedecError(f"logprobs must be a Logprobs or None, got {type(self.logprobs).__name__}")
 
@@ -104,23 +109,30 @@ class GenerationRequest:
         min_p: float = Sampling.min_p,
         repetition_penalty: float = Sampling.repetition_penalty,
         seed: int | None = Sampling.seed,
+        presence_penalty: float = Sampling.presence_penalty,
+        frequency_penalty: float = Sampling.frequency_penalty,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = Sampling.min_tokens,
+        ignore_eos: bool = False,
         logprobs: int | None = None,
         logprobs_mode: str = Logprobs.mode,
         prompt_logprobs: bool = Logprobs.prompt,
         **options: object,
     ) -> GenerationRequest:
-        """The request for ``LM.generate``'s keyword arguments: the sampling parameters become a
+        """The request for ``LM.generate``'s keyword arguments: the sampling parameters (with
+        OpenAI's penalties and ``logit_bias``, vLLM's ``min_tokens``) become a
         :class:`~triedec.core.sampling.Sampling`; ``logprobs`` (None: none; k in 0-20: each token's
         logprob and the k most likely alternatives), ``logprobs_mode`` and ``prompt_logprobs`` (the
         prompt's tokens scored too) a :class:`~triedec.core.params.Logprobs`; every other keyword
         is an option of ``method``."""
-        sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed)
+        sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed, presence_penalty,
+                            frequency_penalty, () if logit_bias is None else logit_bias, min_tokens)  # type: ignore[arg-type]
         asked = None
         if logprobs is not None or prompt_logprobs:
             asked = Logprobs(0 if logprobs is None else logprobs, logprobs_mode, prompt_logprobs)
         return cls(prompt=prompt, method=method, options=options, max_new_tokens=max_new_tokens,
                    stop=stop, stop_token_ids=stop_token_ids, context=context, chat=chat,  # type: ignore[arg-type]
-                   sampling=sampling, logprobs=asked)
+                   sampling=sampling, logprobs=asked, ignore_eos=ignore_eos)
 
 
 reserve_option_names(keyword_names(GenerationRequest.of, "options"), "GenerationRequest.of")

@@ -141,8 +141,8 @@ class Prompts:
     def prepare(self, request: GenerationRequest, prompt_tokens: int, eos_token_ids: frozenset[int],
                 max_context: int | None) -> tuple[StopRule, list[list[int]]]:
         """The checks that need the model (the context length ``max_context``, token ids against
-        the vocabulary), then the request's stop rule (``eos_token_ids`` plus its own stop ids and
-        strings) and its tokenized context documents."""
+        the vocabulary), then the request's stop rule (``eos_token_ids``, unless it ignores them,
+        plus its own stop ids and strings) and its tokenized context documents."""
         if max_context is not None and prompt_tokens + request.max_new_tokens > max_context:
             raise TriedecError(
                 f"prompt ({prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
@@ -151,11 +151,15 @@ class Prompts:
         for t in request.stop_token_ids:
             if t >= self.vocab_size:
                 raise TriedecError(f"stop token id {t!r} is not in [0, {self.vocab_size})")
+        for t, _ in request.sampling.logit_bias:
+            if t >= self.vocab_size:
+                raise TriedecError(f"logit_bias token id {t!r} is not in [0, {self.vocab_size})")
         rule = StopRule(
             max_new_tokens=request.max_new_tokens,
-            eos_token_ids=eos_token_ids | set(request.stop_token_ids),
+            eos_token_ids=(frozenset() if request.ignore_eos else eos_token_ids) | set(request.stop_token_ids),
             stop_strings=request.stop,
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            min_tokens=request.sampling.min_tokens,
         )
         documents = []
         for d in request.context:

@@ -113,6 +113,8 @@ def chat_requests(questions: Sequence[Question], max_tokens: int,
             chosen = request_sampling(sampling, len(out))
             extra = {k: v for k, v in chosen.as_dict().items()
                      if k != "seed" and v != getattr(GREEDY_SAMPLING, k)}
+            if "logit_bias" in extra:  # OpenAI's JSON: token ids as strings
+                extra["logit_bias"] = {str(t): b for t, b in chosen.logit_bias}
             if not chosen.greedy:
                 extra["seed"] = chosen.seed
             out.append(LoadRequest(max_tokens, messages=[{"role": "user", "content": q.turns[0]}], extra=extra))

@@ -91,7 +91,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     from triedec.core.params import Sampling  # its defaults are the flags' defaults
 
-    group = parser.add_argument_group("sampling (transformers' names; greedy by default)")
+    group = parser.add_argument_group("sampling (transformers' names, OpenAI's and vLLM's for the last four; "
+                                      "greedy by default)")
     group.add_argument("--temperature", type=float, default=Sampling.temperature,
                        help="> 0 samples; 0 is greedy (default %(default)s)")
     group.add_argument("--top-k", type=int, default=Sampling.top_k,
@@ -105,6 +106,24 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=Sampling.seed,
                        help="sampling seed: the same seed gives the same text with every method "
                             "(generate: drawn and reported if absent; bench: default 0, prompt k uses seed + k)")
+    group.add_argument("--presence-penalty", type=float, default=Sampling.presence_penalty,
+                       help="OpenAI's: subtracted once from tokens already in the output, -2 to 2 "
+                            "(default %(default)s = off)")
+    group.add_argument("--frequency-penalty", type=float, default=Sampling.frequency_penalty,
+                       help="OpenAI's: subtracted per occurrence in the output, -2 to 2 (default %(default)s = off)")
+    group.add_argument("--logit-bias", type=_bias, default=Sampling.logit_bias, metavar="ID=BIAS[,ID=BIAS...]",
+                       help="added to those token ids' logits, -100 to 100 (default: none)")
+    group.add_argument("--min-tokens", type=int, default=Sampling.min_tokens,
+                       help="no end-of-sequence, stop token or stop string before this many tokens "
+                            "(default %(default)s = off)")
+
+
+def _bias(text: str) -> tuple[tuple[int, float], ...]:
+    """``--logit-bias 5=-100,17=2.5`` as (id, bias) pairs (checked by :class:`Sampling`)."""
+    try:
+        return tuple((int(i), float(b)) for i, b in (pair.split("=", 1) for pair in text.split(",") if pair))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS pairs separated by commas, got {text!r}") from None
 
 
 def sampling_of(args: argparse.Namespace) -> Any:

@@ -301,6 +301,11 @@ def cmd_bench(args: argparse.Namespace, extra_runners: Mapping[str, Any] | None 
         return cmd_serving(args)
 
     sampling = sampling_of(args)
+    unmatched = [name for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+                 if getattr(sampling, name) != getattr(type(sampling)(), name)]
+    if unmatched:
+        raise TriedecError(f"triedec bench compares against transformers and llama.cpp, which take no "
+                           f"{', '.join(unmatched)}: use them with `triedec bench --serving` or the API")
     if not sampling.greedy and sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=0)
     config = BenchConfig(max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,

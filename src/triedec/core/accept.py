@@ -5,7 +5,7 @@ model emits after the current node; if a child carries that token, accept it and
 does, that token is the step's last (the bonus token). The rules differ only in how the token
 after a node is chosen:
 
-* :class:`GreedyRule` -- the argmax of the node's logits (after the repetition penalty, if any);
+* :class:`GreedyRule` -- the argmax of the node's logits (after the logit bias and penalties, if any);
 * :class:`SamplingRule` -- a draw from the node's processed distribution
   (:func:`triedec.core.sampling.process`) with the uniform number of the node's output position
   (:func:`triedec.core.sampling.uniform`). For point-mass (model-free) drafts this is the recursive
@@ -19,7 +19,7 @@ ancestors (never its siblings' tokens). :func:`acceptance_rule` picks the rule f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +27,7 @@ import torch
 
 from triedec.core.errors import TriedecError
 from triedec.core.rowops import argmax
-from triedec.core.sampling import Sampling, draw, penalize, process, seen_tokens, uniform
+from triedec.core.sampling import GREEDY_SAMPLING, Sampling, adjust, draw, process, seen_tokens, uniform
 from triedec.core.tree import TokenTree
 
 
@@ -81,27 +81,34 @@ class AcceptanceRule(Protocol):
 
     @property
     def penalized(self) -> bool:
-        """Whether :meth:`processed` reads the row's prefix (a repetition penalty applies)."""
+        """Whether :meth:`processed` reads the tokens of the row's prefix (a penalty applies)."""
         ...
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance: ...
 
-    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    def processed(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> torch.Tensor:
         """The logits the rule chooses from after a row ``[V]`` whose prefix holds the token ids
-        ``seen``."""
+        ``seen`` (needed only when :attr:`penalized`), ``position`` of them output so far."""
         ...
 
 
 class _PerNode:
-    """What each reached node needs: its row of logits on the CPU and, when a repetition penalty
-    applies (``penalized``), the token ids of its own prefix (context + its ancestors' drafts);
-    without one, no prefix is built (an empty one penalizes nothing)."""
+    """What each reached node needs: its row of logits on the CPU, its output position, and,
+    when a penalty applies (``penalized``), the token ids of its own prefix (context + its
+    ancestors' drafts); without one, no prefix is built (an empty one penalizes nothing)."""
 
-    def __init__(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], penalized: bool) -> None:
+    def __init__(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int,
+                 penalized: bool) -> None:
         self.tree, self.logits, self.context, self.penalized = tree, logits, context, penalized
+        self.depths = tree.depths
+        self.first = position
 
     def row(self, node: int) -> torch.Tensor:
         return self.logits[node].detach().to("cpu")
+
+    def position(self, node: int) -> int:
+        """The output index of the token chosen after ``node``."""
+        return self.first + self.depths[node]
 
     def seen(self, node: int) -> torch.Tensor:
         if not self.penalized:
@@ -123,48 +130,53 @@ def _memo(choose: Callable[[int], int]) -> Callable[[int], int]:
 
 @dataclass(frozen=True)
 class GreedyRule:
-    """Greedy decoding: after each node, the argmax of its logits (with the repetition penalty
-    over the node's own prefix when ``repetition_penalty != 1``; temperature and the top-k/p and
-    min-p filters never change the argmax)."""
+    """Greedy decoding: after each node, the argmax of its logits, changed first as ``sampling``
+    says (:func:`~triedec.core.sampling.adjust`: logit bias, ``min_tokens`` holding back the ids
+    ``suppress``, the penalties over the node's own prefix); temperature and the top-k/p and min-p
+    filters never change the argmax."""
 
-    repetition_penalty: float = 1.0
+    sampling: Sampling = GREEDY_SAMPLING
+    suppress: tuple[int, ...] = ()
     seed: None = None
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0
+        return self.sampling.reads_prefix
 
-    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        return penalize(row, seen, self.repetition_penalty)
+    def processed(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> torch.Tensor:
+        return adjust(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        if not self.penalized:
-            return accept_greedy(tree, argmax(logits))
-        nodes = _PerNode(tree, logits, context, penalized=True)
-        return walk(tree, _memo(lambda i: int(self.processed(nodes.row(i), nodes.seen(i)).argmax())))
+        s = self.sampling
+        if not s.adjusts or (not s.reads_prefix and not s.logit_bias and position >= s.min_tokens):
+            return accept_greedy(tree, argmax(logits))  # nothing changes a row (min_tokens is behind)
+        nodes = _PerNode(tree, logits, context, position, self.penalized)
+        return walk(tree, _memo(lambda i: int(self.processed(nodes.row(i), nodes.seen(i), nodes.position(i)).argmax())))
 
 
 @dataclass(frozen=True)
 class SamplingRule:
     """Sampling: after node i, the token drawn from its processed distribution with the uniform
-    number of output position ``position + depth(i)``, keyed by ``seed``."""
+    number of output position ``position + depth(i)``, keyed by ``seed`` (``suppress``: the ids
+    ``min_tokens`` holds back)."""
 
     sampling: Sampling
     seed: int
+    suppress: tuple[int, ...] = ()
 
     @property
     def penalized(self) -> bool:
-        return self.sampling.repetition_penalty != 1.0
+        return self.sampling.reads_prefix
 
-    def processed(self, row: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        return process(row, seen, self.sampling)
+    def processed(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> torch.Tensor:
+        return process(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        nodes = _PerNode(tree, logits, context, penalized=self.penalized)
-        depths = tree.depths
+        nodes = _PerNode(tree, logits, context, position, self.penalized)
 
         def choose(i: int) -> int:
-            return draw(self.processed(nodes.row(i), nodes.seen(i)), uniform(self.seed, position + depths[i]))
+            at = nodes.position(i)
+            return draw(self.processed(nodes.row(i), nodes.seen(i), at), uniform(self.seed, at))
 
         return walk(tree, _memo(choose))
 
@@ -173,11 +185,13 @@ GREEDY = GreedyRule()
 """Plain greedy decoding."""
 
 
-def acceptance_rule(sampling: Sampling) -> AcceptanceRule:
+def acceptance_rule(sampling: Sampling, suppress: Iterable[int] = ()) -> AcceptanceRule:
     """The rule for ``sampling``: :class:`GreedyRule` at temperature 0, else :class:`SamplingRule`
-    (which needs ``sampling.seed`` set)."""
+    (which needs ``sampling.seed`` set). ``suppress``: the end-of-sequence and stop ids that get
+    no mass before ``sampling.min_tokens`` tokens are out."""
+    held = tuple(sorted(set(suppress))) if sampling.min_tokens else ()
     if sampling.greedy:
-        return GreedyRule(sampling.repetition_penalty)
+        return GreedyRule(sampling, held)
     if sampling.seed is None:
         raise TriedecError("sampling needs a seed (the API draws one when none is given)")
-    return SamplingRule(sampling, sampling.seed)
+    return SamplingRule(sampling, sampling.seed, held)

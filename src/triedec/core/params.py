@@ -35,6 +35,40 @@ PENALTY_RANGE = (1e-6, 1e6)
 penalty overflows to infinity, and a distribution with infinite logits is no distribution."""
 
 
+OPENAI_PENALTY_RANGE = (-2.0, 2.0)
+"""The presence and frequency penalties accepted (OpenAI's range)."""
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+"""The logit biases accepted (OpenAI's range)."""
+MAX_LOGIT_BIAS = 1024
+"""The most token ids one request may bias."""
+
+
+def _bias_pairs(given: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as ``(id, bias)`` pairs sorted by id, checked (see :class:`Sampling`)."""
+    if isinstance(given, dict):
+        items = list(given.items())
+    elif isinstance(given, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in given):
+        items = [tuple(p) for p in given]
+    else:
+        raise TriedecError(f"logit_bias must map token ids to biases, got {type(given).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise TriedecError(f"logit_bias may bias at most {MAX_LOGIT_BIAS} token ids, got {len(items)}")
+    pairs: dict[int, float] = {}
+    low, high = LOGIT_BIAS_RANGE
+    for key, value in items:
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise TriedecError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if token in pairs:
+            raise TriedecError(f"logit_bias names token id {token} twice")
+        if not low <= _number("a logit_bias value", value) <= high:
+            raise TriedecError(f"logit_bias values must lie in [{low:g}, {high:g}], got {value!r} for token {token}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise TriedecError(f"{name} must be a finite number, got {value!r}")
@@ -54,7 +88,18 @@ class Sampling:
     * ``repetition_penalty`` in [1e-6, 1e6] (:data:`PENALTY_RANGE`): the logit of every token
       already in the prefix (prompt included) is divided by it if positive, multiplied if negative
       (transformers' CTRL penalty); 1 = off;
-    * ``seed``: an integer in [0, 2**64), or None (the API then draws one and reports it).
+    * ``seed``: an integer in [0, 2**64), or None (the API then draws one and reports it);
+    * ``presence_penalty`` and ``frequency_penalty`` in [-2, 2] (:data:`OPENAI_PENALTY_RANGE`;
+      OpenAI's): subtracted from the logit of every token the output so far holds (the prompt
+      excluded, as vLLM does), once, and once per occurrence; 0 = off;
+    * ``logit_bias``: token id -> bias in [-100, 100] added to its logit (OpenAI's; given as a
+      mapping, with ids as integers or as the decimal strings OpenAI's JSON sends, or as pairs;
+      kept as ``(id, bias)`` pairs sorted by id; at most :data:`MAX_LOGIT_BIAS` of them);
+    * ``min_tokens`` >= 0: end-of-sequence and stop token ids get no mass, and stop strings do not
+      stop, before this many tokens are out (vLLM's); 0 = off.
+
+    The order a row is processed in: logit bias, ``min_tokens``' suppression, repetition penalty,
+    presence and frequency penalties, then temperature, top-k, top-p and min-p.
 
     Unlike ``model.generate``, nothing comes from the model's generation config: a parameter left
     at its default is off.
@@ -66,6 +111,10 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if _number("temperature", self.temperature) < 0:
@@ -83,6 +132,13 @@ class Sampling:
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
             raise TriedecError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+        low, high = OPENAI_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= _number(name, getattr(self, name)) <= high:
+                raise TriedecError(f"{name} must lie in [{low:g}, {high:g}] (0 = off), got {getattr(self, name)!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise TriedecError(f"min_tokens must be an integer >= 0 (0 = off), got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
@@ -90,10 +146,22 @@ class Sampling:
         return self.temperature == 0
 
     @property
+    def adjusts(self) -> bool:
+        """True when a row's logits are changed before temperature and the filters: a logit bias,
+        ``min_tokens``, or a penalty (so greedy decoding takes the argmax of the changed row)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def reads_prefix(self) -> bool:
+        """True when processing a row reads the tokens of its prefix (a penalty applies)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
+
+    @property
     def plain(self) -> bool:
-        """True when the processing changes nothing that greedy decoding sees: greedy without a
-        repetition penalty (what beam search, which applies no processors, accepts)."""
-        return self.greedy and self.repetition_penalty == 1.0
+        """True when the processing changes nothing that greedy decoding sees: greedy, nothing
+        adjusted (what beam search, which applies no processors, accepts)."""
+        return self.greedy and not self.adjusts
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

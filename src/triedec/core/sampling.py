@@ -8,7 +8,8 @@ Pure core: imports only :mod:`triedec.core.params`, torch and numpy.
   (the default) is greedy decoding.
 * :func:`process` -- one row of logits processed as transformers' ``generate(do_sample=True)``
   processes it, in its order: repetition penalty (over the tokens of the row's own prefix, prompt
-  included), temperature, top-k, top-p, min-p.
+  included), temperature, top-k, top-p, min-p; OpenAI's and vLLM's logit bias, ``min_tokens`` and
+  presence and frequency penalties before them (:func:`adjust`, also what greedy decoding reads).
 * :func:`uniform` -- the uniform number for output position i: a counter-based generator
   (numpy's Philox, keyed by the seed, counter = i), so it depends only on ``(seed, i)``.
 * :func:`draw` -- inverse-CDF sampling over the fixed token-id order with that number.
@@ -28,7 +29,7 @@ import torch
 
 from triedec.core.params import GREEDY_SAMPLING, MAX_SEED, PENALTY_RANGE, SAMPLING_FIELDS, Sampling
 
-__all__ = ["GREEDY_SAMPLING", "MAX_SEED", "PENALTY_RANGE", "SAMPLING_FIELDS", "Sampling", "draw", "process",
+__all__ = ["GREEDY_SAMPLING", "MAX_SEED", "PENALTY_RANGE", "SAMPLING_FIELDS", "Sampling", "adjust", "draw", "process",
            "seen_tokens", "uniform"]
 
 
@@ -44,15 +45,40 @@ def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.
     return logits.scatter(0, seen, scores)
 
 
-def process(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+def adjust(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, position: int = 0,
+           suppress: Sequence[int] = ()) -> torch.Tensor:
+    """One row of next-token logits ``[V]`` changed as :class:`Sampling` says before temperature
+    and the filters, in this order: ``logit_bias`` added; ``suppress`` (the end-of-sequence and stop
+    ids) set to ``-inf`` while ``position`` (the tokens already out) is below ``min_tokens``; the
+    repetition penalty over ``seen`` (the token ids of this row's own prefix, prompt included);
+    the presence and frequency penalties over the last ``position`` of them (the output so far).
+    What greedy decoding takes the argmax of. Returns ``logits`` itself when nothing applies (the
+    repetition penalty alone keeps the row's dtype); the other steps work in float32."""
+    row = logits
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias, strict=True)
+        row = row.float().index_add(0, torch.tensor(ids), torch.tensor(biases, dtype=torch.float32))
+    if position < sampling.min_tokens and suppress:
+        row = row.float().index_fill(0, torch.tensor(sorted(suppress)), -math.inf)
+    row = penalize(row, seen, sampling.repetition_penalty)
+    if (sampling.presence_penalty or sampling.frequency_penalty) and position:
+        ids, counts = torch.unique(seen[seen.numel() - position :], return_counts=True)
+        minus = sampling.frequency_penalty * counts.float() + sampling.presence_penalty
+        row = row.float().index_add(0, ids, -minus)
+    return row
+
+
+def process(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling, position: int = 0,
+            suppress: Sequence[int] = ()) -> torch.Tensor:
     """One row of next-token logits ``[V]`` processed as transformers' sampling does, in its order:
-    repetition penalty (over ``seen``, the token ids of this row's own prefix), temperature,
-    top-k, top-p, min-p. Filtered tokens get ``-inf``. Returns a new float32 tensor.
+    :func:`adjust` (logit bias, ``min_tokens``, the penalties; ``seen``: the token ids of this
+    row's own prefix, of which the last ``position`` are output), temperature, top-k, top-p,
+    min-p. Filtered tokens get ``-inf``. Returns a new float32 tensor.
 
     A temperature so small that the scaled logits overflow (their maximum is not finite) gives the
     limit of the distribution as the temperature goes to 0: all mass on the greedy token (the
     first argmax), every other token ``-inf``."""
-    row = penalize(logits.float(), seen, sampling.repetition_penalty)
+    row = adjust(logits.float(), seen, sampling, position, suppress)
     if sampling.temperature not in (0.0, 1.0):
         scaled = row / sampling.temperature
         if not bool(torch.isfinite(scaled.max())):

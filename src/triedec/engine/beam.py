@@ -245,8 +245,8 @@ class BeamSearchDecoder:
         if logprobs is not None:
             raise TriedecError("beam search does not report logprobs (its hypotheses carry their scores)")
         if not sampling.plain:
-            raise TriedecError("beam search does not sample and applies no repetition penalty: use temperature=0 "
-                               "and repetition_penalty=1 with method 'beam'")
+            raise TriedecError("beam search does not sample and applies no penalty, logit_bias or min_tokens: use "
+                               "temperature=0 and leave those off with method 'beam'")
         ids = check_request(prompt, stop, documents)
         reserve = kv_slots(len(ids), self.options.num_beams, stop.max_new_tokens)  # what its trie may grow to
 

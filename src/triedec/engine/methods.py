@@ -59,7 +59,7 @@ class SpeculativeDecoder:
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
               sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None) -> Run:
-        return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling), logprobs)
+        return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling, stop.eos_token_ids), logprobs)
 
     def export_learned(self) -> Learned:
         return self.drafter.export_learned()

@@ -54,7 +54,9 @@ def prompt_chunk(cache: KVCache, prompt: Sequence[int], start: int, stop: int, k
 
 @dataclass(frozen=True)
 class StopRule:
-    """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``.
+    """When generation ends: EOS / stop tokens, stop strings, or ``max_new_tokens``; none of the
+    first two before ``min_tokens`` tokens are out (the acceptance rule gives the stop ids no mass
+    there either: :func:`~triedec.core.accept.acceptance_rule`).
 
     ``decode`` turns token ids into text; it is needed only when ``stop_strings`` are given.
     """
@@ -63,6 +65,7 @@ class StopRule:
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     decode: Callable[[Sequence[int]], str] | None = field(default=None, compare=False)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         positive_int("max_new_tokens", self.max_new_tokens)
@@ -77,9 +80,10 @@ class StopRule:
         kept: list[int] = []
         for tok in new:
             kept.append(tok)
-            if tok in self.eos_token_ids:
+            early = len(generated) + len(kept) < self.min_tokens  # vLLM's check: fewer than min_tokens out
+            if tok in self.eos_token_ids and not early:
                 return kept, "eos"
-            if self.stop_strings and self._stop_string_completed([*generated, *kept]):
+            if self.stop_strings and not early and self._stop_string_completed([*generated, *kept]):
                 return kept, "stop_string"
             if len(generated) + len(kept) >= self.max_new_tokens:
                 return kept, "length"
@@ -228,16 +232,18 @@ class Request:
         """The logprobs of ``new`` (tokens about to be committed, or prompt tokens), token j
         following ``rows[j]``, when the request asked for them: under the model's raw distribution,
         or the one the rule chooses from (after token j's own prefix: ``prefix``, by default the
-        committed tokens, then ``new[:j]``)."""
+        committed tokens, then ``new[:j]``; prompt tokens are scored as if nothing were out yet)."""
         ask = self.logprobs
         if ask is None:
             return
+        output = prefix is None  # new tokens: token j is output number len(generated) + j
         if prefix is None:
             prefix = [*self.prompt, *self.generated]
         for j, (row, token) in enumerate(zip(rows, new, strict=True)):
             if ask.mode == "processed":
                 seen = seen_tokens(prefix, new[:j]) if self.rule.penalized else seen_tokens(())
-                row = self.rule.processed(row.detach().to("cpu"), seen)
+                position = len(self.generated) + j if output else 0
+                row = self.rule.processed(row.detach().to("cpu"), seen, position)
             self._fresh_logprobs.append(token_logprob(row, token, ask.top))
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,

@@ -60,9 +60,12 @@ class Metrics:
         self.budget.observe(plan.tokens / self.max_tokens)
         self.draft_nodes.observe(plan.draft_nodes)
 
-    def finished(self, endpoint: str, method: str, outcome: Outcome) -> None:
+    def finished(self, endpoint: str, method: str, outcome: Outcome, request: bool = True) -> None:
+        """A finished run: its tokens and timings; ``request``: also count its request (a request's
+        other choices do not)."""
         s = outcome.stats
-        self.requests.labels(endpoint, method, "200").inc()
+        if request:
+            self.requests.labels(endpoint, method, "200").inc()
         self.tokens.labels(method).inc(s.new_tokens)
         self.tokens_per_s.labels(method).observe(s.tokens_per_s)
         self.latency.labels(method).observe(s.seconds)

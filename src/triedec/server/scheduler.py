@@ -109,15 +109,15 @@ class Scheduler:
             recent = list(self._durations)
         return max(1, math.ceil(statistics.median(recent))) if recent else 1
 
-    def check_tenant(self, tenant: str) -> None:
-        """:class:`TenantBusy` if ``tenant`` already has its maximum of requests running and
-        waiting (any thread; :meth:`submit` checks again): a request over its share is refused
-        before anything is built or waited for."""
+    def check_tenant(self, tenant: str, count: int = 1) -> None:
+        """:class:`TenantBusy` if ``count`` more requests would pass ``tenant``'s maximum of
+        requests running and waiting (any thread; :meth:`submit` checks again): a request over its
+        share is refused before anything is built or waited for."""
         limits = self.tenants
         cap = (limits.max_running or self.limits.max_running) + (
             math.inf if limits.max_queued is None else limits.max_queued)
         with self._cond:
-            if self._flying[tenant] >= cap:
+            if self._flying[tenant] + count > cap:
                 raise TenantBusy(f"too many requests of this client at once: at most {cap} running or waiting",
                                  self.retry_after())  # the condition's lock is reentrant
 

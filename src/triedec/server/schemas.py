@@ -20,6 +20,10 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+MAX_CHOICES = 16
+"""The most choices (``n``) one request may ask for; each is a request of its own in the batch and
+in its tenant's share."""
+
 IGNORED_HEADER = "X-Triedec-Warning"
 """The response header that names the top-level request fields the server ignored (unknown to it),
 as vLLM ignores them: ``unknown fields ignored: a, b``."""
@@ -44,9 +48,8 @@ class StreamOptions(_Body):
 
 
 UNSUPPORTED_NEUTRAL: dict[str, object] = {
-    "n": 1, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "logit_bias": None, "presence_penalty": 0.0,
-    "frequency_penalty": 0.0, "parallel_tool_calls": None, "best_of": None, "suffix": None,
+    "tools": None, "tool_choice": None, "functions": None,
+    "function_call": None, "response_format": None, "parallel_tool_calls": None, "best_of": None, "suffix": None,
 }
 """OpenAI fields the server knows but does not support, with the value that asks for nothing."""
 
@@ -73,6 +76,12 @@ class Generation(_Body):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, description="vLLM's: no end-of-sequence, stop token or stop string "
+                                   "before this many tokens")
+    ignore_eos: bool = Field(default=False, description="vLLM's: the model's end-of-sequence tokens do not stop "
+                             "generation")
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's: token ids that end generation like "
+                                             "end-of-sequence")
     logprobs_mode: str | None = Field(default=None, description="which distribution logprobs describe: 'raw' (the "
                                       "model's log-softmax, the default) or 'processed' (the one the token was "
                                       "chosen from, after the penalty, temperature and filters)")
@@ -81,11 +90,11 @@ class Generation(_Body):
                         "triedec extension (docs/playground.md)")
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
-    # known, unsupported
-    n: int | None = None
     logit_bias: dict[str, float] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    n: int | None = None
+    # known, unsupported
 
     def ignored(self) -> list[str]:
         """The top-level fields the server does not know (ignored), sorted; names are cut to 64
@@ -93,6 +102,15 @@ class Generation(_Body):
         known = set(UNSUPPORTED_NEUTRAL)
         names = sorted(k for k in (self.model_extra or {}) if k not in known)
         return ["".join(c for c in n if c.isascii() and (c.isalnum() or c in "_.-"))[:64] or "?" for n in names][:16]
+
+    def choices(self) -> int:
+        """How many choices the request asks for (``n``: 1 to :data:`MAX_CHOICES`)."""
+        n = 1 if self.n is None else self.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise FieldError("n", f"n must lie in [1, {MAX_CHOICES}] (this server's cap), got {n}")
+        if n > 1 and self.stream:
+            raise FieldError("n", "n > 1 does not stream yet: ask without stream, or make n requests")
+        return n
 
     def asked_logprobs(self, chat: bool) -> Logprobs | None:
         """What the request asks to see of each token's probability, in its endpoint's spelling:
@@ -163,8 +181,8 @@ class Shape:
     """the route that answers in this shape"""
 
     def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": 0}
+               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index}
         if not self.chat:
             out["text"] = text or ""
         elif not streaming:
@@ -183,22 +201,31 @@ class Shape:
         prompt's first token, which has no logprob: ``null`` in both lists)."""
         if self.chat:
             def entry(token: int, logprob: float) -> dict[str, Any]:
-                return {"token": token_label(tokenizer, token), "logprob": logprob,
+                return {"token": token_label(tokenizer, token), "logprob": _json_logprob(logprob),
                         "bytes": token_bytes(tokenizer, token)}
 
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, v) for t, v in i.top]}
                                 for i in items], "refusal": None}
         tops: list[dict[str, float] | None] = []
         for i in items:
-            top = {token_label(tokenizer, t): v for t, v in i.top}
+            top = {token_label(tokenizer, t): _json_logprob(v) for t, v in i.top}
             if i.top:
-                top.setdefault(token_label(tokenizer, i.token), i.logprob)
+                top.setdefault(token_label(tokenizer, i.token), _json_logprob(i.logprob))
             tops.append(top)
         tokens: list[str] = [token_label(tokenizer, i.token) for i in items]
-        values: list[float | None] = [i.logprob for i in items]
+        values: list[float | None] = [_json_logprob(i.logprob) for i in items]
         if lead is not None:
             tokens, values, tops = [token_label(tokenizer, lead), *tokens], [None, *values], [None, *tops]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
+
+
+LEAST_LOGPROB = -9999.0
+"""What a response shows for a logprob of ``-inf`` (a token the processed distribution excludes,
+met only when scoring a prompt), as vLLM does: JSON has no infinity."""
+
+
+def _json_logprob(value: float) -> float:
+    return max(value, LEAST_LOGPROB)
 
 
 CHAT_SHAPE = Shape("chat", "chatcmpl", "chat.completion", "chat.completion.chunk", chat=True,

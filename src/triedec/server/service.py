@@ -6,9 +6,11 @@ in OpenAI's shapes, one response or server-sent events, with triedec's stats (se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
@@ -24,7 +26,7 @@ from triedec.api.lm import LM
 from triedec.api.text import TextStream, TokenOffsets
 from triedec.core.errors import StateFileError, TriedecError
 from triedec.core.logprobs import TokenLogprob
-from triedec.core.sampling import SAMPLING_FIELDS, Sampling
+from triedec.core.sampling import MAX_SEED, SAMPLING_FIELDS, Sampling
 from triedec.core.trace import StepTrace
 from triedec.drafters.base import FROM_STORE
 from triedec.engine.batch import StepReport
@@ -98,7 +100,7 @@ class Service:
         unsupported = req.unsupported()
         if unsupported:
             raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec returns one choice, "
-                               "without tools or penalties other than repetition_penalty)")
+                               "without tools or response formats)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
@@ -111,9 +113,10 @@ class Service:
         return method, options
 
     def prepare(self, req: Generation, prompt: Any, chat: bool, method: str, options: dict[str, Any],
-                scope: Hashable) -> _Prepared:
-        """Validate everything and make the request's run (in a worker thread; the method is
-        already built, on the engine thread)."""
+                scope: Hashable) -> list[_Prepared]:
+        """Validate everything and make the request's runs, one per choice (in a worker thread;
+        the method is already built, on the engine thread). Sampled, choice i is seeded
+        ``seed + i`` (a seed drawn once when the request has none); greedy, the choices are equal."""
         lm, config = self.lm, self.config
         ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text)
         limit = getattr(req, "max_completion_tokens", None)
@@ -137,13 +140,26 @@ class Service:
                                    f"{lm.max_context} tokens")
         given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
         logprobs = req.asked_logprobs(chat)
-        request = GenerationRequest(ids, method, options, limit, req.stop, sampling=Sampling(**given),
-                                    logprobs=logprobs)
-        run = lm.start(request, scope=scope)
-        if req.trace:
-            run.record_steps()
-        return _Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace,
-                         logprobs is not None, tuple(ids) if echo else None, score_only)
+        sampling = Sampling(**given)
+        n = req.choices()
+        if n > 1 and find_method(method).spec.own_loop:
+            raise FieldError("n", "n > 1 is not supported with beam search yet (its hypotheses come from one run; "
+                                  "ask one choice)")
+        seeds = [sampling.seed] * n
+        if n > 1 and not sampling.greedy:
+            base = secrets.randbits(63) if sampling.seed is None else sampling.seed
+            seeds = [(base + i) % MAX_SEED for i in range(n)]
+        out = []
+        for seed in seeds:
+            request = GenerationRequest(ids, method, options, limit, req.stop, tuple(req.stop_token_ids or ()),
+                                        sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
+                                        ignore_eos=req.ignore_eos)
+            run = lm.start(request, scope=scope)
+            if req.trace:
+                run.record_steps()
+            out.append(_Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace,
+                                 logprobs is not None, tuple(ids) if echo else None, score_only))
+        return out
 
     def check_size(self, req: Generation, prompt: Any, chat: bool) -> None:
         """Refuse a prompt surely too long for the context from its size alone, before anything is
@@ -204,7 +220,9 @@ class Service:
         return f"peer:{request.client.host if request.client else ''}"
 
     async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
-                    ) -> tuple[Job, _Prepared] | JSONResponse:
+                    ) -> tuple[list[Job], list[_Prepared]] | JSONResponse:
+        """Validate the request and submit its jobs, one per choice (``n``); the answer to a
+        request refused on the way."""
         assert self.metrics is not None
         label = req.method or self.config.method
         label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
@@ -214,8 +232,9 @@ class Service:
             self.scheduler.check_room()  # 503 before any per-request work
             self.check_size(req, prompt, shape.chat)  # 400 before anything is tokenized
             method, options = self.method_of(req)
+            n = req.choices()
             tenant = self.tenant(request, req)
-            self.scheduler.check_tenant(tenant)  # 429 now, before any wait for the engine thread
+            self.scheduler.check_tenant(tenant, n)  # 429 now, before any wait for the engine thread
             scope, options = self.scopes.enter(tenant, method, options)
             entered = True
             if not self.lm.is_built(method, scope=scope, **options):
@@ -224,12 +243,26 @@ class Service:
                 await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
             prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat, method, options, scope)
             seconds = self.config.max_request_seconds
-            job = Job(prepared.run, asyncio.get_running_loop(), tenant,
-                      None if seconds is None else time.perf_counter() + seconds,
-                      on_end=functools.partial(self.scopes.leave, scope),
-                      request_id=f"{shape.id_prefix}-{uuid.uuid4().hex}", group=self.group(request))
-            self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
-            return job, prepared
+            deadline = None if seconds is None else time.perf_counter() + seconds
+            rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+            ended = _Countdown(len(prepared), functools.partial(self.scopes.leave, scope))  # the last leaves
+            jobs = [Job(p.run, asyncio.get_running_loop(), tenant, deadline, on_end=ended,
+                        request_id=rid if i == 0 else f"{rid}-{i}", group=self.group(request))
+                    for i, p in enumerate(prepared)]
+            submitted = 0
+            try:
+                for job in jobs:
+                    self.scheduler.submit(job)  # from here on the job leaves its scope when it ends
+                    submitted += 1
+            except Exception:
+                if submitted:  # the submitted choices end (cancelled) and the countdown leaves the scope
+                    entered = False
+                    for job in jobs[:submitted]:
+                        job.cancel()
+                    for _ in jobs[submitted:]:
+                        ended()
+                raise
+            return jobs, prepared
         except StateFileError:  # the operator's fault, not the client's: the detail (a path) goes to the log only
             log.exception("a learned-state file could not be used (for tenant %r)", self.tenant(request, req))
             status, answer = 500, error(500, "the server's learned state for this request could not be loaded; its "
@@ -301,7 +334,27 @@ class Service:
                     job.cancel()
                     return None
 
-    async def complete(self, request: Request, job: Job, prepared: _Prepared, shape: Shape, make: Any) -> JSONResponse:
+    async def complete(self, request: Request, jobs: Sequence[Job], prepared: Sequence[_Prepared], shape: Shape,
+                       make: Any) -> JSONResponse:
+        """One response with every choice, or the first failure among them."""
+        answers = await asyncio.gather(*(self.collect(request, job, p, shape, i == 0)
+                                         for i, (job, p) in enumerate(zip(jobs, prepared, strict=True))))
+        for answer in answers:
+            if isinstance(answer, JSONResponse):
+                return answer
+        first = prepared[0]
+        use = {"prompt_tokens": first.prompt_tokens,
+               "completion_tokens": sum(a.usage["completion_tokens"] for a in answers)}  # type: ignore[union-attr]
+        use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
+        ext = dict(answers[0].ext)  # type: ignore[union-attr]
+        if len(answers) > 1:
+            ext["choices"] = [a.ext for a in answers]  # type: ignore[union-attr]
+        return JSONResponse(make(answers, use, ext))
+
+    async def collect(self, request: Request, job: Job, prepared: _Prepared, shape: Shape,
+                      first: bool = True) -> _Choice | JSONResponse:
+        """One choice's events to its text, finish reason, usage, extension and logprobs, or the
+        answer to its failure (``first``: the request's first choice, which counts the request)."""
         assert self.metrics is not None
         text = TextStream(self.lm.tokenizer, prepared.stops)
         steps: list[dict[str, Any]] = []
@@ -318,7 +371,7 @@ class Service:
                 else:
                     text.tokens += value  # the text is decoded once, at the end
             elif kind == "done":
-                self.metrics.finished(shape.endpoint, prepared.method, value)
+                self.metrics.finished(shape.endpoint, prepared.method, value, request=first)
                 ext = self.extension(prepared, value)
                 if prepared.trace:
                     ext["trace"] = steps
@@ -333,7 +386,7 @@ class Service:
                     lead, where = (None, []) if prompt is None else (prompt[0], offsets.add(prompt))
                     kept = len(text.tokens) + (0 if prompt is None else len(prompt) - 1)
                     shown = shape.logprobs(logprobs[:kept], tokenizer, where + offsets.add(text.tokens), lead)
-                return JSONResponse(make(body, reason, self.usage(prepared, value), ext, shown))
+                return _Choice(body, reason, self.usage(prepared, value), ext, shown)
             else:
                 return self.failure(kind, value, prepared, shape)
 
@@ -388,7 +441,8 @@ class Service:
         started = await self.start(request, req, prompt, shape)
         if isinstance(started, JSONResponse):
             return started
-        job, prepared = started
+        jobs, choices = started
+        job, prepared = jobs[0], choices[0]
         rid = job.id
         model = self.config.model_name
 
@@ -421,16 +475,41 @@ class Service:
                 return _JobStream(job, self.stream(job, prepared, shape, chunk, include, event),
                                   media_type="text/event-stream")
 
-            def make(text: str, reason: str, use: dict[str, int], ext: dict[str, Any],
-                     logprobs: dict[str, Any] | None) -> dict[str, Any]:
+            def make(answers: Sequence[_Choice], use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
                 return {**envelope(shape.object),
-                        "choices": [shape.choice(text, reason, streaming=False, logprobs=logprobs)],
+                        "choices": [shape.choice(a.text, a.reason, streaming=False, logprobs=a.logprobs, index=i)
+                                    for i, a in enumerate(answers)],
                         "usage": use, "triedec": ext}
 
-            return await self.complete(request, job, prepared, shape, make)
+            return await self.complete(request, jobs, choices, shape, make)
         finally:
             if not streaming:
-                job.cancel()  # a no-op once the run is done
+                for each in jobs:
+                    each.cancel()  # a no-op once the run is done
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """One finished choice, ready for the response."""
+
+    text: str
+    reason: str
+    usage: dict[str, int]
+    ext: dict[str, Any]
+    logprobs: dict[str, Any] | None
+
+
+class _Countdown:
+    """Calls ``then`` on its ``count``-th call (a request's scope is left when its last choice
+    ends); called on the event loop only."""
+
+    def __init__(self, count: int, then: Any) -> None:
+        self.left, self.then = count, then
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.then()
 
 
 class _JobStream(StreamingResponse):

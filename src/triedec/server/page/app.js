@@ -162,7 +162,7 @@ class Answer {
     this.started = performance.now();
   }
 
-  addStep(step) {
+  addStep(step, logprobs) {  // logprobs: the step's tokens' entries (OpenAI's chat shape), or null
     this.steps.push(step);
     const accepted = step.tokens.length;
     step.tokens.forEach((token, i) => {
@@ -176,6 +176,15 @@ class Answer {
       const drafts = step.origins.filter((o) => o !== "model").length;
       span.title = "step " + step.step + " · this step produced " + accepted + " token" + (accepted === 1 ? "" : "s") +
         " (" + drafts + " accepted draft" + (drafts === 1 ? "" : "s") + ") · origin: " + origin;
+      const entry = logprobs && logprobs[i];
+      if (entry) {
+        span.dataset.logprob = String(entry.logprob);
+        span.title += " · logprob " + entry.logprob.toFixed(3) + " (p " + Math.exp(entry.logprob).toFixed(3) + ")";
+        if (entry.top_logprobs.length) {
+          span.title += " · likeliest: " + entry.top_logprobs.map(
+            (t) => JSON.stringify(t.token) + " " + t.logprob.toFixed(2)).join(", ");
+        }
+      }
       span.addEventListener("click", () => this.select(step, span));
       this.body.appendChild(span);
       this.tokens.push(token);
@@ -215,6 +224,7 @@ class Answer {
 
 async function stream(messages, method, options, sampling, answer) {
   const body = { messages, stream: true, trace: true, method, method_options: options, ...sampling };
+  if (method !== "beam") Object.assign(body, { logprobs: true, top_logprobs: 5 });  // beam reports none
   const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body) });
   if (!response.ok) throw new Error(await errorOf(response));
   const reader = response.body.getReader();
@@ -236,7 +246,8 @@ async function stream(messages, method, options, sampling, answer) {
       const ext = chunk.triedec || {};
       const choice = chunk.choices && chunk.choices[0];
       if (ext.trace) {
-        for (const step of ext.trace) answer.addStep(step);
+        const logprobs = choice && choice.logprobs ? choice.logprobs.content.slice() : null;
+        for (const step of ext.trace) answer.addStep(step, logprobs && logprobs.splice(0, step.tokens.length));
       } else if (choice && choice.delta && choice.delta.content) {
         answer.addText(choice.delta.content);
       }
