@@ -175,7 +175,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4000}, 400, "context"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, 400,
      "context"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 2}, 400, "unsupported field(s): n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 17}, 400, "n must lie in [1, 16]"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400,
      "unsupported field(s): response_format"),
     ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True, "top_logprobs": 99}, 400,

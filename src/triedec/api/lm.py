@@ -38,7 +38,7 @@ from triedec.model.adapter import ModelAdapter
 class GenerationResult:
     """``text``: the decoded new tokens (cut right after a stop string, if one ended generation);
     ``token_ids``: the new tokens only; ``stats``: counters and timings; ``logprobs``: each new
-token's :class:`~triedec.core.logprobs.TokenLogprob` when asked for. Beam search also returns
+    token's :class:`~triedec.core.logprobs.TokenLogprob` when asked for. Beam search also returns
     ``sequences``: the ``num_return_sequences`` best hypotheses with their scores, best first
     (``token_ids`` is the first one's)."""
 

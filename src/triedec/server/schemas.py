@@ -94,7 +94,6 @@ class Generation(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int | None = None
-    # known, unsupported
 
     def ignored(self) -> list[str]:
         """The top-level fields the server does not know (ignored), sorted; names are cut to 64

@@ -99,8 +99,8 @@ class Service:
         config = self.config
         unsupported = req.unsupported()
         if unsupported:
-            raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec returns one choice, "
-                               "without tools or response formats)")
+            raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec runs no tools, response "
+                               "formats, best_of or suffix yet)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
