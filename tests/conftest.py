@@ -29,3 +29,23 @@ def default_lm():
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny random Llama with a tiny BPE tokenizer and a chat template."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def base(lm, request):
+    """A server for the module's ``lm`` on loopback, answering as ``"tiny"`` with the module's
+    ``SERVER_METHOD`` (``"auto"`` when it names none) as its default method; its base URL."""
+    from triedec.bench.load import serving
+    from triedec.server import ServerConfig, create_app
+
+    method = getattr(request.module, "SERVER_METHOD", "auto")
+    with serving(create_app(lm, ServerConfig(model_name="tiny", method=method))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    """The ``openai`` client for :func:`base` (no retries, so a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)

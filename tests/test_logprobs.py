@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 import torch
 from helpers import together
@@ -142,17 +141,6 @@ def test_without_logprobs_nothing_is_computed(lm):
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def base(lm):
-    with serving(create_app(lm, ServerConfig(model_name=MODEL, method="auto"))) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 CHAT = [{"role": "user", "content": "Write fibonacci in Python."}]

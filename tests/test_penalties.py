@@ -13,12 +13,10 @@ from helpers import together
 
 import triedec
 from triedec.api.generation import GenerationRequest
-from triedec.bench.load import serving
 from triedec.core.errors import TriedecError
 from triedec.core.sampling import Sampling
 from triedec.engine.batch import BatchLimits
 from triedec.engine.methods import methods
-from triedec.server import ServerConfig, create_app
 
 MODEL = "tiny"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -144,12 +142,6 @@ def test_logit_bias_ids_are_checked_against_the_vocabulary_and_beam_refuses_the_
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def base(lm):
-    with serving(create_app(lm, ServerConfig(model_name=MODEL, method="auto"))) as url:
-        yield url
 
 
 def test_the_fields_through_the_openai_client(base, lm):

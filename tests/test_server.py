@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import schemathesis
 from helpers import cache_with_built_kernels
@@ -29,6 +28,7 @@ from triedec.engine.batch import BatchLimits
 from triedec.server import ServerConfig, TextStream, create_app
 
 MODEL = "tiny"
+SERVER_METHOD = "pld"  # the default method of the module's server (conftest's ``base``)
 
 
 def free_port() -> int:
@@ -40,17 +40,6 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def lm(tiny_model_dir):
     return triedec.load(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def base(lm):
-    with serving(create_app(lm, ServerConfig(model_name=MODEL, method="pld"))) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def client(base):
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 CHAT = [{"role": "user", "content": "Tell me a story about the sea."}]

@@ -78,31 +78,42 @@ def token_label(tokenizer: Any, token: int) -> str:
     """How a response names one token: its :func:`token_text`, or, when that text hides bytes of
     an incomplete character, OpenAI's ``bytes:\\xNN...`` spelling of its bytes (so tokens that
     decode alike keep names of their own)."""
-    text = token_text(tokenizer, token)
-    if "\ufffd" not in text:
-        return text
-    raw = bytes(token_bytes(tokenizer, token))
-    return text if raw == text.encode("utf-8") else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return token_name(tokenizer, token)[0]
 
 
 def token_bytes(tokenizer: Any, token: int) -> list[int]:
     """One token's UTF-8 bytes, also when they are part of a character (OpenAI's ``bytes``): the
     byte-level BPE alphabet (GPT-2's, as transformers defines it) or a ``<0xNN>`` byte-fallback piece
     read back to its bytes; otherwise the bytes of :func:`token_text`."""
+    return token_name(tokenizer, token)[1]
+
+
+def token_name(tokenizer: Any, token: int) -> tuple[str, list[int]]:
+    """:func:`token_label` and :func:`token_bytes` of one token, decoding it once."""
     text = token_text(tokenizer, token)
     if "\ufffd" not in text:
-        return list(text.encode("utf-8"))
+        return text, list(text.encode("utf-8"))
+    raw = _piece_bytes(tokenizer, token)
+    if raw is None or bytes(raw) == text.encode("utf-8"):
+        return text, list(text.encode("utf-8"))
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _piece_bytes(tokenizer: Any, token: int) -> list[int] | None:
+    """The bytes a token's vocabulary piece stands for (a ``<0xNN>`` byte-fallback piece or the
+    byte-level BPE alphabet), or None when the piece is neither."""
     piece = tokenizer.convert_ids_to_tokens(token)
-    if isinstance(piece, str):
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:
-                return [int(piece[3:5], 16)]
-            except ValueError:
-                pass
-        table = _BYTE_DECODER
-        if piece and all(c in table for c in piece):
-            return [table[c] for c in piece]
-    return list(text.encode("utf-8"))
+    if not isinstance(piece, str):
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return [int(piece[3:5], 16)]
+        except ValueError:
+            pass
+    table = _BYTE_DECODER
+    if piece and all(c in table for c in piece):
+        return [table[c] for c in piece]
+    return None
 
 
 class TokenOffsets:

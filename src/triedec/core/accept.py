@@ -147,9 +147,8 @@ class GreedyRule:
         return adjust(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        s = self.sampling
-        if not s.adjusts or (not s.reads_prefix and not s.logit_bias and position >= s.min_tokens):
-            return accept_greedy(tree, argmax(logits))  # nothing changes a row (min_tokens is behind)
+        if not self.sampling.adjusts_from(position):
+            return accept_greedy(tree, argmax(logits))
         nodes = _PerNode(tree, logits, context, position, self.penalized)
         return walk(tree, _memo(lambda i: int(self.processed(nodes.row(i), nodes.seen(i), nodes.position(i)).argmax())))
 

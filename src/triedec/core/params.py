@@ -152,6 +152,11 @@ class Sampling:
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
                     or self.logit_bias or self.min_tokens)
 
+    def adjusts_from(self, position: int) -> bool:
+        """True when :attr:`adjusts` holds for some row at output position ``position`` or later
+        (``min_tokens`` stops holding back ids once that many tokens are out)."""
+        return bool(self.reads_prefix or self.logit_bias or position < self.min_tokens)
+
     @property
     def reads_prefix(self) -> bool:
         """True when processing a row reads the tokens of its prefix (a penalty applies)."""

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from triedec.api.text import token_bytes, token_label
+from triedec.api.text import token_label, token_name
 from triedec.core.errors import TriedecError
 from triedec.core.logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 
@@ -200,8 +200,8 @@ class Shape:
         prompt's first token, which has no logprob: ``null`` in both lists)."""
         if self.chat:
             def entry(token: int, logprob: float) -> dict[str, Any]:
-                return {"token": token_label(tokenizer, token), "logprob": _json_logprob(logprob),
-                        "bytes": token_bytes(tokenizer, token)}
+                label, raw = token_name(tokenizer, token)
+                return {"token": label, "logprob": _json_logprob(logprob), "bytes": raw}
 
             return {"content": [{**entry(i.token, i.logprob), "top_logprobs": [entry(t, v) for t, v in i.top]}
                                 for i in items], "refusal": None}
