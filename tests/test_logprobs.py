@@ -4,6 +4,7 @@ model's own float32 logits for the same prefix; the server returns them in OpenA
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -304,10 +305,28 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, lm):
     assert plain.choices[0].text == choice.text + lm.generate(PROMPT, "auto", max_new_tokens=5).text
 
 
-def test_echo_cannot_stream_and_max_tokens_0_needs_echo(base):
-    for body, param in (({"echo": True, "stream": True}, "echo"), ({"max_tokens": 0}, "max_tokens")):
-        response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", **body}, timeout=60)
-        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+def test_echo_streams_as_it_answers_at_once(base):
+    """Streamed, the echoed prompt (text and logprobs) comes first, then the completion's chunks:
+    joined, they are the unstreamed answer, bit for bit; ``max_tokens`` 0 needs ``echo``."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "echo": True, "logprobs": 1, "temperature": 0.6,
+            "seed": 4}
+    whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    for tokens in (5, 0):
+        if tokens == 0:
+            body["max_tokens"] = 0
+            whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        text, lists = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["text"]
+                    for key, values in (choice["logprobs"] or {}).items():
+                        lists[key] += values
+        assert text == whole["text"] and lists == whole["logprobs"], tokens
+    response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 0}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens", response.text
 
 
 def test_a_prompt_token_the_processed_distribution_excludes_shows_as_vllms_floor(base):
@@ -346,16 +365,6 @@ def test_n_without_a_seed_draws_one_and_greedy_choices_are_equal(base, lm):
     greedy = httpx.post(f"{base}/v1/completions", json={**body, "temperature": 0}, timeout=60).json()
     texts = [c["text"] for c in greedy["choices"]]
     assert texts == [lm.generate(PROMPT, "auto", max_new_tokens=6).text] * 4
-
-
-@pytest.mark.parametrize(("body", "status"), [
-    ({"n": 17}, 400), ({"n": 0}, 400), ({"n": 2, "stream": True}, 400), ({"n": 2, "method": "beam"}, 400),
-])
-def test_n_past_its_cap_or_with_stream_or_beam_gets_a_400_naming_n(base, body, status):
-    payload = {"model": MODEL, "prompt": "hi", "max_tokens": 4, **body}
-    response = httpx.post(f"{base}/v1/completions", json=payload, timeout=60)
-    assert response.status_code == status, response.text
-    assert response.json()["error"]["param"] == "n"
 
 
 def test_n_counts_in_the_tenants_share(lm):

@@ -179,7 +179,7 @@ BAD = [
      "beam search does not sample"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "token ids"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, 400, "unsupported field(s): best_of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "end"}, 400, "unsupported field(s): suffix"),
     ("/v1/completions", {"model": MODEL}, 400, "prompt"),
 ]
 

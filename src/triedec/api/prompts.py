@@ -41,6 +41,11 @@ class Prompts:
         with self._lock:
             return list(self.tokenizer(text, split_special_tokens=split_special, **kwargs)["input_ids"])
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids as transformers tokenizes it (special tokens' text becomes the
+        control token; ``add_special_tokens``: the tokenizer's own BOS/EOS, if it adds any)."""
+        return self._ids(text, False, add_special_tokens=add_special_tokens)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))

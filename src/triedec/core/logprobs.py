@@ -10,7 +10,7 @@ same logprobs as ``ar`` for the same request and seed, bit for bit, and costs no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,11 +23,17 @@ __all__ = ["LOGPROB_MODES", "MAX_TOP_LOGPROBS", "Logprobs", "TokenLogprob", "tok
 class TokenLogprob:
     """One generated token (an id), its logprob, and the ``top`` most likely tokens with theirs:
     ``(id, logprob)`` pairs, most likely first (ties: the lower id first), tokens the distribution
-    excludes (``-inf``: filtered by top-k, top-p or min-p) left out."""
+    excludes (``-inf``: filtered by top-k, top-p or min-p) left out; ``rank``: 1 + the number of
+    tokens strictly more likely than ``token`` (vLLM's rank)."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 1
+
+    def cut(self, top: int) -> TokenLogprob:
+        """This entry with its ``top`` most likely alternatives only."""
+        return self if len(self.top) <= top else replace(self, top=self.top[:top])
 
 
 def token_logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
@@ -40,4 +46,5 @@ def token_logprob(scores: torch.Tensor, token: int, top: int) -> TokenLogprob:
         values, ids = torch.topk(logp, min(top, logp.numel()))
         pairs = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != -math.inf]
         alternatives = tuple(sorted(pairs, key=lambda pair: (-pair[1], pair[0])))
-    return TokenLogprob(int(token), float(logp[token]), alternatives)
+    value = logp[token]
+    return TokenLogprob(int(token), float(value), alternatives, int((logp > value).sum()) + 1)

@@ -185,11 +185,12 @@ class Logprobs:
     """What a request asks to see of each generated token's probability: its logprob and the
     ``top`` most likely tokens' (0 to :data:`MAX_TOP_LOGPROBS`), in distribution ``mode``
     (:data:`LOGPROB_MODES`); with ``prompt``, each prompt token's after the first too (scoring a
-    text, as evaluation harnesses do)."""
+    text, as evaluation harnesses do), with ``prompt_top`` alternatives (None: ``top``)."""
 
     top: int = 0
     mode: str = "raw"
     prompt: bool = False
+    prompt_top: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.top, bool) or not isinstance(self.top, int) or not 0 <= self.top <= MAX_TOP_LOGPROBS:
@@ -198,6 +199,14 @@ class Logprobs:
             raise TriedecError(f"logprobs_mode must be one of {', '.join(LOGPROB_MODES)}, got {self.mode!r}")
         if not isinstance(self.prompt, bool):
             raise TriedecError(f"prompt_logprobs must be true or false, got {self.prompt!r}")
+        top = self.prompt_top
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise TriedecError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+
+    @property
+    def prompt_alternatives(self) -> int:
+        """How many alternatives each prompt token's entry carries."""
+        return self.top if self.prompt_top is None else self.prompt_top
 
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))

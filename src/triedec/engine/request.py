@@ -244,7 +244,7 @@ class Request:
                 seen = seen_tokens(prefix, new[:j]) if self.rule.penalized else seen_tokens(())
                 position = len(self.generated) + j if output else 0
                 row = self.rule.processed(row.detach().to("cpu"), seen, position)
-            self._fresh_logprobs.append(token_logprob(row, token, ask.top))
+            self._fresh_logprobs.append(token_logprob(row, token, ask.top if output else ask.prompt_alternatives))
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:

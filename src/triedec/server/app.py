@@ -41,6 +41,7 @@ from triedec.server.schemas import (
 )
 from triedec.server.service import Service, shown_options
 from triedec.server.tenancy import ANONYMOUS, Scopes, tenant_file
+from triedec.server.tokenizer import add_routes as add_tokenizer
 from triedec.server.transport import front_door_layers
 
 log = logging.getLogger("triedec.server")
@@ -128,19 +129,20 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request, req: ChatRequest) -> Any:
         if not req.messages:
             return _warn_ignored(req, error(400, "messages must not be empty", param="messages"))
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        return _warn_ignored(req, await service.respond(request, req, messages, CHAT_SHAPE))
+        return _warn_ignored(req, await service.respond(request, req, CHAT_SHAPE))
 
     @app.post(COMPLETION_SHAPE.path, response_model=None)
     async def completions(request: Request, req: CompletionRequest) -> Any:
-        if not req.prompt:
+        if not req.prompt or any(not p for p in req.prompts()):
             return _warn_ignored(req, error(400, "prompt must not be empty", param="prompt"))
-        return _warn_ignored(req, await service.respond(request, req, req.prompt, COMPLETION_SHAPE))
+        return _warn_ignored(req, await service.respond(request, req, COMPLETION_SHAPE))
 
     shown = shown_options(config.method, config.method_options)
     add_playground(app, config.api_keys is not None,
                    playground_info(config.model_name, config.method, shown, config.max_tokens_limit,
                                    config.default_max_tokens, lm.adapter.exactness))
+
+    add_tokenizer(app, lm, config.model_name, split_special=not config.special_tokens_in_text)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -11,12 +11,14 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from triedec.api.text import token_label, token_name
+from triedec.api.text import token_label, token_name, token_text
 from triedec.core.errors import TriedecError
 from triedec.core.logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A strict request body: unknown fields and wrong types are 400s."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -29,12 +31,12 @@ IGNORED_HEADER = "X-Triedec-Warning"
 as vLLM ignores them: ``unknown fields ignored: a, b``."""
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -43,18 +45,18 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
 UNSUPPORTED_NEUTRAL: dict[str, object] = {
     "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "parallel_tool_calls": None, "best_of": None, "suffix": None,
+    "function_call": None, "response_format": None, "parallel_tool_calls": None, "suffix": None,
 }
 """OpenAI fields the server knows but does not support, with the value that asks for nothing."""
 
 
-class Generation(_Body):
+class Generation(Body):
     """Fields both endpoints share: OpenAI's, then triedec's extra-body ones. A top-level field the
     server does not know is ignored and named in the :data:`IGNORED_HEADER` response header (nested
     objects stay strict: a typo inside ``messages`` or ``method_options`` is a 400)."""
@@ -94,6 +96,8 @@ class Generation(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     n: int | None = None
+    prompt_logprobs: int | None = Field(default=None, description="vLLM's: each prompt token's logprob and this many "
+                                        "alternatives (0-20), in vLLM's shape")
 
     def ignored(self) -> list[str]:
         """The top-level fields the server does not know (ignored), sorted; names are cut to 64
@@ -103,18 +107,31 @@ class Generation(_Body):
         return ["".join(c for c in n if c.isascii() and (c.isalnum() or c in "_.-"))[:64] or "?" for n in names][:16]
 
     def choices(self) -> int:
-        """How many choices the request asks for (``n``: 1 to :data:`MAX_CHOICES`)."""
+        """How many choices the request asks for per prompt (``n``: 1 to :data:`MAX_CHOICES`)."""
         n = 1 if self.n is None else self.n
         if not 1 <= n <= MAX_CHOICES:
             raise FieldError("n", f"n must lie in [1, {MAX_CHOICES}] (this server's cap), got {n}")
-        if n > 1 and self.stream:
-            raise FieldError("n", "n > 1 does not stream yet: ask without stream, or make n requests")
         return n
 
+    def candidates(self) -> int:
+        """How many runs make a prompt's choices: ``best_of`` (completions; n to
+        :data:`MAX_CHOICES`, the n with the highest sum of logprobs returned), else ``n``."""
+        n, best = self.choices(), getattr(self, "best_of", None)
+        if best is None:
+            return n
+        if not n <= best <= MAX_CHOICES:
+            raise FieldError("best_of", f"best_of must lie in [n, {MAX_CHOICES}] (n = {n}; this server's cap), got "
+                                        f"{best}")
+        if best > n and self.stream:
+            raise FieldError("best_of", "best_of > n does not stream (the best are known only at the end), as with "
+                                        "OpenAI")
+        return best
+
     def asked_logprobs(self, chat: bool) -> Logprobs | None:
-        """What the request asks to see of each token's probability, in its endpoint's spelling:
-        chat ``logprobs: true`` with ``top_logprobs`` 0-20; completions ``logprobs: k`` (0-20)."""
-        mode = Logprobs.mode if self.logprobs_mode is None else self.logprobs_mode
+        """What the request asks to see of each generated token's probability, in its endpoint's
+        spelling: chat ``logprobs: true`` with ``top_logprobs`` 0-20; completions ``logprobs: k``
+        (0-20)."""
+        mode = self.logprobs_mode_asked()
         if chat:
             if self.logprobs is not None and not isinstance(self.logprobs, bool):
                 raise FieldError("logprobs", f"logprobs must be true or false in a chat request, got {self.logprobs!r}"
@@ -137,10 +154,30 @@ class Generation(_Body):
             top, name = self.logprobs, "logprobs"
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise FieldError(name, f"{name} must lie in [0, {MAX_TOP_LOGPROBS}] (this server's cap), got {top}")
+        return Logprobs(top, mode)
+
+    def logprobs_mode_asked(self) -> str:
+        """``logprobs_mode``, checked (``raw`` when not given)."""
+        mode = Logprobs.mode if self.logprobs_mode is None else self.logprobs_mode
         try:
-            return Logprobs(top, mode, prompt=bool(getattr(self, "echo", False)))
+            Logprobs(0, mode)
         except TriedecError as exc:
             raise FieldError("logprobs_mode", str(exc)) from None
+        return mode
+
+    def asked_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``: each prompt token's logprob with this many alternatives
+        (0-20), or None."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise FieldError("prompt_logprobs", f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}] (this server's "
+                                                f"cap), got {k}")
+        return k
+
+    def prompts(self) -> list[Any]:
+        """The request's prompts: one (text, or token ids), or several (completions' list of texts
+        or of token-id lists), each answered by its own choices; chat: its messages."""
+        raise NotImplementedError
 
     def unsupported(self) -> list[str]:
         given = self.model_dump(exclude_unset=True)
@@ -158,12 +195,21 @@ class ChatRequest(Generation):
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    def prompts(self) -> list[Any]:
+        return [[{"role": m.role, "content": m.text()} for m in self.messages]]
+
 
 class CompletionRequest(Generation):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    def prompts(self) -> list[Any]:
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return [p]
+        return list(p)
 
 
 @dataclass(frozen=True)
@@ -180,10 +226,15 @@ class Shape:
     """the route that answers in this shape"""
 
     def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False,
-               logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, index: int = 0,
+               prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+        """One choice (a chunk's, when ``streaming``); vLLM's ``prompt_logprobs`` go in a
+        completion's choice (a chat response carries them at its top level)."""
         out: dict[str, Any] = {"index": index}
         if not self.chat:
             out["text"] = text or ""
+            if prompt_logprobs is not None:
+                out["prompt_logprobs"] = prompt_logprobs
         elif not streaming:
             out["message"] = {"role": "assistant", "content": text}
         else:
@@ -216,6 +267,28 @@ class Shape:
         if lead is not None:
             tokens, values, tops = [token_label(tokenizer, lead), *tokens], [None, *values], [None, *tops]
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": list(offsets)}
+
+    @staticmethod
+    def joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+        """Two :meth:`logprobs` values of consecutive tokens as one (an echoed prompt's, then the
+        completion's)."""
+        return {k: v + then[k] if isinstance(v, list) else v for k, v in first.items()}
+
+
+def vllm_prompt_logprobs(items: Sequence[TokenLogprob], tokenizer: Any, top: int) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the prompt's first token, then for each token a
+    dict from token id (a string, as JSON keys are) to ``{logprob, rank, decoded_token}``: the
+    prompt's own token (its rank among the vocabulary) and its ``top`` most likely alternatives
+    (ranks 1..top)."""
+    out: list[Any] = [None]
+    for item in items:
+        entry = {str(item.token): {"logprob": _json_logprob(item.logprob), "rank": item.rank,
+                                   "decoded_token": token_text(tokenizer, item.token)}}
+        for rank, (token, value) in enumerate(item.top[:top], 1):
+            entry.setdefault(str(token), {"logprob": _json_logprob(value), "rank": rank,
+                                          "decoded_token": token_text(tokenizer, token)})
+        out.append(entry)
+    return out
 
 
 LEAST_LOGPROB = -9999.0

@@ -25,7 +25,7 @@ from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
 from triedec.api.text import TextStream, TokenOffsets
 from triedec.core.errors import StateFileError, TriedecError
-from triedec.core.logprobs import TokenLogprob
+from triedec.core.logprobs import Logprobs, TokenLogprob
 from triedec.core.sampling import MAX_SEED, SAMPLING_FIELDS, Sampling
 from triedec.core.trace import StepTrace
 from triedec.drafters.base import FROM_STORE
@@ -41,10 +41,12 @@ from triedec.server.scheduler import QueueFull, Scheduler, TenantBusy
 from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
+    MAX_CHOICES,
     FieldError,
     Generation,
     Shape,
     error,
+    vllm_prompt_logprobs,
 )
 from triedec.server.sharing import Sharing
 from triedec.server.tenancy import ANONYMOUS, Scopes
@@ -54,21 +56,39 @@ log = logging.getLogger("triedec.server")
 
 @dataclass
 class _Prepared:
+    """One run of a request (a choice, or a ``best_of`` candidate) and how to answer with it."""
+
     run: Run
     method: str
     options: dict[str, Any]
     """the options a client may see (state-file paths left out)"""
-    prompt_tokens: int
+    prompt: tuple[int, ...]
+    """its prompt's token ids"""
+    index: int
+    """which of the request's prompts it answers (completions take a list)"""
     stops: tuple[str, ...]
     trace: bool = False
     """the client asked for each step's record (``trace``)"""
-    logprobs: bool = False
-    """the client asked for each token's logprobs"""
-    echo: tuple[int, ...] | None = None
-    """the prompt's token ids, when the response starts with the prompt (completions' ``echo``)"""
+    logprobs: int | None = None
+    """the alternatives per token the client sees with each token's logprob (None: no logprobs)"""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs``: the alternatives per prompt token shown in its shape"""
+    echo: bool = False
+    """the response starts with the prompt (completions' ``echo``; with logprobs, its entries)"""
     score_only: bool = False
     """``echo`` with ``max_tokens`` 0: the prompt is scored, and the one token the engine
     generates (from the prefill's last row, no extra forward) is not returned"""
+    limit: int = 0
+    """the most tokens it may generate"""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """the run scores its prompt (its first ``len(prompt) - 1`` logprobs are the prompt's)"""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
 class Service:
@@ -100,7 +120,7 @@ class Service:
         unsupported = req.unsupported()
         if unsupported:
             raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec runs no tools, response "
-                               "formats, best_of or suffix yet)")
+                               "formats or suffix yet)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
@@ -112,20 +132,72 @@ class Service:
         options.update(req.method_options or {})
         return method, options
 
-    def prepare(self, req: Generation, prompt: Any, chat: bool, method: str, options: dict[str, Any],
+    def runs(self, req: Generation, prompts: int, method: str) -> tuple[int, int]:
+        """``(n, runs per prompt)``, checked: the choices per prompt and the runs that make them
+        (``best_of`` candidates; one for beam search, whose n best hypotheses are the choices),
+        at most :data:`MAX_CHOICES` runs in all."""
+        n, k = req.choices(), req.candidates()
+        if find_method(method).spec.own_loop:
+            if k > n:
+                raise FieldError("best_of", "best_of is not supported with beam search (n returns its n best "
+                                            "hypotheses)")
+            if n > 1 and req.stream:
+                raise FieldError("n", "n > 1 with beam search does not stream (the n best hypotheses are known "
+                                      "only at the end)")
+            k = 1
+        if prompts * k > MAX_CHOICES:
+            raise FieldError("prompt" if prompts > 1 else "n", f"{prompts} prompt(s) x {k} run(s) each exceed this "
+                                                               f"server's cap of {MAX_CHOICES} runs per request")
+        return n, k
+
+    def prepare(self, req: Generation, prompts: Sequence[Any], chat: bool, method: str, options: dict[str, Any],
                 scope: Hashable) -> list[_Prepared]:
-        """Validate everything and make the request's runs, one per choice (in a worker thread;
-        the method is already built, on the engine thread). Sampled, choice i is seeded
-        ``seed + i`` (a seed drawn once when the request has none); greedy, the choices are equal."""
+        """Validate everything and make the request's runs, for each prompt one per choice (or
+        per ``best_of`` candidate; in a worker thread; the method is already built, on the engine
+        thread). Sampled, a prompt's choice i is seeded ``seed + i`` (a seed drawn once when the
+        request has none); greedy, a prompt's choices are equal."""
         lm, config = self.lm, self.config
-        ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text)
+        given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
+        sampling = Sampling(**given)
+        n, k = self.runs(req, len(prompts), method)
+        shown = req.asked_logprobs(chat)
+        prompt_k = req.asked_prompt_logprobs()
+        echo = bool(getattr(req, "echo", False))
+        top = None if shown is None else shown.top
+        scores_prompt = prompt_k is not None or (echo and shown is not None)
+        logprobs = None
+        if shown is not None or scores_prompt or k > n:  # best_of candidates are ranked by their logprobs
+            logprobs = Logprobs(0 if top is None else top, req.logprobs_mode_asked(), prompt=scores_prompt,
+                                prompt_top=max(top if echo and top is not None else 0, prompt_k or 0))
+        seeds = [sampling.seed] * k
+        if k > 1 and not sampling.greedy:
+            base = secrets.randbits(63) if sampling.seed is None else sampling.seed
+            seeds = [(base + i) % MAX_SEED for i in range(k)]
+        out = []
+        for index, prompt in enumerate(prompts):
+            ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text)
+            limit, score_only = self.limit(req, ids)
+            for seed in seeds:
+                request = GenerationRequest(ids, method, options, limit, req.stop, tuple(req.stop_token_ids or ()),
+                                            sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
+                                            ignore_eos=req.ignore_eos)
+                run = lm.start(request, scope=scope)
+                if req.trace:
+                    run.record_steps()
+                out.append(_Prepared(run, method, shown_options(method, options), tuple(ids), index, request.stop,
+                                     req.trace, top, prompt_k, echo, score_only, limit))
+        return out
+
+    def limit(self, req: Generation, ids: Sequence[int]) -> tuple[int, bool]:
+        """The tokens to generate after the prompt ``ids`` (``max_tokens``, or as many as fit
+        the context up to the server's default), checked, and whether the request only scores the
+        prompt (``echo`` with ``max_tokens`` 0: one token is generated, from the prefill's last
+        row, and not returned)."""
+        lm, config = self.lm, self.config
         limit = getattr(req, "max_completion_tokens", None)
         name = "max_tokens" if limit is None else "max_completion_tokens"  # errors name the field the client sent
         limit = req.max_tokens if limit is None else limit
-        echo = bool(getattr(req, "echo", False))
-        if echo and req.stream:
-            raise FieldError("echo", "echo is not supported with stream: true")
-        score_only = echo and limit == 0 and not isinstance(limit, bool)
+        score_only = bool(getattr(req, "echo", False)) and limit == 0 and not isinstance(limit, bool)
         if score_only:
             limit = 1  # the first token comes from the prefill's last row: it costs no forward
         if limit is None:
@@ -138,28 +210,7 @@ class Service:
         if lm.max_context is not None and len(ids) + limit > lm.max_context:
             raise FieldError(name, f"the prompt ({len(ids)} tokens) + {name} ({limit}) exceed the model's context of "
                                    f"{lm.max_context} tokens")
-        given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
-        logprobs = req.asked_logprobs(chat)
-        sampling = Sampling(**given)
-        n = req.choices()
-        if n > 1 and find_method(method).spec.own_loop:
-            raise FieldError("n", "n > 1 is not supported with beam search yet (its hypotheses come from one run; "
-                                  "ask one choice)")
-        seeds = [sampling.seed] * n
-        if n > 1 and not sampling.greedy:
-            base = secrets.randbits(63) if sampling.seed is None else sampling.seed
-            seeds = [(base + i) % MAX_SEED for i in range(n)]
-        out = []
-        for seed in seeds:
-            request = GenerationRequest(ids, method, options, limit, req.stop, tuple(req.stop_token_ids or ()),
-                                        sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
-                                        ignore_eos=req.ignore_eos)
-            run = lm.start(request, scope=scope)
-            if req.trace:
-                run.record_steps()
-            out.append(_Prepared(run, method, shown_options(method, options), len(ids), request.stop, req.trace,
-                                 logprobs is not None, tuple(ids) if echo else None, score_only))
-        return out
+        return limit, score_only
 
     def check_size(self, req: Generation, prompt: Any, chat: bool) -> None:
         """Refuse a prompt surely too long for the context from its size alone, before anything is
@@ -196,12 +247,17 @@ class Service:
             return None
         prompt = found.get("messages") if chat else found.get("prompt")
         if chat and isinstance(prompt, list):
-            prompt = [m for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
-        elif not isinstance(prompt, str):
+            prompts = [[m for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]]
+        elif isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = prompt  # several text prompts
+        else:
             return None
         limits = {k: found.get(k) for k in ("max_tokens", *(("max_completion_tokens",) if chat else ()))}
         try:
-            self.check_size(_Limits(**limits), prompt or "", chat)
+            for each in prompts:
+                self.check_size(_Limits(**limits), each or "", chat)
         except FieldError as exc:
             return error(400, str(exc), param=exc.param)
         return None
@@ -219,10 +275,10 @@ class Service:
             return tenant
         return f"peer:{request.client.host if request.client else ''}"
 
-    async def start(self, request: Request, req: Generation, prompt: Any, shape: Shape
+    async def start(self, request: Request, req: Generation, shape: Shape
                     ) -> tuple[list[Job], list[_Prepared]] | JSONResponse:
-        """Validate the request and submit its jobs, one per choice (``n``); the answer to a
-        request refused on the way."""
+        """Validate the request and submit its jobs, one per run (a prompt's choices, or its
+        ``best_of`` candidates); the answer to a request refused on the way."""
         assert self.metrics is not None
         label = req.method or self.config.method
         label = label if label in self.known else "unknown"  # bounded label values, whatever clients send
@@ -230,18 +286,22 @@ class Service:
         entered = False
         try:
             self.scheduler.check_room()  # 503 before any per-request work
-            self.check_size(req, prompt, shape.chat)  # 400 before anything is tokenized
+            prompts = req.prompts()
+            for prompt in prompts:
+                self.check_size(req, prompt, shape.chat)  # 400 before anything is tokenized
             method, options = self.method_of(req)
-            n = req.choices()
+            n, k = self.runs(req, len(prompts), method)
+            if find_method(method).spec.own_loop and n > 1:  # beam search: its n best hypotheses
+                options = self.beam_choices(method, options, n)
             tenant = self.tenant(request, req)
-            self.scheduler.check_tenant(tenant, n)  # 429 now, before any wait for the engine thread
+            self.scheduler.check_tenant(tenant, len(prompts) * k)  # 429 now, before any wait for the engine thread
             scope, options = self.scopes.enter(tenant, method, options)
             entered = True
             if not self.lm.is_built(method, scope=scope, **options):
                 # built on the engine thread (torch ops; see the scheduler); nothing is measured on a request's path:
                 # create_app loaded the whole calibration
                 await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
-            prepared = await run_in_threadpool(self.prepare, req, prompt, shape.chat, method, options, scope)
+            prepared = await run_in_threadpool(self.prepare, req, prompts, shape.chat, method, options, scope)
             seconds = self.config.max_request_seconds
             deadline = None if seconds is None else time.perf_counter() + seconds
             rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
@@ -285,6 +345,18 @@ class Service:
             self.scopes.leave(scope)
         self.metrics.requests.labels(shape.endpoint, label, str(status)).inc()
         return answer
+
+    @staticmethod
+    def beam_choices(method: str, options: dict[str, Any], n: int) -> dict[str, Any]:
+        """Beam search's options returning its ``n`` best hypotheses (``num_return_sequences``),
+        checked against ``num_beams``."""
+        asked = options.get("num_return_sequences")
+        if asked is not None and asked != n:
+            raise FieldError("n", f"n ({n}) and method_options.num_return_sequences ({asked}) disagree")
+        beams = find_method(method).make_options(options).num_beams
+        if n > beams:
+            raise FieldError("n", f"n ({n}) cannot exceed num_beams ({beams}): beam search returns at most its beams")
+        return {**options, "num_return_sequences": n}
 
     def extension(self, prepared: _Prepared, outcome: Outcome) -> dict[str, Any]:
         s = outcome.stats
@@ -335,28 +407,59 @@ class Service:
                     return None
 
     async def complete(self, request: Request, jobs: Sequence[Job], prepared: Sequence[_Prepared], shape: Shape,
-                       make: Any) -> JSONResponse:
-        """One response with every choice, or the first failure among them."""
+                       n: int, make: Any) -> JSONResponse:
+        """One response with every choice: for each prompt in order, its ``n`` choices (of
+        ``best_of`` candidates the n with the highest sum of logprobs, best first; beam search's n
+        best hypotheses), or the first failure among them. Usage counts each prompt once and every
+        token generated, discarded candidates' too."""
         answers = await asyncio.gather(*(self.collect(request, job, p, shape, i == 0)
                                          for i, (job, p) in enumerate(zip(jobs, prepared, strict=True))))
-        for answer in answers:
+        by_prompt: dict[int, list[_Choice]] = {}
+        prompt_tokens: dict[int, int] = {}
+        for p, answer in zip(prepared, answers, strict=True):
             if isinstance(answer, JSONResponse):
                 return answer
-        first = prepared[0]
-        use = {"prompt_tokens": first.prompt_tokens,
-               "completion_tokens": sum(a.usage["completion_tokens"] for a in answers)}  # type: ignore[union-attr]
-        use["total_tokens"] = use["prompt_tokens"] + use["completion_tokens"]
-        ext = dict(answers[0].ext)  # type: ignore[union-attr]
-        if len(answers) > 1:
-            ext["choices"] = [a.ext for a in answers]  # type: ignore[union-attr]
-        return JSONResponse(make(answers, use, ext))
+            by_prompt.setdefault(p.index, []).extend(answer)
+            prompt_tokens[p.index] = p.prompt_tokens
+        chosen: list[_Choice] = []
+        for index in sorted(by_prompt):
+            candidates = by_prompt[index]
+            if len(candidates) > n:  # best_of: the n most likely (a stable sort: ties keep their order)
+                candidates = sorted(candidates, key=lambda c: -c.score)[:n]
+            chosen += candidates
+        generated = sum(c.tokens for cs in by_prompt.values() for c in cs)
+        use = {"prompt_tokens": sum(prompt_tokens.values()), "completion_tokens": generated,
+               "total_tokens": sum(prompt_tokens.values()) + generated}
+        ext = dict(chosen[0].ext)
+        if len(chosen) > 1:
+            ext["choices"] = [c.ext for c in chosen]
+        return JSONResponse(make(chosen, use, ext))
+
+    def prompt_parts(self, prepared: _Prepared, entries: Sequence[TokenLogprob], shape: Shape
+                     ) -> tuple[str, dict[str, Any] | None, list[Any] | None, TokenOffsets]:
+        """What a choice shows of its prompt: the echoed text (or ``""``), the echoed prompt's
+        logprobs in the endpoint's shape (its first token has none), vLLM's ``prompt_logprobs``,
+        and the text offsets counted on from the prompt (``entries``: the prompt's scores)."""
+        tokenizer, prompt = self.lm.tokenizer, list(prepared.prompt)
+        offsets = TokenOffsets(tokenizer)
+        text, shown, scored = "", None, None
+        if prepared.echo:
+            text = tokenizer.decode(prompt, skip_special_tokens=True)
+            where = offsets.add(prompt)
+            if prepared.logprobs is not None:
+                shown = shape.logprobs([e.cut(prepared.logprobs) for e in entries], tokenizer, where, prompt[0])
+        if prepared.prompt_logprobs is not None:
+            scored = vllm_prompt_logprobs(entries, tokenizer, prepared.prompt_logprobs)
+        return text, shown, scored, offsets
 
     async def collect(self, request: Request, job: Job, prepared: _Prepared, shape: Shape,
-                      first: bool = True) -> _Choice | JSONResponse:
-        """One choice's events to its text, finish reason, usage, extension and logprobs, or the
-        answer to its failure (``first``: the request's first choice, which counts the request)."""
+                      first: bool = True) -> list[_Choice] | JSONResponse:
+        """One run's events to its choice (beam search's n best hypotheses: n choices): text,
+        finish reason, tokens, extension and logprobs, or the answer to its failure (``first``:
+        the request's first run, which counts the request)."""
         assert self.metrics is not None
-        text = TextStream(self.lm.tokenizer, prepared.stops)
+        tokenizer = self.lm.tokenizer
+        text = TextStream(tokenizer, prepared.stops)
         steps: list[dict[str, Any]] = []
         logprobs: list[TokenLogprob] = []
         while True:
@@ -371,79 +474,120 @@ class Service:
                 else:
                     text.tokens += value  # the text is decoded once, at the end
             elif kind == "done":
-                self.metrics.finished(shape.endpoint, prepared.method, value, request=first)
-                ext = self.extension(prepared, value)
-                if prepared.trace:
-                    ext["trace"] = steps
-                body, reason, shown = text.text, self.finish_reason(value), None
-                if prepared.score_only:
-                    body, reason, text.tokens = "", "length", []
-                tokenizer, prompt = self.lm.tokenizer, prepared.echo
-                if prompt is not None:  # the prompt's text (as it decodes), then the completion's
-                    body = tokenizer.decode(list(prompt), skip_special_tokens=True) + body
-                if prepared.logprobs:  # an echoed prompt's entries come first (its first token has none)
-                    offsets = TokenOffsets(tokenizer)
-                    lead, where = (None, []) if prompt is None else (prompt[0], offsets.add(prompt))
-                    kept = len(text.tokens) + (0 if prompt is None else len(prompt) - 1)
-                    shown = shape.logprobs(logprobs[:kept], tokenizer, where + offsets.add(text.tokens), lead)
-                return _Choice(body, reason, self.usage(prepared, value), ext, shown)
+                break
             else:
                 return self.failure(kind, value, prepared, shape)
+        outcome: Outcome = value
+        self.metrics.finished(shape.endpoint, prepared.method, outcome, request=first)
+        ext = self.extension(prepared, outcome)
+        if prepared.trace:
+            ext["trace"] = steps
+        cut = prepared.prompt_tokens - 1 if prepared.scores_prompt else 0
+        echoed, shown_prompt, scored, offsets = self.prompt_parts(prepared, logprobs[:cut], shape)
+        body, reason, tokens = text.text, self.finish_reason(outcome), len(text.tokens)
+        if prepared.score_only:
+            body, reason, text.tokens, tokens = "", "length", [], 0
+        own = logprobs[cut:][: len(text.tokens)]
+        shown = None
+        if prepared.logprobs is not None:
+            shown = shape.logprobs(own, tokenizer, offsets.add(text.tokens))
+            if shown_prompt is not None:
+                shown = shape.joined(shown_prompt, shown)
+        score = sum(e.logprob for e in own)
+        choices = [_Choice(echoed + body, reason, tokens, ext, shown, scored, score)]
+        for hypothesis in outcome.sequences[1:]:  # beam search's other hypotheses, best first
+            ids = list(hypothesis.token_ids)
+            done = "stop" if len(ids) < prepared.limit else "length"
+            choices.append(_Choice(echoed + self.lm.decode_result(ids, prepared.stops), done, len(ids), ext, None,
+                                   scored, hypothesis.score))
+        return choices
 
-    async def stream(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any, include_usage: bool,
-                     first: tuple[str, Any]) -> AsyncIterator[str]:
+    async def stream_choice(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any, index: int,
+                            first: tuple[str, Any], ended: list[tuple[_Prepared, Outcome]]
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """One choice's chunks (``index``: its place in the response), from its first event on:
+        the role chunk, the echoed prompt (with its logprobs, and vLLM's ``prompt_logprobs``),
+        then its text as it comes (each token's logprobs in the chunk it arrived in; with
+        ``trace``, one chunk per step), then its finish. Appends ``(prepared, outcome)`` to
+        ``ended`` when it finishes; a failure raises :class:`_StreamFailed`."""
         assert self.metrics is not None
-        text = TextStream(self.lm.tokenizer, prepared.stops)
-        offsets = TokenOffsets(self.lm.tokenizer)
-        try:
-            yield _sse(chunk(None, None, first=True))
-            kind, value = first
-            while True:
-                if kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
-                    logprobs = job.logprobs
-                    for step in _traced(text, value, job.steps):
-                        shown = None
-                        if prepared.logprobs:
-                            count = len(step["tokens"])
-                            mine, logprobs = logprobs[:count], logprobs[count:]
-                            shown = shape.logprobs(mine, self.lm.tokenizer, offsets.add(step["tokens"]))
-                        yield _sse(chunk("".join(step["text"]), None, ext={"trace": [step]}, logprobs=shown))
-                elif kind == "tokens" and prepared.logprobs:  # each token's logprobs in the chunk it arrived in
-                    shown = shape.logprobs(job.logprobs, self.lm.tokenizer, offsets.add(value))
-                    yield _sse(chunk(text.add(value), None, logprobs=shown))
-                elif kind == "tokens":
-                    delta = text.add(value)
-                    if delta:
-                        yield _sse(chunk(delta, None))
-                elif kind == "done":
-                    self.metrics.finished(shape.endpoint, prepared.method, value)
-                    tail = text.finish()
-                    if tail:
-                        yield _sse(chunk(tail, None))
-                    ext = self.extension(prepared, value)
-                    yield _sse(chunk(None, self.finish_reason(value), ext=ext))
-                    if include_usage:
-                        yield _sse(chunk(None, None, usage=self.usage(prepared, value), ext=ext))
-                    yield "data: [DONE]\n\n"
-                    return
-                else:
-                    message = "cancelled: the server is shutting down" if kind == "cancelled" else "generation failed"
-                    yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
-                    return
-                kind, value = await job.next()
-        finally:
-            job.cancel()  # the client went away (or the stream ended): free the request at once
+        tokenizer = self.lm.tokenizer
+        text = TextStream(tokenizer, prepared.stops)
+        yield chunk(None, None, index, first=True)
+        kind, value = first
+        offsets: TokenOffsets | None = None
+        while True:
+            entries = job.logprobs if kind == "tokens" else []
+            if offsets is None and kind in ("tokens", "done"):  # the prompt's part leads the first event
+                cut = prepared.prompt_tokens - 1 if prepared.scores_prompt else 0
+                scores, entries = entries[:cut], entries[cut:]
+                echoed, shown, scored, offsets = self.prompt_parts(prepared, scores, shape)
+                if prepared.echo or scored is not None:
+                    yield chunk(echoed, None, index, logprobs=shown, prompt_logprobs=scored)
+            if kind == "tokens" and prepared.score_only:
+                pass  # the one token a prompt scoring generates is not returned
+            elif kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
+                for step in _traced(text, value, job.steps):
+                    shown = None
+                    if prepared.logprobs is not None:
+                        count = len(step["tokens"])
+                        mine, entries = entries[:count], entries[count:]
+                        shown = shape.logprobs(mine, tokenizer, offsets.add(step["tokens"]))  # type: ignore[union-attr]
+                    yield chunk("".join(step["text"]), None, index, ext={"trace": [step]}, logprobs=shown)
+            elif kind == "tokens" and prepared.logprobs is not None:  # each token's logprobs in its chunk
+                shown = shape.logprobs(entries, tokenizer, offsets.add(value))  # type: ignore[union-attr]
+                yield chunk(text.add(value), None, index, logprobs=shown)
+            elif kind == "tokens":
+                delta = text.add(value)
+                if delta:
+                    yield chunk(delta, None, index)
+            elif kind == "done":
+                self.metrics.finished(shape.endpoint, prepared.method, value, request=index == 0)
+                tail = text.finish()
+                if tail and not prepared.score_only:
+                    yield chunk(tail, None, index)
+                ended.append((prepared, value))
+                reason = "length" if prepared.score_only else self.finish_reason(value)
+                yield chunk(None, reason, index, ext=self.extension(prepared, value))
+                return
+            else:
+                raise _StreamFailed("cancelled: the server is shutting down" if kind == "cancelled"
+                                    else "generation failed")
+            kind, value = await job.next()
 
-    async def respond(self, request: Request, req: Generation, prompt: Any, shape: Shape) -> Any:
+    async def stream(self, jobs: Sequence[Job], prepared: Sequence[_Prepared], shape: Shape, chunk: Any,
+                     include_usage: bool, firsts: Sequence[tuple[str, Any]]) -> AsyncIterator[str]:
+        """Every choice's chunks as server-sent events, as they come (each names its choice's
+        ``index``), then the usage if asked, then ``[DONE]``; a failure ends the stream with an
+        error event. The jobs are cancelled however the stream ends."""
+        ended: list[tuple[_Prepared, Outcome]] = []
+        try:
+            parts = [self.stream_choice(job, p, shape, chunk, i, first, ended)
+                     for i, (job, p, first) in enumerate(zip(jobs, prepared, firsts, strict=True))]
+            async for payload in _merged(parts):
+                yield _sse(payload)
+            if include_usage:
+                prompt_tokens = sum({p.index: p.prompt_tokens for p, _ in ended}.values())
+                generated = sum(self.usage(p, o)["completion_tokens"] for p, o in ended)
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                         "total_tokens": prompt_tokens + generated}
+                yield _sse(chunk(None, None, 0, usage=usage, ext=self.extension(*ended[0])))
+            yield "data: [DONE]\n\n"
+        except _StreamFailed as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
+        finally:
+            for job in jobs:
+                job.cancel()  # the client went away (or the stream ended): free the requests at once
+
+    async def respond(self, request: Request, req: Generation, shape: Shape) -> Any:
         """Start the request, then answer in ``shape``: a stream of chunks or one response. A
-        stream starts with the request's first event, so a request that never produced a token
+        stream starts with every run's first event, so a request that never produced a token
         still gets a status of its own (408, 503)."""
-        started = await self.start(request, req, prompt, shape)
+        started = await self.start(request, req, shape)
         if isinstance(started, JSONResponse):
             return started
-        jobs, choices = started
-        job, prepared = jobs[0], choices[0]
-        rid = job.id
+        jobs, runs = started
+        rid = jobs[0].id
         model = self.config.model_name
 
         def envelope(kind: str) -> dict[str, Any]:
@@ -452,36 +596,47 @@ class Service:
         streaming = False
         try:
             if req.stream:
-                event = await self.next_event(request, job)
-                if event is None:
-                    return error(499, "client disconnected")
-                if event[0] not in ("tokens", "done"):
-                    return self.failure(*event, prepared, shape)
+                firsts = []
+                for job, prepared in zip(jobs, runs, strict=True):
+                    event = await self.next_event(request, job)
+                    if event is None:
+                        return error(499, "client disconnected")
+                    if event[0] not in ("tokens", "done"):
+                        return self.failure(*event, prepared, shape)
+                    firsts.append(event)
 
-                def chunk(delta: str | None, reason: str | None, first: bool = False,
+                def chunk(delta: str | None, reason: str | None, index: int, first: bool = False,
                           usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None,
-                          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                          logprobs: dict[str, Any] | None = None,
+                          prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
                     out = envelope(shape.chunk_object)
                     if usage is not None:
                         out["choices"], out["usage"] = [], usage
                     else:
-                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first, logprobs=logprobs)]
+                        out["choices"] = [shape.choice(delta, reason, streaming=True, first=first, logprobs=logprobs,
+                                                       index=index, prompt_logprobs=prompt_logprobs)]
+                        if shape.chat and prompt_logprobs is not None:
+                            out["prompt_logprobs"] = prompt_logprobs
                     if ext is not None:
                         out["triedec"] = ext
                     return out
 
                 include = bool(req.stream_options and req.stream_options.include_usage)
-                streaming = True  # the response cancels the job however it ends
-                return _JobStream(job, self.stream(job, prepared, shape, chunk, include, event),
+                streaming = True  # the response cancels the jobs however it ends
+                return _JobStream(jobs, self.stream(jobs, runs, shape, chunk, include, firsts),
                                   media_type="text/event-stream")
 
             def make(answers: Sequence[_Choice], use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
-                return {**envelope(shape.object),
-                        "choices": [shape.choice(a.text, a.reason, streaming=False, logprobs=a.logprobs, index=i)
-                                    for i, a in enumerate(answers)],
-                        "usage": use, "triedec": ext}
+                out = {**envelope(shape.object),
+                       "choices": [shape.choice(a.text, a.reason, streaming=False, logprobs=a.logprobs, index=i,
+                                                prompt_logprobs=a.prompt_logprobs)
+                                   for i, a in enumerate(answers)],
+                       "usage": use, "triedec": ext}
+                if shape.chat and answers[0].prompt_logprobs is not None:
+                    out["prompt_logprobs"] = answers[0].prompt_logprobs
+                return out
 
-            return await self.complete(request, jobs, choices, shape, make)
+            return await self.complete(request, jobs, runs, shape, req.choices(), make)
         finally:
             if not streaming:
                 for each in jobs:
@@ -494,9 +649,17 @@ class _Choice:
 
     text: str
     reason: str
-    usage: dict[str, int]
+    tokens: int
+    """tokens generated for it (what usage counts)"""
     ext: dict[str, Any]
     logprobs: dict[str, Any] | None
+    prompt_logprobs: list[Any] | None = None
+    score: float = 0.0
+    """what ranks ``best_of`` candidates: the sum of its tokens' logprobs (a hypothesis's score)"""
+
+
+class _StreamFailed(Exception):
+    """A streamed choice ended without its output (its message goes in the stream's error event)."""
 
 
 class _Countdown:
@@ -512,20 +675,51 @@ class _Countdown:
             self.then()
 
 
+async def _merged(parts: Sequence[AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    """The items of several async iterators as each comes (one task per iterator, a small queue:
+    a client that reads slowly holds the producers back, and their jobs keep their own bounded
+    pending tokens). An iterator's exception ends the whole, after the items before it."""
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=16)
+
+    async def pump(part: AsyncIterator[Any]) -> None:
+        try:
+            async for item in part:
+                await queue.put(("item", item))
+            await queue.put(("end", None))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put(("error", exc))
+
+    tasks = [asyncio.create_task(pump(part)) for part in parts]
+    try:
+        left = len(tasks)
+        while left:
+            kind, item = await queue.get()
+            if kind == "item":
+                yield item
+            elif kind == "end":
+                left -= 1
+            else:
+                raise item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 class _JobStream(StreamingResponse):
-    """A stream of a job's events that cancels the job however the response ends: finished, the
+    """A stream of jobs' events that cancels the jobs however the response ends: finished, the
     client gone, or the transport's send timeout (a client that stopped reading), where the
     events' generator is left unclosed until it is collected."""
 
-    def __init__(self, job: Job, content: AsyncIterator[str], media_type: str) -> None:
+    def __init__(self, jobs: Sequence[Job], content: AsyncIterator[str], media_type: str) -> None:
         super().__init__(content, media_type=media_type)
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            for job in self.jobs:
+                job.cancel()
 
 
 def shown_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
