@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/triedec generate --max-new-tokens 128 "$(PROMPT)"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests scripts evals
 
 test: lint
 	$(VENV)/bin/python -m pytest -q --durations=15

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import triedec
+from triedec.api.generation import GenerationRequest
+from triedec.core.sampling import Sampling
+from triedec.engine.batch import Batch, BatchLimits
 from triedec.server.schemas import MAX_CHOICES
 
 MODEL = "tiny"
@@ -177,3 +180,28 @@ def test_the_tokenizer_routes_as_vllm_spells_them(base, lm):
         response = httpx.post(f"{base}{path}", json=body, timeout=60)
         assert response.status_code == status, (path, body, response.text)
         assert response.json()["error"]["param"] == param, (path, body, response.text)
+
+
+@pytest.mark.parametrize("method", ["ar", "auto", "pld", "recycling"])
+def test_runs_of_one_group_with_one_prompt_compute_its_kv_once(lm, method):
+    """Four sampled runs of one prompt in one group (a request's choices) and one of another
+    group: the group's prompt is prefilled once (the rest copy its KV and compute only the rows
+    they need themselves: recycling, which seeds its matrix from every prompt row's logits by
+    default, all of them), the other group's on its own; every run returns its solo tokens."""
+    ids = lm.encode(PROMPT * 4)
+    requests = [GenerationRequest(ids, method, {}, 10, sampling=Sampling(temperature=0.9, seed=s))
+                for s in range(5)]
+    runs = [lm.start(r) for r in requests]
+    batch = Batch(lm.adapter, lm.cost_model(), BatchLimits(max_prefill_tokens=64))
+    for i, run in enumerate(runs):
+        batch.submit(run, group="other" if i == 4 else "mine", request_id=f"r{i}")
+    prefilled = 0
+    while not batch.idle:
+        prefilled += batch.step().plan.prefill_tokens
+    batch.close()
+    own = [len(ids) - r.shareable_prefix for r in runs[1:4]]
+    assert prefilled == 2 * len(ids) + sum(own)
+    assert all(o < len(ids) for o in own) == (method != "recycling")
+    for request, run in zip(requests, runs, strict=True):
+        assert list(run.take()) == lm.generate(ids, method, max_new_tokens=10, temperature=0.9,
+                                                seed=request.sampling.seed).token_ids

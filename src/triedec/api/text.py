@@ -9,6 +9,7 @@ stop string is not returned) and the CLI (the library's: text ends right after i
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -89,14 +90,33 @@ def token_bytes(tokenizer: Any, token: int) -> list[int]:
 
 
 def token_name(tokenizer: Any, token: int) -> tuple[str, list[int]]:
-    """:func:`token_label` and :func:`token_bytes` of one token, decoding it once."""
+    """:func:`token_label` and :func:`token_bytes` of one token, decoding it once (remembered per
+    tokenizer: at most one entry per vocabulary id)."""
+    try:
+        names = _NAMES[tokenizer]
+    except TypeError:  # a tokenizer that cannot be weakly referenced: no memory
+        return _token_name(tokenizer, token)
+    except KeyError:
+        names = _NAMES.setdefault(tokenizer, {})
+    found = names.get(token)
+    if found is None:
+        found = names[token] = _token_name(tokenizer, token)
+    return found[0], list(found[1])
+
+
+_NAMES: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, tuple[int, ...]]]] = weakref.WeakKeyDictionary()
+"""each tokenizer's token names so far (what every logprobs entry needs: a response's top
+alternatives repeat the same few tokens)"""
+
+
+def _token_name(tokenizer: Any, token: int) -> tuple[str, tuple[int, ...]]:
     text = token_text(tokenizer, token)
     if "\ufffd" not in text:
-        return text, list(text.encode("utf-8"))
+        return text, tuple(text.encode("utf-8"))
     raw = _piece_bytes(tokenizer, token)
     if raw is None or bytes(raw) == text.encode("utf-8"):
-        return text, list(text.encode("utf-8"))
-    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+        return text, tuple(text.encode("utf-8"))
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), tuple(raw)
 
 
 def _piece_bytes(tokenizer: Any, token: int) -> list[int] | None:

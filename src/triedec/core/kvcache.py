@@ -126,6 +126,25 @@ class KVCache:
         self.capacity = capacity
 
     @torch.inference_mode()
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Make ``source``'s first ``length`` committed slots this empty cache's committed slots
+        (the same tokens' K/V and positions, copied: the caches stay independent)."""
+        if self.length or self.pending:
+            raise TriedecError("copy_prefix needs an empty cache")
+        if not 0 <= length <= min(source.length, self.capacity):
+            raise TriedecError(f"cannot copy {length} slots: the source holds {source.length}, the capacity is "
+                               f"{self.capacity}")
+        for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+            for layer, buf in enumerate(theirs):
+                if layer == len(mine):
+                    mine.append(torch.empty((*buf.shape[:2], self.capacity, buf.shape[3]), dtype=buf.dtype,
+                                            device=buf.device))
+                mine[layer][:, :, :length] = buf[:, :, :length]
+        self._positions[:length] = source._positions[:length]
+        self.length = length
+        self.peak = max(self.peak, length)
+
+    @torch.inference_mode()
     def clone(self) -> KVCache:
         """An independent copy of the committed slots (same capacity)."""
         other = KVCache(self.capacity)

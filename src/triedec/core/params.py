@@ -185,12 +185,14 @@ class Logprobs:
     """What a request asks to see of each generated token's probability: its logprob and the
     ``top`` most likely tokens' (0 to :data:`MAX_TOP_LOGPROBS`), in distribution ``mode``
     (:data:`LOGPROB_MODES`); with ``prompt``, each prompt token's after the first too (scoring a
-    text, as evaluation harnesses do), with ``prompt_top`` alternatives (None: ``top``)."""
+    text, as evaluation harnesses do), with ``prompt_top`` alternatives (None: ``top``) and, with
+    ``prompt_ranks``, each prompt token's rank (vLLM's ``prompt_logprobs`` show it)."""
 
     top: int = 0
     mode: str = "raw"
     prompt: bool = False
     prompt_top: int | None = None
+    prompt_ranks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.top, bool) or not isinstance(self.top, int) or not 0 <= self.top <= MAX_TOP_LOGPROBS:

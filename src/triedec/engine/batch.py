@@ -330,9 +330,10 @@ class Batch:
         verify a tree and how many of their draft's nodes it holds (module doc, 2-3)."""
         running = tuple(self.runs[i] for i in self.running)
         requests: list[Request] = [r for r in running if r.shares_forward]  # type: ignore[misc]
+        waiting = self.share_prompts()
         chunks, budget = [], self.limits.max_prefill_tokens
         for r in requests:
-            if r.prefilling and (not chunks or r.chunk_tokens <= budget):
+            if r.prefilling and id(r) not in waiting and (not chunks or r.chunk_tokens <= budget):
                 chunks.append(r)
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
@@ -346,6 +347,28 @@ class Batch:
         return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
                         tokens_before=sum(len(r.generated) for r in decoding),
                         proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts))
+
+    def share_prompts(self) -> set[int]:
+        """Prompt KV computed once for requests of one group with the same prompt (a request's
+        ``n`` choices or ``best_of`` candidates): a running request that has prefilled nothing
+        copies what a peer already prefilled (:meth:`Request.adopt_prompt`), or waits while a
+        peer that is not waiting prefills it. Only within a group, so one tenant's timing never
+        shows what another sent. Returns the ``id()`` of the requests that wait this step."""
+        waiting: set[int] = set()
+        running = [(rid, self.runs[rid]) for rid in self.running if self.runs[rid].shares_forward]
+        order = {id(r): i for i, (_, r) in enumerate(running)}
+        for rid, r in running:
+            if not (r.prefilling and r.prefilled_tokens == 0 and r.shareable_prefix > 0):  # type: ignore[attr-defined]
+                continue
+            peers = [p for i, p in running if p is not r and id(p) not in waiting and self._group[i] == self._group[rid]
+                     and p.prompt == r.prompt]  # type: ignore[attr-defined]
+            ready = next((p for p in peers if p.prefilled_tokens >= r.shareable_prefix), None)  # type: ignore[attr-defined]
+            if ready is not None:
+                r.adopt_prompt(ready)  # type: ignore[attr-defined]
+            elif any(p.prefilling and (p.prefilled_tokens or order[id(p)] < order[id(r)])  # type: ignore[attr-defined]
+                     for p in peers):  # a peer ahead computes it: the first of them prefills, the rest wait
+                waiting.add(id(r))
+        return waiting
 
     def verify(self, plan: StepPlan) -> float:
         """One forward over the plan's items, then accept and commit per request; runs with a loop

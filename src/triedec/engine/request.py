@@ -34,7 +34,7 @@ from triedec.core.allocate import DraftGate
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.kvcache import KVCache
 from triedec.core.limits import PREFILL_CHUNK
-from triedec.core.logprobs import Logprobs, TokenLogprob, token_logprob
+from triedec.core.logprobs import Logprobs, TokenLogprob, token_logprobs
 from triedec.core.sampling import seen_tokens
 from triedec.core.trace import MODEL, StepTrace, origin_of
 from triedec.core.tree import TokenTree
@@ -156,6 +156,34 @@ class Request:
         return self._prefilled < len(self.prompt)
 
     @property
+    def shareable_prefix(self) -> int:
+        """How much of its prompt's KV it may take from another request with the same prompt
+        instead of computing it (:meth:`adopt_prompt`): all but the rows whose logits it needs
+        itself (the last, which chooses the first token, and those its drafter observes); none
+        when it scores its prompt (every row's logits are needed then)."""
+        if self.logprobs is not None and self.logprobs.prompt:
+            return 0
+        return max(0, len(self.prompt) - max(1, self.drafter.prefill_logits))
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens already in its cache."""
+        return self._prefilled
+
+    def adopt_prompt(self, source: Request) -> None:
+        """Take the first :attr:`shareable_prefix` prompt slots of ``source`` (a started request
+        with the same prompt that has prefilled at least that much) as its own prefill: a copy
+        of K/V that are the same bits as its own prefill would compute (a token's K/V depend on
+        its prefix only, whatever chunk or batch carried them); it prefills the rest itself."""
+        share = self.shareable_prefix
+        if self.cache is None or source.cache is None or self._prefilled or source.prompt != self.prompt \
+                or source._prefilled < share:
+            raise TriedecError("internal error: a prompt can be adopted only by a started request that has "
+                               "prefilled nothing, from one with the same prompt that has prefilled it")
+        self.cache.copy_prefix(source.cache, share)
+        self._prefilled = share
+
+    @property
     def context_tokens(self) -> int:
         """Tokens in its cache (what attention reads)."""
         return 0 if self.cache is None else self.cache.length
@@ -228,23 +256,30 @@ class Request:
         if self.gate is not None:
             stats.skipped_drafts = self.gate.skipped
 
-    def _score(self, rows: Sequence[torch.Tensor], new: Sequence[int], prefix: Sequence[int] | None = None) -> None:
+    def _score(self, rows: torch.Tensor, new: Sequence[int], prefix: Sequence[int] | None = None) -> None:
         """The logprobs of ``new`` (tokens about to be committed, or prompt tokens), token j
-        following ``rows[j]``, when the request asked for them: under the model's raw distribution,
-        or the one the rule chooses from (after token j's own prefix: ``prefix``, by default the
-        committed tokens, then ``new[:j]``; prompt tokens are scored as if nothing were out yet)."""
+        following row j of ``rows`` (``[>= len(new), V]``), when the request asked for them: under
+        the model's raw distribution, or the one the rule chooses from (after token j's own prefix:
+        ``prefix``, by default the committed tokens, then ``new[:j]``; prompt tokens are scored as
+        if nothing were out yet), all rows in one block (:func:`token_logprobs`)."""
         ask = self.logprobs
         if ask is None:
             return
         output = prefix is None  # new tokens: token j is output number len(generated) + j
         if prefix is None:
             prefix = [*self.prompt, *self.generated]
-        for j, (row, token) in enumerate(zip(rows, new, strict=True)):
-            if ask.mode == "processed":
+        if not new:
+            return
+        rows = rows[: len(new)]
+        if ask.mode == "processed":
+            processed = []
+            for j, row in enumerate(rows):
                 seen = seen_tokens(prefix, new[:j]) if self.rule.penalized else seen_tokens(())
                 position = len(self.generated) + j if output else 0
-                row = self.rule.processed(row.detach().to("cpu"), seen, position)
-            self._fresh_logprobs.append(token_logprob(row, token, ask.top if output else ask.prompt_alternatives))
+                processed.append(self.rule.processed(row.detach().to("cpu"), seen, position))
+            rows = torch.stack(processed)
+        top, ranks = (ask.top, False) if output else (ask.prompt_alternatives, ask.prompt_ranks)
+        self._fresh_logprobs += token_logprobs(rows, new, top, ranks)
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
@@ -294,7 +329,7 @@ class Request:
         final = stop == len(self.prompt)
         if self.logprobs is not None and self.logprobs.prompt:  # row r: position start + r, scoring the next one
             scored = min(stop, len(self.prompt) - 1) - start
-            self._score(list(logits[:scored]), self.prompt[start + 1 : start + 1 + scored], self.prompt[: start + 1])
+            self._score(logits[:scored], self.prompt[start + 1 : start + 1 + scored], self.prompt[: start + 1])
         first = None
         if final:
             first = self.rule.accept(TokenTree.root_only(self.prompt[-1]), logits[-1:], self.prompt, 0).tokens[0]
@@ -307,7 +342,7 @@ class Request:
         if final:
             assert first is not None
             new, reason = self.stop.cut([], [first])
-            self._score([logits[-1]], new)
+            self._score(logits[-1:], new)
             self._emit(new, reason, (MODEL,))
             self._adapter.synchronize()  # type: ignore[union-attr]
             self.stats.prefill_seconds = time.perf_counter() - self._started
@@ -352,7 +387,7 @@ class Request:
             self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
                                self._draft_seconds + time.perf_counter() - started)
         new, reason = self.stop.cut(self.generated, acceptance.tokens)
-        self._score([logits[i] for i in acceptance.path[: len(new)]], new)
+        self._score(logits[list(acceptance.path[: len(new)])], new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
         stats.steps += 1

@@ -168,7 +168,8 @@ class Service:
         logprobs = None
         if shown is not None or scores_prompt or k > n:  # best_of candidates are ranked by their logprobs
             logprobs = Logprobs(0 if top is None else top, req.logprobs_mode_asked(), prompt=scores_prompt,
-                                prompt_top=max(top if echo and top is not None else 0, prompt_k or 0))
+                                prompt_top=max(top if echo and top is not None else 0, prompt_k or 0),
+                                prompt_ranks=prompt_k is not None)
         seeds = [sampling.seed] * k
         if k > 1 and not sampling.greedy:
             base = secrets.randbits(63) if sampling.seed is None else sampling.seed
