@@ -205,3 +205,28 @@ def test_runs_of_one_group_with_one_prompt_compute_its_kv_once(lm, method):
     for request, run in zip(requests, runs, strict=True):
         assert list(run.take()) == lm.generate(ids, method, max_new_tokens=10, temperature=0.9,
                                                 seed=request.sampling.seed).token_ids
+
+
+def test_the_fields_through_the_openai_client(client, lm):
+    """``n`` streamed, ``best_of``, ``echo`` streamed, a list of prompts and vLLM's
+    ``prompt_logprobs`` (extra body), as the ``openai`` client sends and parses them."""
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, temperature=0.9,
+                                                seed=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [lm.generate(CHAT, "ar", chat=True, max_new_tokens=6, temperature=0.9, seed=2 + i).text
+                        for i in range(2)]
+    best = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=1, best_of=3, temperature=1.0,
+                                     seed=9)
+    runs = [lm.generate(PROMPT, "ar", max_new_tokens=6, temperature=1.0, seed=9 + i, logprobs=0) for i in range(3)]
+    assert best.choices[0].text == max(runs, key=lambda r: sum(e.logprob for e in r.logprobs)).text
+    echoed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, stream=True) if c.choices)
+    assert echoed == lm.tokenizer.decode(lm.encode(PROMPT), skip_special_tokens=True) + \
+        lm.generate(PROMPT, "auto", max_new_tokens=4).text
+    several = client.completions.create(model=MODEL, prompt=[PROMPT, OTHER], max_tokens=4,
+                                        extra_body={"prompt_logprobs": 1})
+    assert [c.text for c in several.choices] == [lm.generate(p, "auto", max_new_tokens=4).text for p in (PROMPT, OTHER)]
+    scored = several.choices[1].model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(lm.encode(OTHER))
