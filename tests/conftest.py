@@ -32,6 +32,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def lm(tiny_model_dir):
+    """The tiny model, loaded once per module: a module's learned state and built methods stay
+    its own."""
+    import triedec
+
+    return triedec.load(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
 def base(lm, request):
     """A server for the module's ``lm`` on loopback, answering as ``"tiny"`` with the module's
     ``SERVER_METHOD`` (``"auto"`` when it names none) as its default method; its base URL."""

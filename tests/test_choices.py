@@ -11,7 +11,6 @@ import httpx
 import pytest
 import torch
 
-import triedec
 from triedec.api.generation import GenerationRequest
 from triedec.core.sampling import Sampling
 from triedec.engine.batch import Batch, BatchLimits
@@ -21,11 +20,6 @@ MODEL = "tiny"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n"
 OTHER = "The sea was calm that night, and"
 CHAT = [{"role": "user", "content": "Tell me a story about the sea."}]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
 
 
 def events(base, path, body):

@@ -28,11 +28,6 @@ OPERATOR_KEY = "key-operator-0123456789"
 QUESTION = [{"role": "user", "content": "Tell me a story about the sea and the ships."}]
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
-
-
 def _config(**kw) -> ServerConfig:
     return ServerConfig(**{"model_name": MODEL, "method": "ar", "default_max_tokens": 16, **kw})
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import together
 
-import triedec
 from triedec.api.generation import GenerationRequest
 from triedec.api.text import token_bytes, token_label
 from triedec.bench.load import serving
@@ -33,11 +32,6 @@ ASKS = [
     pytest.param({"temperature": 0.7, "top_k": 8, "top_p": 0.9, "seed": 5, "logprobs_mode": "processed"},
                  id="sampled-processed"),
 ]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
 
 
 @pytest.mark.parametrize("ask", ASKS)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import together
 
-import triedec
 from triedec.api.generation import GenerationRequest
 from triedec.core.errors import TriedecError
 from triedec.core.sampling import Sampling
@@ -21,11 +20,6 @@ from triedec.engine.methods import methods
 MODEL = "tiny"
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 SPECULATIVE = [m for m in methods() if m != "beam"]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
 
 
 def reference_greedy(lm, ids: list[int], n: int, presence: float = 0.0, frequency: float = 0.0,

@@ -27,7 +27,6 @@ import schemathesis
 import torch
 from hypothesis import HealthCheck, given, settings
 
-import triedec
 from triedec.bench.load import serving
 from triedec.cli.serve_config import api_keys as _api_keys
 from triedec.core.errors import TriedecError
@@ -44,11 +43,6 @@ ALICE_KEY, BOB_KEY = KEYS
 ALICE, BOB = f"Bearer {ALICE_KEY}", f"Bearer {BOB_KEY}"
 QUESTION = [{"role": "user", "content": "Tell me a story about the sea and the ships."}]
 AUTO = {"method": "auto", "method_options": {"sized": False}}
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
 
 
 def _config(**kw) -> ServerConfig:

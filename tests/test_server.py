@@ -22,7 +22,6 @@ import schemathesis
 from helpers import cache_with_built_kernels
 from hypothesis import HealthCheck, given, settings
 
-import triedec
 from triedec.bench.load import LoadRequest, run_load, serving, summarize_load
 from triedec.engine.batch import BatchLimits
 from triedec.server import ServerConfig, TextStream, create_app
@@ -35,11 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
 
 
 CHAT = [{"role": "user", "content": "Tell me a story about the sea."}]

@@ -25,11 +25,6 @@ SPECULATIVE = [name for name, m in methods().items() if m.equals == "greedy"]
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat sat on the mat"
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir):
-    return triedec.load(tiny_model_dir)
-
-
 def traced(lm, method, prompt=REPEATING, **kwargs):
     run = lm.start(GenerationRequest.of(prompt, method, **kwargs))
     run.record_steps()

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,15 +151,16 @@ class Service:
         return n, k
 
     def prepare(self, req: Generation, prompts: Sequence[Any], chat: bool, method: str, options: dict[str, Any],
-                scope: Hashable) -> list[_Prepared]:
+                scope: Hashable, runs: tuple[int, int]) -> list[_Prepared]:
         """Validate everything and make the request's runs, for each prompt one per choice (or
-        per ``best_of`` candidate; in a worker thread; the method is already built, on the engine
-        thread). Sampled, a prompt's choice i is seeded ``seed + i`` (a seed drawn once when the
-        request has none); greedy, a prompt's choices are equal."""
+        per ``best_of`` candidate; ``runs``: :meth:`runs`'s ``(n, runs per prompt)``; in a worker
+        thread; the method is already built, on the engine thread). Sampled, a prompt's choice i
+        is seeded ``seed + i`` (a seed drawn once when the request has none); greedy, a prompt's
+        choices are equal."""
         lm, config = self.lm, self.config
         given = {field: getattr(req, field) for field in SAMPLING_FIELDS if getattr(req, field) is not None}
         sampling = Sampling(**given)
-        n, k = self.runs(req, len(prompts), method)
+        n, k = runs
         shown = req.asked_logprobs(chat)
         prompt_k = req.asked_prompt_logprobs()
         echo = bool(getattr(req, "echo", False))
@@ -302,7 +303,8 @@ class Service:
                 # built on the engine thread (torch ops; see the scheduler); nothing is measured on a request's path:
                 # create_app loaded the whole calibration
                 await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
-            prepared = await run_in_threadpool(self.prepare, req, prompts, shape.chat, method, options, scope)
+            prepared = await run_in_threadpool(self.prepare, req, prompts, shape.chat, method, options, scope,
+                                           (n, k))
             seconds = self.config.max_request_seconds
             deadline = None if seconds is None else time.perf_counter() + seconds
             rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
@@ -374,10 +376,18 @@ class Service:
         return ext
 
     @staticmethod
-    def usage(prepared: _Prepared, outcome: Outcome) -> dict[str, int]:
-        n = 0 if prepared.score_only else outcome.stats.new_tokens
-        return {"prompt_tokens": prepared.prompt_tokens, "completion_tokens": n,
-                "total_tokens": prepared.prompt_tokens + n}
+    def usage(finished: Iterable[tuple[_Prepared, int]]) -> dict[str, int]:
+        """A request's usage from its finished runs, each with the tokens it generated: every
+        prompt counted once, every generated token counted (discarded ``best_of`` candidates'
+        too; a prompt scoring's one token is not)."""
+        prompts: dict[int, int] = {}
+        generated = 0
+        for prepared, tokens in finished:
+            prompts[prepared.index] = prepared.prompt_tokens
+            generated += 0 if prepared.score_only else tokens
+        prompt_tokens = sum(prompts.values())
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated}
 
     def failure(self, kind: str, value: Any, prepared: _Prepared, shape: Shape) -> JSONResponse:
         """The answer to a request that ended without output (``kind``: its final event)."""
@@ -416,21 +426,17 @@ class Service:
         answers = await asyncio.gather(*(self.collect(request, job, p, shape, i == 0)
                                          for i, (job, p) in enumerate(zip(jobs, prepared, strict=True))))
         by_prompt: dict[int, list[_Choice]] = {}
-        prompt_tokens: dict[int, int] = {}
         for p, answer in zip(prepared, answers, strict=True):
             if isinstance(answer, JSONResponse):
                 return answer
             by_prompt.setdefault(p.index, []).extend(answer)
-            prompt_tokens[p.index] = p.prompt_tokens
         chosen: list[_Choice] = []
         for index in sorted(by_prompt):
             candidates = by_prompt[index]
             if len(candidates) > n:  # best_of: the n most likely (a stable sort: ties keep their order)
                 candidates = sorted(candidates, key=lambda c: -c.score)[:n]
             chosen += candidates
-        generated = sum(c.tokens for cs in by_prompt.values() for c in cs)
-        use = {"prompt_tokens": sum(prompt_tokens.values()), "completion_tokens": generated,
-               "total_tokens": sum(prompt_tokens.values()) + generated}
+        use = self.usage((p, sum(c.tokens for c in answer)) for p, answer in zip(prepared, answers, strict=True))
         ext = dict(chosen[0].ext)
         if len(chosen) > 1:
             ext["choices"] = [c.ext for c in chosen]
@@ -504,27 +510,25 @@ class Service:
         return choices
 
     async def stream_choice(self, job: Job, prepared: _Prepared, shape: Shape, chunk: Any, index: int,
-                            first: tuple[str, Any], ended: list[tuple[_Prepared, Outcome]]
+                            first: tuple[str, Any], ended: dict[int, tuple[_Prepared, int, dict[str, Any]]]
                             ) -> AsyncIterator[dict[str, Any]]:
         """One choice's chunks (``index``: its place in the response), from its first event on:
         the role chunk, the echoed prompt (with its logprobs, and vLLM's ``prompt_logprobs``),
         then its text as it comes (each token's logprobs in the chunk it arrived in; with
-        ``trace``, one chunk per step), then its finish. Appends ``(prepared, outcome)`` to
-        ``ended`` when it finishes; a failure raises :class:`_StreamFailed`."""
+        ``trace``, one chunk per step), then its finish. Sets ``ended[index]`` to ``(prepared,
+        tokens generated, extension)`` when it finishes; a failure raises :class:`_StreamFailed`."""
         assert self.metrics is not None
         tokenizer = self.lm.tokenizer
         text = TextStream(tokenizer, prepared.stops)
         yield chunk(None, None, index, first=True)
-        kind, value = first
-        offsets: TokenOffsets | None = None
+        kind, value = first  # "tokens" or "done": the prompt's part leads the first event's
+        entries = job.logprobs if kind == "tokens" else []
+        cut = prepared.prompt_tokens - 1 if prepared.scores_prompt else 0
+        scores, entries = entries[:cut], entries[cut:]
+        echoed, shown, scored, offsets = self.prompt_parts(prepared, scores, shape)
+        if prepared.echo or scored is not None:
+            yield chunk(echoed, None, index, logprobs=shown, prompt_logprobs=scored)
         while True:
-            entries = job.logprobs if kind == "tokens" else []
-            if offsets is None and kind in ("tokens", "done"):  # the prompt's part leads the first event
-                cut = prepared.prompt_tokens - 1 if prepared.scores_prompt else 0
-                scores, entries = entries[:cut], entries[cut:]
-                echoed, shown, scored, offsets = self.prompt_parts(prepared, scores, shape)
-                if prepared.echo or scored is not None:
-                    yield chunk(echoed, None, index, logprobs=shown, prompt_logprobs=scored)
             if kind == "tokens" and prepared.score_only:
                 pass  # the one token a prompt scoring generates is not returned
             elif kind == "tokens" and prepared.trace:  # one chunk per step, its text cut by token
@@ -533,10 +537,10 @@ class Service:
                     if prepared.logprobs is not None:
                         count = len(step["tokens"])
                         mine, entries = entries[:count], entries[count:]
-                        shown = shape.logprobs(mine, tokenizer, offsets.add(step["tokens"]))  # type: ignore[union-attr]
+                        shown = shape.logprobs(mine, tokenizer, offsets.add(step["tokens"]))
                     yield chunk("".join(step["text"]), None, index, ext={"trace": [step]}, logprobs=shown)
             elif kind == "tokens" and prepared.logprobs is not None:  # each token's logprobs in its chunk
-                shown = shape.logprobs(entries, tokenizer, offsets.add(value))  # type: ignore[union-attr]
+                shown = shape.logprobs(entries, tokenizer, offsets.add(value))
                 yield chunk(text.add(value), None, index, logprobs=shown)
             elif kind == "tokens":
                 delta = text.add(value)
@@ -547,32 +551,31 @@ class Service:
                 tail = text.finish()
                 if tail and not prepared.score_only:
                     yield chunk(tail, None, index)
-                ended.append((prepared, value))
+                ext = self.extension(prepared, value)
+                ended[index] = (prepared, value.stats.new_tokens, ext)
                 reason = "length" if prepared.score_only else self.finish_reason(value)
-                yield chunk(None, reason, index, ext=self.extension(prepared, value))
+                yield chunk(None, reason, index, ext=ext)
                 return
             else:
                 raise _StreamFailed("cancelled: the server is shutting down" if kind == "cancelled"
                                     else "generation failed")
             kind, value = await job.next()
+            entries = job.logprobs if kind == "tokens" else []
 
     async def stream(self, jobs: Sequence[Job], prepared: Sequence[_Prepared], shape: Shape, chunk: Any,
                      include_usage: bool, firsts: Sequence[tuple[str, Any]]) -> AsyncIterator[str]:
         """Every choice's chunks as server-sent events, as they come (each names its choice's
         ``index``), then the usage if asked, then ``[DONE]``; a failure ends the stream with an
         error event. The jobs are cancelled however the stream ends."""
-        ended: list[tuple[_Prepared, Outcome]] = []
+        ended: dict[int, tuple[_Prepared, int, dict[str, Any]]] = {}
         try:
             parts = [self.stream_choice(job, p, shape, chunk, i, first, ended)
                      for i, (job, p, first) in enumerate(zip(jobs, prepared, firsts, strict=True))]
             async for payload in _merged(parts):
                 yield _sse(payload)
-            if include_usage:
-                prompt_tokens = sum({p.index: p.prompt_tokens for p, _ in ended}.values())
-                generated = sum(self.usage(p, o)["completion_tokens"] for p, o in ended)
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                         "total_tokens": prompt_tokens + generated}
-                yield _sse(chunk(None, None, 0, usage=usage, ext=self.extension(*ended[0])))
+            if include_usage:  # every choice has ended: the usage, with choice 0's extension
+                usage = self.usage((p, tokens) for p, tokens, _ in ended.values())
+                yield _sse(chunk(None, None, 0, usage=usage, ext=ended[0][2]))
             yield "data: [DONE]\n\n"
         except _StreamFailed as exc:
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}})
