@@ -1,13 +1,29 @@
 """Shared fixtures: the embedded default model and a saved tiny model directory. Helpers live in
-``helpers.py``."""
+``helpers.py``.
+
+The suite runs in two pytest-xdist workers (``make test``: ``-n 2``), each on one of the machine's
+two cores: torch gets one thread per worker (two when run without xdist), and a test that changes
+the count (a CLI command loads with ``--threads``' default) has it put back when it ends."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from helpers import save_tiny_model
 
-torch.set_num_threads(2)
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+"""torch's CPU threads in this test process."""
+
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    """Every test starts with :data:`THREADS` threads, whatever the one before it set."""
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
