@@ -2,8 +2,10 @@
 ``helpers.py``.
 
 The suite runs in two pytest-xdist workers (``make test``: ``-n 2``), each on one of the machine's
-two cores: torch gets one thread per worker (two when run without xdist), and a test that changes
-the count (a CLI command loads with ``--threads``' default) has it put back when it ends."""
+two cores: torch gets one thread per worker (two when run without xdist), ``TRIEDEC_THREADS`` says
+the same to the CLI and every ``triedec`` process a test starts (so they share the worker's
+calibration, measured with a core to itself), and a test that changes the count has it put back
+when it ends."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 """torch's CPU threads in this test process."""
 
 torch.set_num_threads(THREADS)
+os.environ["TRIEDEC_THREADS"] = str(THREADS)
 
 
 @pytest.fixture(autouse=True)

@@ -407,3 +407,24 @@ def test_serve_logs_the_models_precision_runner_and_kernels_at_startup(capsys, c
     assert code == 0 and served and served[0][1] == 8971
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model: "))
     assert "precision float32; runner: triedec; kernels: " in line and line.endswith("+triedec-runner (bit-exact)")
+
+
+def test_threads_come_from_the_flag_then_the_environment_then_the_default(monkeypatch):
+    """``--threads`` wins; without it ``TRIEDEC_THREADS`` (what the suite's workers set, so the
+    processes they start share their calibration); without either, 2. A bad value is named."""
+    from triedec.api.spec import DEFAULT_THREADS, THREADS_ENV, ModelSpec
+    from triedec.core.errors import TriedecError
+
+    def threads(*flags: str) -> int:
+        return ModelSpec.from_args(build_parser().parse_args(["generate", *flags, "hi"])).threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert threads() == DEFAULT_THREADS == ModelSpec().threads == 2
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert threads() == 3 == ModelSpec().threads
+    assert threads("--threads", "1") == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(TriedecError, match=THREADS_ENV):
+            threads()
+    assert threads("--threads", "4") == 4  # the flag given: the environment is not read

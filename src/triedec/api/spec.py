@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,25 @@ if TYPE_CHECKING:
     from triedec.model.source import ModelSource
 
 DEFAULT_THREADS = 2
-"""torch's CPU threads unless ``--threads`` says otherwise."""
+"""torch's CPU threads unless ``--threads`` or :data:`THREADS_ENV` says otherwise."""
+THREADS_ENV = "TRIEDEC_THREADS"
+"""The environment variable that, when set, replaces :data:`DEFAULT_THREADS` (as llama-server's
+``LLAMA_ARG_THREADS``): every ``triedec`` process a script or a test suite starts gets it."""
+
+
+def default_threads() -> int:
+    """torch's CPU threads when ``--threads`` is not given: :data:`THREADS_ENV`, else
+    :data:`DEFAULT_THREADS`."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return DEFAULT_THREADS
+    try:
+        threads = int(value)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise TriedecError(f"{THREADS_ENV} must be a positive whole number, got {value!r}")
+    return threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +49,7 @@ class ModelSpec:
     """the :class:`~triedec.model.source.ModelSource` (``--model``, ``--dtype``, ``--weights``, ``--device``,
     ``--attn``); None: the embedded default's"""
     kernels: str = "auto"
-    threads: int = DEFAULT_THREADS
+    threads: int = dataclasses.field(default_factory=default_threads)
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
@@ -54,7 +73,8 @@ class ModelSpec:
             if not template.strip():
                 raise TriedecError(f"--chat-template {args.chat_template} is empty")
         source = ModelSource(args.model, args.dtype, args.weights, args.device, args.attn)
-        return cls(source, args.kernels, args.threads, template)
+        threads = default_threads() if args.threads is None else args.threads
+        return cls(source, args.kernels, threads, template)
 
     def as_flags(self) -> list[str]:
         """The model flags that give this spec back (all but ``--chat-template``, whose text the

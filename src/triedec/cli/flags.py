@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
-from triedec.api.spec import DEFAULT_THREADS, ModelSpec
+from triedec.api.spec import DEFAULT_THREADS, THREADS_ENV, ModelSpec
 from triedec.cli.method_flags import add_method_options, split_method_flags, takes_method_options
 
 if TYPE_CHECKING:
@@ -75,9 +75,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                              "returns ar's tokens in the same mode (docs/precision.md)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                        help=f"torch CPU threads (default {DEFAULT_THREADS}; serve --ray: per replica, and the CPUs "
-                             "Ray reserves for each)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help=f"torch CPU threads (default: ${THREADS_ENV} if set, else {DEFAULT_THREADS}; serve --ray: "
+                             "per replica, and the CPUs Ray reserves for each)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template file that replaces the tokenizer's own (as vLLM's "
                              "--chat-template; default: the tokenizer's)")
