@@ -5,7 +5,9 @@ The suite runs in two pytest-xdist workers (``make test``: ``-n 2``), each on on
 two cores: torch gets one thread per worker (two when run without xdist), ``TRIEDEC_THREADS`` says
 the same to the CLI and every ``triedec`` process a test starts (so they share the worker's
 calibration, measured with a core to itself), and a test that changes the count has it put back
-when it ends."""
+when it ends. Calibrations measured on first use take the quick effort (``TRIEDEC_CALIBRATION``):
+what a calibration measures only sizes drafts, never which tokens come out, and the workers share
+one cache directory, so each calibration is measured once (under its lock)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 torch.set_num_threads(THREADS)
 os.environ["TRIEDEC_THREADS"] = str(THREADS)
+os.environ["TRIEDEC_CALIBRATION"] = "quick"
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ from triedec.api.calibration import Bench, Calibration, load_or_calibrate
 from triedec.core import machine
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError
+from triedec.core.params import CALIBRATION_EFFORT_ENV, CALIBRATION_EFFORTS
 from triedec.drafters import recycling
 from triedec.drafters import registry as drafter_registry
 from triedec.drafters.template import RecyclingProfile, best_nodes
@@ -168,6 +174,86 @@ def test_a_calibration_measured_on_a_busy_machine_is_marked_and_measured_again(t
     assert measured == ["cost", "cost"]  # a quiet one is kept
     FakeWatch.share = None  # counters unreadable (not Linux): nothing to say, nothing marked
     assert not dataclasses.replace(quiet, details={"others_cpu_share": None}).busy
+
+
+def test_a_quick_calibration_records_its_effort_and_is_measured_in_full_when_asked(tiny_lm, monkeypatch):
+    repeats_used, sized = [], []
+    monkeypatch.setattr(calibration, "measure_cost_model",
+                        lambda lm, repeats, progress: repeats_used.append(repeats) or fake_cost())
+    spec = drafter_registry._REGISTRY["recycling"]
+
+    def profile(bench):
+        sized.append((bench.prompt_count, bench.max_new_tokens))
+        return RecyclingProfile(tuple(monotone_rates()), 0, {})
+
+    monkeypatch.setitem(drafter_registry._REGISTRY, "recycling",
+                        dataclasses.replace(spec, profile=dataclasses.replace(spec.profile, measure=profile)))
+    quick, full = CALIBRATION_EFFORTS["quick"], CALIBRATION_EFFORTS["full"]
+    needs = frozenset({"cost", "recycling"})
+    monkeypatch.setenv(CALIBRATION_EFFORT_ENV, "quick")
+    cal = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs)
+    assert cal.effort == "quick" and repeats_used == [quick.repeats]
+    assert sized == [(quick.prompts, quick.max_new_tokens)]
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs).effort == "quick" and len(repeats_used) == 1
+    monkeypatch.delenv(CALIBRATION_EFFORT_ENV)  # full by default: the quick file is not good enough
+    cal = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs)
+    assert cal.effort == "full" and repeats_used == [quick.repeats, full.repeats]
+    assert sized[-1] == (full.prompts, full.max_new_tokens)
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    assert Calibration.from_json(path.read_text()).effort == "full"
+    # a full one serves a quick request; hand-sized parts make a custom one, kept for either
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, effort="quick").effort == "full"
+    assert len(repeats_used) == 2
+    custom = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, force=True, effort="quick", repeats=3)
+    assert custom.effort == "custom" and repeats_used[-1] == 3 and sized[-1] == (quick.prompts, quick.max_new_tokens)
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs).effort == "custom" and len(repeats_used) == 3
+    # a cost model measured in full with a profile added quickly is a quick calibration
+    load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}), force=True, effort="full")
+    assert Calibration.from_json(path.read_text()).effort == "full"
+    dropped = Calibration.from_json(path.read_text())
+    calibration._write(path, dataclasses.replace(dropped, profiles={}))
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, effort="quick").effort == "quick"
+    monkeypatch.setenv(CALIBRATION_EFFORT_ENV, "thorough")
+    with pytest.raises(TriedecError, match=CALIBRATION_EFFORT_ENV):
+        load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs)
+    with pytest.raises(TriedecError, match="effort must be one of"):
+        load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, effort="slow")
+
+
+def test_processes_sharing_a_cache_directory_measure_a_calibration_once(tiny_model_dir, tmp_path):
+    """Two processes load the same model on the same cache directory at once: one measures (under
+    the lock beside the file), the other waits and reads what it wrote."""
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        import triedec
+        from triedec.api import calibration
+        from helpers import fake_cost
+        measured = []
+        def slow(lm, repeats, progress):
+            measured.append(1)
+            time.sleep(2.0)  # long enough that the other process arrives while this one measures
+            return fake_cost()
+        calibration.measure_cost_model = slow
+        lm = triedec.load({str(tiny_model_dir)!r}, cache_dir={str(tmp_path)!r})
+        print(sys.argv[1], sys.stdin.readline().strip(), flush=True)  # both loaded: go together
+        cal = lm.calibration()
+        print(json.dumps({{"measured": len(measured), "cost": cal.cost.as_dict()}}), flush=True)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env) for i in range(2)]
+    for proc in procs:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["measured"] for r in results) == [0, 1]
+    assert results[0]["cost"] == results[1]["cost"] == fake_cost().as_dict()
+    lock = calibration.calibration_path(tmp_path, triedec.load(tiny_model_dir, cache_dir=tmp_path).adapter)
+    assert lock.with_suffix(".lock").stat().st_mode & 0o077 == 0  # readable only by its owner
 
 
 def test_a_measurement_stops_within_one_forward_when_asked(tiny_lm):

@@ -165,7 +165,7 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     assert code == 0 and "chosen**" in out and "draft nodes per step" in out
     assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 1
     code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show")
-    assert code == 0 and "chosen**" in out
+    assert code == 0 and "chosen**" in out and "custom effort" in out
     code, out, _ = run_cli(capsys, "calibrate", "--model", str(tiny_model_dir), "--show", "--json")
     curve = json.loads(out)
     assert code == 0 and {"1", "2", "4", "8", "16", "32", "64"} <= set(curve["forward_ms"])
@@ -173,6 +173,7 @@ def test_calibrate_then_recycling_with_a_state_file(capsys, monkeypatch, tmp_pat
     assert curve["ratio_to_hf1"]["1"] == pytest.approx(curve["forward_ms"]["1"] / curve["hf_forward_ms"]["1"],
                                                        rel=0.01)
     assert curve["kernels"] and 0 <= curve["profiles"]["recycling"]["nodes"] <= 80
+    assert curve["effort"] == "custom"  # prompts, tokens and repeats given by hand
     assert {"2", "16"} <= set(curve["batch_forward_ms"]) and curve["context_ms_per_1k_tokens"] >= 0
 
     state = tmp_path / "warm.safetensors"

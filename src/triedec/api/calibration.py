@@ -16,12 +16,17 @@ under the triedec cache directory; :func:`read_calibration` reads one without me
   with ``dump``. Token Recycling's tree profile is one (:mod:`triedec.drafters.recycling`).
 
 Methods say what they need (``MethodSpec.needs``); the :class:`~triedec.api.lm.LM` loads or measures
-exactly that before it builds them.
+exactly that before it builds them. How much is measured is an effort
+(:data:`~triedec.core.params.CALIBRATION_EFFORTS`: ``full`` by default, ``quick`` when
+``TRIEDEC_CALIBRATION=quick``), recorded in the file. Processes that share a cache directory (a
+server's replicas, a test suite's workers) measure a calibration once: the first takes a lock
+beside the file, the others wait for it and read what it wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -39,7 +44,12 @@ import torch
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.machine import CpuWatch, host_key
-from triedec.core.params import CALIBRATION_PROMPTS, CALIBRATION_REPEATS, CALIBRATION_TOKENS
+from triedec.core.params import (
+    CALIBRATION_EFFORT_ENV,
+    CALIBRATION_EFFORTS,
+    DEFAULT_CALIBRATION_EFFORT,
+    CalibrationEffort,
+)
 from triedec.core.tree import TokenTree
 from triedec.drafters import Drafter, ModelInfo
 from triedec.drafters.registry import NEEDS_COST, profile_specs
@@ -62,6 +72,8 @@ BUSY_SHARE = 0.25
 while the cost model is measured; above it the calibration counts as taken on a busy machine
 (:class:`CpuWatch`)."""
 CALIBRATION_FORMAT = "triedec-calibration-3"
+FULL_REPEATS = CALIBRATION_EFFORTS[DEFAULT_CALIBRATION_EFFORT].repeats
+"""The default effort's timed repeats (the measuring functions' default)."""
 PROMPTS_FILE = Path(__file__).with_name("calibration_prompts.json")
 
 log = logging.getLogger("triedec")
@@ -91,6 +103,13 @@ class Calibration:
     cost: CostModel
     profiles: Mapping[str, Any] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def effort(self) -> str:
+        """How much was measured: a name in :data:`~triedec.core.params.CALIBRATION_EFFORTS`, or
+        ``custom`` (prompts, tokens or repeats given by hand). Files from before efforts were
+        recorded were measured in full."""
+        return str(self.details.get("effort", "full"))
 
     @property
     def busy(self) -> bool:
@@ -181,7 +200,7 @@ def _tree(size: int, gen: torch.Generator, vocab: int) -> TokenTree:
 def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
                        batch: Sequence[tuple[int, Sequence[int]]] = BATCH_GRID,
                        context_tokens: int = CONTEXT_TOKENS, long_context: int = LONG_CONTEXT,
-                       repeats: int = CALIBRATION_REPEATS, k: int = 8,
+                       repeats: int = FULL_REPEATS, k: int = 8,
                        progress: Callable[[int, int], None] | None = None,
                        should_stop: Callable[[], bool] | None = None) -> CostModel:
     """Median seconds of forwards (module doc), each followed by the top-k of its logits that
@@ -243,7 +262,8 @@ def measure_cost_model(lm: Target, sizes: Sequence[int] = TREE_SIZES,
 
 
 def measure_reference_forward(model: Any, vocab_size: int, sizes: Sequence[int] = (1, 16),
-                              context_tokens: int = 512, repeats: int = CALIBRATION_REPEATS) -> dict[int, float]:
+                              context_tokens: int = 512,
+                              repeats: int = FULL_REPEATS) -> dict[int, float]:
     """Median seconds of stock transformers' own forward of T tokens (a causal chain) on a
     ``context_tokens`` cache, run as ``generate`` runs it (its default ``DynamicCache``): the
     yardstick the cost curve is read against. ``model`` is an unmodified transformers model."""
@@ -319,66 +339,135 @@ def _bar(description: str, unit: str) -> Iterator[Callable[[int, int], None]]:
         yield advance
 
 
+def calibration_effort(name: str | None = None) -> str:
+    """The effort to measure at: ``name`` if given, else the :data:`~triedec.core.params.CALIBRATION_EFFORT_ENV`
+    environment variable, else :data:`~triedec.core.params.DEFAULT_CALIBRATION_EFFORT`."""
+    chosen = name if name is not None else (os.environ.get(CALIBRATION_EFFORT_ENV, "").strip() or
+                                            DEFAULT_CALIBRATION_EFFORT)
+    if chosen not in CALIBRATION_EFFORTS:
+        source = "effort" if name is not None else CALIBRATION_EFFORT_ENV
+        raise TriedecError(f"{source} must be one of {', '.join(CALIBRATION_EFFORTS)}, got {chosen!r}")
+    return chosen
+
+
+def _serves(cached: Calibration, effort: str) -> bool:
+    """Whether a cached calibration is good enough for one asked at ``effort``: a quick one serves
+    only quick requests; a full or hand-sized one serves all."""
+    return cached.effort != "quick" or effort == "quick"
+
+
+def _read_usable(path: Path, effort: str, needs: frozenset[str], say: bool) -> tuple[Calibration | None, list[str]]:
+    """The cached calibration at ``path`` if it can be used (readable, not measured busy, measured
+    at an effort that serves ``effort``), and the profiles in ``needs`` it lacks. ``say``: log why
+    a file is not used."""
+    cached: Calibration | None = None
+    if path.is_file():
+        try:
+            cached = Calibration.from_json(path.read_text())
+        except TriedecError as exc:
+            if say:
+                log.info("ignoring the cached calibration %s (%s); measuring again", path, exc)
+    if cached is not None and cached.busy:
+        if say:
+            log.warning("the cached calibration %s was measured while other processes took %.0f%% of the "
+                        "CPU its threads needed; measuring it again", path, 100 * cached.details["others_cpu_share"])
+        cached = None
+    if cached is not None and not _serves(cached, effort):
+        if say:
+            log.info("the cached calibration %s was a quick one; measuring it in full", path)
+        cached = None
+    return cached, sorted(set(needs) - {NEEDS_COST} - set(cached.profiles if cached else ()))
+
+
+@contextlib.contextmanager
+def _measuring(path: Path) -> Iterator[None]:
+    """Held while one process measures the calibration at ``path``: an exclusive lock on a file
+    beside it (``.lock``, readable only by its owner), so that processes sharing the cache
+    directory measure it once; the others wait here, then read what the first wrote. Where the
+    platform has no ``fcntl`` it locks nothing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = frozenset({NEEDS_COST}),
-                      force: bool = False, *, prompts: int = CALIBRATION_PROMPTS,
-                      max_new_tokens: int = CALIBRATION_TOKENS, repeats: int = CALIBRATION_REPEATS) -> Calibration:
+                      force: bool = False, *, effort: str | None = None, prompts: int | None = None,
+                      max_new_tokens: int | None = None, repeats: int | None = None) -> Calibration:
     """The cached calibration of ``lm`` on its device, with at least the parts in ``needs``
     (``"cost"``, and profile names); the missing parts (all of them if ``force``) are measured and
-    the file is rewritten atomically. A file from an older triedec version is measured anew. A
-    forced calibration also times stock transformers' forward of 1 and 16 tokens on the same cache
+    the file is rewritten atomically. A file from an older triedec version, one measured busy, and
+    a quick one when ``effort`` is full are measured anew. ``effort`` (default:
+    :func:`calibration_effort`) sets ``prompts``, ``max_new_tokens`` and ``repeats``; any of them
+    given replaces its value (the calibration's effort is then ``custom``). Measuring happens under
+    a lock shared by the processes that use ``cache_dir`` (:func:`_measuring`). A forced calibration
+    also times stock transformers' forward of 1 and 16 tokens on the same cache
     (``details["reference_forward_seconds"]``), next to triedec's."""
     specs = profile_specs()
     unknown = set(needs) - {NEEDS_COST} - set(specs)
     if unknown:
         raise TriedecError(f"nothing to calibrate for {sorted(unknown)}")
+    name = calibration_effort(effort)
+    given = {"prompts": prompts, "max_new_tokens": max_new_tokens, "repeats": repeats}
+    plan: CalibrationEffort = dataclasses.replace(CALIBRATION_EFFORTS[name],
+                                                  **{k: v for k, v in given.items() if v is not None})
+    if plan != CALIBRATION_EFFORTS[name]:
+        name = "custom"
     path = calibration_path(cache_dir, lm.adapter)
-    cached: Calibration | None = None
-    if path.is_file() and not force:
-        try:
-            cached = Calibration.from_json(path.read_text())
-        except TriedecError as exc:
-            log.info("ignoring the cached calibration %s (%s); measuring again", path, exc)
-        if cached is not None and cached.busy:
-            log.warning("the cached calibration %s was measured while other processes took %.0f%% of the "
-                        "CPU its threads needed; measuring it again", path, 100 * cached.details["others_cpu_share"])
-            cached = None
-    missing = sorted(set(needs) - {NEEDS_COST} - set(cached.profiles if cached else ()))
-    if force:
-        missing = sorted(specs)
-    if cached is not None and not missing:
-        return cached
-    started = time.perf_counter()
-    if cached is None:
-        log.info("measuring this device's cost model (once; cached in %s): best with nothing else running", path)
-        key = (lm.adapter.model_id, device_key(lm.adapter), str(lm.adapter.dtype))
-        with CpuWatch() as watch, _bar("calibrating: forward costs", "forward") as bar:
-            cost = measure_cost_model(lm, repeats=repeats, progress=bar)
-        cached = Calibration(*key, cost, details={"others_cpu_share": watch.others_share})
-        if cached.busy:
-            log.warning("other processes took %.0f%% of the CPU its threads needed while the cost model was measured: "
-                        "it is used for now, marked busy, and measured again on the next load",
-                        100 * (watch.others_share or 0.0))
-        if force:
-            reference = measure_reference_forward(lm.reference_model(), lm.adapter.vocab_size, repeats=repeats)
-            cached = replace(cached, details={**cached.details,
-                                              "reference_forward_seconds": {str(t): v for t, v in reference.items()}})
-    bench = Bench(lm, cached.cost, prompts, max_new_tokens)
-    profiles = dict(cached.profiles)
-    for name in missing:
-        log.info("measuring %s's profile on this device (once; a minute or two)", name)
-        profiles[name] = specs[name].measure(bench)
-    cached = replace(cached, profiles=profiles,
-                     details={**cached.details, "seconds_taken": round(time.perf_counter() - started, 1)})
-    _write(path, cached)
+    if not force:
+        cached, missing = _read_usable(path, name, needs, say=False)
+        if cached is not None and not missing:
+            return cached
+    with _measuring(path):
+        cached, missing = (None, sorted(specs)) if force else _read_usable(path, name, needs, say=True)
+        if cached is not None and not missing:
+            return cached  # another process measured it while this one waited
+        started = time.perf_counter()
+        if cached is None:
+            log.info("measuring this device's cost model (once; cached in %s): best with nothing else running", path)
+            key = (lm.adapter.model_id, device_key(lm.adapter), str(lm.adapter.dtype))
+            with CpuWatch() as watch, _bar("calibrating: forward costs", "forward") as bar:
+                cost = measure_cost_model(lm, repeats=plan.repeats, progress=bar)
+            cached = Calibration(*key, cost, details={"others_cpu_share": watch.others_share, "effort": name})
+            if cached.busy:
+                log.warning("other processes took %.0f%% of the CPU its threads needed while the cost model was "
+                            "measured: it is used for now, marked busy, and measured again on the next load",
+                            100 * (watch.others_share or 0.0))
+            if force:
+                reference = measure_reference_forward(lm.reference_model(), lm.adapter.vocab_size,
+                                                      repeats=plan.repeats)
+                seconds = {str(t): v for t, v in reference.items()}
+                cached = replace(cached, details={**cached.details, "reference_forward_seconds": seconds})
+        bench = Bench(lm, cached.cost, plan.prompts, plan.max_new_tokens)
+        profiles = dict(cached.profiles)
+        for profile in missing:
+            log.info("measuring %s's profile on this device (once; a minute or two)", profile)
+            profiles[profile] = specs[profile].measure(bench)
+        effort_now = "quick" if "quick" in (cached.effort, name) else name
+        cached = replace(cached, profiles=profiles,
+                         details={**cached.details, "effort": effort_now,
+                                  "seconds_taken": round(time.perf_counter() - started, 1)})
+        _write(path, cached)
     return cached
 
 
-def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int = CALIBRATION_REPEATS,
+def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int | None = None,
                    should_stop: Callable[[], bool] | None = None) -> Calibration:
     """``calibration`` with its cost model measured again now (its profiles kept), under a
     :class:`~triedec.core.machine.CpuWatch`, and written atomically over the cached file: what a
-    server does, between requests, with a calibration that was measured busy. Raises
+    server does, between requests, with a calibration that was measured busy. ``repeats``
+    defaults to the calibration's own effort's (a full one's for a ``custom`` one). Raises
     :class:`Interrupted` (and writes nothing) when ``should_stop()`` says so."""
+    if repeats is None:
+        repeats = CALIBRATION_EFFORTS.get(calibration.effort, CALIBRATION_EFFORTS[DEFAULT_CALIBRATION_EFFORT]).repeats
     started = time.perf_counter()
     with CpuWatch() as watch:
         cost = measure_cost_model(lm, repeats=repeats, should_stop=should_stop)

@@ -112,8 +112,9 @@ class LM:
         return self.calibrator.get(needs)
 
     def recalibrate(self, **kwargs: Any) -> Calibration:
-        """Measure the whole calibration again (``prompts``, ``max_new_tokens``, ``repeats``) and
-        cache it. Methods already built keep what they were built with."""
+        """Measure the whole calibration again (``effort``, ``prompts``, ``max_new_tokens``,
+        ``repeats``: :func:`~triedec.api.calibration.load_or_calibrate`) and cache it. Methods
+        already built keep what they were built with."""
         return self.calibrator.recalibrate(**kwargs)
 
     def remeasure_if_busy(self, should_stop: Callable[[], bool] | None = None) -> bool:

@@ -202,14 +202,20 @@ def _methods_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_flags(cal: argparse.ArgumentParser) -> None:
-    from triedec.core.params import CALIBRATION_PROMPTS, CALIBRATION_REPEATS, CALIBRATION_TOKENS
+    from triedec.core.params import CALIBRATION_EFFORT_ENV, CALIBRATION_EFFORTS, DEFAULT_CALIBRATION_EFFORT
 
-    cal.add_argument("--prompts", type=int, default=CALIBRATION_PROMPTS,
-                     help=f"calibration prompts (the first warms up; default {CALIBRATION_PROMPTS})")
-    cal.add_argument("--max-new-tokens", type=int, default=CALIBRATION_TOKENS,
-                     help=f"tokens per calibration prompt (default {CALIBRATION_TOKENS})")
-    cal.add_argument("--repeats", type=int, default=CALIBRATION_REPEATS,
-                     help=f"timed repeats per tree size (median; default {CALIBRATION_REPEATS})")
+    efforts = "; ".join(f"{name}: {e.prompts} prompts x {e.max_new_tokens} tokens, {e.repeats} repeats"
+                        for name, e in CALIBRATION_EFFORTS.items())
+    cal.add_argument("--effort", choices=tuple(CALIBRATION_EFFORTS), default=None,
+                     help=f"how much to measure ({efforts}; default: ${CALIBRATION_EFFORT_ENV} if set, "
+                          f"else {DEFAULT_CALIBRATION_EFFORT})")
+    full = CALIBRATION_EFFORTS[DEFAULT_CALIBRATION_EFFORT]
+    cal.add_argument("--prompts", type=int, default=None,
+                     help=f"calibration prompts, the first warms up (default: the effort's, {full.prompts} in full)")
+    cal.add_argument("--max-new-tokens", type=int, default=None,
+                     help=f"tokens per calibration prompt (default: the effort's, {full.max_new_tokens} in full)")
+    cal.add_argument("--repeats", type=int, default=None,
+                     help=f"timed repeats per tree size, median kept (default: the effort's, {full.repeats} in full)")
     cal.add_argument("--show", action="store_true",
                      help="print the cached calibration and measure nothing (exit status 1 if none is cached)")
     cal.add_argument("--json", action="store_true",

@@ -84,9 +84,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from triedec.drafters.registry import profile_specs
 
     for flag in ("prompts", "max_new_tokens", "repeats"):
-        if getattr(args, flag) < 1:
-            raise TriedecError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
-    if args.prompts < 2:
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise TriedecError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.prompts is not None and args.prompts < 2:
         raise TriedecError("--prompts must be at least 2 (the first one warms up)")
     lm = load_model(args)
     specs = profile_specs()
@@ -99,7 +100,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             return 1
         cal = found
     else:
-        cal = lm.recalibrate(prompts=args.prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats)
+        cal = lm.recalibrate(effort=args.effort, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                             repeats=args.repeats)
     cost = cal.cost
     reference = cal.details.get("reference_forward_seconds", {})
     if args.json:
@@ -107,7 +109,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             "model_id": cal.model_id, "device": cal.device, "dtype": cal.dtype, "kernels": lm.adapter.kernels,
             "precision": lm.adapter.precision.name,
             "exactness": lm.adapter.exactness,
-            "others_cpu_share": cal.details.get("others_cpu_share"), "busy": cal.busy,
+            "effort": cal.effort, "others_cpu_share": cal.details.get("others_cpu_share"), "busy": cal.busy,
             **cost.surface_ms(),
             "hf_forward_ms": {str(t): round(s * 1000, 2) for t, s in reference.items()},
             "ratio_to_hf1": {str(t): round(s / reference["1"], 3) for t, s in cost.forward_seconds.items()}
@@ -117,7 +119,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         }, indent=1))
         return 0
     print(f"device {cal.device}; model {cal.model_id}; precision {lm.adapter.precision.name}; "
-          f"each request on a {cost.context_tokens}-token cache")
+          f"{cal.effort} effort; each request on a {cost.context_tokens}-token cache")
     print("| forward of | ms | x one request's 1-token forward |")
     print("|---|---|---|")
     one = cost.seconds(1)

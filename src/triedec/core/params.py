@@ -217,9 +217,30 @@ SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
 GREEDY_SAMPLING = Sampling()
 """The defaults: greedy decoding."""
 
-CALIBRATION_PROMPTS = 6
-"""calibration prompts a profile is measured on (the first warms up)"""
-CALIBRATION_TOKENS = 96
-"""tokens generated per calibration prompt"""
-CALIBRATION_REPEATS = 5
-"""timed repeats per measured size (the median is kept)"""
+
+
+@dataclass(frozen=True)
+class CalibrationEffort:
+    """How much a device calibration measures (:mod:`triedec.api.calibration`)."""
+
+    prompts: int
+    """calibration prompts a profile is measured on (the first warms up)"""
+    max_new_tokens: int
+    """tokens generated per calibration prompt"""
+    repeats: int
+    """timed repeats per measured size of the cost model (the median is kept)"""
+
+
+CALIBRATION_EFFORTS: dict[str, CalibrationEffort] = {
+    "full": CalibrationEffort(prompts=6, max_new_tokens=96, repeats=5),
+    "quick": CalibrationEffort(prompts=2, max_new_tokens=48, repeats=1),
+}
+"""The calibration efforts, by name. ``full`` is the default and what ``triedec calibrate``
+measures; ``quick`` takes about a fifth of the time for a noisier cost curve and profile (a test
+suite's, or a machine that is only passing through). A calibration records its effort: a quick one
+is measured again, in full, when a full one is asked for; a full one serves a quick request."""
+DEFAULT_CALIBRATION_EFFORT = "full"
+CALIBRATION_EFFORT_ENV = "TRIEDEC_CALIBRATION"
+"""The environment variable that, when set, names the effort of the calibrations a process
+measures on first use (``quick`` or ``full``): every ``triedec`` process a script or a test suite
+starts gets it."""

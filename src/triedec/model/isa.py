@@ -16,9 +16,10 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "bindings.cpp")
 """The extension's translation units, in ``csrc/`` (``kernels.h`` declares what ``bindings.cpp`` binds)."""
 HEADERS = ("kernels.h",)
-COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math")
+COMMON_FLAGS = ("-O3", "-g0", "-ffp-contract=off", "-fno-fast-math")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
-lane as in a scalar tail); the kernels' own fused ones are explicit."""
+lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` overrides the ``-g``
+Python's own build flags add: debug information for torch's headers costs a third of the build."""
 
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
