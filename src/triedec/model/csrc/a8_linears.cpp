@@ -46,7 +46,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -69,8 +68,8 @@ constexpr bool kVector = true;  // a vector path is built; a call takes it unles
 constexpr bool kVector = false;
 #endif
 
-constexpr int kCols = 16;   // outputs per vector
-constexpr int kGroup = 32;  // input features per group (scale, zero, activation scale)
+constexpr int kCols = static_cast<int>(triedec::kA8Cols);    // outputs per vector
+constexpr int kGroup = static_cast<int>(triedec::kA8Group);  // input features per group (scale, zero, activation scale)
 constexpr int kSteps = 4;   // steps of 8 features per group
 constexpr int kBlock = 4;   // int4: vectors per block of the packed weight (one stream per block)
 constexpr float kTiny = 1e-30f;  // a group whose max |x| is below this quantizes to zeros (127 / max would overflow)
@@ -518,72 +517,28 @@ constexpr auto& int8_vector = int8_portable;
 
 }  // namespace
 
+namespace triedec {
+
 bool a8_linears_vectorized() { return kVector; }
 
-namespace {
-
-// What both entry points check and do: x [R, K] bf16 on the CPU, quantized per row and group; the
-// weight's kernel, vector or portable (the same bits), writes out [R, N] bf16.
-template <class Vector, class Portable>
-torch::Tensor run_linear(const torch::Tensor& x, int64_t N, bool portable, Vector&& vector, Portable&& fallback) {
-  torch::Tensor rows = x.contiguous();
-  const int64_t R = rows.size(0), K = rows.size(1);
-  torch::Tensor out = torch::empty({R, N}, rows.options());
-  if (R == 0) return out;
-  const Rows& xs = quantize_rows(rows.data_ptr<c10::BFloat16>(), R, K, portable);
+void int4_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed,
+                      const c10::BFloat16* scales_zeros, int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
   if (kVector && !portable)
-    vector(xs, R, K, out.data_ptr<c10::BFloat16>());
+    int4_vector(xs, R, K, packed, scales_zeros, N, out);
   else
-    fallback(xs, R, K, out.data_ptr<c10::BFloat16>());
-  return out;
+    int4_portable(xs, R, K, packed, scales_zeros, N, out);
 }
 
-void check_input(const torch::Tensor& x, std::initializer_list<const torch::Tensor*> weights) {
-  TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
-  for (const torch::Tensor* w : weights) TORCH_CHECK(w->device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales,
+                      int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
+  if (kVector && !portable)
+    int8_vector(xs, R, K, packed, scales, N, out);
+  else
+    int8_portable(xs, R, K, packed, scales, N, out);
 }
 
-}  // namespace
-
-// x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
-// bytes in the block order above). Returns [R, N] bf16.
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable) {
-  check_input(x, {&packed, &scales_zeros});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kCols == 0 && packed.size(1) % (kGroup / 2) == 0,
-              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K, "x's features must match the packed weight's");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
-                  scales_zeros.size(0) == K / kGroup && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
-              "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scales_zeros.data_ptr<c10::BFloat16>();
-  return run_linear(
-      x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
-        int4_vector(xs, R, K_, codes, sz, N, out);
-      },
-      [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int4_portable(xs, R, K_, codes, sz, N, out); });
-}
-
-// x [R, K] bf16; packed uint8 [N, K] and scales fp16 [K / 32, N] as shapes only (their bytes in the
-// block order above). Returns [R, N] bf16.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
-  check_input(x, {&packed, &scales});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kCols == 0 && packed.size(1) % kGroup == 0,
-              "packed must be contiguous uint8 [N, K] (N a multiple of 16, K of 32)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x's features must match the packed weight's");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == K / kGroup && scales.size(1) == N,
-              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
-  const uint8_t* codes = packed.data_ptr<uint8_t>();
-  const c10::Half* s = scales.data_ptr<c10::Half>();
-  return run_linear(
-      x, N, portable, [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) {
-        int8_vector(xs, R, K_, codes, s, N, out);
-      },
-      [&](const Rows& xs, int64_t R, int64_t K_, c10::BFloat16* out) { int8_portable(xs, R, K_, codes, s, N, out); });
-}
+}  // namespace triedec

@@ -1,7 +1,7 @@
 // The Python bindings of triedec's extension (setup.py builds it once per ISA; triedec/model/native.py
 // loads the fastest this CPU runs). Every kernel releases the GIL while it runs, as torch's own ops
 // do: it touches no Python object.
-#include "kernels.h"
+#include "ops.h"
 
 // torch/python.h (pybind11 and torch's type casters), not torch/extension.h, which adds the whole
 // C++ frontend: this file compiles in about half the time.

@@ -1,31 +1,56 @@
-// What triedec's extension exports (bound to Python in bindings.cpp). Each kernel computes every
-// output row in an order fixed by that row alone, so a row gets the same bits whatever else the
-// call carries.
+// The kernels' own interface: plain pointers, strides and sizes, no torch. Each instruction set's
+// build compiles the kernel files with its own flags (triedec/model/isa.py), so they include only
+// what is light: c10's header-only 16-bit float types and ATen's parallel_for. Checking tensors,
+// allocating outputs and choosing the dtype happen once, in ops.cpp (what bindings.cpp binds).
+// Each kernel computes every output row in an order fixed by that row alone, so a row gets the
+// same bits whatever else the call carries.
 #pragma once
 
-// torch/types.h (torch::Tensor, the factories, ATen) and not torch/extension.h, which adds
-// pybind11 and the whole C++ frontend: only bindings.cpp needs those, and the kernels compile in
-// about a third of the time.
-#include <torch/types.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
+#include <cstdint>
 #include <vector>
 
-// tree_attention.cpp: query [H, T, D], keys / values [KVH, S, D]; see that file.
-torch::Tensor tree_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
-                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> indices,
-                             double scale, double softcap);
-torch::Tensor tree_attention_items(torch::Tensor query, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                                   std::vector<int64_t> bounds, std::vector<c10::optional<torch::Tensor>> offsets,
-                                   std::vector<c10::optional<torch::Tensor>> indices, double scale, double softcap);
+namespace triedec {
 
-// rms_norm.cpp: x [..., D] (last dimension contiguous), weight [D]; see that file.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool one_plus_weight);
+// tree_attention.cpp: one item's queries and the keys / values they see (see that file).
+// q [H, T, D] at strides (q_sh, q_st); k and v [KVH, S, D] at (k_sh, k_ss), (v_sh, v_ss); out
+// [T, H, D] contiguous; group = H / KVH; the keys query t sees: indices[offsets[t] ..
+// offsets[t + 1]) (ascending), or every slot when offsets is null.
+template <typename scalar_t>
+struct AttentionProblem {
+  const scalar_t* q; int64_t q_sh, q_st;
+  const scalar_t* k; int64_t k_sh, k_ss;
+  const scalar_t* v; int64_t v_sh, v_ss;
+  scalar_t* out; int64_t T, H, group, D;
+  const int64_t* offsets; const int32_t* indices; int64_t S;
+  float scale, softcap;
+};
+// Every problem's outputs in one parallel loop, each exactly as in a call of its own.
+template <typename scalar_t>
+void tree_attention_run(const std::vector<AttentionProblem<scalar_t>>& problems);
 
-// rotary.cpp: x [B, H, T, D], cos / sin [B, T, D]; transformers' rotate-half rotary, the same bits.
-torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+// rms_norm.cpp: rows of D features at row_stride (unit feature stride), weight [D], out [rows, D].
+template <typename scalar_t>
+void rms_norm_rows(const scalar_t* x, int64_t row_stride, const scalar_t* w, scalar_t* out, int64_t rows, int64_t D,
+                   float eps, bool one_plus);
 
-// a8_linears.cpp: x [R, K] bf16, quantized weights packed as that file says, 8-bit activations in
-// the dot products; see that file. `portable` forces the portable path (the tests compare the two).
+// rotary.cpp: x [B, H, T, D] at x_strides[0..3) (unit last stride), cos and sin [B, T, D] at their
+// strides[0..2) (unit last stride), out [B, H, T, D] contiguous; D even.
+template <typename scalar_t>
+void rotary_rows(const scalar_t* x, const int64_t* x_strides, const scalar_t* cos, const int64_t* cos_strides,
+                 const scalar_t* sin, const int64_t* sin_strides, scalar_t* out, int64_t B, int64_t H, int64_t T,
+                 int64_t D);
+
+// a8_linears.cpp: x [R, K] bf16 contiguous, out [R, N] bf16 contiguous, the packed weights in that
+// file's block order; `portable` forces the portable path (the tests compare the two).
+constexpr int64_t kA8Group = 32;  // input features per group
+constexpr int64_t kA8Cols = 16;   // outputs per vector (N is a multiple)
 bool a8_linears_vectorized();
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable);
+void int4_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed,
+                      const c10::BFloat16* scales_zeros, int64_t N, c10::BFloat16* out, bool portable);
+void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales,
+                      int64_t N, c10::BFloat16* out, bool portable);
+
+}  // namespace triedec

@@ -24,8 +24,12 @@ namespace {
 
 constexpr int kLanes = 8;
 
+}  // namespace
+
+namespace triedec {
+
 template <typename scalar_t>
-void norm_rows(const scalar_t* x, int64_t row_stride, const scalar_t* w, scalar_t* out, int64_t rows, int64_t D,
+void rms_norm_rows(const scalar_t* x, int64_t row_stride, const scalar_t* w, scalar_t* out, int64_t rows, int64_t D,
                float eps, bool one_plus) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -66,31 +70,10 @@ void norm_rows(const scalar_t* x, int64_t row_stride, const scalar_t* w, scalar_
   });
 }
 
-}  // namespace
+template void rms_norm_rows<float>(const float*, int64_t, const float*, float*, int64_t, int64_t, float, bool);
+template void rms_norm_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, const c10::BFloat16*, c10::BFloat16*, int64_t,
+                                           int64_t, float, bool);
+template void rms_norm_rows<c10::Half>(const c10::Half*, int64_t, const c10::Half*, c10::Half*, int64_t, int64_t, float,
+                                       bool);
 
-// x [..., D] (any strides but a unit last one, rows at one stride), weight [D] in x's dtype.
-// Returns a new contiguous tensor of x's shape and dtype.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool one_plus_weight) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x needs a last dimension of features");
-  const int64_t D = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must be [D], D = x's last dimension");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight share a dtype");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "float32, bfloat16 or float16");
-  torch::Tensor rows = x.reshape({-1, D});
-  if (rows.stride(1) != 1) rows = rows.contiguous();
-  torch::Tensor w = weight.contiguous();
-  torch::Tensor out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t n = rows.size(0);
-  if (n == 0) return out;
-  auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    norm_rows<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n,
-                        D, static_cast<float>(eps), one_plus_weight);
-  };
-  if (dtype == at::kFloat) run(float{});
-  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
-  else run(c10::Half{});
-  return out;
-}
+}  // namespace triedec

@@ -83,14 +83,7 @@ struct Keys {  // the key slots one query sees: indices[0..count), or 0..count-1
 };
 
 template <typename scalar_t>
-struct Problem {
-  const scalar_t* q; int64_t q_sh, q_st;
-  const scalar_t* k; int64_t k_sh, k_ss;
-  const scalar_t* v; int64_t v_sh, v_ss;
-  scalar_t* out; int64_t T, H, group, D;
-  const int64_t* offsets; const int32_t* indices; int64_t S;
-  float scale, softcap;
-};
+using Problem = triedec::AttentionProblem<scalar_t>;
 
 constexpr int64_t kChunk = 64;  // key slots per pass over a block of outputs: 64 rows of K (or V) stay in L1
 
@@ -430,8 +423,12 @@ void attend_block(const Problem<scalar_t>& P, int64_t begin, int64_t end) {
   }
 }
 
+}  // namespace
+
+namespace triedec {
+
 template <typename scalar_t>
-void attend(const std::vector<Problem<scalar_t>>& problems) {
+void tree_attention_run(const std::vector<AttentionProblem<scalar_t>>& problems) {
   // every item's outputs in one parallel loop: item k owns outputs [first[k], first[k + 1]) of the
   // whole work; each output is computed exactly as in a call of its own
   std::vector<int64_t> first(problems.size() + 1, 0);
@@ -453,103 +450,8 @@ void attend(const std::vector<Problem<scalar_t>>& problems) {
   });
 }
 
-struct Item {  // one item's checked inputs: its keys, values and key lists, and its queries' range
-  torch::Tensor keys, values, off, idx;
-  bool listed;
-  int64_t start, T, S, KVH;
-};
+template void tree_attention_run<float>(const std::vector<AttentionProblem<float>>&);
+template void tree_attention_run<c10::BFloat16>(const std::vector<AttentionProblem<c10::BFloat16>>&);
+template void tree_attention_run<c10::Half>(const std::vector<AttentionProblem<c10::Half>>&);
 
-Item check_item(const torch::Tensor& query, int64_t start, int64_t stop, const torch::Tensor& keys,
-                const torch::Tensor& values, const c10::optional<torch::Tensor>& offsets,
-                const c10::optional<torch::Tensor>& indices) {
-  const int64_t H = query.size(0), D = query.size(2), T = stop - start;
-  TORCH_CHECK(0 <= start && start <= stop && stop <= query.size(1), "query ranges must lie within the query");
-  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3, "keys and values must be 3-D");
-  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type(),
-              "query, keys and values share a dtype");
-  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "unit feature stride needed");
-  const int64_t KVH = keys.size(0), S = keys.size(1);
-  TORCH_CHECK(values.size(0) == KVH && values.size(1) == S && keys.size(2) == D && values.size(2) == D,
-              "keys and values must be [KVH, S, D] with the query's D");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of key/value heads");
-  Item item{keys, values, torch::Tensor(), torch::Tensor(), offsets.has_value() && offsets->defined(), start, T, S, KVH};
-  if (item.listed) {
-    TORCH_CHECK(indices.has_value() && indices->defined(), "offsets need indices");
-    item.off = offsets->to(torch::kLong).contiguous();
-    item.idx = indices->to(torch::kInt).contiguous();
-    TORCH_CHECK(item.off.dim() == 1 && item.off.size(0) == T + 1, "offsets must be [T + 1]");
-    const int64_t* o = item.off.data_ptr<int64_t>();
-    const int32_t* ix = item.idx.data_ptr<int32_t>();
-    TORCH_CHECK(o[0] == 0 && o[T] == item.idx.numel(), "offsets must run from 0 to len(indices)");
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
-      for (int64_t i = o[t]; i < o[t + 1]; ++i)
-        TORCH_CHECK(ix[i] >= 0 && ix[i] < S && (i == o[t] || ix[i] > ix[i - 1]), "indices must ascend within [0, S)");
-    }
-  } else {
-    TORCH_CHECK(S > 0, "no keys");
-  }
-  return item;
-}
-
-torch::Tensor run_items(const torch::Tensor& query, const std::vector<Item>& items, double scale, double softcap) {
-  const int64_t H = query.size(0), T = query.size(1), D = query.size(2);
-  torch::Tensor out = torch::empty({T, H, D}, query.options());
-  auto run = [&](auto zero) {
-    using scalar_t = decltype(zero);
-    std::vector<Problem<scalar_t>> problems;
-    for (const Item& it : items)
-      problems.push_back(Problem<scalar_t>{
-          query.data_ptr<scalar_t>() + it.start * query.stride(1), query.stride(0), query.stride(1),
-          it.keys.data_ptr<scalar_t>(), it.keys.stride(0), it.keys.stride(1),
-          it.values.data_ptr<scalar_t>(), it.values.stride(0), it.values.stride(1),
-          out.data_ptr<scalar_t>() + it.start * H * D, it.T, H, H / it.KVH, D,
-          it.listed ? it.off.data_ptr<int64_t>() : nullptr, it.listed ? it.idx.data_ptr<int32_t>() : nullptr, it.S,
-          static_cast<float>(scale), static_cast<float>(softcap)});
-    attend<scalar_t>(problems);
-  };
-  const auto dtype = query.scalar_type();
-  if (dtype == at::kFloat) run(float{});
-  else if (dtype == at::kBFloat16) run(c10::BFloat16{});
-  else run(c10::Half{});
-  return out;
-}
-
-void check_query(const torch::Tensor& query) {
-  TORCH_CHECK(query.dim() == 3, "query must be 3-D");
-  TORCH_CHECK(query.device().is_cpu(), "CPU tensors only");
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "float32, bfloat16 or float16");
-  TORCH_CHECK(query.stride(2) == 1, "unit feature stride needed");
-}
-
-}  // namespace
-
-// query [H, T, D], keys / values [KVH, S, D] (any strides, unit feature stride); the keys query t
-// sees: indices[offsets[t] .. offsets[t+1]) (int32, ascending), or every slot when offsets is
-// undefined. Returns [T, H, D] in the query's dtype.
-torch::Tensor tree_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
-                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> indices,
-                             double scale, double softcap) {
-  check_query(query);
-  return run_items(query, {check_item(query, 0, query.size(1), keys, values, offsets, indices)}, scale, softcap);
-}
-
-// Several items in one call, each its own keys and values: item k's queries are query[:, bounds[k]
-// .. bounds[k+1]) and see its keys / values (and key lists, as above; an undefined offsets: every
-// slot). Every output equals what a call of its own gives, bit for bit. Returns [T, H, D].
-torch::Tensor tree_attention_items(torch::Tensor query, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                                   std::vector<int64_t> bounds, std::vector<c10::optional<torch::Tensor>> offsets,
-                                   std::vector<c10::optional<torch::Tensor>> indices, double scale, double softcap) {
-  check_query(query);
-  const size_t n = keys.size();
-  TORCH_CHECK(values.size() == n && offsets.size() == n && indices.size() == n && bounds.size() == n + 1,
-              "one keys, values, offsets and indices per item, and n + 1 bounds");
-  TORCH_CHECK(n == 0 ? query.size(1) == 0 : (bounds[0] == 0 && bounds[n] == query.size(1)),
-              "bounds must run from 0 to the query's length");
-  std::vector<Item> items;
-  for (size_t k = 0; k < n; ++k)
-    items.push_back(check_item(query, bounds[k], bounds[k + 1], keys[k], values[k], offsets[k], indices[k]));
-  return run_items(query, items, scale, softcap);
-}
+}  // namespace triedec

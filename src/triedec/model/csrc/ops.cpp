@@ -1,0 +1,228 @@
+// The extension's operations on tensors (ops.h): each checks its inputs, allocates its output and
+// runs a kernel of kernels.h on its dtype. The only kernel-side file that includes torch's tensor
+// headers, so that the kernel files, compiled once per instruction set, stay light to build.
+#include "ops.h"
+
+#include "kernels.h"
+
+#include <initializer_list>
+
+namespace {
+
+// Runs f(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor.
+template <class F>
+void on_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) f(float{});
+  else if (dtype == at::kBFloat16) f(c10::BFloat16{});
+  else f(c10::Half{});
+}
+
+void check_float_dtype(at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "float32, bfloat16 or float16");
+}
+
+// ---- tree attention -----------------------------------------------------------------------------
+
+struct Item {  // one item's checked inputs: its keys, values and key lists, and its queries' range
+  torch::Tensor keys, values, off, idx;
+  bool listed;
+  int64_t start, T, S, KVH;
+};
+
+Item check_item(const torch::Tensor& query, int64_t start, int64_t stop, const torch::Tensor& keys,
+                const torch::Tensor& values, const c10::optional<torch::Tensor>& offsets,
+                const c10::optional<torch::Tensor>& indices) {
+  const int64_t H = query.size(0), D = query.size(2), T = stop - start;
+  TORCH_CHECK(0 <= start && start <= stop && stop <= query.size(1), "query ranges must lie within the query");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3, "keys and values must be 3-D");
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(keys.scalar_type() == query.scalar_type() && values.scalar_type() == query.scalar_type(),
+              "query, keys and values share a dtype");
+  TORCH_CHECK(keys.stride(2) == 1 && values.stride(2) == 1, "unit feature stride needed");
+  const int64_t KVH = keys.size(0), S = keys.size(1);
+  TORCH_CHECK(values.size(0) == KVH && values.size(1) == S && keys.size(2) == D && values.size(2) == D,
+              "keys and values must be [KVH, S, D] with the query's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "query heads must be a multiple of key/value heads");
+  Item item{keys, values, torch::Tensor(), torch::Tensor(), offsets.has_value() && offsets->defined(), start, T, S, KVH};
+  if (item.listed) {
+    TORCH_CHECK(indices.has_value() && indices->defined(), "offsets need indices");
+    item.off = offsets->to(torch::kLong).contiguous();
+    item.idx = indices->to(torch::kInt).contiguous();
+    TORCH_CHECK(item.off.dim() == 1 && item.off.size(0) == T + 1, "offsets must be [T + 1]");
+    const int64_t* o = item.off.data_ptr<int64_t>();
+    const int32_t* ix = item.idx.data_ptr<int32_t>();
+    TORCH_CHECK(o[0] == 0 && o[T] == item.idx.numel(), "offsets must run from 0 to len(indices)");
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
+      for (int64_t i = o[t]; i < o[t + 1]; ++i)
+        TORCH_CHECK(ix[i] >= 0 && ix[i] < S && (i == o[t] || ix[i] > ix[i - 1]), "indices must ascend within [0, S)");
+    }
+  } else {
+    TORCH_CHECK(S > 0, "no keys");
+  }
+  return item;
+}
+
+torch::Tensor run_items(const torch::Tensor& query, const std::vector<Item>& items, double scale, double softcap) {
+  const int64_t H = query.size(0), T = query.size(1), D = query.size(2);
+  torch::Tensor out = torch::empty({T, H, D}, query.options());
+  on_dtype(query.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
+    std::vector<triedec::AttentionProblem<scalar_t>> problems;
+    for (const Item& it : items)
+      problems.push_back(triedec::AttentionProblem<scalar_t>{
+          query.data_ptr<scalar_t>() + it.start * query.stride(1), query.stride(0), query.stride(1),
+          it.keys.data_ptr<scalar_t>(), it.keys.stride(0), it.keys.stride(1),
+          it.values.data_ptr<scalar_t>(), it.values.stride(0), it.values.stride(1),
+          out.data_ptr<scalar_t>() + it.start * H * D, it.T, H, H / it.KVH, D,
+          it.listed ? it.off.data_ptr<int64_t>() : nullptr, it.listed ? it.idx.data_ptr<int32_t>() : nullptr, it.S,
+          static_cast<float>(scale), static_cast<float>(softcap)});
+    triedec::tree_attention_run<scalar_t>(problems);
+  });
+  return out;
+}
+
+void check_query(const torch::Tensor& query) {
+  TORCH_CHECK(query.dim() == 3, "query must be 3-D");
+  TORCH_CHECK(query.device().is_cpu(), "CPU tensors only");
+  check_float_dtype(query.scalar_type());
+  TORCH_CHECK(query.stride(2) == 1, "unit feature stride needed");
+}
+
+}  // namespace
+
+// query [H, T, D], keys / values [KVH, S, D] (any strides, unit feature stride); the keys query t
+// sees: indices[offsets[t] .. offsets[t+1]) (int32, ascending), or every slot when offsets is
+// undefined. Returns [T, H, D] in the query's dtype.
+torch::Tensor tree_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values,
+                             c10::optional<torch::Tensor> offsets, c10::optional<torch::Tensor> indices,
+                             double scale, double softcap) {
+  check_query(query);
+  return run_items(query, {check_item(query, 0, query.size(1), keys, values, offsets, indices)}, scale, softcap);
+}
+
+// Several items in one call, each its own keys and values: item k's queries are query[:, bounds[k]
+// .. bounds[k+1]) and see its keys / values (and key lists, as above; an undefined offsets: every
+// slot). Every output equals what a call of its own gives, bit for bit. Returns [T, H, D].
+torch::Tensor tree_attention_items(torch::Tensor query, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                                   std::vector<int64_t> bounds, std::vector<c10::optional<torch::Tensor>> offsets,
+                                   std::vector<c10::optional<torch::Tensor>> indices, double scale, double softcap) {
+  check_query(query);
+  const size_t n = keys.size();
+  TORCH_CHECK(values.size() == n && offsets.size() == n && indices.size() == n && bounds.size() == n + 1,
+              "one keys, values, offsets and indices per item, and n + 1 bounds");
+  TORCH_CHECK(n == 0 ? query.size(1) == 0 : (bounds[0] == 0 && bounds[n] == query.size(1)),
+              "bounds must run from 0 to the query's length");
+  std::vector<Item> items;
+  for (size_t k = 0; k < n; ++k)
+    items.push_back(check_item(query, bounds[k], bounds[k + 1], keys[k], values[k], offsets[k], indices[k]));
+  return run_items(query, items, scale, softcap);
+}
+
+// ---- RMS norm -------------------------------------------------------------------------------------
+
+// x [..., D] (any strides but a unit last one, rows at one stride), weight [D] in x's dtype.
+// Returns a new contiguous tensor of x's shape and dtype.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool one_plus_weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x needs a last dimension of features");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "weight must be [D], D = x's last dimension");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight share a dtype");
+  check_float_dtype(x.scalar_type());
+  torch::Tensor rows = x.reshape({-1, D});
+  if (rows.stride(1) != 1) rows = rows.contiguous();
+  torch::Tensor w = weight.contiguous();
+  torch::Tensor out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = rows.size(0);
+  if (n == 0) return out;
+  on_dtype(x.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
+    triedec::rms_norm_rows<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), w.data_ptr<scalar_t>(),
+                                     out.data_ptr<scalar_t>(), n, D, static_cast<float>(eps), one_plus_weight);
+  });
+  return out;
+}
+
+// ---- rotary ---------------------------------------------------------------------------------------
+
+// x [B, H, T, D] (any strides but a unit last one), cos and sin [B, T, D] (the same; a unit last
+// stride), all of one dtype, D even. Returns a new contiguous [B, H, T, D].
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "x must be [B, H, T, D] with an even D");
+  TORCH_CHECK(cos.dim() == 3 && sin.sizes() == cos.sizes() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) &&
+                  cos.size(2) == x.size(3), "cos and sin must be [B, T, D] for x [B, H, T, D]");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "x, cos and sin share a dtype");
+  check_float_dtype(dtype);
+  if (x.stride(3) != 1) x = x.contiguous();
+  if (cos.stride(2) != 1) cos = cos.contiguous();
+  if (sin.stride(2) != 1) sin = sin.contiguous();
+  torch::Tensor out = torch::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const int64_t xs[3] = {x.stride(0), x.stride(1), x.stride(2)};
+  const int64_t cs[2] = {cos.stride(0), cos.stride(1)}, ss[2] = {sin.stride(0), sin.stride(1)};
+  on_dtype(dtype, [&](auto zero) {
+    using scalar_t = decltype(zero);
+    triedec::rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), xs, cos.data_ptr<scalar_t>(), cs, sin.data_ptr<scalar_t>(),
+                                   ss, out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.size(3));
+  });
+  return out;
+}
+
+// ---- linears with 8-bit activations ---------------------------------------------------------------
+
+namespace {
+
+void check_input(const torch::Tensor& x, std::initializer_list<const torch::Tensor*> weights) {
+  TORCH_CHECK(x.device().is_cpu(), "CPU tensors only");
+  for (const torch::Tensor* w : weights) TORCH_CHECK(w->device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
+}
+
+}  // namespace
+
+bool a8_linears_vectorized() { return triedec::a8_linears_vectorized(); }
+
+// x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
+// bytes in the block order a8_linears.cpp gives). Returns [R, N] bf16.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable) {
+  using triedec::kA8Cols, triedec::kA8Group;
+  check_input(x, {&packed, &scales_zeros});
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kA8Cols == 0 && packed.size(1) % (kA8Group / 2) == 0,
+              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == K, "x's features must match the packed weight's");
+  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
+                  scales_zeros.size(0) == K / kA8Group && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
+              "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
+  torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  torch::Tensor out = torch::empty({R, N}, rows.options());
+  triedec::int4_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
+                            scales_zeros.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>(), portable);
+  return out;
+}
+
+// x [R, K] bf16; packed uint8 [N, K] and scales fp16 [K / 32, N] as shapes only (their bytes in the
+// block order a8_linears.cpp gives). Returns [R, N] bf16.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
+  using triedec::kA8Cols, triedec::kA8Group;
+  check_input(x, {&packed, &scales});
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kA8Cols == 0 && packed.size(1) % kA8Group == 0,
+              "packed must be contiguous uint8 [N, K] (N a multiple of 16, K of 32)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x's features must match the packed weight's");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == K / kA8Group && scales.size(1) == N,
+              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
+  torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  torch::Tensor out = torch::empty({R, N}, rows.options());
+  triedec::int8_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
+                            scales.data_ptr<c10::Half>(), N, out.data_ptr<c10::BFloat16>(), portable);
+  return out;
+}
