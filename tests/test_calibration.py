@@ -234,6 +234,14 @@ def test_processes_sharing_a_cache_directory_measure_a_calibration_once(tiny_mod
             time.sleep(2.0)  # long enough that the other process arrives while this one measures
             return fake_cost()
         calibration.measure_cost_model = slow
+
+        class Quiet:  # the sleep leaves the CPU to others: not a busy measurement
+            others_share = 0.0
+            def __enter__(self):
+                return self
+            def __exit__(self, *exc):
+                pass
+        calibration.CpuWatch = Quiet
         lm = triedec.load({str(tiny_model_dir)!r}, cache_dir={str(tmp_path)!r})
         print(sys.argv[1], sys.stdin.readline().strip(), flush=True)  # both loaded: go together
         cal = lm.calibration()
