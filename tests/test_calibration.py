@@ -207,6 +207,9 @@ def test_a_quick_calibration_records_its_effort_and_is_measured_in_full_when_ask
     custom = load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, force=True, effort="quick", repeats=3)
     assert custom.effort == "custom" and repeats_used[-1] == 3 and sized[-1] == (quick.prompts, quick.max_new_tokens)
     assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs).effort == "custom" and len(repeats_used) == 3
+    hand_sized = Calibration.from_json(path.read_text())
+    calibration._write(path, dataclasses.replace(hand_sized, profiles={}))
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, needs, effort="full").effort == "custom"  # its cost model
     # a cost model measured in full with a profile added quickly is a quick calibration
     load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"}), force=True, effort="full")
     assert Calibration.from_json(path.read_text()).effort == "full"

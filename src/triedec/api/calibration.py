@@ -108,8 +108,9 @@ class Calibration:
     def effort(self) -> str:
         """How much was measured: a name in :data:`~triedec.core.params.CALIBRATION_EFFORTS`, or
         ``custom`` (prompts, tokens or repeats given by hand). Files from before efforts were
-        recorded were measured in full."""
-        return str(self.details.get("effort", "full"))
+        recorded were measured in full; an unknown name is read as ``custom``."""
+        effort = self.details.get("effort", "full")
+        return effort if effort in CALIBRATION_EFFORTS else "custom"
 
     @property
     def busy(self) -> bool:
@@ -451,7 +452,8 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
         for profile in missing:
             log.info("measuring %s's profile on this device (once; a minute or two)", profile)
             profiles[profile] = specs[profile].measure(bench)
-        effort_now = "quick" if "quick" in (cached.effort, name) else name
+        # a calibration is as good as its weakest part: quick below hand-sized below full
+        effort_now = min((cached.effort, name), key=("quick", "custom", "full").index)
         cached = replace(cached, profiles=profiles,
                          details={**cached.details, "effort": effort_now,
                                   "seconds_taken": round(time.perf_counter() - started, 1)})
