@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from triedec.core.errors import TriedecError
-from triedec.model.adapter import BIT_EXACT, OWN_RUNNER, ForwardItem, ModelAdapter
+from triedec.model.adapter import BIT_EXACT, NATIVE_FORWARD, OWN_RUNNER, ForwardItem, ModelAdapter
 from triedec.model.precision import Precision
 from triedec.model.runner import RUNNER, TRANSFORMERS
 from triedec.model.source import quantize
@@ -124,7 +124,10 @@ def _forward_both(pair, gen: random.Random) -> tuple[list[torch.Tensor], list[to
 def test_the_runner_gives_transformers_forwards_bits(adapter_pairs, name, seed):
     mine, theirs = adapter_pairs[name]
     assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
-    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" and mine.exactness == BIT_EXACT
+    native = name.endswith("int4-a8")  # every part on triedec's kernels: one native call per forward
+    assert mine.native_forward is native and not theirs.native_forward
+    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" + (f"+{NATIVE_FORWARD}" if native else "")
+    assert mine.exactness == BIT_EXACT
     got, expected = _forward_both((mine, theirs), random.Random(seed))
     assert len(got) == len(expected)
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
@@ -195,7 +198,8 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
     mine = triedec.load(weights=weights).adapter
     theirs = ModelAdapter(triedec.load(weights=weights, kernels="plain").model, "auto", runner=TRANSFORMERS)
     assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
-    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}"
+    assert mine.native_forward is (weights == "int4-a8")
+    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" + (f"+{NATIVE_FORWARD}" if mine.native_forward else "")
     prompt = torch.tensor([1, 4093, 314, 253, 1345, 28, 1116, 335, 260, 6372, 2761, 47, 2])
     tree = torch.tensor([[True, False, False, False], [True, True, False, False],
                          [True, False, True, False], [True, True, False, True]])
@@ -214,5 +218,21 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
             got += part
         rows.append(got)
     assert len(rows[0]) == len(rows[1]) == 5 + 2 + 7 + 4
+    for i, (a, b) in enumerate(zip(*rows, strict=True)):
+        assert torch.equal(a, b), f"row {i}"
+
+
+@pytest.mark.parametrize("name", ["llama-int4-a8", "qwen2-bias-int4-a8"])
+def test_the_native_forward_gives_the_same_bits_on_one_and_two_threads(adapter_pairs, name):
+    """The native forward's kernels split each output among threads, never a sum: the same random
+    forwards (prompt chunks, then trees beside other requests) on 1 and on 2 threads give every row
+    the same bits."""
+    mine, _ = adapter_pairs[name]
+    assert mine.native_forward
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        rows.append(_forward_both((mine, mine), random.Random(7))[0])
+    assert len(rows[0]) == len(rows[1])
     for i, (a, b) in enumerate(zip(*rows, strict=True)):
         assert torch.equal(a, b), f"row {i}"

@@ -69,6 +69,13 @@ class KVCache:
         self.keys[layer].narrow(2, self.length, n).copy_(keys)
         self.values[layer].narrow(2, self.length, n).copy_(values)
 
+    def allocate(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the buffers of layers not yet written, ``[1, kv_heads, capacity, head_dim]`` each
+        (for a forward that writes the pending slots in place, not through :meth:`write`)."""
+        while len(self.keys) < layers:
+            for bufs in (self.keys, self.values):
+                bufs.append(torch.empty((1, kv_heads, self.capacity, head_dim), dtype=dtype, device=device))
+
     def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``[1, kv_heads, length + pending, head_dim]`` of one layer's committed + pending
         K and V (what attention reads during a forward, after :meth:`write`)."""

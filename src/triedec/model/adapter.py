@@ -146,13 +146,16 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
 
 OWN_RUNNER = "triedec-runner"
 """How :func:`describe_kernels` names triedec's own runner (:mod:`triedec.model.runner`)."""
+NATIVE_FORWARD = "native-forward"
+"""How :func:`describe_kernels` names the runner's forward in one native call
+(:func:`triedec.model.runner.native_decoder`)."""
 
 
 def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_attention: bool = False,
-                     runner: bool = False) -> str:
+                     runner: bool = False, native: bool = False) -> str:
     """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+`` (``weights``: how
     its linear weights are stored, :attr:`triedec.model.precision.Precision.weights`; ``runner``:
-    whether triedec's own runner walks its layers)."""
+    whether triedec's own runner walks its layers; ``native``: whether that walk is one native call)."""
     used = []
     if weights != "float":
         used.append(f"{weights}-weights")
@@ -166,6 +169,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append("gqa-sdpa")
     if runner:
         used.append(OWN_RUNNER)
+    if native:
+        used.append(NATIVE_FORWARD)
     return "+".join(used) or "plain"
 
 
@@ -210,8 +215,11 @@ class ModelAdapter:
         """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by
         default with ``kernels="auto"`` on the architectures it runs) or ``transformers`` (the model's
         own forward: ``kernels="plain"``, or any other architecture). ``runner=`` picks one."""
+        self.native_forward = self._runner is not None and self._runner.native and self.exact_attention \
+            and len(set(self.layout.kinds)) == 1
+        """Whether a forward is one native call (:func:`triedec.model.runner.native_decoder`)."""
         self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention,
-                                        self._runner is not None)
+                                        self._runner is not None, self.native_forward)
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
         native = self.exact_attention or any(isinstance(m, (FusedRMSNorm, *NATIVE_LINEARS)) for m in model.modules())
         self.native_build = build_id() if native else None

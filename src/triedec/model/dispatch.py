@@ -206,6 +206,11 @@ class ItemBatch:
                 self._prepared[key] = additive_mask(visible, self.dtype, self.device)
         return self._prepared[key]
 
+    def key_lists(self, index: int, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Item ``index``'s key lists for layers of ``kind`` (:func:`~triedec.model.attention.key_lists`;
+        None: each query sees every slot), built once per forward."""
+        return self._seen(index, kind, True)
+
     def attend(self, module: nn.Module, query: torch.Tensor, base: AttentionFn,
                kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
         """Attention of every item over its own cache: ``query [1, heads, N, dim]`` ->

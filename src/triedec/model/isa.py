@@ -13,11 +13,12 @@ import platform
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "ops.cpp", "bindings.cpp")
+SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "ops.cpp", "decoder.cpp",
+           "bindings.cpp")
 """The extension's translation units, in ``csrc/``: the kernels (``kernels.h``: plain pointers, no
 torch headers, quick to compile once per ISA), the operations on tensors that check, allocate and
 call them (``ops.h``, ``ops.cpp``) and the Python bindings of those."""
-HEADERS = ("kernels.h", "ops.h")
+HEADERS = ("kernels.h", "ops.h", "decoder.h")
 COMMON_FLAGS = ("-O3", "-g0", "-ffp-contract=off", "-fno-fast-math")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` overrides the ``-g``

@@ -13,10 +13,15 @@ same order as transformers' modeling file calls it. So its logits are the same b
 own forward in every precision mode (``tests/test_runner.py`` checks ``torch.equal`` on tiny random
 models of both architectures and on the default model); what it saves is the plumbing.
 
+Where every part of the model runs on triedec's kernels (the ``int4-a8`` mode: 8-bit-activation
+linears, fused RMS norms, SiLU, triedec's fixed-order attention with one kind of layer), the whole
+walk is one native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels in
+the same order, with no Python between layers, so again the same bits. Elsewhere the walk is
+Python calls of the same modules.
+
 Anything else (another architecture, a module that is not of the expected shape) keeps
 transformers' forward: :func:`runner_for` returns None, and :attr:`ModelAdapter.runner` names which
-one ran. This is the first step of the runner issue 54 describes (one native call per forward);
-today the layers are still Python calls of triedec's kernels.
+one ran.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from triedec.core.kvcache import KVCache
 from triedec.model.dispatch import ItemBatch
 from triedec.model.linears import JoinedPart, LinearStandIn
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS, joinable
+from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, joinable
+from triedec.model.rmsnorm import FusedRMSNorm
 
 RUNNER = "triedec"
 """How the stats name this runner."""
@@ -80,11 +87,74 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
     return joined, ends
 
 
+def _silu_classes() -> tuple[type, ...]:
+    """The activation modules that are torch's SiLU (``csrc/decoder.cpp`` calls torch's ``silu``)."""
+    try:
+        from transformers.activations import SiLUActivation  # forward: nn.functional.silu
+    except ImportError:
+        return (nn.SiLU,)
+    return (nn.SiLU, SiLUActivation)
+
+
+_SILU = _silu_classes()
+
+
+def _native_linear(kernel: Any, layer: nn.Module) -> Any:
+    buffers = layer._buffers
+    if type(layer) is Int4A8Linear:
+        return kernel.NativeLinear(True, buffers["packed"], buffers["scales_zeros"], layer.bias)
+    return kernel.NativeLinear(False, buffers["packed"], buffers["scales"], layer.bias)
+
+
+def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | None) -> list[nn.Module]:
+    """The linears a joined group runs: the joined one, or the parts themselves."""
+    return [joined[0]] if joined is not None else layers
+
+
+def native_decoder(model: nn.Module, layers: list[tuple[Any, ...]]) -> Any:
+    """The native forward (``csrc/decoder.cpp``'s ``NativeDecoder``) of ``model``, whose layers
+    :class:`DecoderRunner` has prepared, when every part of it runs on triedec's kernels with the
+    arithmetic that file reproduces: bfloat16 activations, every linear and the head on the
+    8-bit-activation kernels (:data:`~triedec.model.precision.NATIVE_LINEARS`), every norm
+    triedec's RMS norm of the ``weight`` kind with one epsilon, SiLU, one attention scale. Else
+    None (the Python walk runs)."""
+    config = model.config
+    base = model.model
+    if next(model.parameters()).device.type != "cpu" or not kernel_available() \
+            or base.embed_tokens.weight.dtype != torch.bfloat16 or getattr(config, "hidden_act", None) != "silu":
+        return None
+    norms = [base.norm] + [n for first, _, second, _, _, _ in layers for n in (first, second)]
+    if not all(type(n) is FusedRMSNorm and n.variant == "weight" and n.weight.dtype == torch.bfloat16 for n in norms) \
+            or len({n.eps for n in norms}) != 1:
+        return None
+    heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
+    head_dim = layers[0][1].head_dim
+    scales = {float(attn.scaling) for _, attn, _, _, _, _ in layers}
+    if len(scales) != 1 or any(attn.head_dim != head_dim for _, attn, _, _, _, _ in layers):
+        return None
+    kernel = load_kernel()
+    built = []
+    for first, attn, second, mlp, qkv, gate_up in layers:
+        if type(mlp.act_fn) not in _SILU:
+            return None
+        groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], qkv), [attn.o_proj],
+                  _parts([mlp.gate_proj, mlp.up_proj], gate_up), [mlp.down_proj])
+        if not all(type(m) in NATIVE_LINEARS for group in groups for m in group):
+            return None
+        q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
+        built.append(kernel.NativeLayer(first.weight, second.weight, q, o[0], gu, down[0]))
+    if type(model.lm_head) not in NATIVE_LINEARS:
+        return None
+    return kernel.NativeDecoder(built, base.norm.weight, _native_linear(kernel, model.lm_head), heads, kv_heads,
+                                head_dim, base.norm.eps, scales.pop())
+
+
 class DecoderRunner:
     """One forward of a Llama-family decoder over an :class:`ItemBatch` (see the module doc).
 
     Construction joins each layer's q/k/v projections, and its gate and up projections, into one
-    call each where the mode's linears can be joined with the same bits (:func:`join`: int4-a8)."""
+    call each where the mode's linears can be joined with the same bits (:func:`join`: int4-a8),
+    and builds the native forward where it applies (:attr:`native`)."""
 
     def __init__(self, model: nn.Module) -> None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -104,12 +174,39 @@ class DecoderRunner:
             gate_up = join(layer.mlp, ("gate_proj", "up_proj"))
             self.layers.append((layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp,
                                 qkv, gate_up))
+        self._native = native_decoder(model, self.layers)
+        self._kv = (int(model.config.num_key_value_heads or model.config.num_attention_heads),
+                    self.layers[0][1].head_dim)
+
+    @property
+    def native(self) -> bool:
+        """Whether a forward can be one native call (:func:`native_decoder`); it is, for a batch on
+        triedec's fixed-order attention whose layers are of one kind."""
+        return self._native is not None
+
+    def _native_forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch,
+                        keep: torch.Tensor | None) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden, positions[None])
+        kind = batch.kinds[0]
+        caches: list[KVCache] = [item.cache for item in batch.items]
+        for cache in caches:
+            cache.allocate(len(self.layers), *self._kv, hidden.dtype, hidden.device)
+        seen = [batch.key_lists(index, kind) for index in range(len(caches))]
+        edges = [start for start, _ in batch.bounds] + [batch.bounds[-1][1]]
+        logits = self._native.forward(
+            hidden, cos[0].contiguous(), sin[0].contiguous(), edges,
+            [cache.length for cache in caches], [cache.keys for cache in caches], [cache.values for cache in caches],
+            [None if s is None else s[0] for s in seen], [None if s is None else s[1] for s in seen], keep)
+        return logits[None]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch, keep: torch.Tensor | None,
                 base: Any) -> torch.Tensor:
         """The logits ``[1, rows, vocab]`` of ``tokens [N]`` at ``positions [N]``, laid out and
         attending as ``batch`` says; ``keep``: the rows to return (None: all). ``base``: the
         attention function the dispatcher would call for a layer (:data:`~triedec.model.dispatch.BASES`)."""
+        if self._native is not None and batch.exact and len(set(batch.kinds)) == 1:
+            return self._native_forward(tokens, positions, batch, keep)
         hidden = self.embed(tokens[None])
         cos, sin = self.rotary(hidden, positions[None])
         n = tokens.shape[0]

@@ -1,6 +1,7 @@
 // The Python bindings of triedec's extension (setup.py builds it once per ISA; triedec/model/native.py
 // loads the fastest this CPU runs). Every kernel releases the GIL while it runs, as torch's own ops
 // do: it touches no Python object.
+#include "decoder.h"
 #include "ops.h"
 
 // torch/python.h (pybind11 and torch's type casters), not torch/extension.h, which adds the whole
@@ -51,4 +52,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products",
         release());
+  using triedec::NativeDecoder, triedec::NativeLayer, triedec::NativeLinear;
+  pybind11::class_<NativeLinear>(m, "NativeLinear", "one linear on the 8-bit-activation kernels (decoder.h)")
+      .def(pybind11::init<bool, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>());
+  pybind11::class_<NativeLayer>(m, "NativeLayer", "one decoder layer's weights (decoder.h)")
+      .def(pybind11::init<torch::Tensor, torch::Tensor, std::vector<NativeLinear>, NativeLinear,
+                          std::vector<NativeLinear>, NativeLinear>());
+  pybind11::class_<NativeDecoder>(m, "NativeDecoder", "a Llama-family decoder's forward in one call (decoder.h)")
+      .def(pybind11::init<std::vector<NativeLayer>, torch::Tensor, NativeLinear, int64_t, int64_t, int64_t, double,
+                          double>())
+      .def("forward", &NativeDecoder::forward, release())
+      .def_property_readonly("layers", &NativeDecoder::layers);
 }

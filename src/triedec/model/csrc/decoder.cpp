@@ -1,0 +1,250 @@
+// triedec's native forward of a Llama-family decoder (decoder.h). Per layer, in the order
+// transformers' LlamaDecoderLayer runs it and triedec/model/runner.py's Python walk calls it:
+//   x = rms_norm(h); q | k | v = x Wqkv (+ b); q, k = rotary(q), rotary(k); K/V into each item's cache;
+//   a = tree_attention(q, cache); h = h + a Wo; x = rms_norm(h); g | u = x Wgu; h = h + (silu(g) * u) Wd
+// then the final norm and the LM head on the kept rows. Every step is the kernel or the one IEEE
+// operation per element that the Python walk runs (the residual adds and the product silu(g) * u
+// are one float32 operation rounded to bfloat16, as torch's bfloat16 ops are; silu is torch's own
+// op), so the logits are the same bits (tests/test_runner.py). Rows depend on their own inputs
+// only: every kernel computes a row alone, and attention reads the slots a row sees.
+#include "decoder.h"
+
+#include "kernels.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/silu.h>
+
+#include <cstring>
+
+namespace triedec {
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+void check_bf16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), what,
+              " must be a contiguous bfloat16 CPU tensor");
+}
+
+// out [R, N] (row stride ld) = x [R, K] W^T (+ bias), as the linear's own op gives it.
+void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
+  if (l.int4)
+    int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
+  else
+    int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+  if (l.bias.defined()) {
+    const bf16* b = l.bias.data_ptr<bf16>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t n = 0; n < l.N; ++n) out[r * l.N + n] = static_cast<bf16>(static_cast<float>(out[r * l.N + n]) +
+                                                                            static_cast<float>(b[n]));
+  }
+}
+
+// The parts' outputs side by side in out [R, width]: one linear writes out directly; several are
+// each computed alone (their own bits) and copied into their columns.
+void run_parts(const std::vector<NativeLinear>& parts, const bf16* x, int64_t R, bf16* out, int64_t width) {
+  if (parts.size() == 1) {
+    run_linear(parts[0], x, R, out);
+    return;
+  }
+  int64_t at = 0;
+  for (const NativeLinear& l : parts) {
+    at::Tensor part = at::empty({R, l.N}, at::kBFloat16);
+    run_linear(l, x, R, part.data_ptr<bf16>());
+    const bf16* p = part.data_ptr<bf16>();
+    for (int64_t r = 0; r < R; ++r) std::memcpy(out + r * width + at, p + r * l.N, l.N * sizeof(bf16));
+    at += l.N;
+  }
+}
+
+// h += y elementwise: one float32 addition rounded to bfloat16 (torch's bfloat16 add).
+void add_into(bf16* h, const bf16* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<bf16>(static_cast<float>(h[i]) + static_cast<float>(y[i]));
+}
+
+int64_t total_out(const std::vector<NativeLinear>& parts) {
+  int64_t n = 0;
+  for (const NativeLinear& l : parts) n += l.N;
+  return n;
+}
+
+}  // namespace
+
+NativeLinear::NativeLinear(bool int4_, at::Tensor packed_, at::Tensor scales_, c10::optional<at::Tensor> bias_)
+    : int4(int4_), packed(std::move(packed_)), scales(std::move(scales_)), bias(bias_.value_or(at::Tensor())) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) % kA8Cols == 0, "packed must be contiguous uint8 [N, *]");
+  N = packed.size(0);
+  K = int4 ? packed.size(1) * 2 : packed.size(1);
+  TORCH_CHECK(K % kA8Group == 0, "input features must be a multiple of 32");
+  TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous(), "scales must be contiguous");
+  if (int4) {
+    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
+                    scales.size(1) == 2 && scales.size(2) == N, "scales_zeros must be bf16 [K / 32, 2, N]");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == K / kA8Group &&
+                    scales.size(1) == N, "scales must be fp16 [K / 32, N]");
+  }
+  if (bias.defined()) {
+    check_bf16(bias, "bias");
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
+  }
+}
+
+NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vector<NativeLinear> qkv_,
+                         NativeLinear o_, std::vector<NativeLinear> gate_up_, NativeLinear down_)
+    : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)), qkv(std::move(qkv_)), o(std::move(o_)),
+      gate_up(std::move(gate_up_)), down(std::move(down_)) {
+  check_bf16(input_norm, "input_norm");
+  check_bf16(post_norm, "post_norm");
+  TORCH_CHECK(!qkv.empty() && !gate_up.empty(), "q/k/v and gate/up need at least one linear each");
+}
+
+NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, double eps, double scale)
+    : layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)), H_(heads), KVH_(kv_heads),
+      hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+  TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
+  TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && hd_ > 0 && hd_ % 2 == 0,
+              "heads must be a multiple of kv_heads, head_dim even");
+  check_bf16(norm_, "norm");
+  D_ = norm_.size(0);
+  qkv_width_ = (H_ + 2 * KVH_) * hd_;
+  I_ = total_out(layers_[0].gate_up) / 2;
+  for (const NativeLayer& l : layers_) {
+    TORCH_CHECK(l.input_norm.numel() == D_ && l.post_norm.numel() == D_, "norm weights must be [D]");
+    TORCH_CHECK(total_out(l.qkv) == qkv_width_, "q | k | v must give (heads + 2 kv_heads) * head_dim outputs");
+    TORCH_CHECK(total_out(l.gate_up) == 2 * I_, "every layer's gate | up must be 2 * intermediate");
+    for (const NativeLinear& p : l.qkv) TORCH_CHECK(p.K == D_, "q/k/v take the hidden size");
+    for (const NativeLinear& p : l.gate_up) TORCH_CHECK(p.K == D_, "gate/up take the hidden size");
+    TORCH_CHECK(l.o.K == H_ * hd_ && l.o.N == D_, "o maps heads * head_dim to the hidden size");
+    TORCH_CHECK(l.down.K == I_ && l.down.N == D_, "down maps the intermediate size to the hidden size");
+  }
+  TORCH_CHECK(head_.K == D_, "the head takes the hidden size");
+}
+
+at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                                     const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
+                                     const std::vector<std::vector<at::Tensor>>& keys,
+                                     const std::vector<std::vector<at::Tensor>>& values,
+                                     const std::vector<c10::optional<at::Tensor>>& offsets,
+                                     const std::vector<c10::optional<at::Tensor>>& indices,
+                                     const c10::optional<at::Tensor>& keep) const {
+  check_bf16(hidden, "hidden");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  const int64_t N = hidden.size(0), L = layers();
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D_, "hidden must be [N, D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == hd_ && sin.sizes() == cos.sizes(),
+              "cos and sin must be [N, head_dim]");
+  const size_t items = lengths.size();
+  TORCH_CHECK(items > 0 && bounds.size() == items + 1 && keys.size() == items && values.size() == items &&
+                  offsets.size() == items && indices.size() == items, "one length, keys, values, key list per item");
+  TORCH_CHECK(bounds[0] == 0 && bounds[items] == N, "bounds must run from 0 to N");
+  // Each item's caches and key lists, checked once for the whole forward.
+  std::vector<int64_t> capacity(items);
+  std::vector<at::Tensor> off(items), idx(items);
+  for (size_t k = 0; k < items; ++k) {
+    const int64_t T = bounds[k + 1] - bounds[k];
+    TORCH_CHECK(T > 0, "every item needs tokens");
+    TORCH_CHECK(static_cast<int64_t>(keys[k].size()) == L && static_cast<int64_t>(values[k].size()) == L,
+                "one K and V buffer per layer");
+    const at::Tensor& first = keys[k][0];
+    TORCH_CHECK(first.dim() == 4, "caches must be [1, kv_heads, capacity, head_dim]");
+    capacity[k] = first.size(2);
+    TORCH_CHECK(lengths[k] >= 0 && lengths[k] + T <= capacity[k], "the new tokens must fit in the cache");
+    for (int64_t l = 0; l < L; ++l)
+      for (const at::Tensor* buf : {&keys[k][l], &values[k][l]}) {
+        check_bf16(*buf, "a cache buffer");
+        TORCH_CHECK(buf->dim() == 4 && buf->size(0) == 1 && buf->size(1) == KVH_ && buf->size(2) == capacity[k] &&
+                        buf->size(3) == hd_, "caches must be [1, kv_heads, capacity, head_dim]");
+      }
+    const int64_t S = lengths[k] + T;
+    if (offsets[k].has_value() && offsets[k]->defined()) {
+      TORCH_CHECK(indices[k].has_value() && indices[k]->defined(), "offsets need indices");
+      off[k] = offsets[k]->to(at::kLong).contiguous();
+      idx[k] = indices[k]->to(at::kInt).contiguous();
+      TORCH_CHECK(off[k].dim() == 1 && off[k].size(0) == T + 1, "offsets must be [T + 1]");
+      const int64_t* o = off[k].data_ptr<int64_t>();
+      const int32_t* ix = idx[k].data_ptr<int32_t>();
+      TORCH_CHECK(o[0] == 0 && o[T] == idx[k].numel(), "offsets must run from 0 to len(indices)");
+      for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
+        for (int64_t i = o[t]; i < o[t + 1]; ++i)
+          TORCH_CHECK(ix[i] >= 0 && ix[i] < S && (i == o[t] || ix[i] > ix[i - 1]), "indices must ascend within [0, S)");
+      }
+    }
+  }
+  at::Tensor rows;
+  if (keep.has_value() && keep->defined()) {
+    rows = keep->to(at::kLong).contiguous();
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i) TORCH_CHECK(r[i] >= 0 && r[i] < N, "keep rows must lie in [0, N)");
+  }
+
+  const auto opts = hidden.options();
+  at::Tensor h = hidden.clone();
+  at::Tensor x = at::empty({N, D_}, opts), qkv = at::empty({N, qkv_width_}, opts);
+  at::Tensor q = at::empty({H_, N, hd_}, opts), kr = at::empty({KVH_, N, hd_}, opts);
+  at::Tensor att = at::empty({N, H_, hd_}, opts), y = at::empty({N, D_}, opts);
+  at::Tensor gu = at::empty({N, 2 * I_}, opts), prod = at::empty({N, I_}, opts);
+  bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
+  bf16 *qp = q.data_ptr<bf16>(), *kp = kr.data_ptr<bf16>(), *ap = att.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
+  bf16 *gup = gu.data_ptr<bf16>(), *pp = prod.data_ptr<bf16>();
+  const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
+  const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
+  const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
+
+  for (int64_t l = 0; l < L; ++l) {
+    const NativeLayer& layer = layers_[l];
+    rms_norm_rows<bf16>(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, false);
+    run_parts(layer.qkv, xp, N, qkvp, W);
+    rotary_rows<bf16>(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+    rotary_rows<bf16>(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+    std::vector<AttentionProblem<bf16>> problems;
+    for (size_t k = 0; k < items; ++k) {
+      const int64_t start = bounds[k], T = bounds[k + 1] - start, len = lengths[k], cap = capacity[k];
+      bf16* kb = keys[k][l].data_ptr<bf16>();
+      bf16* vb = values[k][l].data_ptr<bf16>();
+      for (int64_t g = 0; g < KVH_; ++g)
+        for (int64_t t = 0; t < T; ++t) {
+          std::memcpy(kb + (g * cap + len + t) * hd_, kp + (g * N + start + t) * hd_, hd_ * sizeof(bf16));
+          std::memcpy(vb + (g * cap + len + t) * hd_, qkvp + (start + t) * W + k_end + g * hd_, hd_ * sizeof(bf16));
+        }
+      const bool listed = off[k].defined();
+      problems.push_back(AttentionProblem<bf16>{
+          qp + start * hd_, N * hd_, hd_, kb, cap * hd_, hd_, vb, cap * hd_, hd_, ap + start * H_ * hd_, T, H_,
+          H_ / KVH_, hd_, listed ? off[k].data_ptr<int64_t>() : nullptr,
+          listed ? idx[k].data_ptr<int32_t>() : nullptr, len + T, scale_, 0.0f});
+    }
+    tree_attention_run<bf16>(problems);
+    run_linear(layer.o, ap, N, yp);
+    add_into(hp, yp, N * D_);
+    rms_norm_rows<bf16>(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, false);
+    run_parts(layer.gate_up, xp, N, gup, 2 * I_);
+    const at::Tensor act = at::silu(gu.narrow(1, 0, I_).contiguous());
+    const bf16* actp = act.data_ptr<bf16>();
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t i = 0; i < I_; ++i)
+        pp[r * I_ + i] = static_cast<bf16>(static_cast<float>(actp[r * I_ + i]) * static_cast<float>(gup[r * 2 * I_ + I_ + i]));
+    run_linear(layer.down, pp, N, yp);
+    add_into(hp, yp, N * D_);
+  }
+  // The final norm and the head on the kept rows only (a row's norm is its own).
+  const int64_t R = rows.defined() ? rows.numel() : N;
+  at::Tensor kept = h;
+  if (rows.defined()) {
+    kept = at::empty({R, D_}, opts);
+    const int64_t* r = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < R; ++i)
+      std::memcpy(kept.data_ptr<bf16>() + i * D_, hp + r[i] * D_, D_ * sizeof(bf16));
+  }
+  at::Tensor normed = at::empty({R, D_}, opts);
+  rms_norm_rows<bf16>(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_, false);
+  at::Tensor logits = at::empty({R, head_.N}, opts);
+  run_linear(head_, normed.data_ptr<bf16>(), R, logits.data_ptr<bf16>());
+  return logits;
+}
+
+}  // namespace triedec

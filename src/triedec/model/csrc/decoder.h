@@ -1,0 +1,66 @@
+// triedec's native forward of a Llama-family decoder (decoder.cpp; bound in bindings.cpp, driven by
+// triedec/model/runner.py): one call runs every layer over a batch of items (each its own tokens,
+// its own KV cache and the key slots each token sees), calling the kernels of kernels.h in the
+// order transformers' modeling file calls its modules, with no Python between them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace triedec {
+
+// One linear on triedec's 8-bit-activation kernels (a8_linears.cpp): 4-bit codes (packed uint8
+// [N, K / 2], scales_zeros bf16 [K / 32, 2, N]) or 8-bit codes (packed uint8 [N, K], scales fp16
+// [K / 32, N]), and a bf16 bias [N] or an undefined tensor.
+struct NativeLinear {
+  NativeLinear(bool int4, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias);
+  bool int4;
+  at::Tensor packed, scales, bias;
+  int64_t K, N;
+};
+
+// One decoder layer: its two RMS norms' weights ([D] bf16), the linears whose outputs side by side
+// are q | k | v and gate | up (one joined linear each, or the parts), the output and down linears.
+struct NativeLayer {
+  NativeLayer(at::Tensor input_norm, at::Tensor post_norm, std::vector<NativeLinear> qkv, NativeLinear o,
+              std::vector<NativeLinear> gate_up, NativeLinear down);
+  at::Tensor input_norm, post_norm;
+  std::vector<NativeLinear> qkv;
+  NativeLinear o;
+  std::vector<NativeLinear> gate_up;
+  NativeLinear down;
+};
+
+class NativeDecoder {
+ public:
+  // heads, kv_heads and head_dim of the attention; eps of every RMS norm (y = w * round(x * r));
+  // scale: the attention's score scale; norm: the final norm's weight; head: the LM head.
+  NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, double eps, double scale);
+
+  // hidden [N, D] bf16: the embedded tokens of every item, item k's rows bounds[k] .. bounds[k+1);
+  // cos / sin [N, head_dim] bf16: the model's rotary embedding at each row's position. Item k's
+  // cache: lengths[k] committed slots in keys[k][layer] / values[k][layer] ([1, KVH, capacity,
+  // head_dim] bf16, contiguous), its new K/V written after them; the slots its token t sees:
+  // indices[k][offsets[k][t] .. offsets[k][t+1]) (undefined: every slot). keep: the rows whose
+  // logits to return (int64; undefined: all). Returns the logits [rows, vocab] bf16.
+  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                        const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
+                        const std::vector<std::vector<at::Tensor>>& keys,
+                        const std::vector<std::vector<at::Tensor>>& values,
+                        const std::vector<c10::optional<at::Tensor>>& offsets,
+                        const std::vector<c10::optional<at::Tensor>>& indices,
+                        const c10::optional<at::Tensor>& keep) const;
+
+  int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  std::vector<NativeLayer> layers_;
+  at::Tensor norm_;
+  NativeLinear head_;
+  int64_t H_, KVH_, hd_, D_, I_, qkv_width_;
+  float eps_, scale_;
+};
+
+}  // namespace triedec
