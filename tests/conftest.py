@@ -44,7 +44,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def default_lm():
     import triedec
 
-    return triedec.load()
+    return triedec.load(weights="float")  # float32: the tests compare with stock transformers
 
 
 @pytest.fixture(scope="session")

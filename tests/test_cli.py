@@ -407,7 +407,9 @@ def test_serve_logs_the_models_precision_runner_and_kernels_at_startup(capsys, c
         code, _, _ = run_cli(capsys, "serve", "--model", str(tiny_model_dir), "--port", "8971")
     assert code == 0 and served and served[0][1] == 8971
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model: "))
-    assert "precision float32; runner: triedec; kernels: " in line and line.endswith("+triedec-runner (bit-exact)")
+    # --weights auto (the default) chose float32 for an HF checkpoint, and the line says it chose
+    assert "precision float32 (--weights auto); runner: triedec; kernels: " in line
+    assert line.endswith("+triedec-runner (bit-exact)")
 
 
 def test_threads_come_from_the_flag_then_the_environment_then_the_default(monkeypatch):

@@ -486,6 +486,38 @@ def test_the_model_flags_carry_the_mode_and_give_it_back(tiny_model_dir):
         parser.parse_args(["generate", "hi", "--weights", "int2"])
 
 
+def test_weights_auto_picks_int4_a8_only_for_a_4_bit_gguf_on_a_cpu_with_the_vector_kernels(tiny_model_dir,
+                                                                                           monkeypatch):
+    """``weights="auto"`` (the default): an HF checkpoint keeps float32; int4-a8 needs a CPU device,
+    no dtype or bfloat16, a CPU the vector kernels run on, and a file whose layers are 4-bit
+    (:func:`stored_in_4bit`: a GGUF file's grids, not random weights)."""
+    from triedec.model import source as source_module
+    from triedec.model.isa import supported
+    from triedec.model.precision import quantize_int4, stored_in_4bit
+
+    lm = triedec.load(tiny_model_dir)
+    assert lm.adapter.precision == Precision(torch.float32, "float")
+    assert ModelSource(str(tiny_model_dir)).precision is None  # resolved when it loads
+    assert ModelSource().a8_applies() is any(isa != "portable" for isa in supported())
+    assert not ModelSource(dtype="float32").a8_applies() and not ModelSource(device="cuda").a8_applies()
+    if ModelSource().a8_applies():
+        assert ModelSource(dtype="bfloat16").a8_applies() and ModelSource(dtype=torch.bfloat16).a8_applies()
+    monkeypatch.setattr(source_module, "supported", lambda: ("portable",))
+    assert not ModelSource().a8_applies()
+    model = tiny_llama(seed=3)
+    assert not stored_in_4bit(model, model.lm_head)
+    with torch.no_grad():  # every layer's weight put on its 4-bit grid, as a Q4 file's dequantized values are
+        for layer in model.modules():
+            if type(layer) is nn.Linear and layer is not model.lm_head:
+                codes, scale, zero = quantize_int4(layer.weight)
+                grouped = codes.float().reshape(codes.shape[0], -1, GROUP_SIZE)
+                groups = (grouped - 8) * scale.t().float()[..., None] + zero.t().float()[..., None]
+                layer.weight.copy_(groups.reshape(layer.weight.shape))
+    assert stored_in_4bit(model, model.lm_head)
+    with pytest.raises(TriedecError, match="weights must be one of"):
+        ModelSource(weights="nf4")
+
+
 # ---- the default model --------------------------------------------------------------------------
 
 
@@ -608,6 +640,8 @@ def test_every_method_returns_ars_tokens_on_the_default_model_in_int4(default_in
                     reason="int4-a8 runs its portable path on this CPU (neither AVX512-VNNI nor AVX2): minutes per "
                            "default-model calibration; the tiny-model tests cover the mode here")
 def test_every_method_returns_ars_tokens_on_the_default_model_in_int4_a8():
-    lm = triedec.load(weights="int4-a8")
+    lm = triedec.load()  # weights="auto": the file's own 4-bit codes on int4-a8, on a CPU with the vector kernels
+    assert lm.adapter.precision == Precision(torch.bfloat16, "int4-a8")
     assert "int4-a8-weights" in lm.adapter.kernels and "fused-rmsnorm" in lm.adapter.kernels
+    assert lm.adapter.native_forward and lm.adapter.kernels.endswith("+triedec-runner+native-forward")
     _every_method_returns_ars_tokens(lm)

@@ -9,6 +9,7 @@ import torch
 
 from triedec.api.lm import LM
 from triedec.core.errors import TriedecError
+from triedec.core.params import DEFAULT_WEIGHTS
 from triedec.model.adapter import KERNELS
 from triedec.model.source import ModelSource
 
@@ -17,7 +18,7 @@ def load(
     model: str | os.PathLike[str] | None = None,
     *,
     dtype: torch.dtype | str | None = None,
-    weights: str = "float",
+    weights: str = DEFAULT_WEIGHTS,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
@@ -27,8 +28,12 @@ def load(
     the embedded default SmolLM2-135M-Instruct. The arguments other than ``kernels`` are
     :class:`~triedec.model.source.ModelSource`'s (see :mod:`triedec.model.source`).
 
-    ``dtype`` and ``weights`` choose the precision mode (:mod:`triedec.model.precision`): ``float32``
-    by default; ``dtype="bfloat16"``; ``weights="int8"`` or ``"int4"`` (bfloat16 activations, CPU).
+    ``dtype`` and ``weights`` choose the precision mode (:mod:`triedec.model.precision`):
+    ``weights="auto"`` (default) loads a GGUF file stored in 4 bits in ``int4-a8`` (its own codes,
+    bfloat16 activations) on a CPU with AVX2 or AVX512-VNNI, and anything else in ``float``
+    (:data:`~triedec.core.params.AUTO_WEIGHTS`); ``weights="float"`` with ``dtype`` float32 (its
+    default), ``"bfloat16"`` or ``"float16"``; ``"int8"``, ``"int4"`` or ``"int4-a8"`` (bfloat16
+    activations, CPU).
     Every method returns the tokens ``ar`` returns in the same mode. The stock copy the benchmark
     and tests compare against (:meth:`LM.reference_model`) is loaded in the same mode.
 

@@ -59,7 +59,7 @@ def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.Argum
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    from triedec.core.params import GROUP_SIZE, WEIGHTS
+    from triedec.core.params import DEFAULT_WEIGHTS, GROUP_SIZE, WEIGHT_CHOICES
 
     parser.add_argument(
         "--model", default=None,
@@ -68,11 +68,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None,
                         help="activations and unquantized weights: float32 (default; bfloat16 with --weights "
                              "int8/int4/int4-a8), bfloat16 or float16")
-    parser.add_argument("--weights", default="float", choices=WEIGHTS,
-                        help="linear weights: float (default: in --dtype), int8 (per output row), int4 (groups of "
-                             f"{GROUP_SIZE}) or int4-a8 (int4's weights, dot products on 8-bit activations as "
-                             "llama.cpp); quantized weights run with bfloat16 activations on CPU. Every method "
-                             "returns ar's tokens in the same mode (docs/precision.md)")
+    parser.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=WEIGHT_CHOICES,
+                        help="linear weights: auto (default: int4-a8 for a GGUF file stored in 4 bits on a CPU "
+                             "with AVX2 or AVX512-VNNI and no --dtype or bfloat16, else float), float (in "
+                             f"--dtype), int8 (per output row), int4 (groups of {GROUP_SIZE}) or int4-a8 (int4's "
+                             "weights, dot products on 8-bit activations as llama.cpp); quantized weights run with "
+                             "bfloat16 activations on CPU. Every method returns ar's tokens in the same mode "
+                             "(docs/precision.md)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--attn", default="sdpa", help="attention implementation: sdpa (default) or eager")
     parser.add_argument("--threads", type=int, default=None,

@@ -20,6 +20,7 @@ from triedec.cli.flags import load_model, model_label, parse_command_line, sampl
 from triedec.cli.method_flags import given_options, method_options, option_flags
 from triedec.cli.serve_config import server_config
 from triedec.core.errors import TriedecError, require_extra
+from triedec.core.params import AUTO_WEIGHTS
 
 
 def cmd_methods(markdown: bool = False) -> int:
@@ -217,7 +218,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lm = load_model(args)
     adapter = lm.adapter
     logging.getLogger("triedec.server").info(
-        "model: precision %s; runner: %s; kernels: %s (%s)", adapter.precision.name, adapter.runner, adapter.kernels,
+        "model: precision %s%s; runner: %s; kernels: %s (%s)", adapter.precision.name,
+        " (--weights auto)" if args.weights == AUTO_WEIGHTS else "", adapter.runner, adapter.kernels,
         adapter.exactness)
     serve(lm, config, host=args.host, port=args.port)
     return 0

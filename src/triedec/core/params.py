@@ -1,7 +1,7 @@
 """What a user chooses, declared without torch: the sampling parameters (:class:`Sampling`), a
 request's defaults (:data:`MAX_NEW_TOKENS`, :data:`DEFAULT_METHOD`), what it asks to see of each
 token's probability (:class:`Logprobs`) and the weight modes
-(:data:`WEIGHTS`, :data:`GROUP_SIZE`).
+(:data:`WEIGHTS`, :data:`DEFAULT_WEIGHTS`, :data:`GROUP_SIZE`).
 
 Pure core: imports only :mod:`triedec.core.errors` and the standard library, so that ``triedec COMMAND
 --help`` shows these defaults without importing torch. The modules that act on them re-export
@@ -25,6 +25,15 @@ DEFAULT_METHOD = "auto"
 WEIGHTS = ("float", "int8", "int4", "int4-a8")
 """The weight modes: in the activation dtype, int8 per output row, int4 in groups, and int4 whose
 dot products run on activations quantized to int8 per group (as llama.cpp runs a Q4 file)."""
+AUTO_WEIGHTS = "auto"
+"""What a load may ask for instead of a mode: ``int4-a8`` for a GGUF file stored in 4 bits on a CPU
+whose vector instructions triedec's 8-bit-activation kernels use (AVX2 or AVX512-VNNI), with no
+dtype or bfloat16 asked for; ``float`` for anything else (an HF checkpoint keeps its weights)
+(:meth:`triedec.model.source.ModelSource.load_hf`)."""
+WEIGHT_CHOICES = (AUTO_WEIGHTS, *WEIGHTS)
+"""What ``weights=`` and ``--weights`` accept."""
+DEFAULT_WEIGHTS = AUTO_WEIGHTS
+"""The weights a load uses when it names none (the Python API, the CLI, the server, the benchmark)."""
 GROUP_SIZE = 32
 """Input features per int4 group (the group size of GGUF's Q4_0 and Q4_1 blocks)."""
 

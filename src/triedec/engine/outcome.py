@@ -102,7 +102,9 @@ class Stats:
                 f" | {steps}, {self.computed_tokens} computed"
                 f" | prompt {self.prompt_tokens} tokens, prefill {self.prefill_seconds:.2f} s"
                 f" | stop: {self.stop_reason} | {self.exactness}"
-                + (f" | {self.runner} runner" if self.runner else ""))
+                + (f" | {self.runner} runner" if self.runner else "")
+                + (", one native call a forward" if self.kernels.endswith("+native-forward") else "")
+                + (f" | {self.kernels.split('+')[0]}" if self.kernels.split("+")[0].endswith("-weights") else ""))
         if self.num_beams:
             line += (f" | {self.num_beams} beams, KV peak {self.peak_kv_tokens} tokens "
                      f"(transformers: {self.hf_peak_kv_tokens})")

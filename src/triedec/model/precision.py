@@ -2,8 +2,9 @@
 
 A decoding step on a CPU is bound by reading the weights, so the mode sets the step's speed:
 
-* ``float`` weights (the default): every weight in the activation dtype, ``float32`` unless
-  ``dtype`` says ``bfloat16`` or ``float16``;
+* ``float`` weights: every weight in the activation dtype, ``float32`` unless ``dtype`` says
+  ``bfloat16`` or ``float16`` (what ``weights="auto"``, the loading default, gives anything but a
+  4-bit GGUF file: :class:`triedec.model.source.ModelSource`);
 * ``int8``: each linear layer's weight quantized to int8, symmetric, one scale per output row
   (``scale = max |w| / 127``, rounded to bf16 first; the codes are then ``round(w / scale)``);
 * ``int4``: each linear layer's weight quantized to 4 bits in groups of :data:`GROUP_SIZE`
@@ -16,7 +17,8 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
   runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
   else AVX2, else a portable path, all giving the same bits); the LM head, and the layers a 4-bit GGUF stored
   with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
-  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit).
+  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit). What
+  ``weights="auto"`` gives a GGUF file stored in 4 bits on a CPU with AVX2 or AVX512-VNNI.
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
 ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
@@ -541,8 +543,7 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     stored_finer: set[int] = set()
     steps: dict[int, torch.Tensor] = {}  # each int4 layer's grid_steps, computed once (they decide int4 or int8 too)
     if from_gguf and weights != "int8":
-        steps = {id(m): grid_steps(weight_groups(m.weight)) for m in model.modules()
-                 if type(m) is nn.Linear and m is not head and int4_fits(m)}
+        steps = _grid_steps(model, head)
         shares = {key: float((step > 0).float().mean()) for key, step in steps.items()}
         if any(share >= FINER_THAN_4BIT for share in shares.values()):
             stored_finer = {key for key, share in shares.items() if share < FINER_THAN_4BIT}
@@ -565,6 +566,20 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
                 setattr(parent, name, stand_in(child, steps.pop(id(child), None)))
             layers += 1
     return Quantized(layers, kept, finer)
+
+
+def _grid_steps(model: nn.Module, head: nn.Module | None) -> dict[int, torch.Tensor]:
+    """Each int4-sized linear's :func:`grid_steps` but the head's, by the module's id."""
+    return {id(m): grid_steps(weight_groups(m.weight)) for m in model.modules()
+            if type(m) is nn.Linear and m is not head and int4_fits(m)}
+
+
+def stored_in_4bit(model: nn.Module, head: nn.Module | None = None) -> bool:
+    """Whether a GGUF file's dequantized ``model`` (float weights) has layers stored in 4 bits: a
+    linear other than ``head`` whose groups lie on grids of 16 levels, :data:`FINER_THAN_4BIT` of
+    them or more (the rule by which :func:`quantize_linears` keeps a file's codes)."""
+    return any(float((grid_steps(weight_groups(m.weight)) > 0).float().mean()) >= FINER_THAN_4BIT
+               for m in model.modules() if type(m) is nn.Linear and m is not head and int4_fits(m))
 
 
 def layer_mix(model: nn.Module) -> str:

@@ -17,16 +17,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from triedec.core.errors import TriedecError
+from triedec.core.params import AUTO_WEIGHTS, DEFAULT_WEIGHTS, WEIGHT_CHOICES
 from triedec.core.paths import cache_root
 from triedec.model.adapter import check_attention
-from triedec.model.precision import Precision, quantize_linears
+from triedec.model.isa import ISAS, supported
+from triedec.model.precision import Precision, quantize_linears, stored_in_4bit
 
 log = logging.getLogger("triedec")
 
@@ -124,8 +126,9 @@ class ModelSource:
 
     * ``model``: a local Hugging Face directory, a cached hub id, a ``.gguf`` file, or ``None`` for
       the embedded default;
-    * ``dtype`` and ``weights``: the precision mode (:meth:`triedec.model.precision.Precision.of`), kept
-      as :attr:`precision`;
+    * ``dtype`` and ``weights``: the precision mode (:meth:`triedec.model.precision.Precision.of`);
+      ``weights="auto"`` (the default, :data:`~triedec.core.params.AUTO_WEIGHTS`) picks ``int4-a8``
+      for a GGUF file stored in 4 bits where :meth:`a8_applies`, else ``float``, when it loads;
     * ``device``; ``attn_implementation`` (one of :data:`~triedec.model.adapter.SUPPORTED_ATTENTION`);
     * ``cache_dir``: where a converted GGUF is kept (default :func:`~triedec.core.paths.cache_root`).
 
@@ -134,17 +137,31 @@ class ModelSource:
 
     model: str | os.PathLike[str] | None = None
     dtype: torch.dtype | str | None = None
-    weights: str = "float"
+    weights: str = DEFAULT_WEIGHTS
     device: str | torch.device = "cpu"
     attn_implementation: str = "sdpa"
     cache_dir: str | os.PathLike[str] | None = None
-    precision: Precision = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        precision = Precision.of(self.dtype, self.weights)
-        precision.check_device(self.device)
+        if self.weights not in WEIGHT_CHOICES:
+            raise TriedecError(f"weights must be one of {WEIGHT_CHOICES}, got {self.weights!r}")
+        Precision.of(self.dtype, "float" if self.weights == AUTO_WEIGHTS else self.weights).check_device(self.device)
         check_attention(self.attn_implementation)
-        object.__setattr__(self, "precision", precision)
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision mode asked for; None for ``weights="auto"``, which :meth:`load_hf` resolves."""
+        return None if self.weights == AUTO_WEIGHTS else Precision.of(self.dtype, self.weights)
+
+    def a8_applies(self) -> bool:
+        """Whether ``weights="auto"`` may pick ``int4-a8`` (for a GGUF file stored in 4 bits): a CPU
+        device, no dtype or bfloat16 asked for, and a CPU whose vector instructions the
+        8-bit-activation kernels use (:data:`~triedec.model.isa.ISAS` but ``portable``; there, the
+        portable path is ~5x slower than float32)."""
+        dtype = self.dtype if self.dtype is None or isinstance(self.dtype, torch.dtype) \
+            else getattr(torch, str(self.dtype), None)
+        return torch.device(self.device).type == "cpu" and dtype in (None, torch.bfloat16) \
+            and any(isa != "portable" for isa in supported() if isa in ISAS)
 
     def check(self) -> None:
         """Raise :class:`TriedecError` where :meth:`load_hf` would refuse this source, without
@@ -180,12 +197,15 @@ class ModelSource:
 
     def load_hf(self) -> tuple[Any, Any]:
         """``(model, tokenizer)`` as transformers objects, in eval mode on :attr:`device`, in
-        :attr:`precision` (quantized linears are swapped in with
-        :func:`triedec.model.precision.quantize_linears`, from float32 weights)."""
+        the precision mode asked for, ``weights="auto"`` resolved (the class doc; quantized linears
+        are swapped in with :func:`triedec.model.precision.quantize_linears`, from float32
+        weights). The model's mode is then :func:`triedec.model.precision.precision_of` it."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        precision = self.precision
         source, where, from_gguf = self._located(convert=True)
+        auto = self.weights == AUTO_WEIGHTS
+        maybe_a8 = auto and from_gguf and self.a8_applies()
+        precision = Precision.of(self.dtype, "int4-a8" if maybe_a8 else "float" if auto else self.weights)
         load_dtype = torch.float32 if precision.quantized else precision.dtype
         try:
             with quiet_transformers():
@@ -195,6 +215,9 @@ class ModelSource:
                 tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise TriedecError(f"cannot load {where}: {exc}") from exc
+        if maybe_a8 and not stored_in_4bit(hf_model, hf_model.get_output_embeddings()):
+            precision = Precision.of(self.dtype, "float")  # a file of finer weights: weights=auto keeps them
+            hf_model.to(precision.dtype)
         if precision.quantized:
             quantize(hf_model, precision, from_gguf)
         hf_model.to(self.device)
