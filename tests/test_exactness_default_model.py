@@ -48,7 +48,7 @@ def test_pld_variants_and_eager_attention(default_lm):
     for opts in ({"max_ngram": 1, "min_ngram": 1, "num_tokens": 4, "num_matches": 6, "min_expected": 0.0},
                  {"min_ngram": 1, "num_tokens": 30, "num_matches": 1, "min_expected": 0.0}):
         assert default_lm.generate(prompt, "pld", max_new_tokens=48, **opts).token_ids == truth
-    eager = triedec.load(attn_implementation="eager")
+    eager = triedec.load(weights="float", attn_implementation="eager")
     assert eager.generate(prompt, "pld", max_new_tokens=48).token_ids == truth
 
 

@@ -209,15 +209,17 @@ CHATS = [[{"role": "user", "content": q}] for q in
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(default_lm, tmp_path_factory):
-    """Two engine replicas (one thread each) of the default model behind the gateway, sharing
-    learned state through a real Redis; the model is loaded here first, so that its converted copy
-    is cached before the replicas load it, and its one-thread calibration is measured here once
-    (on a new machine the two replicas would each measure it at startup, side by side, each slowed
-    by the other)."""
+def ray_cluster(tmp_path_factory):
+    """Two engine replicas (one thread each) of the default model, in its default mode (int4-a8 on
+    a CPU with the vector kernels, else float32), behind the gateway, sharing learned state through
+    a real Redis; yields the client and the same model loaded here, which the answers are compared
+    with. The model is loaded here first, so that its converted copy is cached before the replicas
+    load it, and its one-thread calibration is measured here once (on a new machine the two
+    replicas would each measure it at startup, side by side, each slowed by the other)."""
     threads = torch.get_num_threads()
     try:  # ModelSpec.load sets torch's threads to its own
-        ModelSpec(threads=1).load().calibration(frozenset({NEEDS_COST, *profile_specs()}))
+        reference = ModelSpec(threads=1).load()
+        reference.calibration(frozenset({NEEDS_COST, *profile_specs()}))
     finally:
         torch.set_num_threads(threads)
     store = RedisServer(tmp_path_factory.mktemp("redis"))
@@ -228,7 +230,8 @@ def ray_cluster(default_lm, tmp_path_factory):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(*parse_pairs({"replicas": "2", "threads": "1", "method": "auto", "redis_url": store.url,
                                       "share_interval": "0.2"})), name=APP_NAME, route_prefix="/")
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=180)
+        yield (openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=180),
+               reference)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -247,30 +250,30 @@ def _asked(client: openai.OpenAI, messages: list[dict], max_tokens: int, **extra
     return out.choices[0].message.content, raw.headers[REPLICA_HEADER], out.model_extra["triedec"]
 
 
-def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluster, default_lm):
-    client = ray_cluster
+def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluster):
+    client, lm = ray_cluster
     question = [{"role": "user", "content": "List the planets of the solar system in order, with one fact each."}]
     text, first, _ = _asked(client, question, 64, user="reader-0")
     other = next(f"reader-{i}" for i in range(1, 64)
                  if _ask(client, [{"role": "user", "content": "Hi"}], 1, user=f"reader-{i}")[1] != first)
     time.sleep(2.0)  # ten exchange intervals: the merge takes about one (docs/scaling-out.md)
     again, second, stats = _asked(client, question, 64, user=other)
-    assert second != first and again == text == default_lm.generate(question, "ar", max_new_tokens=64).text
+    assert second != first and again == text == lm.generate(question, "ar", max_new_tokens=64).text
     assert stats["tokens_from_store"] > 0  # drafted from the first replica's answer, merged from Redis
 
 
-def test_ray_answers_equal_lm_generate_and_turns_stay_on_their_replica(ray_cluster, default_lm):
-    client = ray_cluster
+def test_ray_answers_equal_lm_generate_and_turns_stay_on_their_replica(ray_cluster):
+    client, lm = ray_cluster
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # together: they run batched on two replicas
         first = list(pool.map(lambda m: _ask(client, m, 24), CHATS))
     for messages, (text, _) in zip(CHATS, first, strict=True):
-        assert text == default_lm.generate(messages, "ar", max_new_tokens=24).text
+        assert text == lm.generate(messages, "ar", max_new_tokens=24).text
     seconds = [[*m, {"role": "assistant", "content": text}, {"role": "user", "content": "Say more."}]
                for m, (text, _) in zip(CHATS, first, strict=True)]
     for messages, (_, replica) in zip(seconds, first, strict=True):
         text, again = _ask(client, messages, 8)
         assert again == replica  # the second turn found the first's replica
-        assert text == default_lm.generate(messages, "ar", max_new_tokens=8).text
+        assert text == lm.generate(messages, "ar", max_new_tokens=8).text
     stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHATS[0], max_tokens=24,
                                             stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first[0][0]
@@ -286,8 +289,8 @@ def _replicas() -> tuple[str, int]:
     return engine.status, engine.replica_states.get("RUNNING", 0)
 
 
-def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(ray_cluster, default_lm):
-    client = ray_cluster
+def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(ray_cluster):
+    client, lm = ray_cluster
     conversations = [[{"role": "user", "content": f"Tell me a long story about the number {i}."}] for i in range(12)]
     homes = {i: _ask(client, m, 1)[1] for i, m in enumerate(conversations)}
     victim = homes[0]
@@ -321,7 +324,7 @@ def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(ray_cluste
         assert future.result(timeout=60).startswith("failed")
     for messages, future in zip(spared, survivors, strict=True):
         text, replica = future.result(timeout=180)
-        assert replica != victim and text == default_lm.generate(messages, "ar", max_new_tokens=32).text
+        assert replica != victim and text == lm.generate(messages, "ar", max_new_tokens=32).text
     started.shutdown()
 
     deadline = time.time() + 240  # Ray replaces the replica
@@ -329,4 +332,4 @@ def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(ray_cluste
         assert time.time() < deadline, f"the replica was not restarted: {_replicas()}"
         time.sleep(1)
     text, replica = _ask(client, doomed[0], 8)
-    assert replica != victim and text == default_lm.generate(doomed[0], "ar", max_new_tokens=8).text
+    assert replica != victim and text == lm.generate(doomed[0], "ar", max_new_tokens=8).text
