@@ -1,6 +1,7 @@
 # `make demo`: install everything, then generate with the embedded default model.
 # `make test`: install everything (if needed), lint, and run the whole test suite (what CI runs).
-# `make test-fast`: lint, then every test that does not need the default model (about 12 minutes on 2 cores).
+# `make test-fast`: lint, then every test that needs neither the default model nor a shell's end-to-end run (marked
+# `slow`): the core, the kernels and every method's exactness on tiny models.
 # Both run in WORKERS pytest-xdist processes, one torch thread each (tests/conftest.py).
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -23,4 +24,4 @@ test: lint
 	$(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=15
 
 test-fast: lint
-	$(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=10 -m "not default_model"
+	$(VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=10 -m "not default_model and not slow"

@@ -4,7 +4,7 @@ and, where it applies, the same runner's forward in one native call (``native``;
 ``model/runner.py``, ``csrc/decoder.cpp``). Forwards, not decoding: no sampling, no drafting.
 
 Three shapes, each on a cache already holding ``--context`` tokens: one token (plain decoding's
-step), a 16-token draft tree (a chain of 4 under 4 branches, each seeing its ancestors) and a
+step), a 16-token verify tree (the root and 4 chains of 3 and 4 drafts under it) and a
 ``--prompt``-token prompt chunk. Each runner's forwards of a shape run in rounds, the runners in
 a shuffled order per round; the median and the quartiles are over the rounds' own medians.
 Also checks that the runners' logits are ``torch.equal`` on each shape, and says if not.
@@ -26,21 +26,16 @@ import torch
 
 import triedec
 from triedec.bench.report import machine_info, source_commit, versions
+from triedec.core.tree import TokenTree
 from triedec.model.adapter import ForwardItem, ModelAdapter
 from triedec.model.runner import RUNNER, TRANSFORMERS
 
 
-def tree_visibility(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft tree of ``size`` nodes: 4 branches from the root, each a chain; (visible, depths)."""
-    parents = [-1 if i < 4 else i - 4 for i in range(size)]
-    visible = torch.zeros((size, size), dtype=torch.bool)
-    depth = []
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] = visible[p]
-        visible[i, i] = True
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    return visible, torch.tensor(depth)
+def draft_tree(size: int, root: int, gen: torch.Generator) -> TokenTree:
+    """A verify tree of ``size`` nodes as a step carries one: the root (the last committed token)
+    and 4 chains under it."""
+    tokens = [root, *torch.randint(100, 4000, (size - 1,), generator=gen).tolist()]
+    return TokenTree(tuple(tokens), tuple(-1 if i == 0 else 0 if i <= 4 else i - 4 for i in range(size)))
 
 
 def main() -> int:
@@ -75,10 +70,10 @@ def main() -> int:
         adapter.prefill(cache, context)
         cache.commit(list(range(args.context)))
         caches[name] = cache
-    tree, depth = tree_visibility(16)
+    tree = draft_tree(16, int(context[-1]), gen)
     shapes = {
         "one token": (torch.tensor([1234]), torch.tensor([args.context]), torch.ones((1, 1), dtype=torch.bool)),
-        "16-token tree": (torch.randint(100, 4000, (16,), generator=gen), args.context - 1 + depth, tree),
+        "16-token tree": (torch.tensor(tree.tokens), tree.positions(args.context)[0], tree.ancestry),
         f"{args.prompt}-token prompt chunk": (torch.randint(100, 4000, (args.prompt,), generator=gen),
                                                torch.arange(args.context, args.context + args.prompt),
                                                torch.ones((args.prompt, args.prompt), dtype=torch.bool).tril()),

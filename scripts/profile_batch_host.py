@@ -43,7 +43,7 @@ def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: b
     while not batch.idle:
         decoding = sum(1 for i in batch.running if not batch.runs[i].prefilling) if batch.running else 0
         report = batch.step()
-        if report.prefill_tokens:
+        if report.plan.prefill_tokens:
             prefill_steps += 1
             prefill_s += report.seconds
             continue  # steps that carry prompt chunks are prefill, not decoding

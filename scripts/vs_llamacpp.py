@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import signal
 import socket
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ import torch
 
 from triedec.bench.datasets import load_questions, select, split, warmup_questions
 from triedec.bench.report import machine_info, source_commit, versions
+from triedec.bench.serving import running_server
 from triedec.bench.stats import bootstrap_interval, geometric_mean, ratio_interval
 from triedec.core.errors import TriedecError
 from triedec.model.source import default_model_path
@@ -63,30 +63,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(name: str, command: list[str], port: int, timeout: float, logs: Path) -> Iterator[str]:
-    """A server process for the block; its log in ``logs``; yields its base URL once healthy."""
-    log = (logs / f"{name}.log").open("w")
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise TriedecError(f"{name} exited with {proc.returncode}; see {logs / (name + '.log')}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TriedecError(f"{name} did not become healthy in {timeout:.0f} s")
-            time.sleep(0.5)
+    """A server process for the block, its log in ``logs``; yields its base URL once healthy."""
+    with (logs / f"{name}.log").open("w+") as log, \
+            running_server(command, f"http://127.0.0.1:{port}", log, timeout, name) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def complete(client: httpx.Client, base: str, ids: list[int], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:

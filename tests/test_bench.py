@@ -15,6 +15,8 @@ from triedec.bench.summary import summarize
 from triedec.cli.main import main
 from triedec.core.errors import TriedecError
 
+pytestmark = pytest.mark.slow  # end to end: in make test, not in make test-fast
+
 SCHEMA_KEYS = {"tokens_per_s", "speedup", "mean_accepted", "steps", "new_tokens", "computed_tokens",
                "mismatches", "peak_mem_mb"}
 

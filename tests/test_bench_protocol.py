@@ -32,6 +32,8 @@ from triedec.cli.main import main
 from triedec.core.errors import TriedecError
 from triedec.engine.request import Request
 
+pytestmark = pytest.mark.slow  # end to end: in make test, not in make test-fast
+
 # ---- splits and warm-up ----------------------------------------------------------------------------
 
 

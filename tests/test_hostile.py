@@ -21,6 +21,8 @@ import triedec
 from triedec.bench.load import serving
 from triedec.server import ApiKeys, ServerConfig, create_app
 
+pytestmark = pytest.mark.slow  # end to end: in make test, not in make test-fast
+
 MODEL = "tiny"
 KEYS = {"key-alice-0123456789": "alice", "key-bob-0123456789": "bob"}
 ALICE = "Bearer key-alice-0123456789"

@@ -250,6 +250,7 @@ def _asked(client: openai.OpenAI, messages: list[dict], max_tokens: int, **extra
     return out.choices[0].message.content, raw.headers[REPLICA_HEADER], out.model_extra["triedec"]
 
 
+@pytest.mark.default_model  # the cluster serves the default model
 def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluster):
     client, lm = ray_cluster
     question = [{"role": "user", "content": "List the planets of the solar system in order, with one fact each."}]
@@ -262,6 +263,7 @@ def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluste
     assert stats["tokens_from_store"] > 0  # drafted from the first replica's answer, merged from Redis
 
 
+@pytest.mark.default_model  # the cluster serves the default model
 def test_ray_answers_equal_lm_generate_and_turns_stay_on_their_replica(ray_cluster):
     client, lm = ray_cluster
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # together: they run batched on two replicas
@@ -289,6 +291,7 @@ def _replicas() -> tuple[str, int]:
     return engine.status, engine.replica_states.get("RUNNING", 0)
 
 
+@pytest.mark.default_model  # the cluster serves the default model
 def test_a_killed_replica_fails_only_its_requests_and_ray_restarts_it(ray_cluster):
     client, lm = ray_cluster
     conversations = [[{"role": "user", "content": f"Tell me a long story about the number {i}."}] for i in range(12)]

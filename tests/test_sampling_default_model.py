@@ -1,6 +1,7 @@
-"""Sampling on the embedded default model (SmolLM2-135M-Instruct, fp32): every method returns
-``ar``'s sampled tokens for the same seed, stops included, and ``ar`` follows transformers'
-sampling distribution for the first token."""
+"""Sampling on the embedded default model (SmolLM2-135M-Instruct): every method returns ``ar``'s
+sampled tokens for the same seed, stops included, in the mode a plain load gives it (int4-a8 on a
+CPU with the vector kernels); and in float32 ``ar`` follows transformers' sampling distribution for
+the first token."""
 
 from __future__ import annotations
 
@@ -23,35 +24,35 @@ PROMPT_INDEXES = [2, 6, 12, 17, 19, 20]
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("index", PROMPT_INDEXES)
-def test_every_method_returns_ar_sampled_tokens(default_lm, index):
+def test_every_method_returns_ar_sampled_tokens(default_mode_lm, index):
     prompt = PROMPTS[index]
     setting = {**SETTINGS[index % len(SETTINGS)], "seed": 100 + index}
-    truth = default_lm.generate(prompt, "ar", max_new_tokens=40, **setting)
+    truth = default_mode_lm.generate(prompt, "ar", max_new_tokens=40, **setting)
     assert truth.stats.seed == 100 + index
     for name, options in METHODS:
-        got = default_lm.generate(prompt, name, max_new_tokens=40, **setting, **options)
+        got = default_mode_lm.generate(prompt, name, max_new_tokens=40, **setting, **options)
         assert got.token_ids == truth.token_ids, f"{name} {options} differs with {setting}"
 
 
 @pytest.mark.default_model
-def test_sampled_stop_string_and_stop_token_inside_accepted_drafts(default_lm):
+def test_sampled_stop_string_and_stop_token_inside_accepted_drafts(default_mode_lm):
     """A summary that repeats the article: pld accepts long drafts, and a stop string or stop token
     taken from well inside the answer ends every method at the same token."""
     prompt = [{"role": "user", "content": f"Repeat this article word for word.\n\n{ARTICLE}"}]
     setting = {"temperature": 0.5, "seed": 7}
-    full = default_lm.generate(prompt, "ar", max_new_tokens=60, **setting)
+    full = default_mode_lm.generate(prompt, "ar", max_new_tokens=60, **setting)
     words = full.text.split()
     stop = " ".join(words[8:10])
     stop_tok = full.token_ids[20]
     cut = full.token_ids[: full.token_ids.index(stop_tok) + 1]
     long_accept = False
     for name in ("ar", "pld", "ngram-trie"):
-        by_string = default_lm.generate(prompt, name, max_new_tokens=60, stop=stop, **setting)
+        by_string = default_mode_lm.generate(prompt, name, max_new_tokens=60, stop=stop, **setting)
         assert by_string.stats.stop_reason == "stop_string"
         assert by_string.text.endswith(stop) and stop not in by_string.text[: -len(stop)]
-        assert by_string.token_ids == default_lm.generate(prompt, "ar", max_new_tokens=60, stop=stop,
+        assert by_string.token_ids == default_mode_lm.generate(prompt, "ar", max_new_tokens=60, stop=stop,
                                                           **setting).token_ids
-        by_token = default_lm.generate(prompt, name, max_new_tokens=60, stop_token_ids=[stop_tok], **setting)
+        by_token = default_mode_lm.generate(prompt, name, max_new_tokens=60, stop_token_ids=[stop_tok], **setting)
         assert by_token.token_ids == cut and by_token.stats.stop_reason == "eos"
         long_accept |= max(by_token.stats.accepted_per_step) > 3
     assert long_accept  # the stop fell inside an accepted draft at least once

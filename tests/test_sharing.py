@@ -32,6 +32,8 @@ from triedec.drafters.store import LEAD, OutputStore
 from triedec.server import ServerConfig
 from triedec.server.sharing import SharingConfig
 
+pytestmark = pytest.mark.slow  # end to end: in make test, not in make test-fast
+
 VOCAB = 48
 
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
@@ -166,34 +166,43 @@ def server_process(serve_args: Sequence[str], entry: Entry, model_name: str, max
     command = [sys.executable, "-m", "triedec.cli.main", "serve", *serve_args, *entry.flags, "--port", str(port),
                "--model-name", model_name, "--max-running", str(max_running)]
     # the server's log goes to a file, not a pipe: a chatty server (Ray's) never blocks on it
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
-        base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log, \
+            running_server(command, f"http://127.0.0.1:{port}", log, timeout) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def running_server(command: Sequence[str], base: str, log: IO[str], timeout: float = 300.0,
+                   name: str = "triedec serve") -> Iterator[str]:
+    """``command``, a server that answers ``GET {base}/health`` (``triedec serve``, llama.cpp's
+    ``llama-server``), running for the block with its output in ``log`` (a file); yields ``base``
+    once it is healthy; SIGTERM and a wait at the end (a kill after 60 s)."""
+    proc = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(proc, base, log, timeout, name)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
         try:
-            _wait_healthy(proc, base, log, timeout)
-            yield base
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def _wait_healthy(proc: subprocess.Popen[str], base: str, log: Any, timeout: float) -> None:
+def _wait_healthy(proc: subprocess.Popen[str], base: str, log: Any, timeout: float, name: str) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             log.seek(0)
-            raise TriedecError(f"triedec serve exited with {proc.returncode}: {log.read()[-2000:]}")
+            raise TriedecError(f"{name} exited with {proc.returncode}: {log.read()[-2000:]}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{base}/health", timeout=5).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise TriedecError("triedec serve did not start in time")
+            raise TriedecError(f"{name} did not start in time")
         time.sleep(0.2)
 
 

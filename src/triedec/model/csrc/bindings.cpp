@@ -53,12 +53,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products",
         release());
   using triedec::NativeDecoder, triedec::NativeLayer, triedec::NativeLinear;
-  pybind11::class_<NativeLinear>(m, "NativeLinear", "one linear on the 8-bit-activation kernels (decoder.h)")
+  // module_local: each instruction set's build registers its own classes (the tests load several in one process)
+  pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local(),
+                                 "one linear on the 8-bit-activation kernels (decoder.h)")
       .def(pybind11::init<bool, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>());
-  pybind11::class_<NativeLayer>(m, "NativeLayer", "one decoder layer's weights (decoder.h)")
+  pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local(), "one decoder layer's weights (decoder.h)")
       .def(pybind11::init<torch::Tensor, torch::Tensor, std::vector<NativeLinear>, NativeLinear,
                           std::vector<NativeLinear>, NativeLinear>());
-  pybind11::class_<NativeDecoder>(m, "NativeDecoder", "a Llama-family decoder's forward in one call (decoder.h)")
+  pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local(),
+                                  "a Llama-family decoder's forward in one call (decoder.h)")
       .def(pybind11::init<std::vector<NativeLayer>, torch::Tensor, NativeLinear, int64_t, int64_t, int64_t, double,
                           double>())
       .def("forward", &NativeDecoder::forward, release())
