@@ -53,12 +53,33 @@ def _in_mode(model, dtype=None, weights="float"):
     return model.to(precision.dtype)
 
 
+def _gguf_like_with_int8_parts(seed: int = 0):
+    """A tiny Llama in int4-a8 as from a GGUF file with mixed blocks (a Q4_K_M file's 6-bit layers):
+    every linear's weight on a 4-bit grid but v and down, which int4-a8 then keeps in int8, so the
+    runner cannot join q/k/v and runs the parts."""
+    from torch import nn
+
+    from triedec.model.precision import quantize_int4
+
+    model = tiny_llama(seed=seed)
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if type(layer) is nn.Linear and layer is not model.lm_head and not name.endswith(("v_proj", "down_proj")):
+                codes, scale, zero = quantize_int4(layer.weight)
+                grouped = codes.float().reshape(codes.shape[0], -1, 32)
+                snapped = (grouped - 8) * scale.t().float()[..., None] + zero.t().float()[..., None]
+                layer.weight.copy_(snapped.reshape(layer.weight.shape))
+    quantize(model, Precision.of(None, "int4-a8"), from_gguf=True)
+    return model
+
+
 MODELS = {
     "llama-gqa-float32": lambda: tiny_llama(seed=2),
     "llama-mqa-bfloat16": lambda: _in_mode(_mqa_llama(seed=4), "bfloat16"),
     "llama-int8": lambda: _in_mode(tiny_llama(seed=6), weights="int8"),
     "llama-int4": lambda: _in_mode(tiny_llama(seed=7), weights="int4"),
     "llama-int4-a8": lambda: _in_mode(tiny_llama(seed=8), weights="int4-a8"),
+    "llama-int8-parts-int4-a8": lambda: _gguf_like_with_int8_parts(seed=10),
     "qwen2-bias-tied-float32": lambda: _tiny_qwen2(seed=3),
     "qwen2-bias-int4-a8": lambda: _in_mode(_tiny_qwen2(seed=9), weights="int4-a8"),
 }
@@ -222,7 +243,16 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
         assert torch.equal(a, b), f"row {i}"
 
 
-@pytest.mark.parametrize("name", ["llama-int4-a8", "qwen2-bias-int4-a8"])
+def test_a_gguf_like_models_int8_parts_run_unjoined_in_the_native_forward(adapter_pairs):
+    from triedec.model.precision import Int8A8Linear
+
+    model = adapter_pairs["llama-int8-parts-int4-a8"][0].model
+    attn = model.model.layers[0].self_attn
+    assert type(attn.v_proj) is Int8A8Linear and type(model.model.layers[0].mlp.down_proj) is Int8A8Linear
+    assert adapter_pairs["llama-int8-parts-int4-a8"][0]._runner.layers[0][4] is None  # q/k/v not joined
+
+
+@pytest.mark.parametrize("name", ["llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8"])
 def test_the_native_forward_gives_the_same_bits_on_one_and_two_threads(adapter_pairs, name):
     """The native forward's kernels split each output among threads, never a sum: the same random
     forwards (prompt chunks, then trees beside other requests) on 1 and on 2 threads give every row
