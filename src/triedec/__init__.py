@@ -24,6 +24,7 @@ _EXPORTS = {
     "Batch": "engine.batch", "BatchLimits": "engine.batch", "speculative_decode": "engine.batch",
     "TriedecError": "core.errors",
     "GenerationRequest": "api.generation",
+    "Grammar": "core.grammar",
     "LM": "api.lm", "GenerationResult": "api.lm", "load": "api.loading",
     "Method": "engine.methods", "method": "engine.methods", "methods": "engine.methods",
     "Outcome": "engine.outcome", "Stats": "engine.outcome",
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from triedec.api.loading import load
     from triedec.core.costmodel import CostModel
     from triedec.core.errors import TriedecError
+    from triedec.core.grammar import Grammar
     from triedec.core.sampling import Sampling
     from triedec.core.tree import TokenTree
     from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
@@ -77,6 +79,7 @@ __all__ = [
     "DrafterSession",
     "GenerationRequest",
     "GenerationResult",
+    "Grammar",
     "Hypothesis",
     "Method",
     "ModelInfo",

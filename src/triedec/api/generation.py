@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from triedec.core.errors import TriedecError, positive_int
+from triedec.core.grammar import Grammar
 from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS, Logprobs
 from triedec.core.sampling import Sampling
 from triedec.drafters.registry import keyword_names, reserve_option_names
@@ -46,7 +47,11 @@ class GenerationRequest:
     * ``logprobs``: what to report of each new token's probability (:class:`~triedec.core.params.Logprobs`:
       its logprob and the ``top`` most likely alternatives, ``raw`` or ``processed``); None: nothing;
     * ``ignore_eos``: the model's end-of-sequence tokens do not stop generation (``stop_token_ids``
-      still do; vLLM's, what benchmark clients send to get ``max_new_tokens`` tokens).
+      still do; vLLM's, what benchmark clients send to get ``max_new_tokens`` tokens);
+    * ``grammar``: what the output must match (:class:`~triedec.core.grammar.Grammar`: a JSON schema,
+      any JSON object, a regex, a choice, a Lark grammar); None: anything. Every token is chosen
+      from the tokens the grammar allows after its prefix, so every method still returns ``ar``'s
+      tokens; a complete grammar ends generation (``docs/structured-output.md``).
 
     :meth:`of` builds one from ``LM.generate``'s keyword arguments.
     """
@@ -62,6 +67,7 @@ class GenerationRequest:
     sampling: Sampling = field(default_factory=Sampling)
     logprobs: Logprobs | None = None
     ignore_eos: bool = False
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         found = find_method(self.method)
@@ -89,6 +95,9 @@ class GenerationRequest:
             raise TriedecError(f"sampling must be a Sampling, got {type(self.sampling).__name__}")
         if not isinstance(self.ignore_eos, bool):
             raise TriedecError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise TriedecError(f"grammar must be a Grammar or None, got {type(self.grammar).__name__} (build one with "
+                               "Grammar.json_schema(...), Grammar.regex(...), ...)")
         if self.logprobs is not None and not isinstance(self.logprobs, Logprobs):
             raise TriedecError(f"logprobs must be a Logprobs or None, got {type(self.logprobs).__name__}")
 
@@ -117,14 +126,15 @@ class GenerationRequest:
         logprobs: int | None = None,
         logprobs_mode: str = Logprobs.mode,
         prompt_logprobs: bool = Logprobs.prompt,
+        grammar: Grammar | None = None,
         **options: object,
     ) -> GenerationRequest:
         """The request for ``LM.generate``'s keyword arguments: the sampling parameters (with
         OpenAI's penalties and ``logit_bias``, vLLM's ``min_tokens``) become a
         :class:`~triedec.core.sampling.Sampling`; ``logprobs`` (None: none; k in 0-20: each token's
         logprob and the k most likely alternatives), ``logprobs_mode`` and ``prompt_logprobs`` (the
-        prompt's tokens scored too) a :class:`~triedec.core.params.Logprobs`; every other keyword
-        is an option of ``method``."""
+        prompt's tokens scored too) a :class:`~triedec.core.params.Logprobs`; ``grammar`` what the
+        output must match; every other keyword is an option of ``method``."""
         sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty, seed, presence_penalty,
                             frequency_penalty, () if logit_bias is None else logit_bias, min_tokens)  # type: ignore[arg-type]
         asked = None
@@ -132,7 +142,7 @@ class GenerationRequest:
             asked = Logprobs(0 if logprobs is None else logprobs, logprobs_mode, prompt_logprobs)
         return cls(prompt=prompt, method=method, options=options, max_new_tokens=max_new_tokens,
                    stop=stop, stop_token_ids=stop_token_ids, context=context, chat=chat,  # type: ignore[arg-type]
-                   sampling=sampling, logprobs=asked, ignore_eos=ignore_eos)
+                   sampling=sampling, logprobs=asked, ignore_eos=ignore_eos, grammar=grammar)
 
 
 reserve_option_names(keyword_names(GenerationRequest.of, "options"), "GenerationRequest.of")

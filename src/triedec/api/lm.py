@@ -17,6 +17,7 @@ import torch
 from triedec.api.calibration import Calibration, Calibrator
 from triedec.api.decoders import BuiltMethods, DecoderLimits
 from triedec.api.generation import DEFAULT_METHOD, GenerationRequest, Prompt, vars_of
+from triedec.api.grammar import Grammars
 from triedec.api.prompts import Prompts
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError
@@ -97,6 +98,8 @@ class LM:
         )
         self.max_context: int | None = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.prompts = Prompts(tokenizer, self.adapter.vocab_size)
+        self.grammars = Grammars(tokenizer, self.adapter.vocab_size, self.eos_token_ids)
+        """the requests' grammars, compiled once each (:mod:`triedec.api.grammar`)"""
 
     @property
     def has_chat_template(self) -> bool:
@@ -228,8 +231,9 @@ class LM:
         sampling = request.sampling
         if not sampling.greedy and sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(63))
+        constraint = None if request.grammar is None else self.grammars.state(request.grammar)
         decoder = self.decoder(request.method, scope=scope, **vars_of(request.options))
-        return decoder.start(prompt_ids, rule, documents, sampling, request.logprobs)
+        return decoder.start(prompt_ids, rule, documents, sampling, request.logprobs, constraint)
 
     def stream(self, prompt: Prompt | GenerationRequest, method: str = DEFAULT_METHOD,
                **kwargs: Any) -> Generator[list[int], None, Outcome]:

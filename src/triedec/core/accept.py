@@ -91,8 +91,13 @@ class AcceptanceRule(Protocol):
         ``seen`` (needed only when :attr:`penalized`), ``position`` of them output so far."""
         ...
 
+    def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
+        """The token the rule emits after a row ``[V]`` (``seen`` and ``position`` as for
+        :meth:`processed`): what :meth:`accept` chooses after each node it reaches."""
+        ...
 
-class _PerNode:
+
+class NodeRows:
     """What each reached node needs: its row of logits on the CPU, its output position, and,
     when a penalty applies (``penalized``), the token ids of its own prefix (context + its
     ancestors' drafts); without one, no prefix is built (an empty one penalizes nothing)."""
@@ -110,14 +115,22 @@ class _PerNode:
         """The output index of the token chosen after ``node``."""
         return self.first + self.depths[node]
 
+    def path(self, node: int) -> list[int]:
+        """The draft tokens from the root's child down to ``node`` (empty for the root)."""
+        tokens, parents = self.tree.tokens, self.tree.parents
+        out: list[int] = []
+        while node > 0:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
+
     def seen(self, node: int) -> torch.Tensor:
         if not self.penalized:
             return seen_tokens(())
-        ancestors = self.tree.ancestry[node].nonzero().flatten().tolist()[1:]  # the root is context[-1]
-        return seen_tokens(self.context, [self.tree.tokens[a] for a in ancestors])
+        return seen_tokens(self.context, self.path(node))  # the root is context[-1]
 
 
-def _memo(choose: Callable[[int], int]) -> Callable[[int], int]:
+def memo(choose: Callable[[int], int]) -> Callable[[int], int]:
     chosen: dict[int, int] = {}
 
     def once(node: int) -> int:
@@ -149,8 +162,11 @@ class GreedyRule:
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
         if not self.sampling.adjusts_from(position):
             return accept_greedy(tree, argmax(logits))
-        nodes = _PerNode(tree, logits, context, position, self.penalized)
-        return walk(tree, _memo(lambda i: int(self.processed(nodes.row(i), nodes.seen(i), nodes.position(i)).argmax())))
+        nodes = NodeRows(tree, logits, context, position, self.penalized)
+        return walk(tree, memo(lambda i: self.choose(nodes.row(i), nodes.seen(i), nodes.position(i))))
+
+    def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
+        return int(self.processed(row, seen, position).argmax())
 
 
 @dataclass(frozen=True)
@@ -171,13 +187,11 @@ class SamplingRule:
         return process(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        nodes = _PerNode(tree, logits, context, position, self.penalized)
+        nodes = NodeRows(tree, logits, context, position, self.penalized)
+        return walk(tree, memo(lambda i: self.choose(nodes.row(i), nodes.seen(i), nodes.position(i))))
 
-        def choose(i: int) -> int:
-            at = nodes.position(i)
-            return draw(self.processed(nodes.row(i), nodes.seen(i), at), uniform(self.seed, at))
-
-        return walk(tree, _memo(choose))
+    def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
+        return draw(self.processed(row, seen, position), uniform(self.seed, position))
 
 
 GREEDY = GreedyRule()

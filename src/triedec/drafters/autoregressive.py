@@ -15,6 +15,8 @@ from triedec.drafters.registry import NoOptions, register
 
 @register("ar", NoOptions, "greedy autoregressive decoding (the reference; one token per forward)")
 class Autoregressive(BaseDrafter):
+    drafts_forced = False  # the reference decodes one token a forward, under a grammar too
+
     def __init__(self, options: NoOptions, model: ModelInfo) -> None:
         del options, model
 

@@ -61,6 +61,7 @@ SOURCES = {
     "recycling": "Token Recycling's adjacency matrix: the model's own earlier top-k after a token",
     "store": "auto's cross-request store: earlier outputs of this model",
     "lookahead": "lookahead decoding's n-gram pool and Jacobi window",
+    "grammar": "the request's grammar: the only token it allows there (drafted for free, always accepted)",
 }
 """The draft sources the built-in drafters name in :attr:`Draft.sources`, with what each is (the
 playground's legend and ``docs/`` show these). A plug-in drafter may name others."""
@@ -227,9 +228,12 @@ class Drafter(Protocol):
     replica's (:mod:`triedec.drafters.learned`: what is exchanged and each part's merge rule);
     a drafter that learns nothing across requests exports an empty value and absorbs nothing.
     ``max_learned_bytes()``: the most memory its learned state can ever take, from its options'
-    bounds (not what it holds now): what :mod:`triedec.api.decoders` keeps built methods under."""
+    bounds (not what it holds now): what :mod:`triedec.api.decoders` keeps built methods under.
+    ``drafts_forced``: whether the engine drafts the tokens a request's grammar forces in front of
+    the drafter's proposal (every drafter but ``ar``, the one-token-a-forward reference)."""
 
     prefill_logits: int
+    drafts_forced: bool
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession: ...
 
@@ -274,6 +278,7 @@ class BaseDrafter:
     :class:`DrafterSession`."""
 
     prefill_logits: int = 0
+    drafts_forced: bool = True
 
     def begin(self, prompt: Sequence[int], documents: Sequence[Sequence[int]] = ()) -> DrafterSession:
         return _StatelessSession(self.propose)

@@ -26,6 +26,7 @@ import torch
 
 from triedec.core.beamscore import BeamOptions, BeamScorer, Hypothesis
 from triedec.core.errors import TriedecError
+from triedec.core.grammar import TokenConstraint
 from triedec.core.kvcache import KVCache
 from triedec.core.limits import PREFILL_CHUNK
 from triedec.core.logprobs import Logprobs
@@ -241,7 +242,11 @@ class BeamSearchDecoder:
         self.options = options
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
-              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None) -> SoloRun:
+              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None,
+              constraint: TokenConstraint | None = None) -> SoloRun:
+        if constraint is not None:
+            raise TriedecError("beam search does not take a grammar yet: use another method with response_format "
+                               "or a grammar")
         if logprobs is not None:
             raise TriedecError("beam search does not report logprobs (its hypotheses carry their scores)")
         if not sampling.plain:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import triedec.engine.beam  # noqa: F401  (registers method "beam")
 from triedec.core.accept import acceptance_rule
 from triedec.core.errors import TriedecError
+from triedec.core.grammar import TokenConstraint
 from triedec.core.logprobs import Logprobs
 from triedec.core.sampling import GREEDY_SAMPLING, Sampling
 from triedec.drafters import Drafter, MethodSpec, ModelInfo, method_specs
@@ -36,12 +37,15 @@ class Decoder(Protocol):
     ``outcome`` is an :class:`~triedec.engine.outcome.Outcome`. A decoder is shared by every request of its
     (method, options); per-request state lives in the run. ``sampling`` says how tokens are chosen
     (greedy by default; sampling needs its seed set); ``logprobs`` what to report of each token's
-probability (:class:`~triedec.core.logprobs.Logprobs`; None: nothing). ``export_learned`` / ``absorb_learned``
-    exchange its learned state with other replicas (:mod:`triedec.drafters.learned`);
+    probability (:class:`~triedec.core.logprobs.Logprobs`; None: nothing); ``constraint`` the
+    request's grammar state (:class:`~triedec.core.grammar.TokenConstraint`; None: unconstrained).
+    ``export_learned`` / ``absorb_learned`` exchange its learned state with other replicas
+    (:mod:`triedec.drafters.learned`);
     ``max_learned_bytes`` bounds the memory that state can take (:mod:`triedec.api.decoders`)."""
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
-              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None) -> Run: ...
+              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None,
+              constraint: TokenConstraint | None = None) -> Run: ...
 
     def export_learned(self) -> Learned: ...
 
@@ -58,8 +62,10 @@ class SpeculativeDecoder:
         self.drafter = drafter
 
     def start(self, prompt: Sequence[int], stop: StopRule, documents: Sequence[Sequence[int]] = (),
-              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None) -> Run:
-        return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling, stop.eos_token_ids), logprobs)
+              sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None,
+              constraint: TokenConstraint | None = None) -> Run:
+        return Request(self.drafter, prompt, stop, documents, acceptance_rule(sampling, stop.eos_token_ids), logprobs,
+                       constraint)
 
     def export_learned(self) -> Learned:
         return self.drafter.export_learned()

@@ -26,7 +26,7 @@ class Stats:
       lived it: when it shares forwards with other requests, each forward's whole duration counts;
       ``tokens_per_s`` = new tokens / seconds; ``queued_seconds``: waiting before that;
     * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
-      ``stop_string``, ``length``, ``cancelled``);
+      ``stop_string``, ``length``, ``grammar`` (the request's grammar is complete), ``cancelled``);
     * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
     * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter);
       ``runner``: which code walked its layers, ``triedec`` (its own runner) or ``transformers``;

@@ -32,6 +32,7 @@ import torch
 from triedec.core.accept import GREEDY, Acceptance, AcceptanceRule
 from triedec.core.allocate import DraftGate
 from triedec.core.errors import TriedecError, positive_int
+from triedec.core.grammar import ConstrainedRule, TokenConstraint, constrained_row
 from triedec.core.kvcache import KVCache
 from triedec.core.limits import PREFILL_CHUNK
 from triedec.core.logprobs import Logprobs, TokenLogprob, token_logprobs
@@ -39,6 +40,7 @@ from triedec.core.sampling import seen_tokens
 from triedec.core.trace import MODEL, StepTrace, origin_of
 from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
+from triedec.engine.constrained import constrained_draft, own_view
 from triedec.engine.outcome import Outcome, Stats
 from triedec.model.adapter import ForwardItem, ModelAdapter
 
@@ -108,11 +110,16 @@ class Request:
 
     def __init__(self, drafter: Drafter, prompt: Sequence[int], stop: StopRule,
                  documents: Sequence[Sequence[int]] = (), rule: AcceptanceRule = GREEDY,
-                 logprobs: Logprobs | None = None) -> None:
+                 logprobs: Logprobs | None = None, constraint: TokenConstraint | None = None) -> None:
         self.prompt = [int(t) for t in prompt]
         if not self.prompt:
             raise TriedecError("the prompt is empty (no tokens)")
-        self.drafter, self.stop, self.documents, self.rule = drafter, stop, documents, rule
+        self.drafter, self.stop, self.documents = drafter, stop, documents
+        self.constraint = constraint
+        """the request's grammar state (None: unconstrained): every chosen token is masked by it
+        after its own prefix (:class:`~triedec.core.grammar.ConstrainedRule`), drafts it forbids are
+        cut and the tokens it forces are drafted (:mod:`triedec.engine.constrained`)"""
+        self.rule: AcceptanceRule = rule if constraint is None else ConstrainedRule(rule, constraint)
         self.logprobs = logprobs
         """what to report of each new token's probability (None: nothing): computed from the row
         that chose it (:mod:`triedec.core.logprobs`), so every method reports ``ar``'s values"""
@@ -276,7 +283,10 @@ class Request:
             for j, row in enumerate(rows):
                 seen = seen_tokens(prefix, new[:j]) if self.rule.penalized else seen_tokens(())
                 position = len(self.generated) + j if output else 0
-                processed.append(self.rule.processed(row.detach().to("cpu"), seen, position))
+                row = row.detach().to("cpu")
+                if output and self.constraint is not None:  # chosen under the grammar after new[:j]
+                    row = constrained_row(row, self.constraint.allowed(new[:j]))
+                processed.append(self.rule.processed(row, seen, position))
             rows = torch.stack(processed)
         top, ranks = (ask.top, False) if output else (ask.prompt_alternatives, ask.prompt_ranks)
         self._fresh_logprobs += token_logprobs(rows, new, top, ranks)
@@ -292,6 +302,14 @@ class Request:
             counts[origin] = counts.get(origin, 0) + 1
         if self._trace is not None:  # sources: every node's, given when recording
             self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path))
+
+    def _constrained(self, new: list[int], reason: str | None) -> tuple[list[int], str | None]:
+        """``new`` cut after the token that completes the request's grammar, if one does: a
+        complete grammar ends generation (``"grammar"``), whatever end-of-sequence tokens do."""
+        if self.constraint is None:
+            return new, reason
+        done = self.constraint.completed_by(new)
+        return (new, reason) if done is None else (new[:done], "grammar")
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -341,8 +359,10 @@ class Request:
             self.session.observe(Verified(chain, logits[-rows:], Acceptance(tuple(range(rows)), (*tail[1:], after))))
         if final:
             assert first is not None
-            new, reason = self.stop.cut([], [first])
+            new, reason = self._constrained(*self.stop.cut([], [first]))
             self._score(logits[-1:], new)
+            if self.constraint is not None:
+                self.constraint.commit(new)
             self._emit(new, reason, (MODEL,))
             self._adapter.synchronize()  # type: ignore[union-attr]
             self.stats.prefill_seconds = time.perf_counter() - self._started
@@ -365,7 +385,14 @@ class Request:
             raise TriedecError(f"drafter session {type(self.session).__name__} proposed a tree not rooted at the "
                                "last token")
         self._proposed = draft.size
-        self._draft, self._kept = draft.within(MAX_TREE_NODES, self.stop.max_new_tokens - len(self.generated) - 1)
+        room = self.stop.max_new_tokens - len(self.generated) - 1
+        self._draft, self._kept = draft.within(MAX_TREE_NODES, room)
+        if self.constraint is not None:
+            forced = self.constraint.forced(min(room, MAX_TREE_NODES - 1)) if drafting and self.drafter.drafts_forced \
+                else []
+            merged, own = constrained_draft(self._draft, self.constraint, forced)
+            self._draft, keep = merged.within(MAX_TREE_NODES, room)
+            self._kept = tuple(-1 if own[k] < 0 else self._kept[own[k]] for k in keep)
         return self._draft
 
     def verify_item(self, count: int) -> ForwardItem:
@@ -382,12 +409,14 @@ class Request:
         assert tree is not None and cache is not None and session is not None and draft is not None
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
         started = time.perf_counter()
-        session.observe(Verified(tree, logits, acceptance, self._kept, self._proposed))
+        session.observe(own_view(tree, logits, acceptance, self._kept, self._proposed))
         if self.gate is not None:
             self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
                                self._draft_seconds + time.perf_counter() - started)
-        new, reason = self.stop.cut(self.generated, acceptance.tokens)
+        new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))
         self._score(logits[list(acceptance.path[: len(new)])], new)
+        if self.constraint is not None:
+            self.constraint.commit(new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
         stats.steps += 1

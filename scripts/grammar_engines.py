@@ -1,0 +1,115 @@
+"""Measure the grammar engines on this CPU: mask time per token and the cost of walking a tree.
+
+Run: ``python scripts/grammar_engines.py [--tokenizer DIR ...]`` (default: the default model's).
+For each engine (llguidance, xgrammar) and tokenizer: compile a JSON schema, then follow a valid
+instance token by token, timing the allowed-token mask at every step (the cost ``ar`` pays each
+step) and a consume + rollback (what checking one tree node costs). Prints medians and p90s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "email": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "score": {"type": "number"},
+    },
+    "required": ["name", "age", "email", "tags", "address", "role", "score"],
+    "additionalProperties": False,
+}
+INSTANCE = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org", "tags": ["math", "engines", "poetry"],
+            "address": {"city": "London", "zip": "W1 \"A\""}, "role": "admin", "score": 98.5}
+
+
+def stats(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"median {statistics.median(xs) * 1e6:7.1f} us  p90 {xs[int(0.9 * (len(xs) - 1))] * 1e6:7.1f} us"
+
+
+def run_llguidance(tok, ids: list[int]) -> None:
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+    started = time.perf_counter()
+    lt = llguidance.hf.from_tokenizer(tok)
+    tok_s = time.perf_counter() - started
+    started = time.perf_counter()
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False})
+    m = llguidance.LLMatcher(lt, grammar)
+    compile_s = time.perf_counter() - started
+    mask = llguidance.torch.allocate_token_bitmask(1, lt.vocab_size)
+    masks, nodes, forced = [], [], 0
+    for t in ids:
+        started = time.perf_counter()
+        llguidance.torch.fill_next_token_bitmask(m, mask, 0)
+        masks.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        ok = m.consume_token(t)
+        m.rollback(1)
+        nodes.append(time.perf_counter() - started)
+        forced += len(m.compute_ff_tokens()) > 0
+        assert ok and m.consume_token(t), m.get_error()
+    print(f"  llguidance: tokenizer {tok_s:.2f} s, compile {compile_s * 1e3:.1f} ms; mask {stats(masks)}; "
+          f"consume+rollback {stats(nodes)}; steps with forced tokens {forced}/{len(ids)}; "
+          f"accepting {m.is_accepting()}")
+
+
+def run_xgrammar(tok, ids: list[int]) -> None:
+    import xgrammar as xgr
+
+    started = time.perf_counter()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiler = xgr.GrammarCompiler(info)
+    tok_s = time.perf_counter() - started
+    started = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
+    m = xgr.GrammarMatcher(compiled)
+    compile_s = time.perf_counter() - started
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    masks, nodes = [], []
+    for t in ids:
+        started = time.perf_counter()
+        m.fill_next_token_bitmask(mask)
+        masks.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        ok = m.accept_token(t)
+        m.rollback(1)
+        nodes.append(time.perf_counter() - started)
+        assert ok and m.accept_token(t)
+    print(f"  xgrammar:   tokenizer {tok_s:.2f} s, compile {compile_s * 1e3:.1f} ms; mask {stats(masks)}; "
+          f"accept+rollback {stats(nodes)}; terminated {m.is_terminated()}")
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokenizer", action="append", help="a tokenizer directory (default: the default model's)")
+    args = parser.parse_args()
+    dirs = args.tokenizer
+    if not dirs:
+        from triedec.model.source import converted_gguf_dir, default_model_path
+        dirs = [str(converted_gguf_dir(default_model_path()))]
+    text = json.dumps(INSTANCE, separators=(",", ":"))
+    for d in dirs:
+        tok = AutoTokenizer.from_pretrained(d)
+        ids = tok.encode(text, add_special_tokens=False)
+        print(f"{d}: vocab {len(tok)}, {len(ids)} tokens")
+        run_llguidance(tok, ids)
+        run_xgrammar(tok, ids)
+
+
+if __name__ == "__main__":
+    main()

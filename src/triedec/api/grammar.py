@@ -1,0 +1,171 @@
+"""Grammars compiled for one tokenizer, and each request's grammar state: llguidance underneath.
+
+llguidance (Microsoft's grammar engine, Rust, no dependencies) was chosen by measurement on this
+project's CPUs over xgrammar (``scripts/grammar_engines.py``, docs/structured-output.md): its mask
+over the default model's 49k vocabulary takes ~11 us a token against the ~5 ms forward, it gives
+the tokens a grammar forces as tokens (what the engine drafts for free), and it needs neither
+triton nor a compiler at install.
+
+:class:`Grammars` belongs to an :class:`~triedec.api.lm.LM`: it builds the tokenizer's llguidance
+view once (first use; ~0.4 s), compiles each :class:`~triedec.core.grammar.Grammar` once (an LRU of
+:data:`CACHE_SIZE`) under :data:`LIMITS`, and hands each request a copy of the compiled matcher as
+its :class:`GrammarState` (a :class:`~triedec.core.grammar.TokenConstraint`). A grammar that does not
+compile, or exceeds the limits, is a :class:`~triedec.core.errors.TriedecError` that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from triedec.core.errors import TriedecError
+from triedec.core.grammar import Grammar
+
+CACHE_SIZE = 64
+"""Compiled grammars kept per model (least recently used dropped first)."""
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+"""How JSON is laid out: no free whitespace, ``", "`` and ``": "`` between items (as
+``json.dumps``), so a small model cannot wander into endless spaces."""
+
+
+def _limits() -> Any:
+    import llguidance
+
+    # compile: ~20 ms of lexer fuel; each mask: ~14 ms at most; lexer states ~1-2 kB each (~40 MB)
+    return llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                                     max_lexer_states=20_000, max_grammar_size=200_000, verbose_errors=False)
+
+
+LIMITS = ("compile: 1,000,000 lexer fuel (~20 ms); each token's mask: 200,000 lexer fuel and 50,000 parser items "
+          "(~14 ms); at most 20,000 lexer states (~40 MB) and 200,000 grammar symbols")
+"""The bounds every grammar compiles and runs under (llguidance's parser limits), in words."""
+
+
+def _source(grammar: Grammar) -> str:
+    """``grammar`` as an llguidance grammar."""
+    import llguidance
+
+    match grammar.kind:
+        case "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_OPTIONS)
+        case "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+        case "regex":
+            return llguidance.LLMatcher.grammar_from_regex(grammar.source)
+        case "choice":
+            options = json.loads(grammar.source)
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        case _:
+            return llguidance.LLMatcher.grammar_from_lark(grammar.source)
+
+
+_DETAIL = re.compile(r"\s+")
+
+
+class GrammarState:
+    """One request's grammar state (:class:`~triedec.core.grammar.TokenConstraint`) over
+    llguidance's matcher; ``vocab``: the model's logits width, ``eos``: its end-of-sequence ids."""
+
+    def __init__(self, matcher: Any, vocab: int, eos: Iterable[int]) -> None:
+        import llguidance.torch
+
+        self._m, self._vocab = matcher, vocab
+        self._eos = sorted(t for t in eos if 0 <= t < vocab)
+        self._fill = llguidance.torch.fill_next_token_bitmask
+        self._bits = llguidance.torch.allocate_token_bitmask(1, vocab)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def _mask(self) -> torch.Tensor:
+        self._fill(self._m, self._bits, 0)
+        allowed = ((self._bits[0].unsqueeze(1) >> self._shifts) & 1).bool().flatten()[: self._vocab]
+        if not bool(allowed.any()):
+            allowed[self._eos] = True
+        return allowed
+
+    def allowed(self, path: Sequence[int]) -> torch.Tensor:
+        path = list(path)
+        if not path:
+            return self._mask()
+        if self._m.try_consume_tokens(path) != len(path):
+            raise TriedecError("internal error: a draft path the grammar does not admit reached the mask")
+        try:
+            return self._mask()
+        finally:
+            self._m.rollback(len(path))
+
+    def admits(self, path: Sequence[int], token: int) -> bool:
+        whole = [*path, token]
+        return token < self._vocab and self._m.validate_tokens(whole) == len(whole)
+
+    def forced(self, limit: int) -> list[int]:
+        if limit <= 0:
+            return []
+        return list(self._m.compute_ff_tokens())[:limit]
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        if tokens and not self._m.consume_tokens(list(tokens)):
+            raise TriedecError(f"internal error: the grammar refused a committed token: {self._m.get_error()}")
+
+    def completed_by(self, tokens: Sequence[int]) -> int | None:
+        for j, t in enumerate(tokens):
+            if not self._m.consume_token(t):
+                self._m.rollback(j)
+                raise TriedecError(f"internal error: the grammar refused a chosen token: {self._m.get_error()}")
+            if self._m.is_stopped():
+                self._m.rollback(j + 1)
+                return j + 1
+        self._m.rollback(len(tokens))
+        return None
+
+
+class Grammars:
+    """The grammars of one model: ``tokenizer`` (a transformers tokenizer), ``vocab`` (the
+    logits width) and ``eos`` (the end-of-sequence ids a complete grammar allows). Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos: Iterable[int]) -> None:
+        self._tokenizer, self._vocab, self._eos = tokenizer, vocab, sorted(eos)
+        self._lock = threading.Lock()
+        self._ll: Any = None
+        self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
+
+    def _lltokenizer(self) -> Any:
+        if self._ll is None:
+            try:
+                import llguidance.hf
+            except ModuleNotFoundError:
+                raise TriedecError("grammars need llguidance (a dependency of triedec): pip install llguidance") \
+                    from None
+            self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab,
+                                                    eos_token=self._eos or None)
+        return self._ll
+
+    def state(self, grammar: Grammar) -> GrammarState:
+        """A fresh state of ``grammar`` for one request (compiled once, then copied)."""
+        import llguidance
+
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is None:
+                tokenizer = self._lltokenizer()
+                try:
+                    source = _source(grammar)
+                except ValueError as exc:
+                    raise TriedecError(f"the {grammar.kind} grammar is invalid: {exc}") from None
+                matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=_limits())
+                if matcher.is_error():
+                    detail = _DETAIL.sub(" ", matcher.get_error()).strip()[:500]
+                    raise TriedecError(f"the {grammar.kind} grammar does not compile: {detail}")
+                self._compiled[grammar] = matcher
+                while len(self._compiled) > CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(grammar)
+            copy = matcher.deep_copy()
+        return GrammarState(copy, self._vocab, self._eos)
