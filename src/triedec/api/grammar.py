@@ -8,9 +8,9 @@ triton nor a compiler at install.
 
 :class:`Grammars` belongs to an :class:`~triedec.api.lm.LM`: it builds the tokenizer's llguidance
 view once (first use; ~0.4 s), compiles each :class:`~triedec.core.grammar.Grammar` once (an LRU of
-:data:`CACHE_SIZE`) under :data:`LIMITS`, and hands each request a copy of the compiled matcher as
-its :class:`GrammarState` (a :class:`~triedec.core.grammar.TokenConstraint`). A grammar that does not
-compile, or exceeds the limits, is a :class:`~triedec.core.errors.TriedecError` that says why.
+:data:`CACHE_SIZE`) under :data:`PARSER_LIMITS`, and hands each request a copy of the compiled
+matcher as its :class:`GrammarState` (a :class:`~triedec.core.grammar.TokenConstraint`). A grammar
+that does not compile, or exceeds the limits, is a :class:`~triedec.core.errors.TriedecError` that says why.
 """
 
 from __future__ import annotations
@@ -34,18 +34,11 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 """How JSON is laid out: no free whitespace, ``", "`` and ``": "`` between items (as
 ``json.dumps``), so a small model cannot wander into endless spaces."""
 
-
-def _limits() -> Any:
-    import llguidance
-
-    # compile: ~20 ms of lexer fuel; each mask: ~14 ms at most; lexer states ~1-2 kB each (~40 MB)
-    return llguidance.LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
-                                     max_lexer_states=20_000, max_grammar_size=200_000, verbose_errors=False)
-
-
-LIMITS = ("compile: 1,000,000 lexer fuel (~20 ms); each token's mask: 200,000 lexer fuel and 50,000 parser items "
-          "(~14 ms); at most 20,000 lexer states (~40 MB) and 200,000 grammar symbols")
-"""The bounds every grammar compiles and runs under (llguidance's parser limits), in words."""
+PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+                 "max_lexer_states": 20_000, "max_grammar_size": 200_000}
+"""llguidance's parser limits every grammar compiles and runs under: compiling ~20 ms of lexer fuel
+(~50k a ms), each token's mask ~14 ms at most (lexer ~14k a ms, parser ~20k items a ms), lexer
+states ~1-2 kB each (~40 MB), grammar symbols."""
 
 
 def _source(grammar: Grammar) -> str:
@@ -137,11 +130,8 @@ class Grammars:
 
     def _lltokenizer(self) -> Any:
         if self._ll is None:
-            try:
-                import llguidance.hf
-            except ModuleNotFoundError:
-                raise TriedecError("grammars need llguidance (a dependency of triedec): pip install llguidance") \
-                    from None
+            import llguidance.hf
+
             self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab,
                                                     eos_token=self._eos or None)
         return self._ll
@@ -158,7 +148,8 @@ class Grammars:
                     source = _source(grammar)
                 except ValueError as exc:
                     raise TriedecError(f"the {grammar.kind} grammar is invalid: {exc}") from None
-                matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=_limits())
+                limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+                matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
                 if matcher.is_error():
                     detail = _DETAIL.sub(" ", matcher.get_error()).strip()[:500]
                     raise TriedecError(f"the {grammar.kind} grammar does not compile: {detail}")

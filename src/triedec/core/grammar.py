@@ -39,7 +39,7 @@ GRAMMAR_KINDS: dict[str, str] = {
 
 MAX_GRAMMAR_BYTES = 64 * 1024
 """The largest grammar source (UTF-8 bytes) a request may send: compiling it is bounded in time and
-memory besides (:data:`triedec.api.grammar.LIMITS`)."""
+memory besides (:data:`triedec.api.grammar.PARSER_LIMITS`)."""
 
 FORCED = "grammar"
 """The draft source of a token the grammar forces (the only token it allows there): drafted for

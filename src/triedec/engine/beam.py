@@ -245,8 +245,7 @@ class BeamSearchDecoder:
               sampling: Sampling = GREEDY_SAMPLING, logprobs: Logprobs | None = None,
               constraint: TokenConstraint | None = None) -> SoloRun:
         if constraint is not None:
-            raise TriedecError("beam search does not take a grammar yet: use another method with response_format "
-                               "or a grammar")
+            raise TriedecError("beam search does not take a grammar yet: use another method with a grammar")
         if logprobs is not None:
             raise TriedecError("beam search does not report logprobs (its hypotheses carry their scores)")
         if not sampling.plain:

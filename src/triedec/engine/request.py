@@ -294,6 +294,8 @@ class Request:
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
         """Commit ``new`` (each token with its origin) and count the origins; record the step if asked."""
+        if self.constraint is not None:  # after _score, which masks by the state before ``new``
+            self.constraint.commit(new)
         self.generated += new
         self._fresh += new
         self.reason = reason
@@ -361,8 +363,6 @@ class Request:
             assert first is not None
             new, reason = self._constrained(*self.stop.cut([], [first]))
             self._score(logits[-1:], new)
-            if self.constraint is not None:
-                self.constraint.commit(new)
             self._emit(new, reason, (MODEL,))
             self._adapter.synchronize()  # type: ignore[union-attr]
             self.stats.prefill_seconds = time.perf_counter() - self._started
@@ -415,8 +415,6 @@ class Request:
                                self._draft_seconds + time.perf_counter() - started)
         new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))
         self._score(logits[list(acceptance.path[: len(new)])], new)
-        if self.constraint is not None:
-            self.constraint.commit(new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
         stats.steps += 1
