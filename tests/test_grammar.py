@@ -3,14 +3,16 @@ output matches the grammar (docs/structured-output.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from triedec import Grammar
+from triedec.api.generation import GenerationRequest
 from triedec.core.errors import TriedecError
-
-pytestmark = pytest.mark.default_model
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}},
@@ -51,3 +53,59 @@ def test_bad_grammars_are_clear_errors(default_mode_lm) -> None:
         default_mode_lm.generate(PROMPT, "ar", max_new_tokens=4, grammar=Grammar.lark("start: ("))
     with pytest.raises(TriedecError, match="limit"):
         Grammar.regex("a" * 70_000)
+
+
+def test_a_learned_answer_drafted_past_the_grammars_end(default_mode_lm) -> None:
+    """``auto`` remembers an answer and drafts it whole, its end-of-sequence after the grammar's
+    end included: that node's row is masked to end-of-sequence, not refused."""
+    grammar = Grammar.json_schema(SCHEMA)
+    fresh = default_mode_lm.fresh()
+    want = fresh.generate(PROMPT, "ar", max_new_tokens=96, grammar=grammar).token_ids
+    for _ in range(3):
+        out = fresh.generate(PROMPT, "auto", max_new_tokens=96, grammar=grammar)
+        assert out.token_ids == want and out.stats.stop_reason == "grammar"
+
+
+TINY_GRAMMARS = [
+    Grammar.choice(["one two three four five six seven eight", "one two three", "Hello there! How are you today?"]),
+    Grammar.regex(r"(one|two|three|sea|sky)( (one|two|three|sea|sky)){2,12}\."),
+    Grammar.json_schema({"type": "object", "properties": {"word": {"enum": ["one two three", "the sea", "sky"]},
+                                                         "ok": {"type": "boolean"},
+                                                         "list": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                                  "maxItems": 5}},
+                         "required": ["word", "ok", "list"], "additionalProperties": False}),
+    Grammar.lark('start: "Tell me " ("a story" | "about the " WORD) "."\nWORD: /[a-z]{1,12}/'),
+]
+TINY_METHODS = ["pld", "ngram-trie", "recycling", "lookahead", "auto"]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**20), which=st.integers(0, len(TINY_GRAMMARS) - 1), sampled=st.booleans(),
+       budget=st.sampled_from([3, 8, 512]))
+def test_tiny_every_method_equals_ar_alone_and_in_a_batch(lm, seed: int, which: int, sampled: bool,
+                                                         budget: int) -> None:
+    """On the tiny random model, under each kind of grammar, greedy and sampled: every method's
+    tokens equal ``ar``'s alone, and in a batch beside unconstrained requests and another grammar
+    under a small verify budget (``max_tokens_per_forward``)."""
+    from helpers import _CORPUS as PROMPTS
+
+    grammar = TINY_GRAMMARS[which]
+    prompt = PROMPTS[seed % len(PROMPTS)] + " one two three one two three"
+    options = {"max_new_tokens": 40, "temperature": 0.9 if sampled else 0.0, "seed": seed}
+    want = lm.generate(prompt, "ar", grammar=grammar, **options)
+    saved = lm.limits
+    lm.limits = dataclasses.replace(saved, max_tokens_per_forward=budget)
+    try:
+        for method in TINY_METHODS:
+            out = lm.generate(prompt, method, grammar=grammar, **options)
+            assert out.token_ids == want.token_ids, (method, "alone")
+            other = TINY_GRAMMARS[(which + 1) % len(TINY_GRAMMARS)]
+            batch = [GenerationRequest.of(prompt, method, grammar=grammar, **options),
+                     GenerationRequest.of(PROMPTS[0], method, **options),
+                     GenerationRequest.of(prompt, method, grammar=other, **options),
+                     GenerationRequest.of(PROMPTS[1], method, **options)]
+            results = lm.generate_batch(batch, progress=False)
+            assert results[0].token_ids == want.token_ids, (method, "batch")
+            assert results[1].token_ids == lm.generate(PROMPTS[0], "ar", **options).token_ids, (method, "free")
+    finally:
+        lm.limits = saved

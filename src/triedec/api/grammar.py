@@ -30,7 +30,7 @@ from triedec.core.grammar import Grammar
 CACHE_SIZE = 64
 """Compiled grammars kept per model (least recently used dropped first)."""
 
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How JSON is laid out: no free whitespace, ``", "`` and ``": "`` between items (as
 ``json.dumps``), so a small model cannot wander into endless spaces."""
 
@@ -55,6 +55,14 @@ def _source(grammar: Grammar) -> str:
         case "choice":
             options = json.loads(grammar.source)
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+        case "gbnf":
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                lark = gbnf_to_lark(grammar.source)
+            except Exception as exc:  # llguidance's converter raises its own error types
+                raise ValueError(f"not valid GBNF: {exc}") from None
+            return llguidance.LLMatcher.grammar_from_lark(lark)
         case _:
             return llguidance.LLMatcher.grammar_from_lark(grammar.source)
 
@@ -86,12 +94,17 @@ class GrammarState:
         path = list(path)
         if not path:
             return self._mask()
-        if self._m.try_consume_tokens(path) != len(path):
-            raise TriedecError("internal error: a draft path the grammar does not admit reached the mask")
+        consumed = self._m.try_consume_tokens(path)
         try:
+            if consumed != len(path):
+                if self._m.is_stopped():  # the path ends the grammar (its end-of-sequence): generation ends there
+                    allowed = torch.zeros(self._vocab, dtype=torch.bool)
+                    allowed[self._eos] = True
+                    return allowed
+                raise TriedecError("internal error: a draft path the grammar does not admit reached the mask")
             return self._mask()
         finally:
-            self._m.rollback(len(path))
+            self._m.rollback(consumed)
 
     def admits(self, path: Sequence[int], token: int) -> bool:
         whole = [*path, token]
@@ -136,27 +149,37 @@ class Grammars:
                                                     eos_token=self._eos or None)
         return self._ll
 
+    def check(self, grammar: Grammar) -> None:
+        """Raise :class:`~triedec.core.errors.TriedecError` if ``grammar`` does not compile (it is
+        compiled and cached if it does)."""
+        with self._lock:
+            self._matcher(grammar)
+
     def state(self, grammar: Grammar) -> GrammarState:
         """A fresh state of ``grammar`` for one request (compiled once, then copied)."""
+        with self._lock:
+            copy = self._matcher(grammar).deep_copy()
+        return GrammarState(copy, self._vocab, self._eos)
+
+    def _matcher(self, grammar: Grammar) -> Any:
+        """``grammar``'s compiled matcher (under the lock)."""
         import llguidance
 
-        with self._lock:
-            matcher = self._compiled.get(grammar)
-            if matcher is None:
-                tokenizer = self._lltokenizer()
-                try:
-                    source = _source(grammar)
-                except ValueError as exc:
-                    raise TriedecError(f"the {grammar.kind} grammar is invalid: {exc}") from None
-                limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
-                matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
-                if matcher.is_error():
-                    detail = _DETAIL.sub(" ", matcher.get_error()).strip()[:500]
-                    raise TriedecError(f"the {grammar.kind} grammar does not compile: {detail}")
-                self._compiled[grammar] = matcher
-                while len(self._compiled) > CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(grammar)
-            copy = matcher.deep_copy()
-        return GrammarState(copy, self._vocab, self._eos)
+        matcher = self._compiled.get(grammar)
+        if matcher is None:
+            tokenizer = self._lltokenizer()
+            try:
+                source = _source(grammar)
+            except ValueError as exc:
+                raise TriedecError(f"the {grammar.kind} grammar is invalid: {exc}") from None
+            limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+            matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=limits)
+            if matcher.is_error():
+                detail = _DETAIL.sub(" ", matcher.get_error()).strip()[:500]
+                raise TriedecError(f"the {grammar.kind} grammar does not compile: {detail}")
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return matcher

@@ -50,25 +50,27 @@ class Prompts:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False) -> list[int]:
+    def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is);
         ``split_special``: special tokens' text in strings and messages stays plain text (module
-        doc)."""
-        return self.tokens(checked_prompt(prompt), chat, split_special)
+        doc); ``tools``: functions the chat template shows the model (OpenAI's ``tools`` shape)."""
+        return self.tokens(checked_prompt(prompt), chat, split_special, tools)
 
-    def tokens(self, prompt: Prompt, chat: bool = False, split_special: bool = False) -> list[int]:
+    def tokens(self, prompt: Prompt, chat: bool = False, split_special: bool = False,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """:meth:`encode` for a prompt already checked for shape (a
         :class:`~triedec.api.generation.GenerationRequest`'s): only what needs the tokenizer and the
         vocabulary is checked here."""
         if isinstance(prompt, str):
             if chat:
-                return self.tokens(({"role": "user", "content": prompt},), split_special=split_special)
+                return self.tokens(({"role": "user", "content": prompt},), split_special=split_special, tools=tools)
             ids = self._ids(prompt, split_special)
         elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
-            ids = self._chat_ids(list(prompt), split_special)
+            ids = self._chat_ids(list(prompt), split_special, tools)
         else:
             ids = list(prompt)
             if any(t >= self.vocab_size for t in ids):  # type: ignore[operator]
@@ -86,12 +88,14 @@ class Prompts:
         texts |= set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
         return tuple(sorted(t for t in texts if t))
 
-    def _chat_ids(self, messages: list[Mapping[str, Any]], split_special: bool) -> list[int]:
+    def _chat_ids(self, messages: list[Mapping[str, Any]], split_special: bool,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """The chat template's token ids for ``messages``. With ``split_special``, each message whose
         text holds a special token's text is found in the rendered template and tokenized on its own
         with special tokens split; the template's own text around it is tokenized as usual. Messages
         without such text (nearly all) leave the tokenization exactly as without ``split_special``."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
+                                                  add_generation_prompt=True)
         contents = [m.get("content") for m in messages]
         marked = [c for c in contents if isinstance(c, str) and any(s in c for s in self.special_texts)]
         if not split_special or not marked:

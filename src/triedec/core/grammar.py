@@ -2,7 +2,7 @@
 answer (:class:`TokenConstraint`), and the acceptance rule that masks every node by it.
 
 * :class:`Grammar` -- what a request's output must match: a JSON schema, any JSON object, a
-  regular expression, one of several strings, or a Lark grammar; validated for shape and size here
+  regular expression, one of several strings, a Lark or a GBNF grammar; validated for shape and size here
   (compiling it needs a tokenizer: :mod:`triedec.api.grammar`).
 * :class:`TokenConstraint` -- one request's grammar state after its committed tokens: the tokens
   allowed after any path of draft tokens on top of them, whether a draft token may follow a path,
@@ -34,6 +34,7 @@ GRAMMAR_KINDS: dict[str, str] = {
     "regex": "text that matches the regular expression (Rust regex syntax, anchored at both ends)",
     "choice": "exactly one of the strings given as a JSON list",
     "lark": "text in the language of the Lark grammar (llguidance's dialect; the start rule is `start`)",
+    "gbnf": "text in the language of the GBNF grammar (llama.cpp's dialect; the start rule is `root`)",
 }
 """The kinds of :class:`Grammar` and what each one's output is."""
 
@@ -49,10 +50,11 @@ free and always accepted."""
 @dataclass(frozen=True)
 class Grammar:
     """What a request's output must match: ``kind`` (one of :data:`GRAMMAR_KINDS`) and its
-    ``source`` (the schema as JSON text, the regex, the choices as a JSON list of strings, the Lark
-    text; empty for ``json_object``). Build one with :meth:`json_schema`, :meth:`json_object`,
-    :meth:`regex`, :meth:`choice` or :meth:`lark`. Checked for shape and size here; whether the
-    grammar compiles is checked when a request starts (a clear error either way)."""
+    ``source`` (the schema as JSON text, the regex, the choices as a JSON list of strings, the
+    Lark or GBNF text; empty for ``json_object``). Build one with :meth:`json_schema`,
+    :meth:`json_object`, :meth:`regex`, :meth:`choice`, :meth:`lark` or :meth:`gbnf`. Checked for
+    shape and size here; whether the grammar compiles is checked when a request starts (a clear
+    error either way)."""
 
     kind: str
     source: str = ""
@@ -105,6 +107,11 @@ class Grammar:
     def lark(cls, text: str) -> Grammar:
         """Output in the language of the Lark grammar ``text``."""
         return cls("lark", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> Grammar:
+        """Output in the language of the GBNF grammar ``text`` (llama.cpp's ``--grammar``)."""
+        return cls("gbnf", text)
 
 
 def _json(text: str, what: str) -> Any:

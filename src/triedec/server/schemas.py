@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from triedec.api.text import token_label, token_name, token_text
+from triedec.api.tools import Tools, ToolsError, template_message
 from triedec.core.errors import TriedecError
+from triedec.core.grammar import Grammar
 from triedec.core.logprobs import MAX_TOP_LOGPROBS, Logprobs, TokenLogprob
 
 
@@ -36,23 +38,51 @@ class TextPart(Body):
     text: str
 
 
+class CalledFunction(Body):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Body):
+    """A call an earlier assistant message made (sent back with the ``tool`` message that answers
+    it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (:func:`triedec.api.tools.template_message`)."""
+        if self.content is None and not self.tool_calls:
+            raise FieldError("messages", f"a {self.role} message needs content")
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return template_message(message)
 
 
 class StreamOptions(Body):
     include_usage: bool = False
 
 
-UNSUPPORTED_NEUTRAL: dict[str, object] = {
-    "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "response_format": None, "parallel_tool_calls": None, "suffix": None,
-}
+UNSUPPORTED_NEUTRAL: dict[str, object] = {"functions": None, "function_call": None, "suffix": None}
 """OpenAI fields the server knows but does not support, with the value that asks for nothing."""
 
 
@@ -98,6 +128,50 @@ class Generation(Body):
     n: int | None = None
     prompt_logprobs: int | None = Field(default=None, description="vLLM's: each prompt token's logprob and this many "
                                         "alternatives (0-20), in vLLM's shape")
+    response_format: dict[str, Any] | None = Field(default=None, description="OpenAI's: {\"type\": \"text\"}, "
+                                                   "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                                                   "\"json_schema\": {\"name\", \"schema\", \"strict\"}}")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's: output valid against this "
+                                                     "JSON schema")
+    guided_regex: str | None = Field(default=None, description="vLLM's: output that matches this regex (Rust syntax)")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's: output that is one of these strings")
+    guided_grammar: str | None = Field(default=None, description="vLLM's: output in this grammar's language (Lark, "
+                                       "start rule `start`; or GBNF, start rule `root`)")
+
+    def grammar(self) -> tuple[str, Grammar] | None:
+        """The grammar the output must match (``response_format`` or one ``guided_*`` field),
+        checked for shape and size, with the field that asked for it; None when none is asked."""
+        asked: list[tuple[str, Grammar]] = []
+        try:
+            form = self.response_format
+            if form is not None:
+                kind = form.get("type")
+                if kind == "json_object" and set(form) == {"type"}:
+                    asked.append(("response_format", Grammar.json_object()))
+                elif kind == "json_schema" and set(form) == {"type", "json_schema"}:
+                    spec = form["json_schema"]
+                    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict) or not set(spec) <= {
+                            "name", "schema", "strict", "description"}:
+                        raise TriedecError('response_format json_schema must be {"name", "schema": {...}, "strict", '
+                                           '"description"} with a schema object')
+                    asked.append(("response_format", Grammar.json_schema(spec["schema"])))
+                elif not (kind == "text" and set(form) == {"type"}):
+                    raise TriedecError('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                                       '{"type": "json_schema", "json_schema": {...}}')
+        except TriedecError as exc:
+            raise FieldError("response_format", str(exc)) from None
+        guided = {"guided_json": Grammar.json_schema, "guided_regex": Grammar.regex, "guided_choice": Grammar.choice,
+                  "guided_grammar": lambda text: Grammar.gbnf(text) if "::=" in text else Grammar.lark(text)}
+        for name, make in guided.items():
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    asked.append((name, make(value)))
+                except TriedecError as exc:
+                    raise FieldError(name, str(exc)) from None
+        if len(asked) > 1:
+            raise FieldError(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; send one")
+        return asked[0] if asked else None
 
     def ignored(self) -> list[str]:
         """The top-level fields the server does not know (ignored), sorted; names are cut to 64
@@ -192,11 +266,17 @@ class ChatRequest(Generation):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     def prompts(self) -> list[Any]:
-        return [[{"role": m.role, "content": m.text()} for m in self.messages]]
+        return [[m.as_template() for m in self.messages]]
+
+    def asked_tools(self) -> Tools | None:
+        """The request's tools, checked (None: none)."""
+        try:
+            return Tools.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ToolsError as exc:
+            raise FieldError(exc.param, str(exc)) from None
 
 
 class CompletionRequest(Generation):
@@ -227,9 +307,11 @@ class Shape:
 
     def choice(self, text: str | None, reason: str | None, streaming: bool, first: bool = False,
                logprobs: dict[str, Any] | None = None, index: int = 0,
-               prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+               prompt_logprobs: list[Any] | None = None, tool_calls: list[dict[str, Any]] | None = None
+               ) -> dict[str, Any]:
         """One choice (a chunk's, when ``streaming``); vLLM's ``prompt_logprobs`` go in a
-        completion's choice (a chat response carries them at its top level)."""
+        completion's choice (a chat response carries them at its top level); ``tool_calls``: a chat
+        reply's calls (its content is then null), or a chunk's."""
         out: dict[str, Any] = {"index": index}
         if not self.chat:
             out["text"] = text or ""
@@ -237,9 +319,13 @@ class Shape:
                 out["prompt_logprobs"] = prompt_logprobs
         elif not streaming:
             out["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                out["message"] = {"role": "assistant", "content": None, "tool_calls": tool_calls}
         else:
             out["delta"] = {"role": "assistant", "content": ""} if first else ({} if text is None else
                                                                               {"content": text})
+            if tool_calls:
+                out["delta"] = {"tool_calls": tool_calls}
         return {**out, "finish_reason": reason, "logprobs": logprobs}
 
     def logprobs(self, items: Sequence[TokenLogprob], tokenizer: Any, offsets: Sequence[int],

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
 from triedec.api.text import TextStream, TokenOffsets
+from triedec.api.tools import CallStream, ToolFormat, tool_format
 from triedec.core.errors import StateFileError, TriedecError
 from triedec.core.logprobs import Logprobs, TokenLogprob
 from triedec.core.sampling import MAX_SEED, SAMPLING_FIELDS, Sampling
@@ -42,6 +43,7 @@ from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
     MAX_CHOICES,
+    ChatRequest,
     FieldError,
     Generation,
     Shape,
@@ -80,6 +82,9 @@ class _Prepared:
     generates (from the prefill's last row, no extra forward) is not returned"""
     limit: int = 0
     """the most tokens it may generate"""
+    tools: ToolFormat | None = None
+    """how the model writes calls, when the request lets it call tools (its reply is read back as
+    text or calls)"""
 
     @property
     def prompt_tokens(self) -> int:
@@ -98,6 +103,7 @@ class Service:
     def __init__(self, lm: LM, config: ServerConfig) -> None:
         self.lm, self.config = lm, config
         self.known = set(methods())
+        self._tool_format: ToolFormat | str | None = None
         self.metrics: Metrics | None = None
         self.scheduler = Scheduler(lm, config.limits, config.max_queue, on_step=self._on_step,
                                    tenants=config.tenant_limits(), remeasure_after=config.remeasure_after or None,
@@ -119,8 +125,8 @@ class Service:
         config = self.config
         unsupported = req.unsupported()
         if unsupported:
-            raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec runs no tools, response "
-                               "formats or suffix yet)")
+            raise TriedecError(f"unsupported field(s): {', '.join(unsupported)} (triedec takes OpenAI's tools and "
+                               "tool_choice, not the deprecated functions and function_call; it has no suffix)")
         if req.model is not None and req.model != config.model_name:
             raise LookupError(f"model {req.model!r} not found; this server serves {config.model_name!r}")
         method = req.method or config.method
@@ -175,20 +181,51 @@ class Service:
         if k > 1 and not sampling.greedy:
             base = secrets.randbits(63) if sampling.seed is None else sampling.seed
             seeds = [(base + i) % MAX_SEED for i in range(k)]
+        asked = req.grammar()
+        tools = req.asked_tools() if isinstance(req, ChatRequest) else None
+        fmt, shown_tools = None, None
+        if tools is not None:
+            shown_tools = tools.as_template() if tools.calls else None
+            if tools.calls:
+                fmt = self.tool_format()
+                if asked is not None:
+                    raise FieldError(asked[0], f"{asked[0]} with tools the model may call is not supported; send "
+                                               "tool_choice none, or no tools")
+                if req.stream and req.trace:
+                    raise FieldError("trace", "a streamed trace with tools the model may call is not supported")
+                asked = ("tools", fmt.grammar(tools))
+        grammar = None if asked is None else asked[1]
+        if asked is not None:
+            try:
+                lm.grammars.check(grammar)  # compiled once (cached): an error names the field
+            except TriedecError as exc:
+                raise FieldError(asked[0], str(exc)) from None
         out = []
         for index, prompt in enumerate(prompts):
-            ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text)
+            ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text, tools=shown_tools)
             limit, score_only = self.limit(req, ids)
             for seed in seeds:
                 request = GenerationRequest(ids, method, options, limit, req.stop, tuple(req.stop_token_ids or ()),
                                             sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
-                                            ignore_eos=req.ignore_eos)
+                                            ignore_eos=req.ignore_eos, grammar=grammar)
                 run = lm.start(request, scope=scope)
                 if req.trace:
                     run.record_steps()
                 out.append(_Prepared(run, method, shown_options(method, options), tuple(ids), index, request.stop,
-                                     req.trace, top, prompt_k, echo, score_only, limit))
+                                     req.trace, top, prompt_k, echo, score_only, limit, fmt))
         return out
+
+    def tool_format(self) -> ToolFormat:
+        """How the served model writes tool calls (its chat template's format; found once), or a
+        :class:`FieldError` saying why it cannot be given tools."""
+        if self._tool_format is None:
+            try:
+                self._tool_format = tool_format(self.lm.tokenizer)
+            except TriedecError as exc:
+                self._tool_format = str(exc)
+        if isinstance(self._tool_format, str):
+            raise FieldError("tools", self._tool_format)
+        return self._tool_format
 
     def limit(self, req: Generation, ids: Sequence[int]) -> tuple[int, bool]:
         """The tokens to generate after the prompt ``ids`` (``max_tokens``, or as many as fit
@@ -501,7 +538,15 @@ class Service:
             if shown_prompt is not None:
                 shown = shape.joined(shown_prompt, shown)
         score = sum(e.logprob for e in own)
-        choices = [_Choice(echoed + body, reason, tokens, ext, shown, scored, score)]
+        calls: list[dict[str, Any]] | None = None
+        if prepared.tools is not None:  # the reply, read back as text or calls
+            stream = CallStream(prepared.tools)
+            stream.add(body)
+            stream.finish()
+            if stream.calls:
+                calls = [c.as_openai() for c in stream.calls]
+                reason = "tool_calls" if reason != "length" else reason
+        choices = [_Choice(echoed + body, reason, tokens, ext, shown, scored, score, calls)]
         for hypothesis in outcome.sequences[1:]:  # beam search's other hypotheses, best first
             ids = list(hypothesis.token_ids)
             done = "stop" if len(ids) < prepared.limit else "length"
@@ -528,6 +573,17 @@ class Service:
         echoed, shown, scored, offsets = self.prompt_parts(prepared, scores, shape)
         if prepared.echo or scored is not None:
             yield chunk(echoed, None, index, logprobs=shown, prompt_logprobs=scored)
+        calls = None if prepared.tools is None else CallStream(prepared.tools)
+
+        def split(delta: str, last: bool = False) -> tuple[str, list[dict[str, Any]] | None]:
+            """``delta`` as the text to show and the calls it completed (a reply read back as text or
+            calls when the request has tools)."""
+            if calls is None:
+                return delta, None
+            given = len(calls.calls)
+            shown_text, found = calls.finish() if last else calls.add(delta)
+            return shown_text, [c.as_openai(index=given + i) for i, c in enumerate(found)] or None
+
         while True:
             if kind == "tokens" and prepared.score_only:
                 pass  # the one token a prompt scoring generates is not returned
@@ -541,19 +597,31 @@ class Service:
                     yield chunk("".join(step["text"]), None, index, ext={"trace": [step]}, logprobs=shown)
             elif kind == "tokens" and prepared.logprobs is not None:  # each token's logprobs in its chunk
                 shown = shape.logprobs(entries, tokenizer, offsets.add(value))
-                yield chunk(text.add(value), None, index, logprobs=shown)
+                delta, found = split(text.add(value))
+                yield chunk(delta, None, index, logprobs=shown)
+                if found:
+                    yield chunk(None, None, index, tool_calls=found)
             elif kind == "tokens":
-                delta = text.add(value)
+                delta, found = split(text.add(value))
                 if delta:
                     yield chunk(delta, None, index)
+                if found:
+                    yield chunk(None, None, index, tool_calls=found)
             elif kind == "done":
                 self.metrics.finished(shape.endpoint, prepared.method, value, request=index == 0)
-                tail = text.finish()
+                tail, found = split(text.finish())
+                if calls is not None:  # what the reply held back: text (a call cut short before it completed)
+                    more, _ = split("", last=True)
+                    tail += more
                 if tail and not prepared.score_only:
                     yield chunk(tail, None, index)
+                if found:
+                    yield chunk(None, None, index, tool_calls=found)
                 ext = self.extension(prepared, value)
                 ended[index] = (prepared, value.stats.new_tokens, ext)
                 reason = "length" if prepared.score_only else self.finish_reason(value)
+                if calls is not None and calls.calls and reason != "length":
+                    reason = "tool_calls"
                 yield chunk(None, reason, index, ext=ext)
                 return
             else:
@@ -611,14 +679,15 @@ class Service:
 
                 def chunk(delta: str | None, reason: str | None, index: int, first: bool = False,
                           usage: dict[str, int] | None = None, ext: dict[str, Any] | None = None,
-                          logprobs: dict[str, Any] | None = None,
-                          prompt_logprobs: list[Any] | None = None) -> dict[str, Any]:
+                          logprobs: dict[str, Any] | None = None, prompt_logprobs: list[Any] | None = None,
+                          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
                     out = envelope(shape.chunk_object)
                     if usage is not None:
                         out["choices"], out["usage"] = [], usage
                     else:
                         out["choices"] = [shape.choice(delta, reason, streaming=True, first=first, logprobs=logprobs,
-                                                       index=index, prompt_logprobs=prompt_logprobs)]
+                                                       index=index, prompt_logprobs=prompt_logprobs,
+                                                       tool_calls=tool_calls)]
                         if shape.chat and prompt_logprobs is not None:
                             out["prompt_logprobs"] = prompt_logprobs
                     if ext is not None:
@@ -633,7 +702,7 @@ class Service:
             def make(answers: Sequence[_Choice], use: dict[str, int], ext: dict[str, Any]) -> dict[str, Any]:
                 out = {**envelope(shape.object),
                        "choices": [shape.choice(a.text, a.reason, streaming=False, logprobs=a.logprobs, index=i,
-                                                prompt_logprobs=a.prompt_logprobs)
+                                                prompt_logprobs=a.prompt_logprobs, tool_calls=a.tool_calls)
                                    for i, a in enumerate(answers)],
                        "usage": use, "triedec": ext}
                 if shape.chat and answers[0].prompt_logprobs is not None:
@@ -660,6 +729,8 @@ class _Choice:
     prompt_logprobs: list[Any] | None = None
     score: float = 0.0
     """what ranks ``best_of`` candidates: the sum of its tokens' logprobs (a hypothesis's score)"""
+    tool_calls: list[dict[str, Any]] | None = None
+    """the calls the reply made (OpenAI's ``tool_calls``), when it made any"""
 
 
 class _StreamFailed(Exception):
