@@ -84,7 +84,7 @@ def set_value(browser, element_id, value):
     browser.execute_script("document.getElementById(arguments[0]).value = arguments[1]", element_id, str(value))
 
 
-def chat(browser, prompt, method=None, temperature=0, seed="", max_tokens=48, compare=False):
+def chat(browser, prompt, method=None, temperature=0, seed="", max_tokens=48, compare=False, schema=""):
     """Send ``prompt`` from the page and wait until every answer it asked for is done; the last
     answer's element."""
     from selenium.webdriver.support.ui import Select
@@ -94,6 +94,7 @@ def chat(browser, prompt, method=None, temperature=0, seed="", max_tokens=48, co
     set_value(browser, "temperature", temperature)
     set_value(browser, "seed", seed)
     set_value(browser, "max-tokens", max_tokens)
+    set_value(browser, "schema", schema)
     box = browser.find_element(*by("#compare"))
     if box.is_selected() != compare:
         box.click()
@@ -234,7 +235,26 @@ def test_a_tree_marks_its_accepted_path_and_only_that(browser, open_url):
     assert len(browser.find_elements(*by("#tree path.edge.accepted"))) == 2
     assert len(browser.find_elements(*by("#tree path.edge"))) == 5
     assert browser.find_element(*by("#tree-title")).text.startswith("Tree of step 5 (6 nodes, 2 accepted)")
+    browser.execute_script("drawTree(arguments[0], 'auto')", {"step": 5, "tree": {**tree, "pruned": 3}})
+    assert "2 accepted; 3 drafted nodes pruned by the grammar" in browser.find_element(*by("#tree-title")).text
     assert errors(browser) == []
+
+
+def test_a_json_schema_marks_the_tokens_the_grammar_forced(browser, open_url):
+    """With a JSON schema in the page, the answer is the API's under the same schema, valid JSON,
+    and the tokens the grammar forced are marked with their own origin."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = "Reply with a JSON object with the keys name and age for Ada Lovelace, aged 36."
+    load(browser, open_url)
+    ready(browser)
+    answer = chat(browser, ask, method="auto", max_tokens=48, schema=json.dumps(schema))
+    text = browser.execute_script("return arguments[0].textContent", answer.find_element(*by(".body")))
+    assert text == api_text(open_url, ask, method="auto", max_tokens=48, guided_json=schema)
+    assert set(json.loads(text)) == {"name", "age"}
+    forced = answer.find_elements(*by(".body .tok.o-grammar"))
+    assert forced and all(s.get_attribute("data-origin") == "grammar" for s in forced)
+    set_value(browser, "schema", "")
 
 
 def test_beam_shows_its_live_hypotheses(browser, open_url):

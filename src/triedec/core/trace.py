@@ -40,7 +40,8 @@ class StepTrace:
     ``origins[i]``: token i's origin (:data:`MODEL` or a draft source). ``tree``: the verified tree
     (None for step 0); ``tree_sources[n]``: the sources that drafted node n (the root's empty);
     ``accepted``: node indices from the root along the accepted path (beam: along the best live
-    hypothesis).
+    hypothesis); ``pruned``: the drafter's nodes the request's grammar cut before the forward
+    (forbidden there, with their subtrees).
     """
 
     step: int
@@ -49,6 +50,7 @@ class StepTrace:
     tree: TokenTree | None = None
     tree_sources: tuple[tuple[str, ...], ...] = ()
     accepted: tuple[int, ...] = ()
+    pruned: int = 0
 
     def __post_init__(self) -> None:
         if len(self.origins) != len(self.tokens):
@@ -65,7 +67,8 @@ class StepTrace:
         out: dict[str, Any] = {"step": self.step, "tokens": list(self.tokens), "origins": list(self.origins)}
         if self.tree is not None:
             out["tree"] = {"tokens": list(self.tree.tokens), "parents": list(self.tree.parents),
-                           "sources": [list(s) for s in self.tree_sources], "accepted": list(self.accepted)}
+                           "sources": [list(s) for s in self.tree_sources], "accepted": list(self.accepted),
+                           "pruned": self.pruned}
         return out
 
 

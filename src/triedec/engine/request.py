@@ -143,6 +143,7 @@ class Request:
         self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
         self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
         self._trace: list[StepTrace] | None = None
+        self._pruned = 0  # the drafter's nodes the grammar cut from this step's draft
         self._closed = False
         self.gate: DraftGate | None = None
         """set by a batch that gates drafting (:class:`~triedec.core.allocate.DraftGate`); None: always drafts"""
@@ -292,7 +293,7 @@ class Request:
         self._fresh_logprobs += token_logprobs(rows, new, top, ranks)
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
-              sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = ()) -> None:
+              sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = (), pruned: int = 0) -> None:
         """Commit ``new`` (each token with its origin) and count the origins; record the step if asked."""
         if self.constraint is not None:  # after _score, which masks by the state before ``new``
             self.constraint.commit(new)
@@ -303,7 +304,8 @@ class Request:
         for origin in origins[: len(new)]:
             counts[origin] = counts.get(origin, 0) + 1
         if self._trace is not None:  # sources: every node's, given when recording
-            self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path))
+            self._trace.append(StepTrace(self.stats.steps, tuple(new), tuple(origins[: len(new)]), tree, sources, path,
+                                         pruned))
 
     def _constrained(self, new: list[int], reason: str | None) -> tuple[list[int], str | None]:
         """``new`` cut after the token that completes the request's grammar, if one does: a
@@ -391,6 +393,7 @@ class Request:
             forced = self.constraint.forced(min(room, MAX_TREE_NODES - 1)) if drafting and self.drafter.drafts_forced \
                 else []
             merged, own = constrained_draft(self._draft, self.constraint, forced)
+            self._pruned = self._draft.size - sum(1 for o in own if o >= 0)
             self._draft, keep = merged.within(MAX_TREE_NODES, room)
             self._kept = tuple(-1 if own[k] < 0 else self._kept[own[k]] for k in keep)
         return self._draft
@@ -433,4 +436,4 @@ class Request:
         self._draft = self._tree = None
         origins = (*(origin_of(draft.sources_of(i)) for i in acceptance.path[1:]), MODEL)
         sources = tuple(draft.sources_of(i) for i in range(tree.size)) if self._trace is not None else ()
-        self._emit(new, reason, origins, tree, sources, acceptance.path)
+        self._emit(new, reason, origins, tree, sources, acceptance.path, self._pruned)

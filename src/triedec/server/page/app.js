@@ -4,7 +4,7 @@
 "use strict";
 
 const KEY = "triedec-api-key";
-const KNOWN = new Set(["model", "context", "prompt", "recycling", "store", "lookahead", "draft"]);
+const KNOWN = new Set(["model", "context", "prompt", "recycling", "store", "lookahead", "grammar", "draft"]);
 const $ = (id) => document.getElementById(id);
 const state = { info: null, history: [], busy: false, selected: null };
 
@@ -262,6 +262,8 @@ function sampling() {
   out.temperature = Number($("temperature").value) || 0;
   out.top_p = Number($("top-p").value) || 1;
   if ($("seed").value !== "") out.seed = Number($("seed").value);
+  const schema = $("schema").value.trim();  // the server checks it: a bad schema is its 400, shown as any error
+  if (schema) out.guided_json = schema;
   return out;
 }
 
@@ -416,7 +418,9 @@ function drawTree(step, method) {
     svg.appendChild(g);
   }
   $("tree-title").textContent = (method === "beam" ? "Live hypotheses after step " : "Tree of step ") + step.step +
-    " (" + n + " nodes, " + (tree.accepted.length - 1) + (method === "beam" ? " on the best beam)" : " accepted)");
+    " (" + n + " nodes, " + (tree.accepted.length - 1) + (method === "beam" ? " on the best beam)" : " accepted" +
+    (tree.pruned ? "; " + tree.pruned + " drafted node" + (tree.pruned === 1 ? "" : "s") +
+     " pruned by the grammar before the forward" : "") + ")");
 }
 
 // ---- wiring -----------------------------------------------------------------------------------
