@@ -200,6 +200,15 @@ def test_tool_choice_named_auto_and_parallel(smol):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_tools_whose_grammar_is_too_large_are_a_400(smol):
+    many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "description": "d" * 1000}}}}} for i in range(100)]
+    with pytest.raises(openai.BadRequestError) as caught:
+        smol.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=many, tool_choice="required",
+                                     max_tokens=8)
+    assert caught.value.body["param"] == "tools" and "limit" in caught.value.body["message"]
+
+
 def test_every_method_returns_ars_tool_calls(smol):
     def ask(method: str):
         return smol.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=[WEATHER, ADD], max_tokens=100,

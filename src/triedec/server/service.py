@@ -193,7 +193,10 @@ class Service:
                                                "tool_choice none, or no tools")
                 if req.stream and req.trace:
                     raise FieldError("trace", "a streamed trace with tools the model may call is not supported")
-                asked = ("tools", fmt.grammar(tools))
+                try:
+                    asked = ("tools", fmt.grammar(tools))
+                except TriedecError as exc:  # the functions' schemas, together, past the grammar's size bound
+                    raise FieldError("tools", str(exc)) from None
         grammar = None if asked is None else asked[1]
         if asked is not None:
             try:
