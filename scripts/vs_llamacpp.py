@@ -31,13 +31,9 @@ import contextlib
 import json
 import os
 import random
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,95 +42,20 @@ import torch
 
 from triedec.bench.datasets import load_questions, select, split, warmup_questions
 from triedec.bench.report import machine_info, source_commit, versions
-from triedec.bench.serving import running_server
-from triedec.bench.stats import bootstrap_interval, geometric_mean, ratio_interval
+from triedec.bench.servers import (
+    complete,
+    free_port,
+    llama_bench,
+    per_prompt_speeds,
+    ratio_cell,
+    server,
+    speeds,
+    summarize,
+)
 from triedec.core.errors import TriedecError
 from triedec.model.source import default_model_path
 
 BASELINE = "llama-server"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def server(name: str, command: list[str], port: int, timeout: float, logs: Path) -> Iterator[str]:
-    """A server process for the block, its log in ``logs``; yields its base URL once healthy."""
-    with (logs / f"{name}.log").open("w+") as log, \
-            running_server(command, f"http://127.0.0.1:{port}", log, timeout, name) as base:
-        yield base
-
-
-def complete(client: httpx.Client, base: str, ids: list[int], max_tokens: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """One streamed greedy completion of token ids: its text, token count and times."""
-    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, **extra}
-    text, chunks, usage, timings = [], 0, None, None
-    first = last = None
-    sent = time.perf_counter()
-    # a connection of its own (Connection: close): a kept-alive one could be closed by the server's
-    # idle timeout just as the next request goes out on it
-    with client.stream("POST", f"{base}/v1/completions", json=body, headers={"Connection": "close"}) as response:
-        if response.status_code != 200:
-            raise TriedecError(f"{base}: HTTP {response.status_code}: {response.read()[:500]!r}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            for choice in chunk.get("choices") or ():
-                if choice.get("text"):
-                    text.append(choice["text"])
-                    chunks += 1
-                    first = now if first is None else first
-                    last = now
-    if usage and usage.get("completion_tokens"):
-        tokens = int(usage["completion_tokens"])
-    elif timings and timings.get("predicted_n"):
-        tokens = int(timings["predicted_n"])
-    else:
-        tokens = chunks
-    return {"text": "".join(text), "tokens": tokens, "sent": sent, "first": first, "last": last,
-            "server_timings": timings}
-
-
-def speeds(record: dict[str, Any]) -> tuple[float | None, float | None]:
-    """(decode tokens/s after the first token, end-to-end tokens/s) of one request."""
-    if record["first"] is None or record["tokens"] < 1:
-        return None, None
-    end_to_end = record["tokens"] / (record["last"] - record["sent"])
-    span = record["last"] - record["first"]
-    decode = (record["tokens"] - 1) / span if record["tokens"] > 1 and span > 0 else None
-    return decode, end_to_end
-
-
-def llama_bench(binary: Path, gguf: Path, threads: int) -> dict[str, Any]:
-    """``llama-bench`` tg128 and pp256, 3 repetitions, as JSON (its build and CPU are in it)."""
-    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "256", "-n", "128", "-r", "3",
-                          "-o", "json"], capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
-    return {"rows": rows, "summary": {("pp" if r["n_prompt"] else "tg") + str(r["n_prompt"] or r["n_gen"]):
-                                      {"tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"]} for r in rows}}
-
-
-def summarize(per_prompt: dict[str, dict[str, list[float]]], systems: list[str], kind: int) -> dict[str, Any]:
-    """Per system: mean tokens/s, geometric mean of per-prompt ratios to the baseline and the ratio
-    of means, each with a 95% bootstrap interval over prompts (``kind``: 0 decode, 1 end to end)."""
-    out: dict[str, Any] = {}
-    prompts = [p for p in per_prompt if all(per_prompt[p][s][kind] is not None for s in systems)]
-    base = [per_prompt[p][BASELINE][kind] for p in prompts]
-    for system in systems:
-        mine = [per_prompt[p][system][kind] for p in prompts]
-        ratios = [a / b for a, b in zip(mine, base, strict=True)]
-        out[system] = {"prompts": len(prompts), "mean_tokens_per_s": statistics.fmean(mine),
-                       "geomean_ratio": geometric_mean(ratios), "geomean_interval": bootstrap_interval(ratios),
-                       "ratio_of_means": sum(mine) / sum(base), "ratio_of_means_interval": ratio_interval(mine, base)}
-    return out
 
 
 def main() -> int:
@@ -212,26 +133,13 @@ def main() -> int:
                     decode, e2e = speeds(record)
                     print(f"{repeat} {qid:>28} {name:>24} {record['tokens']:4d} tokens  decode "
                           f"{decode or float('nan'):7.1f}  e2e {e2e or float('nan'):7.1f} tok/s", flush=True)
-    per_prompt: dict[str, dict[str, list[float]]] = {}
-    for qid in prompts:
-        per_prompt[qid] = {}
-        for name in systems:
-            mine = [speeds(r) for r in records if r["prompt"] == qid and r["system"] == name]
-            per_prompt[qid][name] = [
-                statistics.fmean(v) if (v := [s[k] for s in mine if s[k] is not None]) else None for k in (0, 1)]
-    decode, e2e = summarize(per_prompt, systems, 0), summarize(per_prompt, systems, 1)
+    per_prompt = per_prompt_speeds(records, systems)
+    decode, e2e = summarize(per_prompt, systems, 0, BASELINE), summarize(per_prompt, systems, 1, BASELINE)
     texts = {(r["prompt"], r["repeat"]): {} for r in records}
     for r in records:
         texts[(r["prompt"], r["repeat"])][r["system"]] = r["text"]
     auto_equal = sum(t["triedec auto"] == t["triedec ar"] for t in texts.values())
     llama_same = sum(t[BASELINE] == t["llama-server ngram-mod"] for t in texts.values())
-
-    def cell(s: dict[str, Any]) -> str:
-        low, high = s["geomean_interval"]
-        rom = s["ratio_of_means_interval"]
-        rom_text = f" [{rom[0]:.2f}, {rom[1]:.2f}]" if rom else ""
-        return (f"{s['mean_tokens_per_s']:.1f} | {s['geomean_ratio']:.2f}x [{low:.2f}, {high:.2f}] | "
-                f"{s['ratio_of_means']:.2f}x{rom_text}")
 
     summary = bench["summary"]
     lines = [
@@ -248,7 +156,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for name in systems:
-        lines.append(f"| {name} | {cell(decode[name])} | {cell(e2e[name])} |")
+        lines.append(f"| {name} | {ratio_cell(decode[name])} | {ratio_cell(e2e[name])} |")
     lines += ["", f"`auto`'s text equals `ar`'s on {auto_equal} of {len(texts)} requests; llama-server's text with "
               f"ngram-mod equals its plain text on {llama_same} of {len(texts)}."]
     print("\n".join(lines))

@@ -15,7 +15,7 @@ from triedec.api.generation import GenerationRequest
 from triedec.core.errors import TriedecError
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "tags": {"type": "array", "items": {"type": "string"}},
+                                           "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
                                            "role": {"enum": ["admin", "user"]}},
           "required": ["name", "age", "tags", "role"], "additionalProperties": False}
 PROMPT = [{"role": "user", "content": "Extract as JSON: Ada Lovelace, 36 years old, a mathematician and poet, "

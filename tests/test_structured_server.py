@@ -111,6 +111,12 @@ def test_parse_with_a_pydantic_model_every_method_equals_ar_in_a_batch(smol):
         assert choice.message.content == results["ar", temperature].choices[0].message.content, method
     forced = sum(r.model_extra["triedec"]["tokens_per_step"] for r in results.values())
     assert forced > len(results)  # more than one token a step on average: forced tokens were drafted
+    for (method, _), out in results.items():
+        ext = out.model_extra["triedec"]
+        assert 0 < ext["grammar_seconds"] < ext["seconds"]
+        # ar decodes one token a forward: nothing drafted, so nothing forced; the others draft them
+        assert (ext["forced_tokens"] == 0) == (method == "ar"), (method, ext["forced_tokens"])
+        assert ext["forced_tokens"] <= out.usage.completion_tokens
     greedy = results["auto", 0.0].choices[0].message.parsed
     assert greedy.role in ("admin", "user", "guest") and isinstance(greedy.address, Address)
 
@@ -124,6 +130,9 @@ def test_json_object_guided_choice_and_regex(smol):
     out = smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is the sky blue?"}],
                                        max_tokens=8, extra_body={"guided_choice": ["yes", "no"]})
     assert out.choices[0].message.content in ("yes", "no") and out.model_extra["triedec"]["stop_reason"] == "grammar"
+    free = smol.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                        max_tokens=4)
+    assert "grammar_seconds" not in free.model_extra["triedec"] and "forced_tokens" not in free.model_extra["triedec"]
     out = smol.completions.create(model="smol", prompt="The year the war ended:", max_tokens=8,
                                   extra_body={"guided_regex": r" [12][0-9]{3}"})
     text = out.choices[0].text

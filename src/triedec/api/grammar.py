@@ -15,12 +15,14 @@ that does not compile, or exceeds the limits, is a :class:`~triedec.core.errors.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,9 +32,13 @@ from triedec.core.grammar import Grammar
 CACHE_SIZE = 64
 """Compiled grammars kept per model (least recently used dropped first)."""
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-"""How JSON is laid out: no free whitespace, ``", "`` and ``": "`` between items (as
-``json.dumps``), so a small model cannot wander into endless spaces."""
+JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": r"[ ]?|\n[ ]{0,16}", "item_separator": ",",
+                "key_separator": ":"}
+"""How JSON may be laid out: the model picks, between any two tokens of the JSON, nothing, one
+space, or a newline and at most 16 spaces of indentation (compact, ``json.dumps``'s or pretty
+printed, as models were trained on; llama.cpp's JSON grammars allow the like), so a model writes
+its own layout but cannot wander into endless whitespace. Tool calls' arguments are laid out as
+``json.dumps`` (:mod:`triedec.api.tools`)."""
 
 PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
                  "max_lexer_states": 20_000, "max_grammar_size": 200_000}
@@ -69,14 +75,32 @@ def _source(grammar: Grammar) -> str:
 
 _DETAIL = re.compile(r"\s+")
 
+_T = TypeVar("_T")
+
+
+def _timed(method: Callable[..., _T]) -> Callable[..., _T]:
+    """``method`` of :class:`GrammarState` with its wall time added to the state's ``seconds``."""
+
+    @functools.wraps(method)
+    def timed(self: GrammarState, *args: Any) -> _T:
+        started = time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    return timed
+
 
 class GrammarState:
     """One request's grammar state (:class:`~triedec.core.grammar.TokenConstraint`) over
-    llguidance's matcher; ``vocab``: the model's logits width, ``eos``: its end-of-sequence ids."""
+    llguidance's matcher; ``vocab``: the model's logits width, ``eos``: its end-of-sequence ids.
+    ``seconds``: the wall time its calls took so far (masks, draft checks, forced tokens, commits)."""
 
     def __init__(self, matcher: Any, vocab: int, eos: Iterable[int]) -> None:
         import llguidance.torch
 
+        self.seconds = 0.0
         self._m, self._vocab = matcher, vocab
         self._eos = sorted(t for t in eos if 0 <= t < vocab)
         self._fill = llguidance.torch.fill_next_token_bitmask
@@ -90,6 +114,7 @@ class GrammarState:
             allowed[self._eos] = True
         return allowed
 
+    @_timed
     def allowed(self, path: Sequence[int]) -> torch.Tensor:
         path = list(path)
         if not path:
@@ -106,19 +131,23 @@ class GrammarState:
         finally:
             self._m.rollback(consumed)
 
+    @_timed
     def admits(self, path: Sequence[int], token: int) -> bool:
         whole = [*path, token]
         return token < self._vocab and self._m.validate_tokens(whole) == len(whole)
 
+    @_timed
     def forced(self, limit: int) -> list[int]:
         if limit <= 0:
             return []
         return list(self._m.compute_ff_tokens())[:limit]
 
+    @_timed
     def commit(self, tokens: Sequence[int]) -> None:
         if tokens and not self._m.consume_tokens(list(tokens)):
             raise TriedecError(f"internal error: the grammar refused a committed token: {self._m.get_error()}")
 
+    @_timed
     def completed_by(self, tokens: Sequence[int]) -> int | None:
         for j, t in enumerate(tokens):
             if not self._m.consume_token(t):

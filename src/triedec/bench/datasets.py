@@ -1,5 +1,6 @@
 """Benchmark questions: Spec-Bench, HumanEval, MBPP (shipped in the package), ``repeated`` (a
-workload asked twice, built from the first two), or a user's JSONL.
+workload asked twice, built from the first two), or a user's JSONL; and the JSON-extraction tasks
+(:func:`extraction_tasks`, the structured-output benchmark's).
 
 **Splits.** The shipped datasets are cut into two fixed halves by position within each category
 (file order, counted from 0): the *tuning* split holds the even positions plus positions 7 and 41,
@@ -20,6 +21,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from triedec.core.errors import TriedecError, positive_int
 
@@ -246,3 +248,29 @@ def questions_sha256(questions: Sequence[Question]) -> str:
 
     data = json.dumps([[q.id, q.category, list(q.turns)] for q in questions], ensure_ascii=False)
     return hashlib.sha256(data.encode()).hexdigest()
+
+
+EXTRACTION_FILE = "extraction.jsonl"
+"""JSON-extraction tasks the project wrote (``scripts/json_bench.py``): 6 schemas (contact, invoice,
+event, product, job, citation) x 6 texts to extract from; each schema's first task is the
+*development* split (used while writing the benchmark), the other 30 the *evaluation* split."""
+
+
+@dataclass(frozen=True)
+class ExtractionTask:
+    """One JSON-extraction task: its user prompt (the fields to extract and the text) and the
+    JSON schema the answer must validate against."""
+
+    id: str
+    split: str
+    prompt: str
+    schema: dict[str, Any]
+
+
+def extraction_tasks(part: str = "evaluation") -> list[ExtractionTask]:
+    """The JSON-extraction tasks of one split (``evaluation``, ``development`` or ``all``), in file order."""
+    if part not in ("evaluation", "development", "all"):
+        raise TriedecError(f"unknown split {part!r}; use evaluation, development or all")
+    rows = _read_jsonl(data_path(EXTRACTION_FILE))
+    return [ExtractionTask(r["id"], r["split"], r["prompt"], r["schema"]) for r in rows
+            if part == "all" or r["split"] == part]

@@ -126,6 +126,9 @@ class TokenConstraint(Protocol):
     a list of draft tokens on top of the committed ones (a tree node's ancestors below the root,
     then the node). Used by one thread at a time."""
 
+    seconds: float
+    """the wall time its calls took so far (what the grammar costs the request)"""
+
     def allowed(self, path: Sequence[int]) -> torch.Tensor:
         """A bool mask ``[vocab]``: the tokens the grammar allows after ``path`` (never empty: a
         grammar that allows nothing more allows the end-of-sequence tokens)."""

@@ -48,6 +48,8 @@ class Stats:
     * ``accepted_by_origin``: the tokens returned, counted by origin (:mod:`triedec.core.trace`):
       ``model`` for those the forward chose itself, else the source that drafted them; the counts
       add up to ``new_tokens``;
+    * ``grammar_seconds``: the wall time spent in the request's grammar state (masks, draft
+      checks, forced tokens, commits; None when it had no grammar);
     * ``skipped_drafts``: steps on which the request did not draft because its drafts had stopped
       paying (:class:`~triedec.core.allocate.DraftGate`: batches that gate drafting, as the server's).
 
@@ -82,6 +84,7 @@ class Stats:
     drafter: dict[str, float] = field(default_factory=dict)
     accepted_by_origin: dict[str, int] = field(default_factory=dict)
     skipped_drafts: int = 0
+    grammar_seconds: float | None = None
     # beam search
     num_beams: int = 0
     hf_peak_kv_tokens: int = 0

@@ -263,6 +263,8 @@ class Request:
             stats.drafter = self.session.stats()
         if self.gate is not None:
             stats.skipped_drafts = self.gate.skipped
+        if self.constraint is not None:
+            stats.grammar_seconds = self.constraint.seconds
 
     def _score(self, rows: torch.Tensor, new: Sequence[int], prefix: Sequence[int] | None = None) -> None:
         """The logprobs of ``new`` (tokens about to be committed, or prompt tokens), token j

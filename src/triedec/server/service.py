@@ -26,6 +26,7 @@ from triedec.api.lm import LM
 from triedec.api.text import TextStream, TokenOffsets
 from triedec.api.tools import CallStream, ToolFormat, tool_format
 from triedec.core.errors import StateFileError, TriedecError
+from triedec.core.grammar import FORCED
 from triedec.core.logprobs import Logprobs, TokenLogprob
 from triedec.core.sampling import MAX_SEED, SAMPLING_FIELDS, Sampling
 from triedec.core.trace import StepTrace
@@ -409,6 +410,9 @@ class Service:
                "queued_seconds": s.queued_seconds, "seed": s.seed, "stop_reason": s.stop_reason,
                "tokens_from_store": int(s.drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
                "exactness": s.exactness, "runner": s.runner}
+        if s.grammar_seconds is not None:  # what the grammar cost and gave
+            ext["grammar_seconds"] = s.grammar_seconds
+            ext["forced_tokens"] = s.accepted_by_origin.get(FORCED, 0)
         if prepared.trace:  # the per-step stats the page checks its own counts against
             ext["accepted_by_origin"] = dict(s.accepted_by_origin)
             ext["accepted_per_step"] = list(s.accepted_per_step)

@@ -1,0 +1,141 @@
+"""Benchmarks that time servers side by side over HTTP: triedec's own ``triedec serve`` and
+llama.cpp's ``llama-server`` (``scripts/vs_llamacpp.py``, ``scripts/json_bench.py``).
+
+A server runs as a process for a block (:func:`server`); :func:`complete` sends one streamed
+``POST /v1/completions`` of token ids and times it; :func:`speeds` turns a record into decode
+tokens/s (after the first token) and end-to-end tokens/s; :func:`summarize` compares systems
+per prompt against a baseline with 95% bootstrap intervals over prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from triedec.bench.serving import running_server
+from triedec.bench.stats import bootstrap_interval, geometric_mean, ratio_interval
+from triedec.core.errors import TriedecError
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server(name: str, command: list[str], port: int, timeout: float, logs: Path) -> Iterator[str]:
+    """A server process for the block, its log in ``logs``; yields its base URL once healthy."""
+    with (logs / f"{name}.log").open("w+") as log, \
+            running_server(command, f"http://127.0.0.1:{port}", log, timeout, name) as base:
+        yield base
+
+
+def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: int,
+             extra: Mapping[str, Any]) -> dict[str, Any]:
+    """One streamed greedy completion of token ids (``extra``: more body fields): its text, token
+    count, times (``sent``, ``first`` and ``last`` token, perf_counter seconds), finish reason,
+    llama-server's ``timings`` and triedec's ``triedec`` extension (None where absent)."""
+    body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    text, chunks, usage, timings, ext, finish = [], 0, None, None, None, None
+    first = last = None
+    sent = time.perf_counter()
+    # a connection of its own (Connection: close): a kept-alive one could be closed by the server's
+    # idle timeout just as the next request goes out on it
+    with client.stream("POST", f"{base}/v1/completions", json=body, headers={"Connection": "close"}) as response:
+        if response.status_code != 200:
+            raise TriedecError(f"{base}: HTTP {response.status_code}: {response.read()[:500]!r}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+            ext = chunk.get("triedec") or ext
+            for choice in chunk.get("choices") or ():
+                finish = choice.get("finish_reason") or finish
+                if choice.get("text"):
+                    text.append(choice["text"])
+                    chunks += 1
+                    first = now if first is None else first
+                    last = now
+    if usage and usage.get("completion_tokens"):
+        tokens = int(usage["completion_tokens"])
+    elif timings and timings.get("predicted_n"):
+        tokens = int(timings["predicted_n"])
+    else:
+        tokens = chunks
+    return {"text": "".join(text), "tokens": tokens, "sent": sent, "first": first, "last": last,
+            "finish_reason": finish, "server_timings": timings, "triedec": ext}
+
+
+def speeds(record: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """(decode tokens/s after the first token, end-to-end tokens/s) of one request (None where
+    it has too few tokens to say)."""
+    if record["first"] is None or record["tokens"] < 1:
+        return None, None
+    end_to_end = record["tokens"] / (record["last"] - record["sent"])
+    span = record["last"] - record["first"]
+    decode = (record["tokens"] - 1) / span if record["tokens"] > 1 and span > 0 else None
+    return decode, end_to_end
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int) -> dict[str, Any]:
+    """``llama-bench`` tg128 and pp256, 3 repetitions, as JSON (its build and CPU are in it)."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "256", "-n", "128", "-r", "3",
+                          "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    return {"rows": rows, "summary": {("pp" if r["n_prompt"] else "tg") + str(r["n_prompt"] or r["n_gen"]):
+                                      {"tokens_per_s": r["avg_ts"], "stddev": r["stddev_ts"]} for r in rows}}
+
+
+def per_prompt_speeds(records: Sequence[Mapping[str, Any]], systems: Sequence[str]
+                      ) -> dict[str, dict[str, list[float | None]]]:
+    """Each prompt's [decode, end-to-end] tokens/s per system: the mean over its records
+    (repeats), None where no record could say."""
+    out: dict[str, dict[str, list[float | None]]] = {}
+    for prompt in dict.fromkeys(r["prompt"] for r in records):
+        out[prompt] = {}
+        for name in systems:
+            mine = [speeds(r) for r in records if r["prompt"] == prompt and r["system"] == name]
+            out[prompt][name] = [
+                statistics.fmean(v) if (v := [s[k] for s in mine if s[k] is not None]) else None for k in (0, 1)]
+    return out
+
+
+def summarize(per_prompt: Mapping[str, Mapping[str, Sequence[float | None]]], systems: Sequence[str], kind: int,
+              baseline: str) -> dict[str, Any]:
+    """Per system: mean tokens/s, geometric mean of per-prompt ratios to ``baseline`` and the
+    ratio of means, each with a 95% bootstrap interval over prompts (``kind``: 0 decode, 1 end to
+    end; prompts where a system has no speed are left out for all)."""
+    out: dict[str, Any] = {}
+    prompts = [p for p in per_prompt if all(per_prompt[p][s][kind] is not None for s in systems)]
+    base = [float(per_prompt[p][baseline][kind]) for p in prompts]  # type: ignore[arg-type]
+    for system in systems:
+        mine = [float(per_prompt[p][system][kind]) for p in prompts]  # type: ignore[arg-type]
+        ratios = [a / b for a, b in zip(mine, base, strict=True)]
+        out[system] = {"prompts": len(prompts), "mean_tokens_per_s": statistics.fmean(mine),
+                       "geomean_ratio": geometric_mean(ratios), "geomean_interval": bootstrap_interval(ratios),
+                       "ratio_of_means": sum(mine) / sum(base), "ratio_of_means_interval": ratio_interval(mine, base)}
+    return out
+
+
+def ratio_cell(s: Mapping[str, Any]) -> str:
+    """One :func:`summarize` entry as ``mean | geo-mean [interval] | ratio of means [interval]``."""
+    low, high = s["geomean_interval"]
+    rom = s["ratio_of_means_interval"]
+    rom_text = f" [{rom[0]:.2f}, {rom[1]:.2f}]" if rom else ""
+    return (f"{s['mean_tokens_per_s']:.1f} | {s['geomean_ratio']:.2f}x [{low:.2f}, {high:.2f}] | "
+            f"{s['ratio_of_means']:.2f}x{rom_text}")
