@@ -109,3 +109,45 @@ def test_tiny_every_method_equals_ar_alone_and_in_a_batch(lm, seed: int, which: 
             assert results[1].token_ids == lm.generate(PROMPTS[0], "ar", **options).token_ids, (method, "free")
     finally:
         lm.limits = saved
+
+
+class _Scripted:
+    """A grammar state for unit tests: the paths it admits (every prefix of ``words``), and the
+    tokens it forces after a path (``forces``)."""
+
+    seconds = 0.0
+
+    def __init__(self, words: list[list[int]], forces: dict[tuple[int, ...], list[int]]) -> None:
+        self.prefixes = {tuple(w[:k]) for w in words for k in range(len(w) + 1)}
+        self.forces = forces
+
+    def admits(self, path, token) -> bool:
+        return (*path, token) in self.prefixes
+
+    def forced(self, limit, path=()) -> list[int]:
+        return self.forces.get(tuple(path), [])[:limit]
+
+
+def test_a_drafted_leaf_is_followed_by_the_tokens_the_grammar_forces_after_it() -> None:
+    """Root 0; the drafter proposes 1 -> 2 and 3 (forbidden) and 1 -> 4: after [1, 2] the grammar
+    forces 7, 8, after [1, 4] it forces 9. The cut node goes, each kept leaf gets its chain right
+    after it (topological, best first), with its chance, source ``grammar`` and no drafter index."""
+    from triedec.core.tree import TokenTree
+    from triedec.drafters.base import Draft
+    from triedec.engine.constrained import constrained_draft
+
+    tree = TokenTree((0, 1, 2, 3, 4), (-1, 0, 1, 0, 1))
+    draft = Draft(tree, (1.0, 0.6, 0.5, 0.4, 0.2), 1, ((), ("context",), ("context",), ("context",), ("context",)))
+    state = _Scripted([[1, 2, 7, 8], [1, 4, 9]], {(1, 2): [7, 8], (1, 4): [9]})
+    new, own = constrained_draft(draft, state, (), extend=4, limit=8)
+    assert new.tree.tokens == (0, 1, 2, 7, 8, 4, 9)
+    assert new.tree.parents == (-1, 0, 1, 2, 3, 1, 5)
+    assert new.chances == (1.0, 0.6, 0.5, 0.5, 0.5, 0.2, 0.2)
+    assert own == (0, 1, 2, -1, -1, 4, -1)
+    assert new.sources[3] == new.sources[6] == ("grammar",) and new.required == 1
+    # one leaf only, and chains cut at the limit
+    new, own = constrained_draft(draft, state, (), extend=1, limit=1)
+    assert new.tree.tokens == (0, 1, 2, 7, 4) and own == (0, 1, 2, -1, 4)
+    # nothing to extend (ar drafts nothing): the draft as it was, less the cut node
+    new, own = constrained_draft(draft, state, (), extend=0, limit=8)
+    assert new.tree.tokens == (0, 1, 2, 4) and own == (0, 1, 2, 4)

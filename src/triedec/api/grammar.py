@@ -137,10 +137,18 @@ class GrammarState:
         return token < self._vocab and self._m.validate_tokens(whole) == len(whole)
 
     @_timed
-    def forced(self, limit: int) -> list[int]:
+    def forced(self, limit: int, path: Sequence[int] = ()) -> list[int]:
         if limit <= 0:
             return []
-        return list(self._m.compute_ff_tokens())[:limit]
+        path = list(path)
+        consumed = self._m.try_consume_tokens(path) if path else 0
+        try:
+            if consumed != len(path) or self._m.is_stopped():
+                return []
+            return list(self._m.compute_ff_tokens())[:limit]
+        finally:
+            if consumed:
+                self._m.rollback(consumed)
 
     @_timed
     def commit(self, tokens: Sequence[int]) -> None:

@@ -138,8 +138,9 @@ class TokenConstraint(Protocol):
         """Whether ``token`` may follow ``path`` (``path`` itself admitted)."""
         ...
 
-    def forced(self, limit: int) -> list[int]:
-        """At most ``limit`` tokens the grammar forces next (the only ones it allows), in order."""
+    def forced(self, limit: int, path: Sequence[int] = ()) -> list[int]:
+        """At most ``limit`` tokens the grammar forces next after ``path`` (the only ones it
+        allows there), in order; none after a path that ends the grammar."""
         ...
 
     def commit(self, tokens: Sequence[int]) -> None:

@@ -19,15 +19,21 @@ from triedec.core.grammar import FORCED, TokenConstraint
 from triedec.core.tree import TokenTree
 from triedec.drafters.base import Draft, Verified
 
+EXTENDED_LEAVES = 4
+"""How many of a draft's leaves (best first) get the tokens the grammar forces after them."""
 
-def constrained_draft(draft: Draft, constraint: TokenConstraint,
-                      forced: Sequence[int] = ()) -> tuple[Draft, tuple[int, ...]]:
+
+def constrained_draft(draft: Draft, constraint: TokenConstraint, forced: Sequence[int] = (),
+                      extend: int = 0, limit: int = 0) -> tuple[Draft, tuple[int, ...]]:
     """``draft`` under the grammar: ``forced`` (the tokens the grammar forces after the root) as
     a chain in front (chance 1, source :data:`~triedec.core.grammar.FORCED`), then every draft
     node the grammar admits after its own path, merged into the chain where it repeats it; a node
-    the grammar forbids goes with its subtree. Returns the new draft (best first: the chain, then
-    the drafter's nodes in its order) and, for each of its nodes, its index in ``draft`` (-1 for a
-    node only the grammar drafted)."""
+    the grammar forbids goes with its subtree. The first ``extend`` leaves the drafter drafted
+    (best first) are then followed by the tokens the grammar forces after them (at most
+    ``limit``), each right after its leaf with the leaf's chance: a forced token is accepted
+    exactly when its parent is. Returns the new draft (best first: the chain, then the drafter's
+    nodes in its order) and, for each of its nodes, its index in ``draft`` (-1 for a node only the
+    grammar drafted)."""
     tree = draft.tree
     tokens, parents, chances = [tree.root], [-1], [1.0]
     sources: list[tuple[str, ...]] = [()]
@@ -68,12 +74,56 @@ def constrained_draft(draft: Draft, constraint: TokenConstraint,
         paths.append([*paths[parent], tok])
         where[i] = node
         made += i < draft.required
-    if len(tokens) == tree.size and not forced:
-        return draft, tuple(range(tree.size))
     required = len(tokens) if draft.whole else 1 + len(forced) + made
+    chains = _leaf_chains(constraint, parents, own, paths, extend, limit)
+    if len(tokens) == tree.size and not forced and not chains:
+        return draft, tuple(range(tree.size))
+    if chains:  # each chain right after its leaf: renumber the nodes
+        at: list[int] = []
+        out_tokens: list[int] = []
+        out_parents: list[int] = []
+        out_chances: list[float] = []
+        out_sources: list[tuple[str, ...]] = []
+        out_own: list[int] = []
+        grown = 0
+        for i in range(len(tokens)):
+            at.append(len(out_tokens))
+            out_tokens.append(tokens[i])
+            out_parents.append(-1 if i == 0 else at[parents[i]])
+            out_chances.append(chances[i])
+            out_sources.append(sources[i])
+            out_own.append(own[i])
+            for t in chains.get(i, ()):
+                out_parents.append(len(out_tokens) - 1)
+                out_tokens.append(t)
+                out_chances.append(chances[i])
+                out_sources.append((FORCED,))
+                out_own.append(-1)
+                grown += i < required
+        tokens, parents, chances, sources, own = out_tokens, out_parents, out_chances, out_sources, out_own
+        required = len(tokens) if draft.whole else required + grown
     new = Draft(TokenTree(tuple(tokens), tuple(parents)), tuple(chances), max(1, min(required, len(tokens))),
                 tuple(sources))
     return new, tuple(own)
+
+
+def _leaf_chains(constraint: TokenConstraint, parents: Sequence[int], own: Sequence[int],
+                 paths: Sequence[Sequence[int]], extend: int, limit: int) -> dict[int, list[int]]:
+    """The tokens the grammar forces after each of the first ``extend`` leaves the drafter
+    drafted (``own >= 0``), by leaf; leaves with none left out."""
+    if extend <= 0 or limit <= 0:
+        return {}
+    inner = set(parents[1:])
+    chains: dict[int, list[int]] = {}
+    for node in range(1, len(parents)):
+        if node in inner or own[node] < 0:
+            continue
+        if (chain := constraint.forced(limit, paths[node])):
+            chains[node] = chain
+        extend -= 1
+        if extend == 0:
+            break
+    return chains
 
 
 def own_view(tree: TokenTree, logits: torch.Tensor, acceptance: Acceptance, kept: Sequence[int],

@@ -40,7 +40,7 @@ from triedec.core.sampling import seen_tokens
 from triedec.core.trace import MODEL, StepTrace, origin_of
 from triedec.core.tree import TokenTree
 from triedec.drafters.base import MAX_TREE_NODES, Draft, Drafter, DrafterSession, Verified
-from triedec.engine.constrained import constrained_draft, own_view
+from triedec.engine.constrained import EXTENDED_LEAVES, constrained_draft, own_view
 from triedec.engine.outcome import Outcome, Stats
 from triedec.model.adapter import ForwardItem, ModelAdapter
 
@@ -394,7 +394,8 @@ class Request:
         if self.constraint is not None:
             forced = self.constraint.forced(min(room, MAX_TREE_NODES - 1)) if drafting and self.drafter.drafts_forced \
                 else []
-            merged, own = constrained_draft(self._draft, self.constraint, forced)
+            extend = EXTENDED_LEAVES if drafting and self.drafter.drafts_forced else 0
+            merged, own = constrained_draft(self._draft, self.constraint, forced, extend, min(room, MAX_TREE_NODES - 1))
             self._pruned = self._draft.size - sum(1 for o in own if o >= 0)
             self._draft, keep = merged.within(MAX_TREE_NODES, room)
             self._kept = tuple(-1 if own[k] < 0 else self._kept[own[k]] for k in keep)
