@@ -151,3 +151,20 @@ def test_a_drafted_leaf_is_followed_by_the_tokens_the_grammar_forces_after_it() 
     # nothing to extend (ar drafts nothing): the draft as it was, less the cut node
     new, own = constrained_draft(draft, state, (), extend=0, limit=8)
     assert new.tree.tokens == (0, 1, 2, 4) and own == (0, 1, 2, 4)
+
+
+def test_the_extraction_benchmarks_tasks_are_well_formed(default_mode_lm) -> None:
+    """The JSON-extraction tasks (scripts/json_bench.py): 30 to time and 6 to develop on, each
+    schema a valid JSON schema that compiles, no text shared between tasks."""
+    import jsonschema
+
+    from triedec.bench.datasets import extraction_tasks
+
+    every = extraction_tasks("all")
+    assert len(extraction_tasks("evaluation")) == 30 and len(extraction_tasks("development")) == 6
+    assert len({t.id for t in every}) == len({t.prompt for t in every}) == 36
+    for task in every:
+        jsonschema.Draft202012Validator.check_schema(task.schema)
+        default_mode_lm.grammars.check(Grammar.json_schema(task.schema))
+    with pytest.raises(TriedecError, match="unknown split"):
+        extraction_tasks("tuning")
