@@ -234,24 +234,32 @@ def _mismatches(lm: LM, prompts: Sequence[list[int]], reference: Sequence[list[i
 def _hf_generate_batch(lm: LM, prompts: Sequence[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     """Stock transformers' ``generate_batch`` (continuous batching) on the unmodified model,
     greedy, after one untimed warm-up call: tokens per prompt, in order, and the seconds the timed
-    call took. Its own INFO logging is quieted for the call."""
+    call took. Its KV cache is sized to the workload (every prompt and its answer at once), not
+    from the machine's free memory: on a CPU with tens of GiB that default allocates, and clears
+    every step, an attention mask of gigabytes. Its own INFO logging is quieted for the call."""
     import logging
 
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = lm.reference_model()
     eos = sorted(lm.eos_token_ids)
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos or None,
                               pad_token_id=lm.tokenizer.pad_token_id or (eos[0] if eos else 0))
+    page = 256
+    blocks = sum(-(-(len(p) + max_tokens) // page) for p in prompts) + 1
+    batching = ContinuousBatchingConfig(page_size=page, num_blocks=blocks,
+                                        max_batch_tokens=max(256, max(len(p) for p in prompts)))
     logger = logging.getLogger("ContinuousBatchingLogger")
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
         model.generate_batch(inputs=[list(prompts[0])], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id))
+            max_new_tokens=4, do_sample=False, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id),
+            continuous_batching_config=batching)
         start = time.perf_counter()
         outputs = model.generate_batch(inputs=[list(p) for p in prompts], generation_config=config,
-                                       progress_bar=False)
+                                       continuous_batching_config=batching, progress_bar=False)
         seconds = time.perf_counter() - start
     finally:
         logger.setLevel(level)
