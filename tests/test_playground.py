@@ -272,7 +272,10 @@ def test_compare_mode_says_equal_for_every_method(browser, open_url, temperature
     load(browser, open_url)
     ready(browser)
     info = httpx.get(open_url + "/triedec/info").json()
-    for method in [m["name"] for m in info["methods"] if m["equals"] == "greedy"]:
+    methods = [m["name"] for m in info["methods"] if m["equals"] == "greedy"]
+    # sampled: the page sends the same seed to both sides whatever the method (the API's own tests
+    # check every method's sampled tokens against ar's): two methods keep the suite inside its time
+    for method in methods if temperature == 0 else ["pld", "auto"]:
         chat(browser, "Name three colours and one animal for each.", method=method, temperature=temperature, seed=11,
              max_tokens=32, compare=True)
         result = browser.find_element(*by("#compare-result"))

@@ -209,6 +209,47 @@ def test_tool_choice_named_auto_and_parallel(smol):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+def test_response_format_with_tools_a_call_or_json_content(smol):
+    """``tools`` with ``response_format``: the reply is calls, or content valid against the schema
+    (never free text); every method returns ``ar``'s reply, sampled; ``guided_*`` with tools is a
+    400 that names the field, and so is a broken schema beside valid tools."""
+    schema = Person.model_json_schema()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+    def ask(method: str, messages, stream: bool = False):
+        return smol.chat.completions.create(model="smol", messages=messages, tools=[WEATHER], response_format=fmt,
+                                            max_tokens=200, temperature=0.8, seed=5, stream=stream,
+                                            extra_body={"method": method})
+
+    with ThreadPoolExecutor(6) as pool:
+        replies = dict(zip(METHODS, pool.map(lambda m: ask(m, EXTRACT), METHODS), strict=True))
+    for method, out in replies.items():
+        message = out.choices[0].message
+        assert (message.content, message.tool_calls) == (replies["ar"].choices[0].message.content,
+                                                         replies["ar"].choices[0].message.tool_calls), method
+    message = replies["ar"].choices[0].message
+    if message.tool_calls:
+        assert message.content is None and replies["ar"].choices[0].finish_reason == "tool_calls"
+    else:
+        jsonschema.validate(json.loads(message.content), schema)
+    weather = smol.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=[WEATHER], response_format=fmt,
+                                           max_tokens=200)
+    reply = weather.choices[0].message
+    if reply.tool_calls:
+        for call in reply.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    else:
+        jsonschema.validate(json.loads(reply.content), schema)
+    for extra, param in (({"guided_regex": "[a-z]+"}, "guided_regex"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {
+                             "name": "x", "schema": {"type": "objekt"}}}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            smol.chat.completions.create(model="smol", messages=ASK_WEATHER, tools=[WEATHER], max_tokens=8,
+                                         **({} if "response_format" not in extra else extra),
+                                         extra_body={k: v for k, v in extra.items() if k != "response_format"})
+        assert info.value.body["param"] == param, info.value.body
+
+
 def test_tools_whose_grammar_is_too_large_are_a_400(smol):
     many = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
         "type": "object", "properties": {"x": {"type": "string", "description": "d" * 1000}}}}} for i in range(100)]

@@ -175,19 +175,30 @@ class ToolFormat:
         """What a reply that calls begins with (``open`` without its trailing whitespace)."""
         return self.open.rstrip()
 
-    def grammar(self, tools: Tools) -> Grammar | None:
+    def grammar(self, tools: Tools, content: Grammar | None = None) -> Grammar | None:
         """The output ``tools`` allow, as a grammar (None with ``tool_choice`` ``none``): text or
         calls (``auto``), calls (``required``), one call of the named function; one call at most
         unless ``parallel``. Each call names one of the functions, with arguments valid against its
-        schema."""
+        schema. ``content`` (a ``json_schema`` or ``json_object`` grammar: the request's
+        ``response_format``) is what a reply that calls nothing must be instead of any text."""
         if not tools.calls:
             return None
+        if content is not None and content.kind not in ("json_schema", "json_object"):
+            raise TriedecError(f"a {content.kind} grammar cannot be combined with tools; a JSON schema can")
         named = [f for f in tools.functions if f.name == tools.choice]
         one = [_call_rule(self, f) for f in (named or tools.functions)]
         rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(one)))}",
                  *(f"call_{i}: {body}" for i, body in enumerate(one))]
         calls = "call" if named or not tools.parallel else f"call ({json.dumps(self.separator)} call)*"
-        if tools.choice == "auto":
+        if tools.choice == "auto" and content is not None:
+            from triedec.api.grammar import JSON_OPTIONS
+
+            schema = json.loads(content.source) if content.kind == "json_schema" else {"type": "object"}
+            if isinstance(schema, bool):
+                schema = {} if schema else {"not": {}}
+            schema = {**schema, "x-guidance": JSON_OPTIONS}
+            start = [f"start: content | {calls}", f"content: %json {json.dumps(schema)}"]
+        elif tools.choice == "auto":
             start = [f"start: TEXT | {calls}", f"TEXT: /{_not_starting_with(self.tag)}/"]
         else:
             start = [f"start: {calls}"]

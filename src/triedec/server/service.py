@@ -189,13 +189,20 @@ class Service:
             shown_tools = tools.as_template() if tools.calls else None
             if tools.calls:
                 fmt = self.tool_format()
-                if asked is not None:
-                    raise FieldError(asked[0], f"{asked[0]} with tools the model may call is not supported; send "
-                                               "tool_choice none, or no tools")
+                content = None
+                if asked is not None:  # the reply's content when it calls nothing: response_format's JSON only
+                    if asked[0] != "response_format":
+                        raise FieldError(asked[0], f"{asked[0]} with tools the model may call is not supported; "
+                                                   "send response_format, tool_choice none, or no tools")
+                    content = asked[1]
+                    try:
+                        lm.grammars.check(content)
+                    except TriedecError as exc:
+                        raise FieldError(asked[0], str(exc)) from None
                 if req.stream and req.trace:
                     raise FieldError("trace", "a streamed trace with tools the model may call is not supported")
                 try:
-                    asked = ("tools", fmt.grammar(tools))
+                    asked = ("tools", fmt.grammar(tools, content))
                 except TriedecError as exc:  # the functions' schemas, together, past the grammar's size bound
                     raise FieldError("tools", str(exc)) from None
         grammar = None if asked is None else asked[1]
