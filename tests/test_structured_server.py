@@ -327,3 +327,31 @@ def test_a_grammar_the_model_cannot_finish_ends_at_length(base):
     status, out = _status(base, body, "/v1/completions")
     assert status == 200 and out["choices"][0]["finish_reason"] == "length"
     assert out["choices"][0]["text"] == "a" * len(out["choices"][0]["text"])
+
+
+def test_a_tag_the_tokenizer_holds_as_one_token_is_asked_for_as_that_token(default_mode_lm):
+    """Qwen2.5's tokenizer holds ``<tool_call>`` and ``</tool_call>`` as added tokens, which its
+    model writes as one token each: the calls' grammar asks for those tokens (llguidance does not
+    match an added token against the tag's text; found on Qwen2.5-Coder-0.5B, where a required
+    call failed on its first token)."""
+    import copy
+
+    from triedec.api.grammar import Grammars
+    from triedec.api.tools import Tools, tool_format
+
+    tok = copy.deepcopy(default_mode_lm.tokenizer)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = TEMPLATE.read_text()
+    opening, closing = tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    fmt = tool_format(tok)
+    assert fmt.tokens == (("<tool_call>", opening), ("</tool_call>", closing))
+    assert fmt.lark("}\n</tool_call>") == f'"}}\\n" <[{closing}]>'
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id])
+    state = grammars.state(fmt.grammar(Tools.of([WEATHER], "required")))
+    forced = state.forced(64)
+    assert forced[0] == opening and state.admits([], opening)
+    state.commit(forced)
+    text = tok.decode(forced, skip_special_tokens=True)
+    assert text.startswith('<tool_call>\n{"name": "get_weather"'), text
+    # without the added tokens the tag is text, as before
+    assert tool_format(default_mode_lm.tokenizer).tokens == ()

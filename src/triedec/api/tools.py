@@ -17,6 +17,7 @@ tool; a template that renders no tools, or renders them in a format triedec does
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -169,6 +170,26 @@ class ToolFormat:
     open: str
     close: str
     separator: str
+    tokens: tuple[tuple[str, int], ...] = ()
+    """the format's tags that the tokenizer holds as one added token each (Qwen2.5's
+    ``<tool_call>``), with their ids: the grammar asks for that token, as the model writes it"""
+
+    def lark(self, text: str) -> str:
+        """``text`` as a Lark sequence: its tags that are added tokens as those tokens, the rest
+        as string literals."""
+        parts: list[str] = []
+        rest = text
+        while rest:
+            hits = [(rest.find(tag), tag, tid) for tag, tid in self.tokens if tag in rest]
+            if not hits:
+                parts.append(json.dumps(rest))
+                break
+            at, tag, tid = min(hits)
+            if at:
+                parts.append(json.dumps(rest[:at]))
+            parts.append(f"<[{tid}]>")
+            rest = rest[at + len(tag):]
+        return " ".join(parts)
 
     @property
     def tag(self) -> str:
@@ -189,7 +210,7 @@ class ToolFormat:
         one = [_call_rule(self, f) for f in (named or tools.functions)]
         rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(one)))}",
                  *(f"call_{i}: {body}" for i, body in enumerate(one))]
-        calls = "call" if named or not tools.parallel else f"call ({json.dumps(self.separator)} call)*"
+        calls = "call" if named or not tools.parallel else f"call ({self.lark(self.separator)} call)*"
         if tools.choice == "auto" and content is not None:
             from triedec.api.grammar import JSON_OPTIONS
 
@@ -254,9 +275,11 @@ def tool_format(tokenizer: Any) -> ToolFormat:
         raise TriedecError("this model's chat template has no tool format (it does not render tools), so the "
                            "model cannot be given tools; serve it with a --chat-template that does (see "
                            "docs/structured-output.md)")
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
     for known in FORMATS:
         if known.tag in text:
-            return known
+            tags = (known.tag, known.close.strip())
+            return dataclasses.replace(known, tokens=tuple((t, int(added[t])) for t in tags if t in added))
     raise TriedecError("this model's chat template renders tools in a call format triedec does not read (it knows: "
                        + ", ".join(f"{f.name} {f.tag}" for f in FORMATS) + ")")
 
@@ -292,7 +315,7 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
 def _call_rule(fmt: ToolFormat, function: Function) -> str:
     schema = {**json.loads(function.parameters), "x-guidance": _JSON_LAYOUT}
     head = f'{fmt.open}{{"name": "{function.name}", "arguments": '
-    return f"{json.dumps(head)} %json {json.dumps(schema)} {json.dumps('}' + fmt.close)}"
+    return f"{fmt.lark(head)} %json {json.dumps(schema)} {fmt.lark('}' + fmt.close)}"
 
 
 def _not_starting_with(tag: str) -> str:
