@@ -55,10 +55,11 @@ from triedec.bench.servers import (
     complete,
     free_port,
     llama_bench,
+    llama_bench_line,
     per_prompt_speeds,
     ratio_cell,
-    server,
     speeds,
+    start_servers,
     summarize,
 )
 from triedec.core.errors import TriedecError
@@ -135,16 +136,11 @@ def main() -> int:
 
     systems = [LLAMA, LLAMA_GRAMMAR, AR, AR_GRAMMAR, "triedec auto", *(f"triedec {m}+grammar" for m in methods)]
     records: list[dict[str, Any]] = []
-    startup: dict[str, list[str]] = {}
+    startup: dict[str, list[str]] = {}  # the last pass's
     order = random.Random(args.seed)
     for repeat in range(args.repeats):
         with contextlib.ExitStack() as stack:
-            bases = {}
-            for name, command in commands.items():  # one at a time: a triedec server may calibrate at start
-                bases[name] = stack.enter_context(server(name, command, ports[name], args.startup_timeout, logs))
-            for name in commands:
-                with open(logs / f"{name}.log") as log:
-                    startup[name] = [line.rstrip() for line in log if "runner:" in line or "system_info" in line][-1:]
+            bases, startup = start_servers(stack, commands, ports, args.startup_timeout, logs)
             client = stack.enter_context(httpx.Client(timeout=600))
             for ids, schema in warm_prompts:
                 for system in systems:
@@ -192,16 +188,13 @@ def main() -> int:
     mismatches = {f"triedec {m}+grammar": sum(t[f"triedec {m}+grammar"] != t[AR_GRAMMAR] for t in texts.values())
                   for m in methods}
 
-    summary = bench["summary"]
     lines = [
         f"{gguf.name}, {args.threads} threads; triedec `--weights {args.weights}`; {len(prompts)} JSON-extraction "
         f"tasks ({args.split} split) x at most {args.max_tokens} greedy tokens, {args.repeats} pass(es) with fresh "
         "servers, one client, systems shuffled per prompt; intervals: 95% bootstrap over prompts (each prompt's "
         "speed the mean over passes).",
         "",
-        f"llama-bench: tg128 {summary['tg128']['tokens_per_s']:.1f} ± {summary['tg128']['stddev']:.1f} tok/s, "
-        f"pp256 {summary['pp256']['tokens_per_s']:.1f} ± {summary['pp256']['stddev']:.1f} tok/s "
-        f"(build {bench['rows'][0].get('build_commit')}, {bench['rows'][0].get('cpu_info')}).",
+        llama_bench_line(bench),
     ]
     for base in against:
         lines += ["", f"Against `{base}`:", "",

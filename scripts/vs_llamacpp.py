@@ -46,10 +46,11 @@ from triedec.bench.servers import (
     complete,
     free_port,
     llama_bench,
+    llama_bench_line,
     per_prompt_speeds,
     ratio_cell,
-    server,
     speeds,
+    start_servers,
     summarize,
 )
 from triedec.core.errors import TriedecError
@@ -106,17 +107,12 @@ def main() -> int:
     systems = list(commands)
     records: list[dict[str, Any]] = []
     env_note = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-    startup: dict[str, list[str]] = {}
+    startup: dict[str, list[str]] = {}  # the last pass's
     order = random.Random(args.seed)
     for repeat in range(args.repeats):
         # fresh servers for every pass: auto's memory then holds this pass's earlier prompts only
         with contextlib.ExitStack() as stack:
-            bases = {}
-            for name, command in commands.items():  # one at a time: a triedec server may calibrate at start
-                bases[name] = stack.enter_context(server(name, command, ports[name], args.startup_timeout, logs))
-            for name in systems:
-                with open(logs / f"{name}.log") as log:
-                    startup[name] = [line.rstrip() for line in log if "runner:" in line or "system_info" in line][-1:]
+            bases, startup = start_servers(stack, commands, ports, args.startup_timeout, logs)
             client = stack.enter_context(httpx.Client(timeout=600))
             for ids in warm_prompts:
                 for name in systems:
@@ -141,15 +137,12 @@ def main() -> int:
     auto_equal = sum(t["triedec auto"] == t["triedec ar"] for t in texts.values())
     llama_same = sum(t[BASELINE] == t["llama-server ngram-mod"] for t in texts.values())
 
-    summary = bench["summary"]
     lines = [
         f"{gguf.name}, {args.threads} threads; triedec `--weights {args.weights}`; {len(prompts)} Spec-Bench "
         f"evaluation prompts x {args.max_tokens} greedy tokens, {args.repeats} pass(es), one client; "
         f"intervals: 95% bootstrap over prompts.",
         "",
-        f"llama-bench: tg128 {summary['tg128']['tokens_per_s']:.1f} ± {summary['tg128']['stddev']:.1f} tok/s, "
-        f"pp256 {summary['pp256']['tokens_per_s']:.1f} ± {summary['pp256']['stddev']:.1f} tok/s "
-        f"(build {bench['rows'][0].get('build_commit')}, {bench['rows'][0].get('cpu_info')}).",
+        llama_bench_line(bench),
         "",
         "| system | decode tok/s | decode vs llama-server, geo-mean | ratio of means | end-to-end tok/s | "
         "end to end vs llama-server, geo-mean | ratio of means |",

@@ -33,3 +33,13 @@ def test_per_prompt_means_over_repeats_and_ratios_to_the_baseline() -> None:
     low, high = decode["fast"]["geomean_interval"]
     assert low <= decode["fast"]["geomean_ratio"] <= high
     assert ratio_cell(decode["base"]).startswith("8.8 | 1.00x [1.00, 1.00] | 1.00x")
+
+
+def test_llama_bench_line_names_the_build() -> None:
+    from triedec.bench.servers import llama_bench_line
+
+    bench = {"summary": {"tg128": {"tokens_per_s": 113.26, "stddev": 7.1}, "pp256": {"tokens_per_s": 304.1,
+                                                                                      "stddev": 31.7}},
+             "rows": [{"build_commit": "0c1e570", "cpu_info": "AMD EPYC"}]}
+    assert llama_bench_line(bench) == ("llama-bench: tg128 113.3 ± 7.1 tok/s, pp256 304.1 ± 31.7 tok/s "
+                                       "(build 0c1e570, AMD EPYC).")

@@ -139,3 +139,25 @@ def ratio_cell(s: Mapping[str, Any]) -> str:
     rom_text = f" [{rom[0]:.2f}, {rom[1]:.2f}]" if rom else ""
     return (f"{s['mean_tokens_per_s']:.1f} | {s['geomean_ratio']:.2f}x [{low:.2f}, {high:.2f}] | "
             f"{s['ratio_of_means']:.2f}x{rom_text}")
+
+
+def start_servers(stack: contextlib.ExitStack, commands: Mapping[str, list[str]], ports: Mapping[str, int],
+                  timeout: float, logs: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Every server of ``commands`` started for ``stack``'s block, one at a time (a triedec server
+    may calibrate at start): each one's base URL, and the last line of its log that names its
+    runner (triedec) or its system info (llama.cpp)."""
+    bases, startup = {}, {}
+    for name, command in commands.items():
+        bases[name] = stack.enter_context(server(name, command, ports[name], timeout, logs))
+    for name in commands:
+        with open(logs / f"{name}.log") as log:
+            startup[name] = [line.rstrip() for line in log if "runner:" in line or "system_info" in line][-1:]
+    return bases, startup
+
+
+def llama_bench_line(bench: Mapping[str, Any]) -> str:
+    """:func:`llama_bench`'s figures and llama.cpp's build as one line of a report."""
+    summary, row = bench["summary"], bench["rows"][0]
+    return (f"llama-bench: tg128 {summary['tg128']['tokens_per_s']:.1f} ± {summary['tg128']['stddev']:.1f} tok/s, "
+            f"pp256 {summary['pp256']['tokens_per_s']:.1f} ± {summary['pp256']['stddev']:.1f} tok/s "
+            f"(build {row.get('build_commit')}, {row.get('cpu_info')}).")
