@@ -209,3 +209,64 @@ def test_a_gate_never_pauses_longer_than_its_cap_and_a_verified_node_reopens_it(
         gate.verified(proposed, verified)
         if verified:
             assert gate.proposes()  # the next step drafts
+
+
+def test_a_payoff_drafts_only_where_drafting_measurably_pays_and_explores_the_other_arm():
+    """The A/B controller over steps: drafting is the prior; both arms get measured (one step in
+    ``warmup`` runs the arm with too few steps), then the faster arm runs but for one step in
+    ``explore``; load levels are kept apart, and a change in what pays is followed."""
+    from triedec.core.allocate import DraftPayoff, load_level
+
+    assert [load_level(b) for b in (0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 40)] == [1, 1, 2, 3, 4, 4, 4, 8, 8, 16, 32]
+    payoff = DraftPayoff(explore=16, warmup=4, min_steps=4)
+
+    def run(requests: int, steps: int, draft_rate: float, plain_rate: float) -> str:
+        arms = []
+        for _ in range(steps):
+            drafted = payoff.drafts(requests)
+            arms.append("d" if drafted else ".")
+            payoff.observe(requests, drafted, 1.0, int(draft_rate if drafted else plain_rate))
+        return "".join(arms)
+
+    first = run(16, 16, draft_rate=70, plain_rate=100)  # drafting is slower at 16 requests
+    assert first[:16] == "ddd.ddd.ddd.ddd." and payoff.speedup(16) == pytest.approx(0.7)
+    later = run(16, 160, draft_rate=70, plain_rate=100)
+    assert later.count("d") == 10 and not payoff.prefers_drafting(16)  # one step in 16 explores
+    assert payoff.prefers_drafting(1) and payoff.speedup(1) is None  # another level: nothing known, the prior
+    alone = run(1, 160, draft_rate=180, plain_rate=100)  # alone, drafting pays
+    assert alone[:16] == "ddd.ddd.ddd.ddd." and alone[16:].count(".") == 9 and payoff.speedup(1) == pytest.approx(1.8)
+    turned = run(16, 400, draft_rate=130, plain_rate=100)  # the load's drafts got better: followed within a window
+    assert turned.index("dd") < 128 and turned[-160:].count(".") == 10 and payoff.prefers_drafting(16)
+    report = payoff.report()
+    assert set(report) == {1, 16} and report[16]["drafting"] and report[1]["speedup"] == pytest.approx(1.8)
+    payoff.observe(1, True, 0.0, 3)  # a step that took no time, or a bad count, teaches nothing
+    payoff.observe(1, True, float("nan"), 3)
+    payoff.observe(1, True, 1.0, -1)
+    assert payoff.speedup(1) == pytest.approx(1.8)
+    for bad in ({"explore": 1}, {"warmup": True}, {"min_steps": 0}, {"window": 0.5}):
+        with pytest.raises(TriedecError):
+            DraftPayoff(**bad)
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=300), st.floats(1.2, 5.0), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_a_payoff_runs_the_slower_arm_on_at_most_its_exploration_share_once_both_are_measured(loads, factor,
+                                                                                              drafting_wins):
+    """Whatever the sequence of loads, once a level's arms are measured and one arm is slower by a
+    steady factor, the slower arm runs on at most one step in ``explore`` (plus one) at that level."""
+    from triedec.core.allocate import DraftPayoff, load_level
+
+    payoff = DraftPayoff(explore=8, warmup=2, min_steps=2)
+    slower: dict[int, int] = {}
+    decided: dict[int, int] = {}
+    for requests in loads:
+        draft_seconds, plain_seconds = (1.0, factor) if drafting_wins else (factor, 1.0)
+        level = load_level(requests)
+        measured = payoff.speedup(level) is not None
+        drafted = payoff.drafts(requests)
+        if measured:
+            decided[level] = decided.get(level, 0) + 1
+            slower[level] = slower.get(level, 0) + int(drafted != drafting_wins)
+        payoff.observe(requests, drafted, draft_seconds if drafted else plain_seconds, 4)
+    for level, count in decided.items():
+        assert slower[level] <= count // 8 + 1

@@ -487,3 +487,89 @@ def test_generate_batch_on_the_default_model_equals_transformers(default_lm):
         assert [r.token_ids for r in got] == truths, name
         assert all(r.stats.stop_reason in ("eos", "length") for r in got)
 
+
+
+def test_a_batch_that_measures_drafting_runs_plain_steps_where_drafting_does_not_pay_and_keeps_every_token():
+    """``measure_drafting``: steps that draft and steps that do not are both measured at each load
+    (one in 4 runs plain while the plain arm has too few steps); where plain steps commit more per
+    second, only one step in 16 drafts. A plain step asks every drafter for its root alone, and
+    every request's tokens stay ``ar``'s."""
+    from triedec.core.allocate import load_level
+
+    adapter = ModelAdapter(tiny_llama(seed=3))
+    rule = StopRule(40, frozenset([-1]))
+    batch_prompts = prompts(seed=23, count=3)
+    truths = [alone(adapter, build("ar", {}, tiny_info()), p, rule)[0] for p in batch_prompts]
+    for trained in (False, True):
+        batch = Batch(adapter, None, measure_drafting=True)
+        assert batch.payoff is not None
+        if trained:  # measured before: at this load, plain steps commit twice as much per second
+            for _ in range(8):
+                batch.payoff.observe(3, True, 2.0, 3)
+                batch.payoff.observe(3, False, 1.0, 3)
+        chain = Chain()
+        runs = [Request(chain, p, rule) for p in batch_prompts]
+        for r in runs:
+            batch.submit(r)
+        plans, tokens = [], [[] for _ in runs]
+        while not batch.idle:
+            plans.append(batch.step().plan)
+            for out, r in zip(tokens, runs, strict=True):
+                out += r.take()
+        assert tokens == truths
+        decoding = [p for p in plans if len(p.decoding) == 3 and not p.chunks]
+        drafted = [p for p in decoding if p.drafting]
+        assert all(p.draft_nodes == 0 for p in plans if not p.drafting)
+        assert chain.full == sum(len(p.decoding) for p in plans if p.drafting)  # plain steps: the root alone
+        if trained:
+            assert len(drafted) <= len(decoding) // 16 + 1 and not batch.payoff.prefers_drafting(load_level(3))
+        else:
+            assert len(decoding) > len(drafted) and batch.payoff.report()[3]["plain_steps"] >= 1
+    assert Batch(adapter, None).payoff is None
+
+
+class Wrong(BaseDrafter):
+    """Drafts a 4-token chain, sure of it, whose first token is never the model's next one."""
+
+    def __init__(self, truth: list[int], prompt_len: int) -> None:
+        self.truth, self.prompt_len = truth, prompt_len
+
+    def begin(self, prompt, documents=()):
+        spy = self
+
+        class Session(BaseSession):
+            def propose(self, context, max_nodes=256):
+                if max_nodes <= 1:
+                    return Draft.root_only(context[-1])
+                done = len(context) - spy.prompt_len
+                bad = (spy.truth[done] + 1) % TINY_VOCAB if done < len(spy.truth) else 3
+                return Draft.scored(TokenTree.from_sequences(context[-1], [[bad, 4, 5, 6]]), [1.0, 0.9, 0.9, 0.9, 0.9])
+
+        return Session()
+
+
+def test_a_gate_charges_drafting_the_forward_time_its_verified_rows_add():
+    """A gated request's drafting costs its host time plus what its verified draft rows added to
+    the forward (the cost model's estimate): drafts the allocator verifies (their claimed chance
+    pays for their rows) but the model never accepts stop being asked for after two steps, and the
+    tokens stay ``ar``'s."""
+    adapter = ModelAdapter(tiny_llama(seed=3))
+    rule = StopRule(30, frozenset([-1]))
+    prompt = prompts(seed=24, count=1)[0]
+    truth = alone(adapter, build("ar", {}, tiny_info()), prompt, rule)[0]
+    cost = CostModel({1: 0.010, 5: 0.012, 16: 0.05})  # 4 rows cost 2 ms: at a claimed 0.9 each they pay
+    run = Request(Wrong(truth, len(prompt)), prompt, rule)
+    batch = Batch(adapter, cost, gate_drafts=True)
+    batch.submit(run)
+    batch.step()  # the prompt
+    batch.step()  # a drafted step: 4 rows verified, none accepted
+    gate = run.gate
+    assert gate is not None and gate.draft_seconds is not None
+    assert gate.draft_seconds >= cost.seconds(5) - cost.seconds(1)  # the rows' 2 ms are charged
+    tokens = list(run.take())
+    while not run.done:
+        batch.step()
+        tokens += run.take()
+    batch.close()
+    assert tokens == truth
+    assert run.outcome.stats.skipped_drafts >= run.outcome.stats.steps // 2  # paused, probing now and then

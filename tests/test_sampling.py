@@ -123,6 +123,28 @@ def test_draw_is_the_inverse_cdf_in_token_order():
     assert draw(torch.tensor([-math.inf, 1.0, -math.inf]), 0.9999999999999999) == 1
 
 
+@given(st.integers(1, 700), st.floats(0.0, 1.0, exclude_max=True), st.integers(0, 2**31), st.floats(0.0, 0.9))
+@settings(max_examples=300, deadline=None)
+def test_a_draw_is_the_float64_inverse_cdf_but_where_rounding_decides(vocab, u, seed, excluded):
+    """The block-wise draw against the inverse CDF of one float64 cumulative sum over the row: the
+    same token, unless the target lies within rounding of a boundary between two tokens; never a
+    token without mass; rows of any length (blocks of 256, the last one short)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=gen) * 4
+    logits[torch.rand(vocab, generator=gen) < excluded] = -math.inf
+    if not torch.isfinite(logits).any():
+        logits[vocab // 2] = 0.0
+    token = draw(logits, u)
+    assert math.isfinite(float(logits[token]))
+    weights = torch.exp(logits.double() - logits.double().max())
+    cdf = torch.cumsum(weights, 0)
+    target = u * float(cdf[-1])
+    reference = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
+    if reference != token:
+        boundary = float(cdf[min(token, reference)])
+        assert abs(boundary - target) <= 1e-6 * float(cdf[-1]), (token, reference)
+
+
 def test_draws_follow_the_distribution():
     p = torch.tensor([0.5, 0.25, 0.15, 0.1])
     got = [draw(p.log(), uniform(11, i)) for i in range(4000)]

@@ -135,6 +135,11 @@ def test_models_health_and_metrics(base, client, lm):
                  "triedec_forward_draft_nodes_bucket", "triedec_request_queued_seconds_bucket", "triedec_steps_total"):
         assert name in text, name
     assert 'triedec_requests_total{endpoint="chat",method="pld",status="200"}' in text
+    # what drafting buys at each load, measured: one decoding step in 4 runs plain until both arms are measured
+    client.completions.create(model=MODEL, prompt="a b c a b c a b", max_tokens=24, extra_body={"ignore_eos": True})
+    text = httpx.get(f"{base}/metrics").text
+    plain = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("triedec_plain_steps_total"))
+    assert plain >= 2 and 'triedec_drafting{load="1"}' in text
 
 
 BAD = [

@@ -15,7 +15,7 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +43,14 @@ def server(name: str, command: list[str], port: int, timeout: float, logs: Path)
 
 def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: int,
              extra: Mapping[str, Any]) -> dict[str, Any]:
-    """One streamed greedy completion of token ids (``extra``: more body fields): its text, token
-    count, times (``sent``, ``first`` and ``last`` token, perf_counter seconds), finish reason,
-    llama-server's ``timings`` and triedec's ``triedec`` extension (None where absent)."""
+    """One streamed completion of token ids, greedy unless ``extra`` (more body fields) says
+    otherwise: its text, token count, times (``sent``, ``first`` and ``last`` token, and every
+    chunk's arrival in ``chunk_times``; perf_counter seconds), finish reason, llama-server's
+    ``timings`` and triedec's ``triedec`` extension (None where absent)."""
     body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     text, chunks, usage, timings, ext, finish = [], 0, None, None, None, None
+    chunk_times: list[float] = []
     first = last = None
     sent = time.perf_counter()
     # a connection of its own (Connection: close): a kept-alive one could be closed by the server's
@@ -69,6 +71,7 @@ def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: in
                 if choice.get("text"):
                     text.append(choice["text"])
                     chunks += 1
+                    chunk_times.append(now)
                     first = now if first is None else first
                     last = now
     if usage and usage.get("completion_tokens"):
@@ -78,7 +81,58 @@ def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: in
     else:
         tokens = chunks
     return {"text": "".join(text), "tokens": tokens, "sent": sent, "first": first, "last": last,
-            "finish_reason": finish, "server_timings": timings, "triedec": ext}
+            "chunk_times": chunk_times, "finish_reason": finish, "server_timings": timings, "triedec": ext}
+
+
+def run_phase(base: str, prompts: Mapping[str, Sequence[int]], concurrency: int, max_tokens: int,
+              extra: Callable[[str], Mapping[str, Any]], timeout: float = 1800.0
+              ) -> tuple[list[dict[str, Any]], float]:
+    """Every prompt of ``prompts`` (by id) sent once to ``base``, ``concurrency`` in flight at a
+    time, each streamed (:func:`complete`, with ``extra(prompt_id)`` as more body fields): the
+    records (each with its ``prompt``), in the order of ``prompts``, and the wall seconds from the
+    first send to the last token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(qid: str) -> dict[str, Any]:
+        with httpx.Client(timeout=timeout) as client:
+            record = complete(client, base, prompts[qid], max_tokens, extra(qid))
+        record["prompt"] = qid
+        return record
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        records = list(pool.map(one, list(prompts)))
+    return records, max((r["last"] or r["sent"] for r in records), default=started) - started
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear between ranks) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def latency_summary(records: Sequence[Mapping[str, Any]], seconds: float) -> dict[str, Any]:
+    """One load phase as a user sees it: total tokens/s (every token over the phase's wall
+    seconds), and at p50 and p99, each in milliseconds: time to the first token (``ttft``, per
+    request), time per output token after the first (``tpot``, per request: the span from the
+    first to the last token over the tokens after the first) and the time between streamed chunks
+    (``itl``, every gap of every request; a chunk may carry several tokens)."""
+    ttft = [1000 * (r["first"] - r["sent"]) for r in records if r["first"] is not None]
+    tpot = [1000 * (r["last"] - r["first"]) / (r["tokens"] - 1) for r in records
+            if r["first"] is not None and r["tokens"] > 1]
+    itl = [1000 * (b - a) for r in records for a, b in zip(r["chunk_times"], r["chunk_times"][1:], strict=False)]
+    tokens = sum(int(r["tokens"]) for r in records)
+    out: dict[str, Any] = {"requests": len(records), "tokens": tokens, "seconds": seconds,
+                           "tokens_per_s": tokens / seconds if seconds > 0 else None}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 99):
+            out[f"{name}_p{q}_ms"] = percentile(values, q)
+    return out
 
 
 def speeds(record: Mapping[str, Any]) -> tuple[float | None, float | None]:

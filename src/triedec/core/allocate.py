@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -112,10 +113,11 @@ class DraftGate:
 
     A *miss* is a step whose proposal held draft nodes that did not pay: :func:`allocate` verified
     none of them (the step's budget judged that none pays), or, given a :class:`Pace`, the
-    request's drafting stopped paying for its own host time: the moving average (weight
-    ``weight``, over the steps it drafted) of the draft tokens it had accepted, times what a
-    committed token costs the batch now (``pace.token_seconds``), fell below the moving average of
-    the host seconds its drafter took (propose + observe). An empty proposal is no miss: drafting
+    request's drafting stopped paying for what it costs: the moving average (weight ``weight``,
+    over the steps it drafted) of the draft tokens it had accepted, times what a committed token
+    costs the batch now (``pace.token_seconds``), fell below the moving average of the seconds its
+    drafting took: its drafter's host time (propose + observe) plus the forward time its verified
+    draft rows added (the batch's cost-model estimate). An empty proposal is no miss: drafting
     found nothing, which is cheap. After ``patience`` misses in a row the request skips drafting
     for ``skip`` steps, then proposes again (a probe); each further miss doubles the skip, up to
     ``max_skip`` steps; a step that pays resets it. Skipping changes no token (every method's tokens
@@ -162,7 +164,8 @@ class DraftGate:
 
     def verified(self, proposed: int, verified: int, accepted: int = 0, draft_seconds: float = 0.0) -> None:
         """A step's outcome: ``proposed`` draft nodes (root excluded), ``verified`` of them,
-        ``accepted`` of those, and the host seconds drafting took (propose + observe)."""
+        ``accepted`` of those, and the seconds drafting took (propose + observe, plus the forward
+        time the verified draft rows added)."""
         if proposed <= 0:
             return  # nothing drafted: no evidence either way
         w = self.weight
@@ -176,3 +179,105 @@ class DraftGate:
         if self.misses >= self.patience:
             self.waiting, self.misses = self.skip, self.patience - 1  # a missed probe backs off at once
             self.skip = min(2 * self.skip, self.max_skip)
+
+
+def load_level(requests: int) -> int:
+    """The load level a step of ``requests`` decoding requests counts under in a
+    :class:`DraftPayoff`: 1-4 as they are, then the power of two at or below (5-7 count as 4,
+    8-15 as 8, ...)."""
+    requests = max(1, int(requests))
+    return requests if requests <= 4 else 1 << (requests.bit_length() - 1)
+
+
+@dataclass
+class _Arm:
+    """Decayed sums of one arm's committed tokens and step seconds at one load level."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class DraftPayoff:
+    """Whether drafting pays at each load, measured rather than predicted: an A/B controller over
+    whole steps. At each load level (:func:`load_level` of the step's decoding requests) it keeps
+    two arms, steps that draft and steps that do not (every request verifies its root alone, as
+    ``ar`` does), and for each the committed tokens per second of step time, as decayed sums (at
+    each measured step of the level both arms' sums weigh ``1 - 1/window`` less: each arm's ratio
+    of means over about the last ``window`` steps of that level, so the arm that runs rarely is
+    judged on its recent samples and a change in what pays is followed within about ``window``
+    steps). A step drafts when the drafting arm's rate is at least the plain arm's;
+    one step in ``explore`` runs the other arm, so both estimates stay current as the load, the
+    prompts and the machine change (one in ``warmup`` while an arm has fewer than ``min_steps``
+    measured steps). Before any measurement, drafting (the cost model's choice) is the prior.
+
+    So drafting runs only where it measurably pays, and where it does not the loss is bounded by
+    the exploration share: ``1/explore`` of the steps run the slower arm. Which arm a step runs
+    changes when its tokens come, never which tokens (every method's tokens are ``ar``'s
+    whatever it verifies). The batch observes only steps without prompt chunks (a chunk's time is
+    not the decode rate). Deterministic (a counter per level, no randomness); one engine thread
+    uses it."""
+
+    def __init__(self, explore: int = 16, warmup: int = 4, min_steps: int = 4, window: int = 128) -> None:
+        for name, value, least in (("explore", explore, 2), ("warmup", warmup, 2), ("min_steps", min_steps, 1),
+                                   ("window", window, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise TriedecError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.explore, self.warmup, self.min_steps = explore, warmup, min_steps
+        self.decay = 1.0 - 1.0 / window
+        self._arms: dict[tuple[int, bool], _Arm] = {}
+        self._decisions: dict[int, int] = {}
+
+    def arm(self, level: int, drafting: bool) -> _Arm:
+        return self._arms.setdefault((level, drafting), _Arm())
+
+    def prefers_drafting(self, level: int) -> bool:
+        """The arm the measurements favour at ``level`` (drafting until both arms are measured)."""
+        draft, plain = self.arm(level, True), self.arm(level, False)
+        if draft.steps < self.min_steps or plain.steps < self.min_steps:
+            return True
+        return draft.rate() >= plain.rate()
+
+    def drafts(self, requests: int) -> bool:
+        """Whether a step of ``requests`` decoding requests drafts (counts one decision at its level)."""
+        level = load_level(requests)
+        count = self._decisions.get(level, 0) + 1
+        self._decisions[level] = count
+        best = self.prefers_drafting(level)
+        other = self.arm(level, not best)
+        period = self.warmup if other.steps < self.min_steps else self.explore
+        return (not best) if count % period == 0 else best
+
+    def observe(self, requests: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A step of ``requests`` decoding requests (``drafted``: whether it drafted) took ``seconds``
+        and committed ``tokens``."""
+        if not (seconds > 0 and math.isfinite(seconds)) or tokens < 0:
+            return
+        level = load_level(requests)
+        for either in (self.arm(level, True), self.arm(level, False)):  # both age: a clock of the level's steps
+            either.tokens *= self.decay
+            either.seconds *= self.decay
+        arm = self.arm(level, drafted)
+        arm.tokens += tokens
+        arm.seconds += seconds
+        arm.steps += 1
+
+    def speedup(self, level: int) -> float | None:
+        """The drafting arm's rate over the plain arm's at ``level`` (None until both are measured)."""
+        draft, plain = self.arm(level, True), self.arm(level, False)
+        if draft.steps < self.min_steps or plain.steps < self.min_steps or not plain.rate():
+            return None
+        return draft.rate() / plain.rate()
+
+    def report(self) -> dict[int, dict[str, float | int | bool | None]]:
+        """Per load level measured so far: each arm's tokens/s and steps, the speedup, and which arm
+        is preferred."""
+        levels = sorted({level for level, _ in self._arms})
+        return {level: {"draft_tokens_per_s": round(self.arm(level, True).rate(), 2),
+                        "plain_tokens_per_s": round(self.arm(level, False).rate(), 2),
+                        "draft_steps": self.arm(level, True).steps, "plain_steps": self.arm(level, False).steps,
+                        "speedup": self.speedup(level), "drafting": self.prefers_drafting(level)}
+                for level in levels}

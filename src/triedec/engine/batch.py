@@ -36,8 +36,10 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from triedec.core.accept import GREEDY, AcceptanceRule
-from triedec.core.allocate import DraftGate, Pace, allocate
+from triedec.core.allocate import DraftGate, DraftPayoff, Pace, allocate
 from triedec.core.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.limits import BatchLimits
@@ -67,6 +69,9 @@ class StepPlan:
     """tokens the decoding requests had generated before the step (the pace's baseline)"""
     proposed_nodes: int
     draft_nodes: int
+    drafting: bool = True
+    """whether the step's requests were asked to draft (False: a plain step of a batch that
+    measures what drafting pays, :class:`~triedec.core.allocate.DraftPayoff`)"""
 
     @property
     def requests(self) -> int:
@@ -118,8 +123,12 @@ class Batch:
     time at what a committed token costs the batch now, :class:`~triedec.core.allocate.Pace`) is not
     asked to draft for a while, so its step costs what ``ar``'s does, and probes again after a
     growing pause (:class:`~triedec.core.allocate.DraftGate`);
-    tokens never change. The server turns both on; a single ``generate`` keeps the calibrated
-    sizes and drafts every step, reproducible step for step.
+    tokens never change. ``measure_drafting``: whether a step drafts at all is decided by what
+    drafting measurably bought at this load, steps that draft against steps that do not, with one
+    step in 16 running the other arm (:class:`~triedec.core.allocate.DraftPayoff`), so speculation
+    runs only where it pays, and where it does not it costs at most that exploration share. The
+    server turns all three on; a single ``generate`` keeps the calibrated sizes and drafts every
+    step, reproducible step for step.
 
     ``fair``: no group holds more than its share of running slots (``max_running`` over the groups
     with work, rounded up) while a run of another group under its share waits: candidates are
@@ -135,7 +144,8 @@ class Batch:
 
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
                  limits: BatchLimits | None = None, group_running: int | None = None,
-                 learn_cost: bool = False, gate_drafts: bool = False, fair: bool = False) -> None:
+                 learn_cost: bool = False, gate_drafts: bool = False, fair: bool = False,
+                 measure_drafting: bool = False) -> None:
         if group_running is not None:
             positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
@@ -144,6 +154,8 @@ class Batch:
         self.learn_cost, self.gate_drafts, self.fair = learn_cost, gate_drafts, fair
         self._observed: ObservedCost | None = None
         self._pace = Pace()  # what a committed token costs now, for the gates (``gate_drafts``)
+        self.payoff: DraftPayoff | None = DraftPayoff() if measure_drafting else None
+        """what drafting measurably buys at each load, and whether a step drafts (``measure_drafting``)"""
         self.host_seconds = 0.0
         """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
         self.runs: dict[str, Run] = {}
@@ -318,11 +330,13 @@ class Batch:
         finished during it and what the forward carried."""
         started = time.perf_counter()
         self._admit()
+        scheduled = time.perf_counter()
         plan = self.schedule()
         forward_seconds = self.verify(plan)
+        work_seconds = time.perf_counter() - scheduled
         finished = self.retire_finished()
         seconds = time.perf_counter() - started
-        self._learn(plan, seconds, forward_seconds)
+        self._learn(plan, seconds, forward_seconds, work_seconds)
         return StepReport(finished, plan, seconds, forward_seconds)
 
     def schedule(self) -> StepPlan:
@@ -337,7 +351,8 @@ class Batch:
                 chunks.append(r)
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
-        drafts = [r.propose() for r in decoding]
+        drafting = self.payoff is None or not decoding or self.payoff.drafts(len(decoding))
+        drafts = [r.propose(drafting) for r in decoding]
         context = sum(r.context_tokens for r in (*chunks, *decoding))
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
@@ -346,7 +361,8 @@ class Batch:
         items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
         return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
                         tokens_before=sum(len(r.generated) for r in decoding),
-                        proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts))
+                        proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts),
+                        drafting=drafting)
 
     def share_prompts(self) -> set[int]:
         """Prompt KV computed once for requests of one group with the same prompt (a request's
@@ -381,6 +397,8 @@ class Batch:
             forward_seconds = time.perf_counter() - forward_started
             if self._observed is not None:
                 self._observed.observe(plan.tokens, len(plan.items), plan.context, forward_seconds)
+            if self.gate_drafts and plan.draft_nodes:
+                self._charge_draft_rows(plan)
             for r, rows in zip(plan.chunks, logits, strict=False):
                 r.prefilled(rows)
             for r, rows in zip(plan.decoding, logits[len(plan.chunks) :], strict=True):
@@ -389,6 +407,22 @@ class Batch:
             if not run.shares_forward and not run.done:
                 run.advance()  # type: ignore[attr-defined]
         return forward_seconds
+
+    def _charge_draft_rows(self, plan: StepPlan) -> None:
+        """Tell each decoding request what its verified draft rows added to the forward (the sizing
+        cost's estimate of the forward with and without them), so that its gate weighs them with
+        its drafting's host time."""
+        cost = self.sizing_cost
+        if cost is None:
+            return
+        trees = plan.items[len(plan.chunks) :]
+        rows = np.array([item.size - 1 for item in trees], dtype=np.float64)
+        totals = np.concatenate([[plan.tokens], plan.tokens - rows[rows > 0]])
+        seconds = cost.seconds_many(np.maximum(totals, 1), len(plan.items), plan.context)
+        extra = iter(np.maximum(0.0, seconds[0] - seconds[1:]))
+        for r, count in zip(plan.decoding, rows, strict=True):
+            if count > 0:
+                r.draft_forward_seconds = float(next(extra))
 
     def retire_finished(self) -> tuple[str, ...]:
         """Finished runs leave (their session ends, their KV is freed); learned state is written
@@ -401,13 +435,18 @@ class Batch:
             self.persist()
         return finished
 
-    def _learn(self, plan: StepPlan, seconds: float, forward_seconds: float) -> None:
-        """What the step taught about the machine: the pace of committed tokens (``gate_drafts``)
-        and the host seconds outside the forward (``learn_cost``)."""
+    def _learn(self, plan: StepPlan, seconds: float, forward_seconds: float, work_seconds: float) -> None:
+        """What the step taught about the machine: the pace of committed tokens (``gate_drafts``),
+        the host seconds outside the forward (``learn_cost``) and, for a step without prompt chunks,
+        what its arm (drafting or plain) commits per second of propose-to-commit time
+        (``measure_drafting``)."""
         if not plan.decoding:
             return
+        committed = sum(len(r.generated) for r in plan.decoding) - plan.tokens_before
         if self.gate_drafts:
-            self._pace.observe(seconds, sum(len(r.generated) for r in plan.decoding) - plan.tokens_before)
+            self._pace.observe(seconds, committed)
+        if self.payoff is not None and not plan.chunks:
+            self.payoff.observe(len(plan.decoding), plan.drafting, work_seconds, committed)
         if self._observed is not None:
             self.host_seconds += self.HOST_WEIGHT * (max(0.0, seconds - forward_seconds) - self.host_seconds)
 

@@ -138,6 +138,9 @@ class Request:
         self._kept: tuple[int, ...] = ()
         self._proposed = 0
         self._draft_seconds = 0.0  # host seconds of the last proposal (the gate weighs drafting by them)
+        self.draft_forward_seconds = 0.0
+        """the forward seconds this step's verified draft rows added (set by a gating batch before
+        :meth:`verified`, from its cost model; the gate charges them to drafting)"""
         self._tree: TokenTree | None = None
         self._context: list[int] = []
         self._reached: list[int] = []  # _reached[d]: steps whose tree had depth >= d
@@ -373,12 +376,13 @@ class Request:
 
     # ---- propose -> verify -> accept -> commit ------------------------------------------------
 
-    def propose(self) -> Draft:
+    def propose(self, drafting: bool = True) -> Draft:
         """The drafter's proposal, without nodes past what ``max_new_tokens`` still allows; the root
-        alone (``propose(context, 1)``) on a step its :attr:`gate` skips."""
+        alone (``propose(context, 1)``) on a step that does not draft (``drafting`` False: the
+        batch's step runs plain) or that its :attr:`gate` skips."""
         assert self.session is not None
         self._context = self.prompt + self.generated
-        drafting = self.gate is None or self.gate.proposes()
+        drafting = drafting and (self.gate is None or self.gate.proposes())
         started = time.perf_counter()
         draft = self.session.propose(self._context, MAX_TREE_NODES if drafting else 1)
         self._draft_seconds = time.perf_counter() - started
@@ -418,7 +422,8 @@ class Request:
         session.observe(own_view(tree, logits, acceptance, self._kept, self._proposed))
         if self.gate is not None:
             self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
-                               self._draft_seconds + time.perf_counter() - started)
+                               self._draft_seconds + time.perf_counter() - started + self.draft_forward_seconds)
+            self.draft_forward_seconds = 0.0
         new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))
         self._score(logits[list(acceptance.path[: len(new)])], new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token

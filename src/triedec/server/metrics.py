@@ -8,6 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from triedec.core.allocate import DraftPayoff, load_level
 from triedec.engine.batch import StepReport
 from triedec.engine.outcome import Outcome
 
@@ -45,16 +46,33 @@ class Metrics:
         self.draft_nodes = Histogram("triedec_forward_draft_nodes", "draft nodes verified by each forward, all "
                                      "requests together", buckets=(0, *_SIZES), registry=r)
         self.steps = Counter("triedec_steps", "engine steps (forwards)", registry=r)
+        self.plain_steps = Counter("triedec_plain_steps", "engine steps whose requests were not asked to draft "
+                                   "(drafting did not measurably pay at that load, or an exploration step)",
+                                   registry=r)
+        self.speedup = Gauge("triedec_drafting_speedup", "committed tokens per second of steps that draft over "
+                             "steps that do not, at each load level (decoding requests: 1-4, then 4-7, 8-15, ...)",
+                             ["load"], registry=r)
+        self.drafting = Gauge("triedec_drafting", "1 where steps draft at this load level, 0 where they run plain "
+                              "(but for one step in 16 that explores)", ["load"], registry=r)
         queue = Gauge("triedec_queue_depth", "requests running or waiting", ["state"], registry=r)
         queue.labels("running").set_function(lambda: depth()[0])
         queue.labels("waiting").set_function(lambda: depth()[1])
 
-    def step(self, carried: StepReport) -> None:
-        """One engine step (called on the scheduler thread)."""
+    def step(self, carried: StepReport, payoff: DraftPayoff | None = None) -> None:
+        """One engine step (called on the scheduler thread); ``payoff``: the batch's measure of what
+        drafting buys, read at the step's load level."""
         plan = carried.plan
         if not plan.requests:
             return
         self.steps.inc()
+        if not plan.drafting:
+            self.plain_steps.inc()
+        if payoff is not None and plan.decoding:
+            level = load_level(len(plan.decoding))
+            speedup = payoff.speedup(level)
+            if speedup is not None:
+                self.speedup.labels(str(level)).set(speedup)
+            self.drafting.labels(str(level)).set(float(payoff.prefers_drafting(level)))
         self.batch.observe(plan.requests)
         self.forward_tokens.observe(plan.tokens)
         self.budget.observe(plan.tokens / self.max_tokens)

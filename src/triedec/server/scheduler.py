@@ -82,7 +82,7 @@ class Scheduler:
         """a running job whose tokens have waited this long for its handler (a client that stopped
         reading) is paused, its slot free for others, until the handler takes them (None: never)"""
         self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running,
-                           learn_cost=True, gate_drafts=True, fair=True)
+                           learn_cost=True, gate_drafts=True, fair=True, measure_drafting=True)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()

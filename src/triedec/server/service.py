@@ -118,7 +118,7 @@ class Service:
 
     def _on_step(self, carried: StepReport) -> None:
         if self.metrics is not None:
-            self.metrics.step(carried)
+            self.metrics.step(carried, self.scheduler.batch.payoff)
 
     def method_of(self, req: Generation) -> tuple[str, dict[str, Any]]:
         """The request's method and options; refuses unsupported fields, unknown models and

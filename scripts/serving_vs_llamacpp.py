@@ -1,0 +1,259 @@
+"""Serving under load, triedec against llama.cpp built natively, on the same GGUF and the same token
+ids: total tokens/s, time to the first token and per output token (p50 and p99), at several
+concurrencies, greedy and sampled, with every system's texts compared across loads.
+
+Systems: ``llama-server -np C`` (C slots for C clients; ``cache_prompt`` off) and ``triedec serve``
+in each ``--modes`` precision mode with each of ``--methods`` (``--max-running C``: the same slot
+count). A *phase* is one system at one concurrency C and one temperature: a fresh server (so
+``auto``'s memory holds only that phase's earlier answers, never this prompt's answer from another
+phase; declared warm within the phase, as a server runs), one untimed warm-up request on a tuning
+prompt, then every prompt sent once, C in flight at a time, each streamed on
+``POST /v1/completions``. All phases of all repeats run in one order shuffled by ``--seed``.
+Sampled requests carry ``temperature``, ``top_p`` 1 and the seed ``--seed`` + the prompt's index
+(llama-server also ``top_k`` 0 and ``min_p`` 0: both draw from the whole distribution).
+
+The prompts are Spec-Bench's evaluation split (``--per-category`` per category), which no default
+of triedec was tuned on. Two kinds of interval, each named where it is given: **over repeats**
+(each repeat's ratio of total tokens/s, paired within the repeat; a 95% Student-t interval of
+their geometric mean: machine noise between runs) and **over prompts** (each prompt's request
+tokens/s at that load, sending to its last token, averaged over repeats; the ratio of means with
+a 95% bootstrap interval over prompts).
+
+Build llama.cpp first (about 6 minutes): ``bash ../shared/tools/build_llamacpp.sh``. Then:
+
+    .venv/bin/python scripts/serving_vs_llamacpp.py --out benchmarks/serving-vs-llamacpp-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from triedec.bench.datasets import load_questions, select, split, warmup_questions
+from triedec.bench.report import machine_info, source_commit, versions
+from triedec.bench.servers import free_port, latency_summary, run_phase, server
+from triedec.bench.stats import geometric_mean, ratio_interval, repeat_interval
+from triedec.core.errors import TriedecError
+from triedec.model.source import default_model_path
+
+LLAMA = "llama-server"
+
+
+def system_names(modes: list[str], methods: list[str], llama: bool) -> list[str]:
+    return ([LLAMA] if llama else []) + [f"triedec {mode} {method}" for mode in modes for method in methods]
+
+
+def command(name: str, args: argparse.Namespace, gguf: Path, concurrency: int, port: int) -> list[str]:
+    if name == LLAMA:
+        return [str(args.llamacpp / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb",
+                str(args.threads), "-np", str(concurrency), "-c", str(2048 * concurrency), "--port", str(port)]
+    _, mode, method = name.split()
+    return [sys.executable, "-m", "triedec.cli.main", "serve", "--model", str(gguf), "--weights", mode,
+            "--method", method, "--threads", str(args.threads), "--remeasure-after", "0",
+            "--max-running", str(max(concurrency, 1)), "--port", str(port)]
+
+
+def body(name: str, temperature: float, seed: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {"cache_prompt": False} if name == LLAMA else {}
+    if temperature > 0:
+        extra.update(temperature=temperature, top_p=1.0, seed=seed)
+        if name == LLAMA:
+            extra.update(top_k=0, min_p=0.0)
+    return extra
+
+
+def ratio_cells(phases: list[dict[str, Any]], system: str, baseline: str, concurrency: int,
+                temperature: float) -> dict[str, Any] | None:
+    """``system`` over ``baseline`` at one load: over repeats (total tokens/s, paired per repeat)
+    and over prompts (request tokens/s, each prompt's mean over repeats)."""
+    def mine(name: str) -> dict[int, dict[str, Any]]:
+        return {p["repeat"]: p for p in phases
+                if p["system"] == name and p["concurrency"] == concurrency and p["temperature"] == temperature}
+
+    a, b = mine(system), mine(baseline)
+    repeats = sorted(set(a) & set(b))
+    if not repeats:
+        return None
+    per_repeat = [a[r]["summary"]["tokens_per_s"] / b[r]["summary"]["tokens_per_s"] for r in repeats]
+    speeds: dict[str, dict[str, list[float]]] = {}
+    for name, found in ((system, a), (baseline, b)):
+        for r in repeats:
+            for qid, speed in found[r]["request_tokens_per_s"].items():
+                speeds.setdefault(qid, {}).setdefault(name, []).append(speed)
+    prompts = [q for q, s in speeds.items() if len(s.get(system, ())) == len(s.get(baseline, ())) == len(repeats)]
+    num = [statistics.fmean(speeds[q][system]) for q in prompts]
+    den = [statistics.fmean(speeds[q][baseline]) for q in prompts]
+    return {"repeats": len(repeats), "total_ratio": geometric_mean(per_repeat), "per_repeat": per_repeat,
+            "total_ratio_interval_over_repeats": repeat_interval(per_repeat),
+            "prompts": len(prompts), "request_ratio_of_means": sum(num) / sum(den) if den else None,
+            "request_ratio_interval_over_prompts": ratio_interval(num, den) if len(prompts) > 1 else None}
+
+
+def cell_text(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "-"
+    rep = c["total_ratio_interval_over_repeats"]
+    pro = c["request_ratio_interval_over_prompts"]
+    text = f"{c['total_ratio']:.2f}x"
+    text += f" [{rep[0]:.2f}, {rep[1]:.2f}]r" if rep else ""
+    if c["request_ratio_of_means"] is not None:
+        text += f"; {c['request_ratio_of_means']:.2f}x"
+        text += f" [{pro[0]:.2f}, {pro[1]:.2f}]p" if pro else ""
+    return text
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--llamacpp", type=Path, default=Path.home() / ".cache" / "llamacpp-native" / "bin")
+    parser.add_argument("--no-llama", action="store_true", help="triedec's systems only")
+    parser.add_argument("--modes", default="int4-a8,float", help="triedec precision modes (--weights)")
+    parser.add_argument("--methods", default="ar,auto")
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-category", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=1800.0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    gguf = (args.model or default_model_path()).resolve()
+    if not args.no_llama and not (args.llamacpp / "llama-server").is_file():
+        raise TriedecError(f"{args.llamacpp / 'llama-server'} not found: build llama.cpp with "
+                           "../shared/tools/build_llamacpp.sh, or pass --no-llama")
+    modes, methods = args.modes.split(","), args.methods.split(",")
+    loads = [int(c) for c in args.concurrency.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    systems = system_names(modes, methods, not args.no_llama)
+    args.out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="serving-vs-llamacpp-"))
+
+    from triedec.api.loading import load
+
+    lm = load(gguf, weights="float")
+    questions = split(load_questions("spec-bench"), "evaluation")
+    sample = select(questions, args.per_category)
+    warm = warmup_questions("spec-bench", sample, 1)
+    prompts = {q.id: lm.prompts.encode(q.turns[0], chat=True) for q in sample}
+    index = {qid: k for k, qid in enumerate(prompts)}
+    warm_prompt = {"warm-up": lm.prompts.encode(warm[0].turns[0], chat=True)}
+    del lm
+    version = None
+    if not args.no_llama:
+        found = subprocess.run([str(args.llamacpp / "llama-server"), "--version"], capture_output=True, text=True)
+        version = (found.stdout + found.stderr).strip()
+
+    plan = [(name, c, t, r) for r in range(args.repeats) for name in systems for c in loads for t in temperatures]
+    random.Random(args.seed).shuffle(plan)
+    phases: list[dict[str, Any]] = []
+    started = time.time()
+    for k, (name, concurrency, temperature, repeat) in enumerate(plan):
+        port = free_port()
+        with contextlib.ExitStack() as stack:
+            base = stack.enter_context(server(name.replace(" ", "-"), command(name, args, gguf, concurrency, port),
+                                              port, args.startup_timeout, logs))
+            run_phase(base, warm_prompt, 1, args.max_tokens, lambda _q, n=name, t=temperature: body(n, t, args.seed))
+            records, seconds = run_phase(base, prompts, concurrency, args.max_tokens,
+                                         lambda q, n=name, t=temperature: body(n, t, args.seed + index[q]))
+        summary = latency_summary(records, seconds)
+        phases.append({"system": name, "concurrency": concurrency, "temperature": temperature, "repeat": repeat,
+                       "summary": summary, "texts": {r["prompt"]: r["text"] for r in records},
+                       "request_tokens_per_s": {r["prompt"]: r["tokens"] / (r["last"] - r["sent"])
+                                                for r in records if r["last"] is not None and r["tokens"]},
+                       "finish_reasons": {r["prompt"]: r["finish_reason"] for r in records}})
+        print(f"[{k + 1}/{len(plan)} {time.time() - started:6.0f}s] {name:>24} C={concurrency:<2} T={temperature} "
+              f"r{repeat}: {summary['tokens_per_s']:7.1f} tok/s  ttft p50 {ms(summary['ttft_p50_ms'])} ms  "
+              f"tpot p50 {ms(summary['tpot_p50_ms'])} ms", flush=True)
+
+    lines = [f"# Serving under load: triedec vs llama-server ({gguf.name})", "",
+             f"{len(prompts)} Spec-Bench evaluation prompts x {args.max_tokens} tokens, each sent once per phase, C at "
+             f"a time; {args.repeats} repeat(s) of every phase, each on a fresh server, all phases in one seeded "
+             f"random order; {args.threads} threads; llama-server `-np C`, triedec `--max-running C`. Commit "
+             f"{source_commit()}; llama.cpp: {version}.", ""]
+    ratios: dict[str, Any] = {}
+    for temperature in temperatures:
+        kind = "greedy" if temperature == 0 else f"sampled, T={temperature}"
+        lines += [f"## {kind}", "", "| system | C | total tok/s (mean over repeats) | TTFT p50 / p99 ms | "
+                  "TPOT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|"]
+        for name in systems:
+            for c in loads:
+                mine = [p["summary"] for p in phases
+                        if p["system"] == name and p["concurrency"] == c and p["temperature"] == temperature]
+                if not mine:
+                    continue
+
+                def med(key: str, mine: list[dict[str, Any]] = mine) -> float | None:
+                    values = [m[key] for m in mine if m[key] is not None]
+                    return statistics.median(values) if values else None
+
+                lines.append(f"| {name} | {c} | {statistics.fmean(m['tokens_per_s'] for m in mine):.1f} | "
+                             f"{ms(med('ttft_p50_ms'))} / {ms(med('ttft_p99_ms'))} | {ms(med('tpot_p50_ms'))} / "
+                             f"{ms(med('tpot_p99_ms'))} | {ms(med('itl_p50_ms'))} / {ms(med('itl_p99_ms'))} |")
+        lines += ["", "Ratios of total tokens/s: geometric mean over repeats `[..]r` (95% t over repeats); then the "
+                  "ratio of mean request tokens/s `[..]p` (95% bootstrap over prompts).", "",
+                  "| ratio | " + " | ".join(f"C={c}" for c in loads) + " |", "|---|" + "---|" * len(loads)]
+        comparisons: dict[str, Any] = {}
+        pairs = [(f"triedec {m} auto", f"triedec {m} ar") for m in modes if {"ar", "auto"} <= set(methods)]
+        if not args.no_llama:
+            pairs += [(f"triedec {m} {method}", LLAMA) for m in modes for method in methods]
+        for system, baseline in pairs:
+            cells = [ratio_cells(phases, system, baseline, c, temperature) for c in loads]
+            comparisons[f"{system} / {baseline}"] = cells
+            lines.append(f"| {system} / {baseline} | " + " | ".join(cell_text(c) for c in cells) + " |")
+        lines.append("")
+        # texts across loads: each system's text at C against its text at the lowest load, same repeat
+        low = min(loads)
+        for name in systems:
+            same = total = 0
+            for p in phases:
+                if p["system"] != name or p["temperature"] != temperature or p["concurrency"] == low:
+                    continue
+                ref = next(q for q in phases if q["system"] == name and q["temperature"] == temperature
+                           and q["concurrency"] == low and q["repeat"] == p["repeat"])
+                for qid, text in p["texts"].items():
+                    total += 1
+                    same += text == ref["texts"].get(qid)
+            lines.append(f"- {name}: texts equal to its own at C={low} on {same} of {total}.")
+        for mode in modes:
+            if {"ar", "auto"} <= set(methods):
+                ar = {(p["repeat"], p["concurrency"]): p for p in phases
+                      if p["system"] == f"triedec {mode} ar" and p["temperature"] == temperature}
+                same = total = 0
+                for p in phases:
+                    if p["system"] == f"triedec {mode} auto" and p["temperature"] == temperature:
+                        ref = ar[(p["repeat"], p["concurrency"])]
+                        for qid, text in p["texts"].items():
+                            total += 1
+                            same += text == ref["texts"].get(qid)
+                lines.append(f"- triedec {mode}: `auto`'s text equals `ar`'s on {same} of {total}.")
+        lines.append("")
+        ratios[str(temperature)] = comparisons
+    print("\n".join(lines))
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.json").write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "prompts": list(prompts),
+        "order": plan, "llama_server_version": version, "ratios": ratios, "phases": phases,
+        "machine": machine_info(torch.device("cpu")), "versions": versions(), "commit": source_commit()},
+        indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
