@@ -73,6 +73,25 @@ def body(name: str, temperature: float, seed: int) -> dict[str, Any]:
     return extra
 
 
+def probe_gflops(seconds: float = 0.5) -> float:
+    """The machine's speed just before a phase, nothing of the benchmark running: single-thread
+    float32 GFLOP/s of a 256 x 256 matmul for ``seconds``. A phase that ran on a slowed machine
+    (a busy neighbour) shows here, and the report gives the range over phases."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        for _ in range(3):
+            a @ b
+        count, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            a @ b
+            count += 1
+        return count * 2 * 256**3 / (time.perf_counter() - started) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def ratio_cells(phases: list[dict[str, Any]], system: str, baseline: str, concurrency: int,
                 temperature: float) -> dict[str, Any] | None:
     """``system`` over ``baseline`` at one load: over repeats (total tokens/s, paired per repeat)
@@ -117,6 +136,106 @@ def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def header_text(prompts: int, max_tokens: int | str, repeats: int | str, threads: int | str, commit: str,
+                version: str | None) -> str:
+    return (f"{prompts} Spec-Bench evaluation prompts x {max_tokens} tokens, each sent once per phase, C at a time; "
+            f"{repeats} repeat(s) of every phase, each on a fresh server, all phases in one seeded random order; "
+            f"{threads} threads; llama-server `-np C`, triedec `--max-running C`. Commit {commit}; llama.cpp: "
+            f"{version}.")
+
+
+def below_ar(phases: list[dict[str, Any]], mode: str, concurrency: int, temperature: float) -> str:
+    """The prompts on which ``auto`` ran below ``ar`` beyond noise at one load: slower in every
+    repeat, and by more than 5% over their mean."""
+    def speeds(method: str) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for p in sorted(phases, key=lambda p: p["repeat"]):
+            if p["system"] == f"triedec {mode} {method}" and p["concurrency"] == concurrency \
+                    and p["temperature"] == temperature:
+                for qid, speed in p["request_tokens_per_s"].items():
+                    out.setdefault(qid, []).append(speed)
+        return out
+
+    auto, ar = speeds("auto"), speeds("ar")
+    both = [q for q in auto if q in ar and len(auto[q]) == len(ar[q])]
+    below = [q for q in both if all(a < b for a, b in zip(auto[q], ar[q], strict=True))
+             and statistics.fmean(auto[q]) < 0.95 * statistics.fmean(ar[q])]
+    ratios = sorted(statistics.fmean(auto[q]) / statistics.fmean(ar[q]) for q in both)
+    lowest = f"; the lowest per-prompt ratio {ratios[0]:.2f}x" if ratios else ""
+    return (f"`auto` below `ar` beyond noise (slower in every repeat and by more than 5%) on {len(below)} of "
+            f"{len(both)} prompts{lowest}" + (f": {', '.join(below)}." if below else "."))
+
+
+def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[str], methods: list[str],
+           loads: list[int], temperatures: list[float], systems: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """The results as markdown lines, and the ratio cells by temperature."""
+    lines = [f"# Serving under load: triedec vs llama-server ({model})", "", header, ""]
+    probes = [p["probe_gflops"] for p in phases if p.get("probe_gflops")]
+    if probes:
+        lines += [f"The machine before each phase (single-thread matmul, idle): median {statistics.median(probes):.0f} "
+                  f"GFLOP/s, {min(probes):.0f}-{max(probes):.0f} over the {len(probes)} phases.", ""]
+    ratios: dict[str, Any] = {}
+    for temperature in temperatures:
+        kind = "greedy" if temperature == 0 else f"sampled, T={temperature}"
+        lines += [f"## {kind}", "", "| system | C | total tok/s (mean over repeats) | TTFT p50 / p99 ms | "
+                  "TPOT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|"]
+        for name in systems:
+            for c in loads:
+                mine = [p["summary"] for p in phases
+                        if p["system"] == name and p["concurrency"] == c and p["temperature"] == temperature]
+                if not mine:
+                    continue
+
+                def med(key: str, mine: list[dict[str, Any]] = mine) -> float | None:
+                    values = [m[key] for m in mine if m[key] is not None]
+                    return statistics.median(values) if values else None
+
+                lines.append(f"| {name} | {c} | {statistics.fmean(m['tokens_per_s'] for m in mine):.1f} | "
+                             f"{ms(med('ttft_p50_ms'))} / {ms(med('ttft_p99_ms'))} | {ms(med('tpot_p50_ms'))} / "
+                             f"{ms(med('tpot_p99_ms'))} | {ms(med('itl_p50_ms'))} / {ms(med('itl_p99_ms'))} |")
+        lines += ["", "Ratios of total tokens/s: geometric mean over repeats `[..]r` (95% t over repeats); then the "
+                  "ratio of mean request tokens/s `[..]p` (95% bootstrap over prompts).", "",
+                  "| ratio | " + " | ".join(f"C={c}" for c in loads) + " |", "|---|" + "---|" * len(loads)]
+        comparisons: dict[str, Any] = {}
+        pairs = [(f"triedec {m} auto", f"triedec {m} ar") for m in modes if {"ar", "auto"} <= set(methods)]
+        if LLAMA in systems:
+            pairs += [(f"triedec {m} {method}", LLAMA) for m in modes for method in methods]
+        for system, baseline in pairs:
+            cells = [ratio_cells(phases, system, baseline, c, temperature) for c in loads]
+            comparisons[f"{system} / {baseline}"] = cells
+            lines.append(f"| {system} / {baseline} | " + " | ".join(cell_text(c) for c in cells) + " |")
+        lines.append("")
+        # texts across loads: each system's text at C against its text at the lowest load, same repeat
+        low = min(loads)
+        for name in systems:
+            same = total = 0
+            for p in phases:
+                if p["system"] != name or p["temperature"] != temperature or p["concurrency"] == low:
+                    continue
+                ref = next(q for q in phases if q["system"] == name and q["temperature"] == temperature
+                           and q["concurrency"] == low and q["repeat"] == p["repeat"])
+                for qid, text in p["texts"].items():
+                    total += 1
+                    same += text == ref["texts"].get(qid)
+            lines.append(f"- {name}: texts equal to its own at C={low} on {same} of {total}.")
+        for mode in modes:
+            if {"ar", "auto"} <= set(methods):
+                ar = {(p["repeat"], p["concurrency"]): p for p in phases
+                      if p["system"] == f"triedec {mode} ar" and p["temperature"] == temperature}
+                same = total = 0
+                for p in phases:
+                    if p["system"] == f"triedec {mode} auto" and p["temperature"] == temperature:
+                        ref = ar[(p["repeat"], p["concurrency"])]
+                        for qid, text in p["texts"].items():
+                            total += 1
+                            same += text == ref["texts"].get(qid)
+                lines.append(f"- triedec {mode}: `auto`'s text equals `ar`'s on {same} of {total}.")
+                lines.append(f"- triedec {mode}, one at a time: " + below_ar(phases, mode, low, temperature))
+        lines.append("")
+        ratios[str(temperature)] = comparisons
+    return lines, ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
@@ -133,7 +252,23 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="render the report again from a results.json this script wrote (runs nothing)")
     args = parser.parse_args()
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+        stored = data["args"]
+        modes, methods = stored["modes"].split(","), stored["methods"].split(",")
+        systems = system_names(modes, methods, stored["no_llama"] != "True")
+        header = data.get("header") or header_text(len(data["prompts"]), stored["max_tokens"], stored["repeats"],
+                                                   stored["threads"], data["commit"], data["llama_server_version"])
+        lines, _ = report(data["phases"], Path(data["model"]).name, header, modes, methods,
+                          [int(c) for c in stored["concurrency"].split(",")],
+                          [float(t) for t in stored["temperatures"].split(",")], systems)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0
     gguf = (args.model or default_model_path()).resolve()
     if not args.no_llama and not (args.llamacpp / "llama-server").is_file():
         raise TriedecError(f"{args.llamacpp / 'llama-server'} not found: build llama.cpp with "
@@ -166,6 +301,7 @@ def main() -> int:
     started = time.time()
     for k, (name, concurrency, temperature, repeat) in enumerate(plan):
         port = free_port()
+        probe = probe_gflops()
         with contextlib.ExitStack() as stack:
             base = stack.enter_context(server(name.replace(" ", "-"), command(name, args, gguf, concurrency, port),
                                               port, args.startup_timeout, logs))
@@ -174,82 +310,21 @@ def main() -> int:
                                          lambda q, n=name, t=temperature: body(n, t, args.seed + index[q]))
         summary = latency_summary(records, seconds)
         phases.append({"system": name, "concurrency": concurrency, "temperature": temperature, "repeat": repeat,
-                       "summary": summary, "texts": {r["prompt"]: r["text"] for r in records},
+                       "probe_gflops": probe, "summary": summary, "texts": {r["prompt"]: r["text"] for r in records},
                        "request_tokens_per_s": {r["prompt"]: r["tokens"] / (r["last"] - r["sent"])
                                                 for r in records if r["last"] is not None and r["tokens"]},
                        "finish_reasons": {r["prompt"]: r["finish_reason"] for r in records}})
         print(f"[{k + 1}/{len(plan)} {time.time() - started:6.0f}s] {name:>24} C={concurrency:<2} T={temperature} "
               f"r{repeat}: {summary['tokens_per_s']:7.1f} tok/s  ttft p50 {ms(summary['ttft_p50_ms'])} ms  "
-              f"tpot p50 {ms(summary['tpot_p50_ms'])} ms", flush=True)
+              f"tpot p50 {ms(summary['tpot_p50_ms'])} ms  probe {probe:.0f} GFLOP/s", flush=True)
 
-    lines = [f"# Serving under load: triedec vs llama-server ({gguf.name})", "",
-             f"{len(prompts)} Spec-Bench evaluation prompts x {args.max_tokens} tokens, each sent once per phase, C at "
-             f"a time; {args.repeats} repeat(s) of every phase, each on a fresh server, all phases in one seeded "
-             f"random order; {args.threads} threads; llama-server `-np C`, triedec `--max-running C`. Commit "
-             f"{source_commit()}; llama.cpp: {version}.", ""]
-    ratios: dict[str, Any] = {}
-    for temperature in temperatures:
-        kind = "greedy" if temperature == 0 else f"sampled, T={temperature}"
-        lines += [f"## {kind}", "", "| system | C | total tok/s (mean over repeats) | TTFT p50 / p99 ms | "
-                  "TPOT p50 / p99 ms | ITL p50 / p99 ms |", "|---|---|---|---|---|---|"]
-        for name in systems:
-            for c in loads:
-                mine = [p["summary"] for p in phases
-                        if p["system"] == name and p["concurrency"] == c and p["temperature"] == temperature]
-                if not mine:
-                    continue
-
-                def med(key: str, mine: list[dict[str, Any]] = mine) -> float | None:
-                    values = [m[key] for m in mine if m[key] is not None]
-                    return statistics.median(values) if values else None
-
-                lines.append(f"| {name} | {c} | {statistics.fmean(m['tokens_per_s'] for m in mine):.1f} | "
-                             f"{ms(med('ttft_p50_ms'))} / {ms(med('ttft_p99_ms'))} | {ms(med('tpot_p50_ms'))} / "
-                             f"{ms(med('tpot_p99_ms'))} | {ms(med('itl_p50_ms'))} / {ms(med('itl_p99_ms'))} |")
-        lines += ["", "Ratios of total tokens/s: geometric mean over repeats `[..]r` (95% t over repeats); then the "
-                  "ratio of mean request tokens/s `[..]p` (95% bootstrap over prompts).", "",
-                  "| ratio | " + " | ".join(f"C={c}" for c in loads) + " |", "|---|" + "---|" * len(loads)]
-        comparisons: dict[str, Any] = {}
-        pairs = [(f"triedec {m} auto", f"triedec {m} ar") for m in modes if {"ar", "auto"} <= set(methods)]
-        if not args.no_llama:
-            pairs += [(f"triedec {m} {method}", LLAMA) for m in modes for method in methods]
-        for system, baseline in pairs:
-            cells = [ratio_cells(phases, system, baseline, c, temperature) for c in loads]
-            comparisons[f"{system} / {baseline}"] = cells
-            lines.append(f"| {system} / {baseline} | " + " | ".join(cell_text(c) for c in cells) + " |")
-        lines.append("")
-        # texts across loads: each system's text at C against its text at the lowest load, same repeat
-        low = min(loads)
-        for name in systems:
-            same = total = 0
-            for p in phases:
-                if p["system"] != name or p["temperature"] != temperature or p["concurrency"] == low:
-                    continue
-                ref = next(q for q in phases if q["system"] == name and q["temperature"] == temperature
-                           and q["concurrency"] == low and q["repeat"] == p["repeat"])
-                for qid, text in p["texts"].items():
-                    total += 1
-                    same += text == ref["texts"].get(qid)
-            lines.append(f"- {name}: texts equal to its own at C={low} on {same} of {total}.")
-        for mode in modes:
-            if {"ar", "auto"} <= set(methods):
-                ar = {(p["repeat"], p["concurrency"]): p for p in phases
-                      if p["system"] == f"triedec {mode} ar" and p["temperature"] == temperature}
-                same = total = 0
-                for p in phases:
-                    if p["system"] == f"triedec {mode} auto" and p["temperature"] == temperature:
-                        ref = ar[(p["repeat"], p["concurrency"])]
-                        for qid, text in p["texts"].items():
-                            total += 1
-                            same += text == ref["texts"].get(qid)
-                lines.append(f"- triedec {mode}: `auto`'s text equals `ar`'s on {same} of {total}.")
-        lines.append("")
-        ratios[str(temperature)] = comparisons
+    header = header_text(len(prompts), args.max_tokens, args.repeats, args.threads, source_commit(), version)
+    lines, ratios = report(phases, gguf.name, header, modes, methods, loads, temperatures, systems)
     print("\n".join(lines))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "prompts": list(prompts),
-        "order": plan, "llama_server_version": version, "ratios": ratios, "phases": phases,
+        "order": plan, "llama_server_version": version, "header": header, "ratios": ratios, "phases": phases,
         "machine": machine_info(torch.device("cpu")), "versions": versions(), "commit": source_commit()},
         indent=1, default=str))
     return 0

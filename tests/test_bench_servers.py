@@ -43,3 +43,72 @@ def test_llama_bench_line_names_the_build() -> None:
              "rows": [{"build_commit": "0c1e570", "cpu_info": "AMD EPYC"}]}
     assert llama_bench_line(bench) == ("llama-bench: tg128 113.3 ± 7.1 tok/s, pp256 304.1 ± 31.7 tok/s "
                                        "(build 0c1e570, AMD EPYC).")
+
+
+def test_percentiles_and_a_load_phase_summary() -> None:
+    from triedec.bench.servers import latency_summary, percentile
+
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    records = [{"tokens": 5, "sent": 0.0, "first": 0.1, "last": 0.5, "chunk_times": [0.1, 0.2, 0.5]},
+               {"tokens": 3, "sent": 0.0, "first": 0.3, "last": 0.5, "chunk_times": [0.3, 0.5]},
+               {"tokens": 0, "sent": 0.0, "first": None, "last": None, "chunk_times": []}]
+    out = latency_summary(records, 2.0)
+    assert out["tokens"] == 8 and out["tokens_per_s"] == 4.0 and out["requests"] == 3
+    assert out["ttft_p50_ms"] == pytest.approx(200.0)  # 100 and 300 ms; the empty answer has no first token
+    assert out["tpot_p50_ms"] == pytest.approx(100.0)  # 400 ms over 4 tokens, 200 ms over 2
+    assert out["itl_p99_ms"] == pytest.approx(100 + 0.99 * 200)  # gaps 100, 300 and 200 ms
+
+
+def test_a_load_phase_keeps_its_concurrency_and_times_every_streamed_chunk() -> None:
+    """run_phase against a small streaming server: never more than C requests in flight, every
+    prompt's record with its chunks' times and the server's usage count, in prompt order."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from triedec.bench.servers import run_phase
+
+    state = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                state["now"] += 1
+                state["most"] = max(state["most"], state["now"])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for token in body["prompt"]:
+                time.sleep(0.01)
+                self.wfile.write(f"data: {json.dumps({'choices': [{'text': str(token)}]})}\n\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [{"text": "", "finish_reason": "length"}],
+                     "usage": {"completion_tokens": len(body["prompt"])}, "seed": body.get("seed")}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            with lock:
+                state["now"] -= 1
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        prompts = {f"p{i}": list(range(1, 2 + i % 4)) for i in range(9)}
+        records, seconds = run_phase(f"http://127.0.0.1:{httpd.server_address[1]}", prompts, 3, 16,
+                                     lambda q: {"seed": int(q[1:])})
+    finally:
+        httpd.shutdown()
+    assert [r["prompt"] for r in records] == list(prompts)
+    assert 2 <= state["most"] <= 3  # the cap holds (and requests did overlap)
+    for r in records:
+        assert r["tokens"] == len(prompts[r["prompt"]]) == len(r["chunk_times"])
+        assert r["text"] == "".join(map(str, prompts[r["prompt"]])) and r["finish_reason"] == "length"
+        assert r["sent"] < r["first"] <= r["last"]
+    assert 0 < seconds < 5
