@@ -317,6 +317,7 @@ def main() -> int:
         print(f"[{k + 1}/{len(plan)} {time.time() - started:6.0f}s] {name:>24} C={concurrency:<2} T={temperature} "
               f"r{repeat}: {summary['tokens_per_s']:7.1f} tok/s  ttft p50 {ms(summary['ttft_p50_ms'])} ms  "
               f"tpot p50 {ms(summary['tpot_p50_ms'])} ms  probe {probe:.0f} GFLOP/s", flush=True)
+        (args.out / "phases.partial.json").write_text(json.dumps(phases))  # a run cut short keeps what it measured
 
     header = header_text(len(prompts), args.max_tokens, args.repeats, args.threads, source_commit(), version)
     lines, ratios = report(phases, gguf.name, header, modes, methods, loads, temperatures, systems)
