@@ -105,6 +105,8 @@ def ratio_cells(phases: list[dict[str, Any]], system: str, baseline: str, concur
     if not repeats:
         return None
     per_repeat = [a[r]["summary"]["tokens_per_s"] / b[r]["summary"]["tokens_per_s"] for r in repeats]
+    decode = [b[r]["summary"]["tpot_p50_ms"] / a[r]["summary"]["tpot_p50_ms"] for r in repeats
+              if a[r]["summary"]["tpot_p50_ms"] and b[r]["summary"]["tpot_p50_ms"]]
     speeds: dict[str, dict[str, list[float]]] = {}
     for name, found in ((system, a), (baseline, b)):
         for r in repeats:
@@ -114,6 +116,7 @@ def ratio_cells(phases: list[dict[str, Any]], system: str, baseline: str, concur
     num = [statistics.fmean(speeds[q][system]) for q in prompts]
     den = [statistics.fmean(speeds[q][baseline]) for q in prompts]
     return {"repeats": len(repeats), "total_ratio": geometric_mean(per_repeat), "per_repeat": per_repeat,
+            "tpot_p50_ratio": geometric_mean(decode) if decode else None,
             "total_ratio_interval_over_repeats": repeat_interval(per_repeat),
             "prompts": len(prompts), "request_ratio_of_means": sum(num) / sum(den) if den else None,
             "request_ratio_interval_over_prompts": ratio_interval(num, den) if len(prompts) > 1 else None}
@@ -129,6 +132,8 @@ def cell_text(c: dict[str, Any] | None) -> str:
     if c["request_ratio_of_means"] is not None:
         text += f"; {c['request_ratio_of_means']:.2f}x"
         text += f" [{pro[0]:.2f}, {pro[1]:.2f}]p" if pro else ""
+    if c.get("tpot_p50_ratio"):
+        text += f"; decode {c['tpot_p50_ratio']:.2f}x"
     return text
 
 
@@ -193,8 +198,11 @@ def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[st
                 lines.append(f"| {name} | {c} | {statistics.fmean(m['tokens_per_s'] for m in mine):.1f} | "
                              f"{ms(med('ttft_p50_ms'))} / {ms(med('ttft_p99_ms'))} | {ms(med('tpot_p50_ms'))} / "
                              f"{ms(med('tpot_p99_ms'))} | {ms(med('itl_p50_ms'))} / {ms(med('itl_p99_ms'))} |")
-        lines += ["", "Ratios of total tokens/s: geometric mean over repeats `[..]r` (95% t over repeats); then the "
-                  "ratio of mean request tokens/s `[..]p` (95% bootstrap over prompts).", "",
+        lines += ["", "Each cell: the ratio of total tokens/s, geometric mean over repeats `[..]r` (95% t interval "
+                  "over repeats: machine noise); the ratio of mean request tokens/s, sending to last token `[..]p` "
+                  "(95% bootstrap interval over prompts); and `decode`, the ratio of median time per output token "
+                  "after the first (baseline's over the system's; geometric mean over repeats). Cells with 1 repeat "
+                  "carry no interval over repeats.", "",
                   "| ratio | " + " | ".join(f"C={c}" for c in loads) + " |", "|---|" + "---|" * len(loads)]
         comparisons: dict[str, Any] = {}
         pairs = [(f"triedec {m} auto", f"triedec {m} ar") for m in modes if {"ar", "auto"} <= set(methods)]
@@ -212,8 +220,10 @@ def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[st
             for p in phases:
                 if p["system"] != name or p["temperature"] != temperature or p["concurrency"] == low:
                     continue
-                ref = next(q for q in phases if q["system"] == name and q["temperature"] == temperature
-                           and q["concurrency"] == low and q["repeat"] == p["repeat"])
+                ref = next((q for q in phases if q["system"] == name and q["temperature"] == temperature
+                            and q["concurrency"] == low and q["repeat"] == p["repeat"]), None)
+                if ref is None:  # a run cut short: not measured
+                    continue
                 for qid, text in p["texts"].items():
                     total += 1
                     same += text == ref["texts"].get(qid)
@@ -225,7 +235,9 @@ def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[st
                 same = total = 0
                 for p in phases:
                     if p["system"] == f"triedec {mode} auto" and p["temperature"] == temperature:
-                        ref = ar[(p["repeat"], p["concurrency"])]
+                        ref = ar.get((p["repeat"], p["concurrency"]))
+                        if ref is None:
+                            continue
                         for qid, text in p["texts"].items():
                             total += 1
                             same += text == ref["texts"].get(qid)
@@ -257,6 +269,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.from_json is not None:
         data = json.loads(args.from_json.read_text())
+        if isinstance(data, list):  # phases.partial.json of a run cut short: the options come from this command
+            data = {"phases": data, "args": {k: str(v) for k, v in vars(args).items()}, "prompts":
+                    sorted({q for p in data for q in p["texts"]}), "commit": "see the run's log",
+                    "llama_server_version": None, "model": str(args.model or default_model_path())}
         stored = data["args"]
         modes, methods = stored["modes"].split(","), stored["methods"].split(",")
         systems = system_names(modes, methods, stored["no_llama"] != "True")

@@ -9,7 +9,9 @@ frozen :class:`StepPlan`, as vLLM v1's ``SchedulerOutput``), :meth:`~Batch.verif
    (running requests, KV memory) and each group's running cap (a server tenant's share); a
    ``fair`` batch (the server's) admits the group with the fewest running first, and pauses a run
    of a group holding more than its share of slots while another group waits;
-2. **propose**: every decoding request's drafter proposes a scored draft;
+2. **propose**: every decoding request's drafter proposes a scored draft (the root alone on a
+   plain step: a batch that measures drafting, :class:`~triedec.core.allocate.DraftPayoff`, runs
+   plain steps where drafting does not pay at the step's load);
 3. **allocate**: :func:`~triedec.core.allocate.allocate` sizes all drafts together under the device's
    :class:`~triedec.core.costmodel.CostModel` (nodes go where they are most likely to be accepted, and
    only while they pay; the forward's prompt chunks count in its cost);
