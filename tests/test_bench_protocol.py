@@ -205,8 +205,8 @@ def _drafts_per_method(monkeypatch):
     seen: dict[int, tuple[Request, list[tuple]]] = {}  # holds each request, so no id is reused
     original = Request.propose
 
-    def propose(self):
-        draft = original(self)
+    def propose(self, drafting=True):
+        draft = original(self, drafting)
         if id(self) not in seen:
             seen[id(self)] = (self, [])
             logs[type(self.drafter).__name__].append(seen[id(self)][1])
