@@ -47,6 +47,11 @@ def test_capacity_and_index_errors():
     fill(cache, 3, 0)
     with pytest.raises(TriedecError):
         cache.commit([3])
+    with pytest.raises(TriedecError):  # the slots as they stand, one more than pending
+        cache.commit([0, 1, 2, 3])
+    assert cache.length == 0 and cache.pending == 3
+    cache.commit((0, 1))  # a prefix as it stands: nothing moves
+    assert cache.length == 2 and cache.pending == 0
     with pytest.raises(TriedecError):
         KVCache(0)
 

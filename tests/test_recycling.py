@@ -101,6 +101,17 @@ def test_update_writes_topk_rows_and_last_write_wins():
     assert m.table[5].tolist() == [7, 1]
 
 
+def test_update_over_a_real_vocabulary_writes_torch_topk_and_marks_rows_written():
+    m = AdjacencyMatrix(vocab_size=49152, k=8, device=CPU)
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0))
+    m.update([11, 7, 11, 40000], logits)
+    want = logits.topk(8, dim=-1).indices
+    assert torch.equal(m.table[[7, 11, 40000]], want[[1, 2, 3]])
+    assert m.filled.nonzero().flatten().tolist() == [7, 11, 40000]
+    assert [token for token, _ in m.take_written()] == [7, 11, 40000]
+    assert not m.written.any()
+
+
 def test_expand_follows_ranks_and_marks_cold_rows():
     m = AdjacencyMatrix(vocab_size=10, k=2, device=CPU)
     m.table[4] = torch.tensor([6, 7])

@@ -60,6 +60,19 @@ def test_topk_distinct_values_give_torch_indices() -> None:
     assert torch.equal(topk_indices(x, 8), x.topk(8, dim=-1).indices)
 
 
+def test_topk_ranks_nan_largest_as_torch() -> None:
+    x = torch.randn(3, 768 * CHUNK + 5, generator=torch.Generator().manual_seed(1))
+    x[1, 100] = float("nan")  # torch ranks NaN first
+    assert torch.equal(topk_indices(x, 8), x.topk(8, dim=-1).indices)
+    assert topk_indices(x, 8)[1, 0].item() == 100
+
+
+def test_topk_of_a_strided_view_and_of_float64() -> None:
+    x = torch.randn(6, 768 * CHUNK, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    view = x[::2, ::2]  # not contiguous
+    assert torch.equal(topk_indices(view, 4), view.topk(4, dim=-1).indices)
+
+
 @pytest.mark.parametrize(("shape", "k"), [((5,), 1), ((2, 10), 0), ((2, 10), 11)])
 def test_bad_shapes_are_refused(shape: tuple[int, ...], k: int) -> None:
     with pytest.raises(TriedecError):

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from triedec.core.errors import TriedecError
@@ -145,18 +146,18 @@ class TokenTree:
 
         Each row is its parent's row plus one bit (one pass, parents precede children).
         """
-        anc = torch.zeros((self.size, self.size), dtype=torch.bool)
+        anc = np.zeros((self.size, self.size), dtype=np.bool_)  # numpy's row copies: ~0.3 us, torch's ~2
         anc[0, 0] = True
         for i in range(1, self.size):
             anc[i] = anc[self.parents[i]]
             anc[i, i] = True
-        return anc
+        return torch.from_numpy(anc)
 
     # ---- model inputs -------------------------------------------------------------------------
 
     def positions(self, cache_len: int) -> torch.Tensor:
         """Position ids ``[1, T]``: cache length + depth."""
-        return (torch.tensor(self.depths, dtype=torch.long) + cache_len)[None]
+        return torch.from_numpy(np.add(self.depths, cache_len, dtype=np.int64)[None])
 
     def __repr__(self) -> str:
         return f"TokenTree(size={self.size}, depth={self.max_depth}, tokens={self.tokens[:8]}...)"
