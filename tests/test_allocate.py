@@ -47,12 +47,27 @@ def test_required_nodes_always_go_and_the_token_cap_binds_the_rest():
     assert allocate([[1.0, 0.9]], [1], None, fixed_tokens=5, max_tokens=4) == [1]  # the roots always go
 
 
-def test_prompt_chunks_in_the_same_forward_make_drafts_cheaper():
-    """A 128-token chunk already pays for the forward: drafts beside it cost little in relative terms."""
-    draft = [1.0, *(0.5 ** d for d in range(1, 20))]
-    alone = allocate([draft], [1], FLAT16)
-    beside = allocate([draft], [1], FLAT16, fixed_tokens=128, items=2)
-    assert beside[0] >= alone[0]
+# compute-bound: every token costs 10 ms, whatever the forward carries
+LINEAR = CostModel({1: 0.01, 2: 0.02, 512: 5.12}, batch_seconds={2: {2: 0.02, 512: 5.12}})
+
+
+def test_a_prompt_chunk_beside_a_draft_does_not_make_its_nodes_pay():
+    """The chunk's own time is spent whatever the cut: a node is weighed against a decoding step's
+    rate at its marginal time, not against a step slowed by the prompt (where a 100-token chunk
+    would make a 0.5-chance node look worth 10 ms)."""
+    assert allocate([[1.0, 0.5]], [1], LINEAR) == [1]  # 1.5 tokens in 20 ms is slower than 1 in 10
+    assert allocate([[1.0, 0.5]], [1], LINEAR, fixed_tokens=100, items=2, context=300, fixed_context=200) == [1]
+    assert allocate([[1.0, 0.5, 0.5]], [1], LINEAR, fixed_tokens=100, items=2)[0] == 1
+    assert allocate([[1.0, 0.9, 0.9]], [1], LINEAR) == [1]  # still slower than 1 token in 10 ms
+
+
+def test_drafts_beside_a_chunk_go_where_the_curve_is_flat_at_the_chunk():
+    """Where the forward with the chunk aboard is memory-bound (rows nearly free there), the
+    nodes cost almost nothing and go, as they do alone on a flat curve."""
+    flat = CostModel({1: 0.1, 16: 0.1, 64: 0.4}, batch_seconds={2: {2: 0.1, 160: 0.1, 320: 0.4}})
+    draft = [1.0, *(0.5 ** d for d in range(1, 12))]
+    assert allocate([draft], [1], flat, fixed_tokens=100, items=2) == [len(draft)]
+    assert allocate([draft], [1], flat) == [len(draft)]
 
 
 def test_host_time_is_charged_to_every_step_so_nodes_weigh_less_against_it():

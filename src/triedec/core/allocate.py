@@ -16,6 +16,15 @@ plus its accepted drafts. So the most tokens per second come from:
   pay. The host seconds (the step's time outside the forward: drafting, accepting, committing,
   measured by the engine) are paid whatever the cut, so they weigh each node's marginal forward
   time against a longer step.
+* a forward that also carries prompt chunks: the chunks' own seconds (the forward with them less
+  the forward without them) leave the denominator. The prompt is processed whatever the cut, so
+  a node is weighed against the rate of a decoding step, not against a step slowed by a prompt
+  (which would take nodes at a fraction of the decode rate), while its marginal time is read
+  where the curve is with the chunks aboard (on this CPU a row beside a 256-token chunk costs
+  ~1-2 ms, several times a row in a decoding step). Measured on the default model in int4-a8, 16
+  requests in a batch: with the chunk's time in the denominator, drafts verified in chunk steps
+  added ~4 s of forward for ~400 accepted tokens over a run where the batch committed ~250 tokens
+  a second, and ``auto`` ran at 0.74-0.97x ``ar`` (1.01x after, ``docs/batching.md``).
 
 At low load this is each drafter's own best tree (for one request it is exactly the old per-
 drafter rule); as requests pile up, the step's fixed cost is shared by more of them, a node's
@@ -37,15 +46,16 @@ from triedec.core.errors import TriedecError
 
 def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: ForwardCost | None, *,
              fixed_tokens: int = 0, items: int | None = None, context: int | None = None,
-             max_tokens: int | None = None, host_seconds: float = 0.0) -> list[int]:
+             max_tokens: int | None = None, host_seconds: float = 0.0, fixed_context: int = 0) -> list[int]:
     """How many leading nodes of each draft to verify (root included; at least ``required[i]``).
 
     ``chances[i]``: draft i's per-node chances (``chances[i][0]`` is its root), best first;
     ``fixed_tokens``: other tokens in the same forward (prompt chunks); ``items``: how many
     requests the forward carries in all (default: the drafts; prompt chunks count too);
-    ``context``: the tokens in all their caches; ``max_tokens``: most tokens the forward may carry
-    (required nodes always go); ``host_seconds``: the step's time outside its forward. ``cost``
-    None (a flat curve) takes every node with a positive chance."""
+    ``context``: the tokens in all their caches, ``fixed_context`` of them the chunks';
+    ``max_tokens``: most tokens the forward may carry (required nodes always go);
+    ``host_seconds``: the step's time outside its forward. ``cost`` None (a flat curve) takes
+    every node with a positive chance."""
     if not (host_seconds >= 0 and math.isfinite(host_seconds)):
         raise TriedecError(f"host_seconds must be a finite number >= 0, got {host_seconds!r}")
     if len(chances) != len(required):
@@ -78,7 +88,12 @@ def allocate(chances: Sequence[Sequence[float]], required: Sequence[int], cost: 
         expected = len(chances) + sum(float(np.sum(c[1:r])) for r, c in zip(counts, chances, strict=True))
         gains = expected + np.concatenate([[0.0], np.cumsum(values[order])])
         tokens = base_tokens + np.arange(order.size + 1)
-        speed = gains / (cost.seconds_many(tokens, max(1, forward_items), context) + host_seconds)
+        seconds = cost.seconds_many(tokens, max(1, forward_items), context)
+        if fixed_tokens > 0:  # the chunks' own time is spent whatever the cut (module doc)
+            decode_context = None if context is None else max(0, context - fixed_context)
+            alone = cost.seconds_many(np.array([base_tokens - fixed_tokens]), len(chances), decode_context)[0]
+            seconds = seconds - max(0.0, float(seconds[0] - alone))
+        speed = gains / (seconds + host_seconds)
         take = int(np.argmax(speed))  # the first of equal speeds: fewer nodes
     for i in owners[order[:take]]:
         counts[int(i)] += 1

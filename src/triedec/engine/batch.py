@@ -359,7 +359,7 @@ class Batch:
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
                           context=context, max_tokens=self.limits.max_tokens_per_forward,
-                          host_seconds=self.host_seconds)
+                          host_seconds=self.host_seconds, fixed_context=sum(r.context_tokens for r in chunks))
         items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
         return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
                         tokens_before=sum(len(r.generated) for r in decoding),
