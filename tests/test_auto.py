@@ -11,12 +11,13 @@ import torch
 from helpers import EOS, MODELS, drain, fake_cost, hf_greedy, peaked, run, tiny_info, tiny_llama
 from helpers import random_prompts as prompts
 
-from triedec.core.accept import acceptance_rule
+from triedec.core.accept import Acceptance, acceptance_rule
 from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError
 from triedec.core.sampling import Sampling
 from triedec.drafters import method_spec
 from triedec.drafters.auto import SOURCES, AutoDrafter, _Node
+from triedec.drafters.base import Verified
 from triedec.drafters.state import save_state
 from triedec.drafters.store import KEYS, LEAD, PER_KEY, STORE_FORMAT, OutputStore
 from triedec.engine.batch import StopRule, speculative_decode
@@ -228,3 +229,34 @@ def test_rates_are_calibrated_per_unit_of_base_and_skipped_keys_relax_to_the_pri
         drafter.learn([], hot=False, skipped={key})
     assert low < drafter.rate(key) < AutoDrafter.PRIOR["context"]
     assert drafter.stats()["context_accepted"] == 200
+
+
+def test_a_root_only_step_costs_no_lookup_and_a_drafting_step_catches_up():
+    """A step asked for the root alone (plain, or skipped by the gate) neither feeds the context
+    trie nor recycles its row; the next drafting step adds the tokens it missed to the trie, and
+    recycles its verified rows even when it found nothing to propose (so an empty matrix fills)."""
+    drafter = build({"sized": False}, tiny_info())
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    session = drafter.begin(prompt)
+    fed, nodes = session.fed, session.trie.size
+    row = torch.zeros(1, drafter.vocab_size)
+    row[0, 9] = 1.0
+    for token in (8, 5):
+        context = prompt + ([8] if token == 5 else [])
+        draft = session.propose(context, 1)
+        assert draft.tree.tokens == (context[-1],)
+        session.observe(Verified(draft.tree, row, Acceptance((0,), (token,))))
+    assert (session.fed, session.trie.size) == (fed, nodes)  # nothing fed, nothing recycled
+    assert not drafter.matrix.filled.any()
+    context = [*prompt, 8, 5]
+    draft = session.propose(context)  # drafting: the trie catches up, and drafts 6 7 8 after "8 5"
+    assert session.fed == len(context) and session.trie.size > nodes
+    assert draft.tree.tokens[:2] == (5, 6)
+    session.observe(Verified(draft.tree.truncated(1), row, Acceptance((0,), (6,)), (0,), draft.size))
+    assert drafter.matrix.filled[5] and drafter.matrix.table[5, 0] == 9  # the root's row, recycled
+
+    empty = drafter.begin([1, 2, 3])  # no match anywhere: a drafting step proposes the root alone
+    draft = empty.propose([1, 2, 3])
+    assert draft.size == 1
+    empty.observe(Verified(draft.tree, row, Acceptance((0,), (4,))))
+    assert drafter.matrix.filled[3]  # still recycled: the matrix fills from nothing

@@ -11,8 +11,8 @@ Each step collects candidate continuations of the last token from three sources:
   context's last 3 or 8 tokens occurred, longest match first (base chance 1), so that a question
   asked again is drafted from its earlier answer from the first token;
 * ``recycling`` -- Token Recycling's adjacency matrix (the model's own top-k after each token,
-  from every verified position): ranks 0-3 after the root, 0-1 after those, 0 after the best
-  (base chance 1).
+  from every verified position of the steps it drafts): ranks 0-3 after the root, 0-1 after
+  those, 0 after the best (base chance 1).
 
 Candidates are merged into one trie (a path proposed by several sources is one node). Each node
 is scored by the measured acceptance of the *kinds* that proposed it: a kind is a source with its
@@ -269,6 +269,7 @@ class AutoSession(BaseSession):
         self.hot = False
         self._sent: list[dict[Kind, float]] = []  # kinds and bases of each proposed node, in tree order
         self._depths: list[int] = []  # depth of each proposed node
+        self._plain = False  # the last proposal was asked for the root alone (a step that does not draft)
         self.from_store = 0  # accepted draft tokens the store proposed (this request)
 
     # ---- propose ------------------------------------------------------------------------------
@@ -278,10 +279,15 @@ class AutoSession(BaseSession):
         nodes: dict[tuple[int, ...], _Node] = {}
 
         def offer(path: tuple[int, ...], kind: Kind, base: float) -> None:
-            for i in range(1, len(path) + 1):
-                node = nodes.setdefault(path[:i], _Node(path[i - 1], path[: i - 1], {}))
-                if i == len(path):
-                    node.base[kind] = max(node.base.get(kind, 0.0), base)
+            node = nodes.get(path)
+            if node is None:  # add it and its missing ancestors, shallowest first
+                known = len(path) - 1
+                while known > 0 and path[:known] not in nodes:
+                    known -= 1
+                for i in range(known + 1, len(path) + 1):
+                    node = nodes[path[:i]] = _Node(path[i - 1], path[: i - 1], {})
+                assert node is not None
+            node.base[kind] = max(node.base.get(kind, 0.0), base)
 
         # context: the trie's most frequent continuations of the longest matched suffix (base:
         # the share of the parent's occurrences that continue this way)
@@ -335,12 +341,16 @@ class AutoSession(BaseSession):
 
     def propose(self, context: Sequence[int], max_nodes: int = MAX_TREE_NODES) -> Draft:
         o = self.drafter.options
+        if max_nodes <= 1:
+            # the root alone (a plain step, or one the request's gate skips): nothing is looked up,
+            # and the context trie takes the new tokens when the session next drafts, so that a
+            # step that does not draft costs about what ``ar``'s does
+            self._sent, self._depths, self.context, self._plain = [{}], [0], context, True
+            return Draft.scored(TokenTree((int(context[-1]),), (-1,)), [1.0], not o.sized, [()])
+        self._plain = False
         if len(context) > self.fed:
             self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
-        if max_nodes <= 1:  # the root alone (a step the engine's gate skips): no candidate is looked up
-            self._sent, self._depths, self.context = [{}], [0], context
-            return Draft.scored(TokenTree((int(context[-1]),), (-1,)), [1.0], not o.sized, [()])
         nodes = self._candidates(context)
         chance = self.score(nodes)
         count = min(o.max_nodes, max_nodes - 1)
@@ -356,7 +366,8 @@ class AutoSession(BaseSession):
             chances.append(chance[p])
             self._sent.append(nodes[p].base)
             self._depths.append(len(p))
-            sources.append(tuple(s for s in ORIGIN_ORDER if any(kind[0] == s for kind in nodes[p].base)))
+            have = {kind[0] for kind in nodes[p].base}
+            sources.append(tuple(s for s in ORIGIN_ORDER if s in have))
         self.context = context
         return Draft.scored(TokenTree(tuple(tokens), tuple(parents)), chances, not o.sized, sources)
 
@@ -376,7 +387,10 @@ class AutoSession(BaseSession):
                    for kind in self._sent[j]}
         self.from_store += sum(1 for i in path if i and any(kind[0] == "store" for kind in kinds[i]))
         d.count_proposed(kinds[1:])
-        d.learn(outcomes, self.hot, skipped, verified)
+        # a step asked for the root alone does not recycle its row (a top-k over the vocabulary,
+        # ~50 us: most of what a plain step would cost beyond ``ar``'s); a drafting step recycles
+        # every verified row, its root's too, even when it found nothing to propose
+        d.learn(outcomes, self.hot, skipped, None if self._plain else verified)
         self.hot = len(path) > 1
         self.last = verified.acceptance.tokens
         self._sent, self._depths = [], []

@@ -1,6 +1,7 @@
 """Token Recycling's adjacency matrix (Luo et al.): row t holds the model's top-k next tokens last
 seen after token t. recycling drafts a whole tree template from it; auto takes its best ranks as
-one of its sources. Both write every verified position's top-k back into it.
+one of its sources. Both write every verified position's top-k back into it (auto on the steps it
+drafts: a step that verifies its root alone does not pay for a top-k).
 
 Lives on the model's device. Not thread-safe by itself: its owner (the drafter) locks around it.
 """
