@@ -52,6 +52,8 @@ import torch
 from triedec.bench.datasets import extraction_tasks
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.bench.servers import (
+    add_common_arguments,
+    check_llamacpp,
     complete,
     free_port,
     llama_bench,
@@ -62,7 +64,6 @@ from triedec.bench.servers import (
     start_servers,
     summarize,
 )
-from triedec.core.errors import TriedecError
 from triedec.model.source import default_model_path
 
 LLAMA, LLAMA_GRAMMAR = "llama-server", "llama-server json_schema"
@@ -80,23 +81,13 @@ def valid(text: str, schema: dict[str, Any]) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--llamacpp", type=Path, default=Path.home() / ".cache" / "llamacpp-native" / "bin")
+    add_common_arguments(parser, max_tokens=256)
     parser.add_argument("--weights", default="int4-a8", help="triedec's precision mode")
     parser.add_argument("--methods", default="auto", help="triedec methods with the grammar besides ar (comma list)")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--split", default="evaluation", help="the tasks timed (development: a quick check)")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     gguf = (args.model or default_model_path()).resolve()
-    for tool in ("llama-server", "llama-bench"):
-        if not (args.llamacpp / tool).is_file():
-            raise TriedecError(f"{args.llamacpp / tool} not found: build llama.cpp with "
-                               "../shared/tools/build_llamacpp.sh")
+    check_llamacpp(args.llamacpp)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="json-bench-"))

@@ -42,9 +42,8 @@ import torch
 
 from triedec.bench.datasets import load_questions, select, split, warmup_questions
 from triedec.bench.report import machine_info, source_commit, versions
-from triedec.bench.servers import free_port, latency_summary, run_phase, server
+from triedec.bench.servers import add_common_arguments, check_llamacpp, free_port, latency_summary, run_phase, server
 from triedec.bench.stats import geometric_mean, ratio_interval, repeat_interval
-from triedec.core.errors import TriedecError
 from triedec.model.source import default_model_path
 
 LLAMA = "llama-server"
@@ -250,20 +249,13 @@ def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--llamacpp", type=Path, default=Path.home() / ".cache" / "llamacpp-native" / "bin")
+    add_common_arguments(parser, max_tokens=128)
     parser.add_argument("--no-llama", action="store_true", help="triedec's systems only")
     parser.add_argument("--modes", default="int4-a8,float", help="triedec precision modes (--weights)")
     parser.add_argument("--methods", default="ar,auto")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--temperatures", default="0,0.7")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-category", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=1800.0)
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--from-json", type=Path, default=None,
                         help="render the report again from a results.json this script wrote (runs nothing)")
     args = parser.parse_args()
@@ -286,9 +278,8 @@ def main() -> int:
         print("\n".join(lines))
         return 0
     gguf = (args.model or default_model_path()).resolve()
-    if not args.no_llama and not (args.llamacpp / "llama-server").is_file():
-        raise TriedecError(f"{args.llamacpp / 'llama-server'} not found: build llama.cpp with "
-                           "../shared/tools/build_llamacpp.sh, or pass --no-llama")
+    if not args.no_llama:
+        check_llamacpp(args.llamacpp, ("llama-server",))
     modes, methods = args.modes.split(","), args.methods.split(",")
     loads = [int(c) for c in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]

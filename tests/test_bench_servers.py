@@ -46,12 +46,17 @@ def test_llama_bench_line_names_the_build() -> None:
 
 
 def test_percentiles_and_a_load_phase_summary() -> None:
-    from triedec.bench.servers import latency_summary, percentile
+    from triedec.bench.load import LoadResponse, summarize_load
+    from triedec.bench.servers import latency_summary
+    from triedec.bench.stats import percentile
 
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    load = summarize_load([LoadResponse("", "stop", n, s, 1) for n, s in ((4, 1.0), (6, 3.0), (2, 2.0))], 4.0)
+    assert load["p50_latency_s"] == 2.0 and load["p95_latency_s"] == pytest.approx(2.9)
+    assert load["tokens_per_s"] == 3.0 and load["requests_per_s"] == 0.75
     records = [{"tokens": 5, "sent": 0.0, "first": 0.1, "last": 0.5, "chunk_times": [0.1, 0.2, 0.5]},
                {"tokens": 3, "sent": 0.0, "first": 0.3, "last": 0.5, "chunk_times": [0.3, 0.5]},
                {"tokens": 0, "sent": 0.0, "first": None, "last": None, "chunk_times": []}]
@@ -112,3 +117,19 @@ def test_a_load_phase_keeps_its_concurrency_and_times_every_streamed_chunk() -> 
         assert r["text"] == "".join(map(str, prompts[r["prompt"]])) and r["finish_reason"] == "length"
         assert r["sent"] < r["first"] <= r["last"]
     assert 0 < seconds < 5
+
+
+def test_the_llamacpp_scripts_share_their_options_and_refuse_missing_tools(tmp_path) -> None:
+    import argparse
+
+    from triedec.bench.servers import LLAMACPP_BIN, add_common_arguments, check_llamacpp
+    from triedec.core.errors import TriedecError
+
+    parser = argparse.ArgumentParser()
+    add_common_arguments(parser, max_tokens=256, repeats=3)
+    args = parser.parse_args(["--out", str(tmp_path)])
+    assert (args.max_tokens, args.repeats, args.threads, args.llamacpp, args.model) == (256, 3, 2, LLAMACPP_BIN, None)
+    (tmp_path / "llama-server").write_text("")
+    check_llamacpp(tmp_path, ("llama-server",))
+    with pytest.raises(TriedecError, match=r"llama-bench not found: build llama\.cpp"):
+        check_llamacpp(tmp_path)

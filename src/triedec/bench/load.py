@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import statistics
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from triedec.bench.stats import percentile
 
 
 @contextlib.contextmanager
@@ -137,15 +138,11 @@ def run_load(base_url: str, model: str, requests: Sequence[LoadRequest], concurr
     return asyncio.run(_load(base_url, model, requests, concurrency, timeout))
 
 
-def summarize_load(responses: Sequence[LoadResponse], seconds: float) -> dict[str, float]:
-    """requests/s, p50/p95 latency (s), tokens/s in total."""
-    latencies = sorted(r.seconds for r in responses)
+def summarize_load(responses: Sequence[LoadResponse], seconds: float) -> dict[str, Any]:
+    """requests/s, p50/p95 latency (s, linear between ranks; None without responses), tokens/s
+    in total."""
+    latencies = [r.seconds for r in responses]
     tokens = sum(r.completion_tokens for r in responses)
-
-    def pct(q: float) -> float:
-        return statistics.quantiles(latencies, n=100, method="inclusive")[int(q) - 1] if len(latencies) > 1 \
-            else latencies[0]
-
     return {"requests": len(responses), "seconds": seconds, "requests_per_s": len(responses) / seconds,
-            "p50_latency_s": pct(50), "p95_latency_s": pct(95), "completion_tokens": tokens,
-            "tokens_per_s": tokens / seconds}
+            "p50_latency_s": percentile(latencies, 50), "p95_latency_s": percentile(latencies, 95),
+            "completion_tokens": tokens, "tokens_per_s": tokens / seconds}

@@ -1,5 +1,7 @@
 """Benchmarks that time servers side by side over HTTP: triedec's own ``triedec serve`` and
-llama.cpp's ``llama-server`` (``scripts/vs_llamacpp.py``, ``scripts/json_bench.py``).
+llama.cpp's ``llama-server`` (``scripts/vs_llamacpp.py``, ``scripts/json_bench.py``,
+``scripts/serving_vs_llamacpp.py``; the options they share: :func:`add_common_arguments`, and
+:func:`check_llamacpp` for the tools they run).
 
 A server runs as a process for a block (:func:`server`); :func:`complete` sends one streamed
 ``POST /v1/completions`` of token ids and times it; :func:`speeds` turns a record into decode
@@ -9,6 +11,7 @@ per prompt against a baseline with 95% bootstrap intervals over prompts.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import socket
@@ -22,7 +25,7 @@ from typing import Any
 import httpx
 
 from triedec.bench.serving import running_server
-from triedec.bench.stats import bootstrap_interval, geometric_mean, ratio_interval
+from triedec.bench.stats import bootstrap_interval, geometric_mean, percentile, ratio_interval
 from triedec.core.errors import TriedecError
 
 
@@ -103,17 +106,6 @@ def run_phase(base: str, prompts: Mapping[str, Sequence[int]], concurrency: int,
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         records = list(pool.map(one, list(prompts)))
     return records, max((r["last"] or r["sent"] for r in records), default=started) - started
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100, linear between ranks) of ``values``; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def latency_summary(records: Sequence[Mapping[str, Any]], seconds: float) -> dict[str, Any]:
@@ -215,3 +207,29 @@ def llama_bench_line(bench: Mapping[str, Any]) -> str:
     return (f"llama-bench: tg128 {summary['tg128']['tokens_per_s']:.1f} ± {summary['tg128']['stddev']:.1f} tok/s, "
             f"pp256 {summary['pp256']['tokens_per_s']:.1f} ± {summary['pp256']['stddev']:.1f} tok/s "
             f"(build {row.get('build_commit')}, {row.get('cpu_info')}).")
+
+
+LLAMACPP_BIN = Path.home() / ".cache" / "llamacpp-native" / "bin"
+"""where ``../shared/tools/build_llamacpp.sh`` puts llama.cpp's native build"""
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, repeats: int = 2) -> None:
+    """The options every script that times triedec against llama.cpp takes: the GGUF, llama.cpp's
+    binaries, threads, answer length, repeats, the order's seed, the servers' startup timeout and
+    the output folder."""
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--llamacpp", type=Path, default=LLAMACPP_BIN, help="llama.cpp's binaries (native build)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the order of the runs (and sampled requests)")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0,
+                        help="seconds a server may take to start (a first start measures the calibration)")
+    parser.add_argument("--out", type=Path, required=True)
+
+
+def check_llamacpp(folder: Path, tools: Sequence[str] = ("llama-server", "llama-bench")) -> None:
+    """Refuse with how to build them when llama.cpp's ``tools`` are not in ``folder``."""
+    for tool in tools:
+        if not (folder / tool).is_file():
+            raise TriedecError(f"{folder / tool} not found: build llama.cpp with ../shared/tools/build_llamacpp.sh")

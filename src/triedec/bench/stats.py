@@ -202,3 +202,14 @@ def ratio_text(c: Mapping[str, Any] | None, with_count: bool = False) -> str:
     if not c.get("ci95"):
         return f"{c['geomean']:.2f}x" + (count or f" (n={c['prompts']})")
     return f"{c['geomean']:.2f}x [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]{count}"
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear between ranks) of ``values``; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
