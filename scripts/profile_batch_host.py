@@ -4,6 +4,10 @@ drafters' ``propose`` and ``observe`` and the rest, for ``ar`` and ``auto`` on t
 prompts (never the published ones), fresh learned state per method.
 
     .venv/bin/python scripts/profile_batch_host.py [--requests 16] [--slots 8] [--tokens 96] [--profile]
+        [--measure-drafting]
+
+``--measure-drafting`` runs the batch as the server does (``measure_drafting`` and ``fair`` on too)
+and prints what its A/B of drafting measured at each load level (``DraftPayoff.report``).
 
 Without ``--profile`` only wall clocks run (no profiler overhead): host ms per request-step is
 (sum of step seconds - sum of forward seconds) / request-steps.
@@ -26,11 +30,12 @@ from triedec.engine.batch import Batch
 
 
 def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: bool, gate: bool, top: int,
-        slots: int, temperature: float) -> None:
+        slots: int, temperature: float, measure: bool = False) -> None:
     runs = [lm.start(GenerationRequest.of([{"role": "user", "content": p}], method, max_new_tokens=tokens,
                                           temperature=temperature, seed=k if temperature else None))
             for k, p in enumerate(prompts)]
-    batch = Batch(lm.adapter, lm.cost_model(), BatchLimits(max_running=slots), learn_cost=True, gate_drafts=gate)
+    batch = Batch(lm.adapter, lm.cost_model(), BatchLimits(max_running=slots), learn_cost=True, gate_drafts=gate,
+                  fair=measure, measure_drafting=measure)
     for r in runs:
         batch.submit(r)
     profiler = cProfile.Profile() if profile else None
@@ -61,6 +66,9 @@ def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: b
           f"{request_steps} request-steps, {skipped} drafts skipped; host {host_ms:.2f} ms per request-step "
           f"(step {step_s / steps * 1e3:.1f} ms, forward {forward_s / steps * 1e3:.1f} ms per step); "
           f"{prefill_steps} steps with prompt chunks, {prefill_s:.1f} s")
+    if batch.payoff is not None:
+        for level, arms in batch.payoff.report().items():
+            print(f"  load level {level}: " + ", ".join(f"{k} {v}" for k, v in arms.items()))
     if profiler:
         stats = pstats.Stats(profiler)
         for name in ("propose", "observe", "verified", "accept", "commit", "forward_batch", "allocate", "cut"):
@@ -81,6 +89,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--no-gate", action="store_true", help="draft every step (the gate off)")
     parser.add_argument("--top", type=int, default=0, help="with --profile: print the N costliest functions")
+    parser.add_argument("--measure-drafting", action="store_true",
+                        help="as the server runs it: the A/B of drafting per load level on (and fair admission)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     lm = triedec.load()
@@ -89,7 +99,7 @@ def main() -> None:
     lm.generate(questions[0].turns[0], "auto", max_new_tokens=8)  # builds and warms up
     for method in args.methods.split(","):
         run(lm.fresh(), method, prompts, args.tokens, args.profile, not args.no_gate, args.top,
-            args.slots or args.requests, args.temperature)
+            args.slots or args.requests, args.temperature, args.measure_drafting)
 
 
 if __name__ == "__main__":
