@@ -279,7 +279,7 @@ def main() -> int:
         return 0
     gguf = (args.model or default_model_path()).resolve()
     if not args.no_llama:
-        check_llamacpp(args.llamacpp, ("llama-server",))
+        check_llamacpp(args.llamacpp, ("llama-server",), otherwise="pass --no-llama")
     modes, methods = args.modes.split(","), args.methods.split(",")
     loads = [int(c) for c in args.concurrency.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]

@@ -133,3 +133,5 @@ def test_the_llamacpp_scripts_share_their_options_and_refuse_missing_tools(tmp_p
     check_llamacpp(tmp_path, ("llama-server",))
     with pytest.raises(TriedecError, match=r"llama-bench not found: build llama\.cpp"):
         check_llamacpp(tmp_path)
+    with pytest.raises(TriedecError, match=r"llama-bench not found: .*, or pass --no-llama$"):
+        check_llamacpp(tmp_path, otherwise="pass --no-llama")

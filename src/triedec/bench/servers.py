@@ -228,8 +228,10 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, max_tokens: int, re
     parser.add_argument("--out", type=Path, required=True)
 
 
-def check_llamacpp(folder: Path, tools: Sequence[str] = ("llama-server", "llama-bench")) -> None:
-    """Refuse with how to build them when llama.cpp's ``tools`` are not in ``folder``."""
+def check_llamacpp(folder: Path, tools: Sequence[str] = ("llama-server", "llama-bench"), otherwise: str = "") -> None:
+    """Refuse with how to build them when llama.cpp's ``tools`` are not in ``folder`` (``otherwise``:
+    what else the user may do, ending the message)."""
     for tool in tools:
         if not (folder / tool).is_file():
-            raise TriedecError(f"{folder / tool} not found: build llama.cpp with ../shared/tools/build_llamacpp.sh")
+            raise TriedecError(f"{folder / tool} not found: build llama.cpp with ../shared/tools/build_llamacpp.sh"
+                               + (f", or {otherwise}" if otherwise else ""))

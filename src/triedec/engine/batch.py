@@ -355,11 +355,12 @@ class Batch:
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafting = self.payoff is None or not decoding or self.payoff.drafts(len(decoding))
         drafts = [r.propose(drafting) for r in decoding]
-        context = sum(r.context_tokens for r in (*chunks, *decoding))
+        chunk_context = sum(r.context_tokens for r in chunks)
+        context = chunk_context + sum(r.context_tokens for r in decoding)
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
                           context=context, max_tokens=self.limits.max_tokens_per_forward,
-                          host_seconds=self.host_seconds, fixed_context=sum(r.context_tokens for r in chunks))
+                          host_seconds=self.host_seconds, fixed_context=chunk_context)
         items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
         return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
                         tokens_before=sum(len(r.generated) for r in decoding),
