@@ -111,6 +111,41 @@ def test_tiny_every_method_equals_ar_alone_and_in_a_batch(lm, seed: int, which: 
         lm.limits = saved
 
 
+@pytest.mark.parametrize("why", ["plain step", "gated"])
+def test_forced_tokens_are_drafted_on_steps_that_do_not_draft(lm, monkeypatch, why: str) -> None:
+    """A grammar's forced tokens are accepted for certain, so a drafting method drafts them on a
+    step where it drafts nothing of its own: a batch's plain step (``measure_drafting`` found
+    drafting does not pay) or a step its gate skips. The tokens stay ``ar``'s; the gate hears
+    nothing of forced tokens (they are no evidence that the drafter pays)."""
+    from helpers import together
+
+    from triedec.core.allocate import DraftGate
+    from triedec.engine import batch as batch_module
+
+    heard: list[tuple[int, int, int]] = []
+
+    class Never(DraftGate):
+        def proposes(self) -> bool:
+            return False
+
+        def verified(self, proposed: int, verified: int, accepted: int = 0, draft_seconds: float = 0.0) -> None:
+            heard.append((proposed, verified, accepted))
+
+    monkeypatch.setattr(batch_module, "DraftGate", Never)
+    options = {"max_new_tokens": 40, "grammar": TINY_GRAMMARS[2]}
+    want = lm.generate("Say it as JSON:", "ar", **options).token_ids
+    run = lm.start(GenerationRequest.of("Say it as JSON:", "recycling", **options))
+    batch = batch_module.Batch(lm.adapter, lm.cost_model(), lm.limits, measure_drafting=why == "plain step",
+                               gate_drafts=why == "gated")
+    if batch.payoff is not None:
+        monkeypatch.setattr(batch.payoff, "drafts", lambda load: False)
+    [(tokens, outcome)], _ = together(lm.adapter, [run], batch=batch)
+    assert tokens == want
+    assert outcome.stats.accepted_by_origin.get("grammar", 0) > 0
+    assert heard if why == "gated" else not heard
+    assert all(h == (0, 0, 0) for h in heard)
+
+
 class _Scripted:
     """A grammar state for unit tests: the paths it admits (every prefix of ``words``), and the
     tokens it forces after a path (``forces``)."""

@@ -137,6 +137,7 @@ class Request:
         self._draft: Draft | None = None
         self._kept: tuple[int, ...] = ()
         self._proposed = 0
+        self._own: tuple[int, ...] = ()  # the proposal's nodes' indices in the drafter's draft (-1: the grammar's)
         self._draft_seconds = 0.0  # host seconds of the last proposal (the gate weighs drafting by them)
         self.draft_forward_seconds = 0.0
         """the forward seconds this step's verified draft rows added (set by a gating batch before
@@ -396,13 +397,15 @@ class Request:
         room = self.stop.max_new_tokens - len(self.generated) - 1
         self._draft, self._kept = draft.within(MAX_TREE_NODES, room)
         if self.constraint is not None:
-            forced = self.constraint.forced(min(room, MAX_TREE_NODES - 1)) if drafting and self.drafter.drafts_forced \
-                else []
+            # the tokens the grammar forces are accepted for certain: drafted on every step of a
+            # method that drafts them, a plain or gated one too (the drafter's leaves only when it drafts)
+            forced = self.constraint.forced(min(room, MAX_TREE_NODES - 1)) if self.drafter.drafts_forced else []
             extend = EXTENDED_LEAVES if drafting and self.drafter.drafts_forced else 0
             merged, own = constrained_draft(self._draft, self.constraint, forced, extend, min(room, MAX_TREE_NODES - 1))
             self._pruned = self._draft.size - sum(1 for o in own if o >= 0)
             self._draft, keep = merged.within(MAX_TREE_NODES, room)
             self._kept = tuple(-1 if own[k] < 0 else self._kept[own[k]] for k in keep)
+        self._own = self._kept
         return self._draft
 
     def verify_item(self, count: int) -> ForwardItem:
@@ -420,8 +423,10 @@ class Request:
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
         started = time.perf_counter()
         session.observe(own_view(tree, logits, acceptance, self._kept, self._proposed))
-        if self.gate is not None:
-            self.gate.verified(draft.size - 1, tree.size - 1, len(acceptance.path) - 1,
+        if self.gate is not None:  # the drafter's own nodes only: a grammar's forced tokens are no evidence
+            kept = self._kept
+            self.gate.verified(sum(1 for k in self._own if k > 0), sum(1 for k in kept[1:] if k >= 0),
+                               sum(1 for n in acceptance.path[1:] if kept[n] >= 0),
                                self._draft_seconds + time.perf_counter() - started + self.draft_forward_seconds)
             self.draft_forward_seconds = 0.0
         new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))
