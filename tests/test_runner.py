@@ -1,8 +1,9 @@
 """triedec's own runner (:mod:`triedec.model.runner`) against transformers' forward of the same
 model in the same precision mode and kernels: the same logits, bit for bit (``torch.equal``), for
 random trees on chunked prompts batched beside other requests (Llama with grouped and multi-query
-attention, tied and untied heads; Qwen2 with q/k/v biases), and the architectures it does not run
-keep transformers' forward."""
+attention, tied and untied heads; Qwen2 with q/k/v biases; Gemma 3 with sliding-window and full
+layers, q/k norms and soft-capped logits), and the architectures it does not run keep
+transformers' forward."""
 
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def _mqa_llama(seed: int = 0):
     return type(model)(cfg).eval()
 
 
+def _tiny_gemma3(seed: int = 0, softcap: float | None = None):
+    """The tiny Gemma 3 (a window of 6, sliding and full layers, multi-query) with random norm
+    weights (transformers starts them at zero: ``1 + w`` would be 1) and, optionally, Gemma 2's
+    final soft-capping."""
+    model = tiny_gemma3(seed=seed)
+    model.config.final_logit_softcapping = softcap
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0, 0.5)
+    return model
+
+
 def _in_mode(model, dtype=None, weights="float"):
     precision = Precision.of(dtype, weights)
     if precision.quantized:
@@ -82,7 +96,12 @@ MODELS = {
     "llama-int8-parts-int4-a8": lambda: _gguf_like_with_int8_parts(seed=10),
     "qwen2-bias-tied-float32": lambda: _tiny_qwen2(seed=3),
     "qwen2-bias-int4-a8": lambda: _in_mode(_tiny_qwen2(seed=9), weights="int4-a8"),
+    "gemma3-float32": lambda: _tiny_gemma3(seed=13),
+    "gemma3-softcap-bfloat16": lambda: _in_mode(_tiny_gemma3(seed=14, softcap=3.0), "bfloat16"),
+    "gemma3-int4-a8": lambda: _in_mode(_tiny_gemma3(seed=15), weights="int4-a8"),
 }
+NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8"}
+"""The models whose forward is one native call (every part on triedec's kernels, one kind of layer)."""
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +164,7 @@ def _forward_both(pair, gen: random.Random) -> tuple[list[torch.Tensor], list[to
 def test_the_runner_gives_transformers_forwards_bits(adapter_pairs, name, seed):
     mine, theirs = adapter_pairs[name]
     assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
-    native = name.endswith("int4-a8")  # every part on triedec's kernels: one native call per forward
+    native = name in NATIVE
     assert mine.native_forward is native and not theirs.native_forward
     assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" + (f"+{NATIVE_FORWARD}" if native else "")
     assert mine.exactness == BIT_EXACT
@@ -162,10 +181,16 @@ def test_kernels_auto_runs_triedecs_runner_and_plain_transformers_forward():
 
 
 def test_an_architecture_the_runner_does_not_run_keeps_transformers_forward():
-    adapter = ModelAdapter(tiny_gemma3(seed=1), "auto")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               attn_implementation="sdpa")).eval()
+    adapter = ModelAdapter(copy.deepcopy(mistral), "auto")
     assert adapter.runner == TRANSFORMERS and adapter.exactness == BIT_EXACT
-    with pytest.raises(TriedecError, match="does not run Gemma3ForCausalLM"):
-        ModelAdapter(tiny_gemma3(seed=1), "auto", runner=RUNNER)
+    with pytest.raises(TriedecError, match=r"does not run MistralForCausalLM \(it runs Llama, Qwen2, Gemma3\)"):
+        ModelAdapter(mistral, "auto", runner=RUNNER)
     with pytest.raises(TriedecError, match="runner must be one of"):
         ModelAdapter(tiny_llama(seed=1), "auto", runner="vllm")
 
@@ -249,10 +274,10 @@ def test_a_gguf_like_models_int8_parts_run_unjoined_in_the_native_forward(adapte
     model = adapter_pairs["llama-int8-parts-int4-a8"][0].model
     attn = model.model.layers[0].self_attn
     assert type(attn.v_proj) is Int8A8Linear and type(model.model.layers[0].mlp.down_proj) is Int8A8Linear
-    assert adapter_pairs["llama-int8-parts-int4-a8"][0]._runner.layers[0][4] is None  # q/k/v not joined
+    assert adapter_pairs["llama-int8-parts-int4-a8"][0]._runner.layers[0].qkv is None  # q/k/v not joined
 
 
-@pytest.mark.parametrize("name", ["llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8"])
+@pytest.mark.parametrize("name", sorted(NATIVE))
 def test_the_native_forward_gives_the_same_bits_on_one_and_two_threads(adapter_pairs, name):
     """The native forward's kernels split each output among threads, never a sum: the same random
     forwards (prompt chunks, then trees beside other requests) on 1 and on 2 threads give every row

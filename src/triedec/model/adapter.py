@@ -85,7 +85,7 @@ from triedec.model.linears import PackedLinear, pack_linears, packing_available,
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
 from triedec.model.rmsnorm import FusedRMSNorm, fuse_norms
-from triedec.model.runner import RUNNER, RUNNERS, TRANSFORMERS, runner_for
+from triedec.model.runner import ARCHITECTURES, RUNNER, RUNNERS, TRANSFORMERS, runner_for
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
@@ -209,14 +209,13 @@ class ModelAdapter:
         """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
         self._runner = runner_for(model) if runner == RUNNER or (runner is None and kernels == "auto") else None
         if runner == RUNNER and self._runner is None:
-            raise TriedecError(f"triedec's runner does not run {type(model).__name__} (it runs Llama and Qwen2); "
-                               f"use runner='{TRANSFORMERS}'")
+            raise TriedecError(f"triedec's runner does not run {type(model).__name__} "
+                               f"(it runs {', '.join(ARCHITECTURES)}); use runner='{TRANSFORMERS}'")
         self.runner = TRANSFORMERS if self._runner is None else RUNNER
         """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by
         default with ``kernels="auto"`` on the architectures it runs) or ``transformers`` (the model's
         own forward: ``kernels="plain"``, or any other architecture). ``runner=`` picks one."""
-        self.native_forward = self._runner is not None and self._runner.native and self.exact_attention \
-            and len(set(self.layout.kinds)) == 1
+        self.native_forward = self._runner is not None and self._runner.native and self.exact_attention
         """Whether a forward is one native call (:func:`triedec.model.runner.native_decoder`)."""
         self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention,
                                         self._runner is not None, self.native_forward)

@@ -1,5 +1,6 @@
-"""triedec's own forward for the decoder architectures it ships: Llama (the default SmolLM2) and
-Qwen2 (Llama's layers with q/k/v biases).
+"""triedec's own forward for the decoder architectures it ships: Llama (the default SmolLM2),
+Qwen2 (Llama's layers with q/k/v biases) and Gemma 3 (q/k norms, a norm after attention and after
+the MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base).
 
 :class:`ModelAdapter` runs a forward through transformers' modeling code (the model's ``forward``,
 its decorators, mask builders and cache objects, and the attention dispatcher of
@@ -11,13 +12,13 @@ each item's K/V written into its own cache, attention through the same :class:`I
 output projection, the residual adds and the MLP, each module called on the same tensors in the
 same order as transformers' modeling file calls it. So its logits are the same bits as the model's
 own forward in every precision mode (``tests/test_runner.py`` checks ``torch.equal`` on tiny random
-models of both architectures and on the default model); what it saves is the plumbing.
+models of the three architectures and on the default model); what it saves is the plumbing.
 
 Where every part of the model runs on triedec's kernels (the ``int4-a8`` mode: 8-bit-activation
-linears, fused RMS norms, SiLU, triedec's fixed-order attention with one kind of layer), the whole
-walk is one native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels in
-the same order, with no Python between layers, so again the same bits. Elsewhere the walk is
-Python calls of the same modules.
+linears, fused RMS norms, SiLU or tanh-gelu, triedec's fixed-order attention), the whole walk is one
+native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels in the same
+order, with no Python between layers, so again the same bits. Elsewhere the walk is Python calls
+of the same modules.
 
 Anything else (another architecture, a module that is not of the expected shape) keeps
 transformers' forward: :func:`runner_for` returns None, and :attr:`ModelAdapter.runner` names which
@@ -26,6 +27,8 @@ one ran.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,28 +47,68 @@ TRANSFORMERS = "transformers"
 """How the stats name transformers' own forward (the fallback)."""
 RUNNERS = (RUNNER, TRANSFORMERS)
 
-_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+
+@dataclass(frozen=True)
+class _Architecture:
+    """Where a modeling file puts a decoder layer's parts: its norms by role (None: it has none
+    there) and the attention's q/k norms."""
+
+    attention_norm: str
+    attention_out_norm: str | None  # on the attention's output, before the residual add (Gemma 3)
+    mlp_norm: str
+    mlp_out_norm: str | None  # on the MLP's output, before the residual add (Gemma 3)
+    qk_norms: bool
+    rotary_by_kind: bool  # the rotary module takes the layer type (Gemma 3: local and global bases)
+
+
+_LLAMA = _Architecture("input_layernorm", None, "post_attention_layernorm", None, False, False)
+_GEMMA3 = _Architecture("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm", True, True)
+_ARCHITECTURES = {"LlamaForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3}
+ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") for name in _ARCHITECTURES)
+"""The architectures the runner runs, as users name them."""
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's modules as the runner calls them, with its q/k/v and gate/up joined
+    where :func:`join` could (None: the parts run)."""
+
+    attention_norm: nn.Module
+    attn: nn.Module
+    attention_out_norm: nn.Module | None
+    mlp_norm: nn.Module
+    mlp: nn.Module
+    mlp_out_norm: nn.Module | None
+    qkv: tuple[LinearStandIn, list[int]] | None
+    gate_up: tuple[LinearStandIn, list[int]] | None
+    kind: str
+
+
 def runner_for(model: nn.Module) -> DecoderRunner | None:
     """triedec's runner for ``model`` when its architecture is one the runner reproduces exactly
-    (:data:`_ARCHITECTURES`, with every module where that modeling file puts it), else None."""
-    if type(model).__name__ not in _ARCHITECTURES:
+    (:data:`ARCHITECTURES`, with every module where that modeling file puts it), else None."""
+    arch = _ARCHITECTURES.get(type(model).__name__)
+    if arch is None:
         return None
     base = getattr(model, "model", None)
     if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return None
+    norms = [n for n in (arch.attention_norm, arch.attention_out_norm, arch.mlp_norm, arch.mlp_out_norm) if n]
+    attention_parts = _ATTENTION_PARTS + (("q_norm", "k_norm") if arch.qk_norms else ())
     for layer in base.layers:
-        if not all(hasattr(layer, name) for name in _LAYER_PARTS) \
-                or not all(hasattr(layer.self_attn, name) for name in _ATTENTION_PARTS) \
+        if not all(hasattr(layer, name) for name in (*norms, "self_attn", "mlp")) \
+                or not all(hasattr(layer.self_attn, name) for name in attention_parts) \
                 or not all(hasattr(layer.mlp, name) for name in _MLP_PARTS):
             return None
-    if getattr(model.config, "pretraining_tp", 1) != 1:  # transformers' slicing of the head
+    config = model.config
+    if getattr(config, "pretraining_tp", 1) != 1:  # transformers' slicing of the head
         return None
-    return DecoderRunner(model)
+    if getattr(config, "use_bidirectional_attention", False):  # Gemma 3's encoder-like variant
+        return None
+    return DecoderRunner(model, arch)
 
 
 def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list[int]] | None:
@@ -87,16 +130,19 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
     return joined, ends
 
 
-def _silu_classes() -> tuple[type, ...]:
-    """The activation modules that are torch's SiLU (``csrc/decoder.cpp`` calls torch's ``silu``)."""
-    try:
-        from transformers.activations import SiLUActivation  # forward: nn.functional.silu
-    except ImportError:
-        return (nn.SiLU,)
-    return (nn.SiLU, SiLUActivation)
-
-
-_SILU = _silu_classes()
+def _activation(module: nn.Module) -> str | None:
+    """Which of torch's ops ``module`` (an MLP's ``act_fn``) is: ``"silu"`` (``nn.SiLU``,
+    transformers' ``SiLUActivation``), ``"gelu-tanh"`` (transformers' ``GELUTanh``: torch's gelu,
+    tanh-approximated), or None (``csrc/decoder.cpp`` calls neither)."""
+    if type(module) is nn.SiLU or (type(module).__name__ == "SiLUActivation"
+                                   and type(module).__module__ == "transformers.activations"):
+        return "silu"
+    act = getattr(module, "act", None)
+    if type(module).__name__ == "GELUTanh" and type(module).__module__ == "transformers.activations" \
+            and isinstance(act, functools.partial) and act.func is nn.functional.gelu and not act.args \
+            and act.keywords == {"approximate": "tanh"}:
+        return "gelu-tanh"
+    return None
 
 
 def _native_linear(kernel: Any, layer: nn.Module) -> Any:
@@ -111,93 +157,123 @@ def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | No
     return [joined[0]] if joined is not None else layers
 
 
-def native_decoder(model: nn.Module, layers: list[tuple[Any, ...]]) -> Any:
+def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     """The native forward (``csrc/decoder.cpp``'s ``NativeDecoder``) of ``model``, whose layers
     :class:`DecoderRunner` has prepared, when every part of it runs on triedec's kernels with the
     arithmetic that file reproduces: bfloat16 activations, every linear and the head on the
     8-bit-activation kernels (:data:`~triedec.model.precision.NATIVE_LINEARS`), every norm
-    triedec's RMS norm of the ``weight`` kind with one epsilon, SiLU, one attention scale. Else
-    None (the Python walk runs)."""
+    (Gemma 3's q/k and output norms too) triedec's RMS norm of one variant and one epsilon, SiLU
+    or tanh-gelu, one attention scale, no soft-capping. Else None (the Python walk runs)."""
     config = model.config
     base = model.model
     if next(model.parameters()).device.type != "cpu" or not kernel_available() \
-            or base.embed_tokens.weight.dtype != torch.bfloat16 or getattr(config, "hidden_act", None) != "silu":
+            or base.embed_tokens.weight.dtype != torch.bfloat16 \
+            or getattr(config, "final_logit_softcapping", None) is not None \
+            or getattr(config, "attn_logit_softcapping", None) is not None:
         return None
-    norms = [base.norm] + [n for first, _, second, _, _, _ in layers for n in (first, second)]
-    if not all(type(n) is FusedRMSNorm and n.variant == "weight" and n.weight.dtype == torch.bfloat16 for n in norms) \
-            or len({n.eps for n in norms}) != 1:
+    optional = [n for layer in layers for n in (layer.attention_out_norm, layer.mlp_out_norm)]
+    qk = [n for layer in layers for n in ((layer.attn.q_norm, layer.attn.k_norm) if hasattr(layer.attn, "q_norm")
+                                         else ())]
+    norms = [base.norm, *(n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)), *qk,
+             *(n for n in optional if n is not None)]
+    if not all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms) \
+            or len({n.eps for n in norms}) != 1 or len({n.variant for n in norms}) != 1 \
+            or len({n is None for n in optional}) > 1 or len(qk) not in (0, 2 * len(layers)):
         return None
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
-    head_dim = layers[0][1].head_dim
-    scales = {float(attn.scaling) for _, attn, _, _, _, _ in layers}
-    if len(scales) != 1 or any(attn.head_dim != head_dim for _, attn, _, _, _, _ in layers):
+    head_dim = layers[0].attn.head_dim
+    scales = {float(layer.attn.scaling) for layer in layers}
+    activations = {_activation(layer.mlp.act_fn) for layer in layers}
+    if len(scales) != 1 or any(layer.attn.head_dim != head_dim for layer in layers) \
+            or len(activations) != 1 or None in activations:
         return None
+    kinds = sorted({layer.kind for layer in layers})
     kernel = load_kernel()
     built = []
-    for first, attn, second, mlp, qkv, gate_up in layers:
-        if type(mlp.act_fn) not in _SILU:
-            return None
-        groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], qkv), [attn.o_proj],
-                  _parts([mlp.gate_proj, mlp.up_proj], gate_up), [mlp.down_proj])
+    for layer in layers:
+        attn, mlp = layer.attn, layer.mlp
+        groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
+                  _parts([mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
         if not all(type(m) in NATIVE_LINEARS for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
-        built.append(kernel.NativeLayer(first.weight, second.weight, q, o[0], gu, down[0]))
+        extra = (layer.attention_out_norm, layer.mlp_out_norm, *((attn.q_norm, attn.k_norm) if qk else (None, None)))
+        built.append(kernel.NativeLayer(
+            layer.attention_norm.weight, layer.mlp_norm.weight, q, o[0], gu, down[0],
+            *(None if norm is None else norm.weight for norm in extra), kinds.index(layer.kind)))
     if type(model.lm_head) not in NATIVE_LINEARS:
         return None
     return kernel.NativeDecoder(built, base.norm.weight, _native_linear(kernel, model.lm_head), heads, kv_heads,
-                                head_dim, base.norm.eps, scales.pop())
+                                head_dim, base.norm.eps, scales.pop(), base.norm.variant == "one-plus-weight",
+                                activations.pop() == "gelu-tanh")
 
 
 class DecoderRunner:
-    """One forward of a Llama-family decoder over an :class:`ItemBatch` (see the module doc).
+    """One forward of a decoder of one of :data:`ARCHITECTURES` over an :class:`ItemBatch` (see
+    the module doc).
 
     Construction joins each layer's q/k/v projections, and its gate and up projections, into one
     call each where the mode's linears can be joined with the same bits (:func:`join`: int4-a8),
     and builds the native forward where it applies (:attr:`native`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, arch: _Architecture = _LLAMA) -> None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        self._rotate = apply_rotary_pos_emb
+        self._rotate = apply_rotary_pos_emb  # Gemma 3's is the same function of the same tensors
         base = model.model
         if next(model.parameters()).device.type == "cpu" and kernel_available():
             kernel = load_kernel()
             self._rotate = lambda q, k, cos, sin: (kernel.rotary(q, cos, sin), kernel.rotary(k, cos, sin))
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
+        self._rotary_by_kind = arch.rotary_by_kind
         self.norm = base.norm
         self.head = model.lm_head
-        self.layers = []
-        for layer in base.layers[: model.config.num_hidden_layers]:
-            qkv = join(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
-            gate_up = join(layer.mlp, ("gate_proj", "up_proj"))
-            self.layers.append((layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp,
-                                qkv, gate_up))
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        kinds = getattr(model.config, "layer_types", None) or ()
+        self.layers: list[Layer] = []
+        for index, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+            self.layers.append(Layer(
+                getattr(layer, arch.attention_norm), layer.self_attn,
+                getattr(layer, arch.attention_out_norm) if arch.attention_out_norm else None,
+                getattr(layer, arch.mlp_norm), layer.mlp,
+                getattr(layer, arch.mlp_out_norm) if arch.mlp_out_norm else None,
+                join(layer.self_attn, ("q_proj", "k_proj", "v_proj")), join(layer.mlp, ("gate_proj", "up_proj")),
+                kinds[index] if index < len(kinds) else "full_attention"))
+        self._qk_norms = arch.qk_norms
         self._native = native_decoder(model, self.layers)
         self._kv = (int(model.config.num_key_value_heads or model.config.num_attention_heads),
-                    self.layers[0][1].head_dim)
+                    self.layers[0].attn.head_dim)
 
     @property
     def native(self) -> bool:
         """Whether a forward can be one native call (:func:`native_decoder`); it is, for a batch on
-        triedec's fixed-order attention whose layers are of one kind."""
+        triedec's fixed-order attention."""
         return self._native is not None
+
+    def _rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[Any, Any]]:
+        """Each layer kind's rotary ``(cos, sin)`` at ``positions`` (Gemma 3: its own base per kind)."""
+        kinds = sorted({layer.kind for layer in self.layers})
+        if self._rotary_by_kind:
+            return {kind: self.rotary(hidden, positions[None], kind) for kind in kinds}
+        return dict.fromkeys(kinds, self.rotary(hidden, positions[None]))
 
     def _native_forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch,
                         keep: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embed(tokens)
-        cos, sin = self.rotary(hidden, positions[None])
-        kind = batch.kinds[0]
+        tables = self._rotary_tables(hidden, positions)
+        kinds = sorted(tables)
         caches: list[KVCache] = [item.cache for item in batch.items]
         for cache in caches:
             cache.allocate(len(self.layers), *self._kv, hidden.dtype, hidden.device)
-        seen = [batch.key_lists(index, kind) for index in range(len(caches))]
+        seen = [[batch.key_lists(index, kind) for index in range(len(caches))] for kind in kinds]
         edges = [start for start, _ in batch.bounds] + [batch.bounds[-1][1]]
         logits = self._native.forward(
-            hidden, cos[0].contiguous(), sin[0].contiguous(), edges,
+            hidden, [tables[kind][0][0].contiguous() for kind in kinds],
+            [tables[kind][1][0].contiguous() for kind in kinds], edges,
             [cache.length for cache in caches], [cache.keys for cache in caches], [cache.values for cache in caches],
-            [None if s is None else s[0] for s in seen], [None if s is None else s[1] for s in seen], keep)
+            [[None if s is None else s[0] for s in lists] for lists in seen],
+            [[None if s is None else s[1] for s in lists] for lists in seen], keep)
         return logits[None]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch, keep: torch.Tensor | None,
@@ -205,40 +281,49 @@ class DecoderRunner:
         """The logits ``[1, rows, vocab]`` of ``tokens [N]`` at ``positions [N]``, laid out and
         attending as ``batch`` says; ``keep``: the rows to return (None: all). ``base``: the
         attention function the dispatcher would call for a layer (:data:`~triedec.model.dispatch.BASES`)."""
-        if self._native is not None and batch.exact and len(set(batch.kinds)) == 1:
+        if self._native is not None and batch.exact:
             return self._native_forward(tokens, positions, batch, keep)
         hidden = self.embed(tokens[None])
-        cos, sin = self.rotary(hidden, positions[None])
+        rotary = self._rotary_tables(hidden, positions)
         n = tokens.shape[0]
-        for index, (first_norm, attn, second_norm, mlp, qkv, gate_up) in enumerate(self.layers):
+        for index, layer in enumerate(self.layers):
+            attn, mlp = layer.attn, layer.mlp
             residual = hidden
-            x = first_norm(hidden)
+            x = layer.attention_norm(hidden)
             shape = (1, n, -1, attn.head_dim)
-            if qkv is None:
+            if layer.qkv is None:
                 query = attn.q_proj(x).view(shape).transpose(1, 2)
                 key = attn.k_proj(x).view(shape).transpose(1, 2)
                 value = attn.v_proj(x).view(shape).transpose(1, 2)
             else:
-                joined, (q_end, k_end, _) = qkv
+                joined, (q_end, k_end, _) = layer.qkv
                 out = joined.rows(x.reshape(n, -1))
                 query = out[:, :q_end].view(shape).transpose(1, 2)
                 key = out[:, q_end:k_end].view(shape).transpose(1, 2)
                 value = out[:, k_end:].view(shape).transpose(1, 2)
-            query, key = self._rotate(query, key, cos, sin)
+            if self._qk_norms:
+                query, key = attn.q_norm(query), attn.k_norm(key)
+            query, key = self._rotate(query, key, *rotary[layer.kind])
             batch.write(index, key, value)
-            out, _ = batch.attend(attn, query, base(attn), {"dropout": 0.0, "scaling": attn.scaling})
-            hidden = residual + attn.o_proj(out.reshape(1, n, -1).contiguous())
+            kwargs = {"dropout": 0.0, "scaling": attn.scaling, "sliding_window": getattr(attn, "sliding_window", None)}
+            out, _ = batch.attend(attn, query, base(attn), kwargs)
+            out = attn.o_proj(out.reshape(1, n, -1).contiguous())
+            hidden = residual + (out if layer.attention_out_norm is None else layer.attention_out_norm(out))
             residual = hidden
-            x = second_norm(hidden)
-            if gate_up is None:
+            x = layer.mlp_norm(hidden)
+            if layer.gate_up is None:
                 gate, up = mlp.gate_proj(x), mlp.up_proj(x)
             else:
-                joined, (gate_end, _) = gate_up
+                joined, (gate_end, _) = layer.gate_up
                 out = joined.rows(x.reshape(n, -1))
                 gate = out[:, :gate_end].contiguous().view(1, n, -1)  # the activation on a dense tensor, as unjoined
                 up = out[:, gate_end:].view(1, n, -1)
-            hidden = residual + mlp.down_proj(mlp.act_fn(gate) * up)
+            out = mlp.down_proj(mlp.act_fn(gate) * up)
+            hidden = residual + (out if layer.mlp_out_norm is None else layer.mlp_out_norm(out))
         hidden = self.norm(hidden)
         if keep is not None:
             hidden = hidden[:, keep]
-        return self.head(hidden)
+        logits = self.head(hidden)
+        if self.softcap is not None:  # Gemma 2's and 3's final soft-capping, as their modeling files do it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

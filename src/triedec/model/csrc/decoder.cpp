@@ -1,19 +1,25 @@
-// triedec's native forward of a Llama-family decoder (decoder.h). Per layer, in the order
-// transformers' LlamaDecoderLayer runs it and triedec/model/runner.py's Python walk calls it:
-//   x = rms_norm(h); q | k | v = x Wqkv (+ b); q, k = rotary(q), rotary(k); K/V into each item's cache;
-//   a = tree_attention(q, cache); h = h + a Wo; x = rms_norm(h); g | u = x Wgu; h = h + (silu(g) * u) Wd
-// then the final norm and the LM head on the kept rows. Every step is the kernel or the one IEEE
-// operation per element that the Python walk runs (the residual adds and the product silu(g) * u
-// are one float32 operation rounded to bfloat16, as torch's bfloat16 ops are; silu is torch's own
-// op), so the logits are the same bits (tests/test_runner.py). Rows depend on their own inputs
-// only: every kernel computes a row alone, and attention reads the slots a row sees.
+// triedec's native forward of a Llama-family or Gemma 3 decoder (decoder.h). Per layer, in the
+// order transformers' LlamaDecoderLayer / Gemma3DecoderLayer runs it and triedec/model/runner.py's
+// Python walk calls it:
+//   x = rms_norm(h); q | k | v = x Wqkv (+ b); [Gemma: q, k = q_norm(q), k_norm(k) per head];
+//   q, k = rotary(q), rotary(k) (the layer kind's table); K/V into each item's cache;
+//   a = tree_attention(q, cache) (the layer kind's key lists); y = a Wo; [Gemma: y = rms_norm(y)];
+//   h = h + y; x = rms_norm(h); g | u = x Wgu; y = (act(g) * u) Wd; [Gemma: y = rms_norm(y)]; h = h + y
+// then the final norm and the LM head on the kept rows. act is torch's silu or tanh-gelu. Every step
+// is the kernel or the one IEEE operation per element that the Python walk runs (the residual adds
+// and the product act(g) * u are one float32 operation rounded to bfloat16, as torch's bfloat16 ops
+// are; the activation is torch's own op), so the logits are the same bits (tests/test_runner.py).
+// Rows depend on their own inputs only: every kernel computes a row alone, and attention reads the
+// slots a row sees.
 #include "decoder.h"
 
 #include "kernels.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace triedec {
@@ -93,18 +99,28 @@ NativeLinear::NativeLinear(bool int4_, at::Tensor packed_, at::Tensor scales_, c
 }
 
 NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vector<NativeLinear> qkv_,
-                         NativeLinear o_, std::vector<NativeLinear> gate_up_, NativeLinear down_)
+                         NativeLinear o_, std::vector<NativeLinear> gate_up_, NativeLinear down_,
+                         c10::optional<at::Tensor> attn_out_norm_, c10::optional<at::Tensor> mlp_out_norm_,
+                         c10::optional<at::Tensor> q_norm_, c10::optional<at::Tensor> k_norm_, int64_t kind_)
     : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)), qkv(std::move(qkv_)), o(std::move(o_)),
-      gate_up(std::move(gate_up_)), down(std::move(down_)) {
+      gate_up(std::move(gate_up_)), down(std::move(down_)), attn_out_norm(attn_out_norm_.value_or(at::Tensor())),
+      mlp_out_norm(mlp_out_norm_.value_or(at::Tensor())), q_norm(q_norm_.value_or(at::Tensor())),
+      k_norm(k_norm_.value_or(at::Tensor())), kind(kind_) {
   check_bf16(input_norm, "input_norm");
   check_bf16(post_norm, "post_norm");
+  for (const at::Tensor* t : {&attn_out_norm, &mlp_out_norm, &q_norm, &k_norm})
+    if (t->defined()) check_bf16(*t, "a norm weight");
+  TORCH_CHECK(attn_out_norm.defined() == mlp_out_norm.defined(), "the output norms come together");
+  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "the q and k norms come together");
+  TORCH_CHECK(kind >= 0, "a layer's kind is an index");
   TORCH_CHECK(!qkv.empty() && !gate_up.empty(), "q/k/v and gate/up need at least one linear each");
 }
 
 NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
-                             int64_t kv_heads, int64_t head_dim, double eps, double scale)
+                             int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu)
     : layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)), H_(heads), KVH_(kv_heads),
-      hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+      hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), one_plus_(one_plus),
+      gelu_(gelu) {
   TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
   TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && hd_ > 0 && hd_ % 2 == 0,
               "heads must be a multiple of kv_heads, head_dim even");
@@ -112,39 +128,54 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
   D_ = norm_.size(0);
   qkv_width_ = (H_ + 2 * KVH_) * hd_;
   I_ = total_out(layers_[0].gate_up) / 2;
+  qk_norms_ = layers_[0].q_norm.defined();
+  kinds_ = 0;
   for (const NativeLayer& l : layers_) {
     TORCH_CHECK(l.input_norm.numel() == D_ && l.post_norm.numel() == D_, "norm weights must be [D]");
+    TORCH_CHECK(!l.attn_out_norm.defined() || (l.attn_out_norm.numel() == D_ && l.mlp_out_norm.numel() == D_),
+                "output norm weights must be [D]");
+    TORCH_CHECK(l.q_norm.defined() == qk_norms_, "every layer has q/k norms or none does");
+    TORCH_CHECK(!qk_norms_ || (l.q_norm.numel() == hd_ && l.k_norm.numel() == hd_), "q/k norm weights must be [head_dim]");
     TORCH_CHECK(total_out(l.qkv) == qkv_width_, "q | k | v must give (heads + 2 kv_heads) * head_dim outputs");
     TORCH_CHECK(total_out(l.gate_up) == 2 * I_, "every layer's gate | up must be 2 * intermediate");
     for (const NativeLinear& p : l.qkv) TORCH_CHECK(p.K == D_, "q/k/v take the hidden size");
     for (const NativeLinear& p : l.gate_up) TORCH_CHECK(p.K == D_, "gate/up take the hidden size");
     TORCH_CHECK(l.o.K == H_ * hd_ && l.o.N == D_, "o maps heads * head_dim to the hidden size");
     TORCH_CHECK(l.down.K == I_ && l.down.N == D_, "down maps the intermediate size to the hidden size");
+    kinds_ = std::max(kinds_, l.kind + 1);
   }
   TORCH_CHECK(head_.K == D_, "the head takes the hidden size");
 }
 
-at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                                     const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
-                                     const std::vector<std::vector<at::Tensor>>& keys,
-                                     const std::vector<std::vector<at::Tensor>>& values,
-                                     const std::vector<c10::optional<at::Tensor>>& offsets,
-                                     const std::vector<c10::optional<at::Tensor>>& indices,
-                                     const c10::optional<at::Tensor>& keep) const {
+at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at::Tensor>& cos,
+                                  const std::vector<at::Tensor>& sin, const std::vector<int64_t>& bounds,
+                                  const std::vector<int64_t>& lengths,
+                                  const std::vector<std::vector<at::Tensor>>& keys,
+                                  const std::vector<std::vector<at::Tensor>>& values,
+                                  const std::vector<std::vector<c10::optional<at::Tensor>>>& offsets,
+                                  const std::vector<std::vector<c10::optional<at::Tensor>>>& indices,
+                                  const c10::optional<at::Tensor>& keep) const {
   check_bf16(hidden, "hidden");
-  check_bf16(cos, "cos");
-  check_bf16(sin, "sin");
   const int64_t N = hidden.size(0), L = layers();
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D_, "hidden must be [N, D]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && cos.size(1) == hd_ && sin.sizes() == cos.sizes(),
-              "cos and sin must be [N, head_dim]");
+  TORCH_CHECK(static_cast<int64_t>(cos.size()) == kinds_ && static_cast<int64_t>(sin.size()) == kinds_ &&
+                  static_cast<int64_t>(offsets.size()) == kinds_ && static_cast<int64_t>(indices.size()) == kinds_,
+              "one rotary table and one set of key lists per kind of layer");
+  for (int64_t j = 0; j < kinds_; ++j) {
+    check_bf16(cos[j], "cos");
+    check_bf16(sin[j], "sin");
+    TORCH_CHECK(cos[j].dim() == 2 && cos[j].size(0) == N && cos[j].size(1) == hd_ && sin[j].sizes() == cos[j].sizes(),
+                "cos and sin must be [N, head_dim]");
+  }
   const size_t items = lengths.size();
-  TORCH_CHECK(items > 0 && bounds.size() == items + 1 && keys.size() == items && values.size() == items &&
-                  offsets.size() == items && indices.size() == items, "one length, keys, values, key list per item");
+  TORCH_CHECK(items > 0 && bounds.size() == items + 1 && keys.size() == items && values.size() == items,
+              "one length, keys and values per item");
+  for (int64_t j = 0; j < kinds_; ++j)
+    TORCH_CHECK(offsets[j].size() == items && indices[j].size() == items, "one key list per item and kind");
   TORCH_CHECK(bounds[0] == 0 && bounds[items] == N, "bounds must run from 0 to N");
   // Each item's caches and key lists, checked once for the whole forward.
   std::vector<int64_t> capacity(items);
-  std::vector<at::Tensor> off(items), idx(items);
+  std::vector<std::vector<at::Tensor>> off(kinds_, std::vector<at::Tensor>(items)), idx(off);
   for (size_t k = 0; k < items; ++k) {
     const int64_t T = bounds[k + 1] - bounds[k];
     TORCH_CHECK(T > 0, "every item needs tokens");
@@ -161,14 +192,15 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& co
                         buf->size(3) == hd_, "caches must be [1, kv_heads, capacity, head_dim]");
       }
     const int64_t S = lengths[k] + T;
-    if (offsets[k].has_value() && offsets[k]->defined()) {
-      TORCH_CHECK(indices[k].has_value() && indices[k]->defined(), "offsets need indices");
-      off[k] = offsets[k]->to(at::kLong).contiguous();
-      idx[k] = indices[k]->to(at::kInt).contiguous();
-      TORCH_CHECK(off[k].dim() == 1 && off[k].size(0) == T + 1, "offsets must be [T + 1]");
-      const int64_t* o = off[k].data_ptr<int64_t>();
-      const int32_t* ix = idx[k].data_ptr<int32_t>();
-      TORCH_CHECK(o[0] == 0 && o[T] == idx[k].numel(), "offsets must run from 0 to len(indices)");
+    for (int64_t j = 0; j < kinds_; ++j) {
+      if (!offsets[j][k].has_value() || !offsets[j][k]->defined()) continue;
+      TORCH_CHECK(indices[j][k].has_value() && indices[j][k]->defined(), "offsets need indices");
+      off[j][k] = offsets[j][k]->to(at::kLong).contiguous();
+      idx[j][k] = indices[j][k]->to(at::kInt).contiguous();
+      TORCH_CHECK(off[j][k].dim() == 1 && off[j][k].size(0) == T + 1, "offsets must be [T + 1]");
+      const int64_t* o = off[j][k].data_ptr<int64_t>();
+      const int32_t* ix = idx[j][k].data_ptr<int32_t>();
+      TORCH_CHECK(o[0] == 0 && o[T] == idx[j][k].numel(), "offsets must run from 0 to len(indices)");
       for (int64_t t = 0; t < T; ++t) {
         TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
         for (int64_t i = o[t]; i < o[t + 1]; ++i)
@@ -189,20 +221,42 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& co
   at::Tensor q = at::empty({H_, N, hd_}, opts), kr = at::empty({KVH_, N, hd_}, opts);
   at::Tensor att = at::empty({N, H_, hd_}, opts), y = at::empty({N, D_}, opts);
   at::Tensor gu = at::empty({N, 2 * I_}, opts), prod = at::empty({N, I_}, opts);
+  // Gemma's q / k norms: each head's slice gathered into [N * heads, head_dim], then normed
+  at::Tensor gathered, qn, kn;
+  if (qk_norms_) {
+    gathered = at::empty({N * H_, hd_}, opts);
+    qn = at::empty({N * H_, hd_}, opts);
+    kn = at::empty({N * KVH_, hd_}, opts);
+  }
+  at::Tensor y2 = (layers_[0].attn_out_norm.defined()) ? at::empty({N, D_}, opts) : at::Tensor();
   bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
   bf16 *qp = q.data_ptr<bf16>(), *kp = kr.data_ptr<bf16>(), *ap = att.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
   bf16 *gup = gu.data_ptr<bf16>(), *pp = prod.data_ptr<bf16>();
-  const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
   const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
   const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
+  const int64_t qn_strides[3] = {0, hd_, H_ * hd_}, kn_strides[3] = {0, hd_, KVH_ * hd_};
 
   for (int64_t l = 0; l < L; ++l) {
     const NativeLayer& layer = layers_[l];
-    rms_norm_rows<bf16>(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, false);
+    const bf16 *cp = cos[layer.kind].data_ptr<bf16>(), *sp = sin[layer.kind].data_ptr<bf16>();
+    rms_norm_rows<bf16>(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
     run_parts(layer.qkv, xp, N, qkvp, W);
-    rotary_rows<bf16>(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-    rotary_rows<bf16>(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+    if (qk_norms_) {
+      bf16* gp = gathered.data_ptr<bf16>();
+      for (int64_t r = 0; r < N; ++r) std::memcpy(gp + r * q_end, qkvp + r * W, q_end * sizeof(bf16));
+      rms_norm_rows<bf16>(gp, hd_, layer.q_norm.data_ptr<bf16>(), qn.data_ptr<bf16>(), N * H_, hd_, eps_, one_plus_);
+      for (int64_t r = 0; r < N; ++r)
+        std::memcpy(gp + r * KVH_ * hd_, qkvp + r * W + q_end, KVH_ * hd_ * sizeof(bf16));
+      rms_norm_rows<bf16>(gp, hd_, layer.k_norm.data_ptr<bf16>(), kn.data_ptr<bf16>(), N * KVH_, hd_, eps_,
+                          one_plus_);
+      rotary_rows<bf16>(qn.data_ptr<bf16>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      rotary_rows<bf16>(kn.data_ptr<bf16>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+    } else {
+      rotary_rows<bf16>(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      rotary_rows<bf16>(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+    }
     std::vector<AttentionProblem<bf16>> problems;
+    const std::vector<at::Tensor>&koff = off[layer.kind], &kidx = idx[layer.kind];
     for (size_t k = 0; k < items; ++k) {
       const int64_t start = bounds[k], T = bounds[k + 1] - start, len = lengths[k], cap = capacity[k];
       bf16* kb = keys[k][l].data_ptr<bf16>();
@@ -212,24 +266,35 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& co
           std::memcpy(kb + (g * cap + len + t) * hd_, kp + (g * N + start + t) * hd_, hd_ * sizeof(bf16));
           std::memcpy(vb + (g * cap + len + t) * hd_, qkvp + (start + t) * W + k_end + g * hd_, hd_ * sizeof(bf16));
         }
-      const bool listed = off[k].defined();
+      const bool listed = koff[k].defined();
       problems.push_back(AttentionProblem<bf16>{
           qp + start * hd_, N * hd_, hd_, kb, cap * hd_, hd_, vb, cap * hd_, hd_, ap + start * H_ * hd_, T, H_,
-          H_ / KVH_, hd_, listed ? off[k].data_ptr<int64_t>() : nullptr,
-          listed ? idx[k].data_ptr<int32_t>() : nullptr, len + T, scale_, 0.0f});
+          H_ / KVH_, hd_, listed ? koff[k].data_ptr<int64_t>() : nullptr,
+          listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + T, scale_, 0.0f});
     }
     tree_attention_run<bf16>(problems);
     run_linear(layer.o, ap, N, yp);
-    add_into(hp, yp, N * D_);
-    rms_norm_rows<bf16>(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, false);
+    if (layer.attn_out_norm.defined()) {
+      rms_norm_rows<bf16>(yp, D_, layer.attn_out_norm.data_ptr<bf16>(), y2.data_ptr<bf16>(), N, D_, eps_, one_plus_);
+      add_into(hp, y2.data_ptr<bf16>(), N * D_);
+    } else {
+      add_into(hp, yp, N * D_);
+    }
+    rms_norm_rows<bf16>(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
     run_parts(layer.gate_up, xp, N, gup, 2 * I_);
-    const at::Tensor act = at::silu(gu.narrow(1, 0, I_).contiguous());
+    const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
+    const at::Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
     const bf16* actp = act.data_ptr<bf16>();
     for (int64_t r = 0; r < N; ++r)
       for (int64_t i = 0; i < I_; ++i)
         pp[r * I_ + i] = static_cast<bf16>(static_cast<float>(actp[r * I_ + i]) * static_cast<float>(gup[r * 2 * I_ + I_ + i]));
     run_linear(layer.down, pp, N, yp);
-    add_into(hp, yp, N * D_);
+    if (layer.mlp_out_norm.defined()) {
+      rms_norm_rows<bf16>(yp, D_, layer.mlp_out_norm.data_ptr<bf16>(), y2.data_ptr<bf16>(), N, D_, eps_, one_plus_);
+      add_into(hp, y2.data_ptr<bf16>(), N * D_);
+    } else {
+      add_into(hp, yp, N * D_);
+    }
   }
   // The final norm and the head on the kept rows only (a row's norm is its own).
   const int64_t R = rows.defined() ? rows.numel() : N;
@@ -241,7 +306,8 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const at::Tensor& co
       std::memcpy(kept.data_ptr<bf16>() + i * D_, hp + r[i] * D_, D_ * sizeof(bf16));
   }
   at::Tensor normed = at::empty({R, D_}, opts);
-  rms_norm_rows<bf16>(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_, false);
+  rms_norm_rows<bf16>(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_,
+                      one_plus_);
   at::Tensor logits = at::empty({R, head_.N}, opts);
   run_linear(head_, normed.data_ptr<bf16>(), R, logits.data_ptr<bf16>());
   return logits;

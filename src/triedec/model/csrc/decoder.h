@@ -1,4 +1,4 @@
-// triedec's native forward of a Llama-family decoder (decoder.cpp; bound in bindings.cpp, driven by
+// triedec's native forward of a Llama-family or Gemma 3 decoder (decoder.cpp; bound in bindings.cpp, driven by
 // triedec/model/runner.py): one call runs every layer over a batch of items (each its own tokens,
 // its own KV cache and the key slots each token sees), calling the kernels of kernels.h in the
 // order transformers' modeling file calls its modules, with no Python between them.
@@ -20,38 +20,48 @@ struct NativeLinear {
   int64_t K, N;
 };
 
-// One decoder layer: its two RMS norms' weights ([D] bf16), the linears whose outputs side by side
-// are q | k | v and gate | up (one joined linear each, or the parts), the output and down linears.
+// One decoder layer: its two RMS norms' weights ([D] bf16: before attention, before the MLP), the
+// linears whose outputs side by side are q | k | v and gate | up (one joined linear each, or the
+// parts), the output and down linears; Gemma 3's norms where it has them (undefined elsewhere): on
+// the attention's and the MLP's outputs ([D]) and on each head's q and k ([head_dim]); kind: which
+// rotary table and key lists its attention uses (Gemma 3's sliding-window and full layers).
 struct NativeLayer {
   NativeLayer(at::Tensor input_norm, at::Tensor post_norm, std::vector<NativeLinear> qkv, NativeLinear o,
-              std::vector<NativeLinear> gate_up, NativeLinear down);
+              std::vector<NativeLinear> gate_up, NativeLinear down, c10::optional<at::Tensor> attn_out_norm,
+              c10::optional<at::Tensor> mlp_out_norm, c10::optional<at::Tensor> q_norm,
+              c10::optional<at::Tensor> k_norm, int64_t kind);
   at::Tensor input_norm, post_norm;
   std::vector<NativeLinear> qkv;
   NativeLinear o;
   std::vector<NativeLinear> gate_up;
   NativeLinear down;
+  at::Tensor attn_out_norm, mlp_out_norm, q_norm, k_norm;
+  int64_t kind;
 };
 
 class NativeDecoder {
  public:
-  // heads, kv_heads and head_dim of the attention; eps of every RMS norm (y = w * round(x * r));
-  // scale: the attention's score scale; norm: the final norm's weight; head: the LM head.
+  // heads, kv_heads and head_dim of the attention; eps of every RMS norm; one_plus: every norm is
+  // y = round(x * r * (1 + w)) (Gemma) rather than y = w * round(x * r); gelu: the MLP's activation
+  // is torch's tanh-approximated gelu (Gemma) rather than silu; scale: the attention's score scale;
+  // norm: the final norm's weight; head: the LM head.
   NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
-                int64_t kv_heads, int64_t head_dim, double eps, double scale);
+                int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu);
 
   // hidden [N, D] bf16: the embedded tokens of every item, item k's rows bounds[k] .. bounds[k+1);
-  // cos / sin [N, head_dim] bf16: the model's rotary embedding at each row's position. Item k's
-  // cache: lengths[k] committed slots in keys[k][layer] / values[k][layer] ([1, KVH, capacity,
-  // head_dim] bf16, contiguous), its new K/V written after them; the slots its token t sees:
-  // indices[k][offsets[k][t] .. offsets[k][t+1]) (undefined: every slot). keep: the rows whose
-  // logits to return (int64; undefined: all). Returns the logits [rows, vocab] bf16.
-  at::Tensor forward(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
-                        const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
-                        const std::vector<std::vector<at::Tensor>>& keys,
-                        const std::vector<std::vector<at::Tensor>>& values,
-                        const std::vector<c10::optional<at::Tensor>>& offsets,
-                        const std::vector<c10::optional<at::Tensor>>& indices,
-                        const c10::optional<at::Tensor>& keep) const;
+  // cos[j] / sin[j] [N, head_dim] bf16: the rotary embedding of layers of kind j at each row's
+  // position. Item k's cache: lengths[k] committed slots in keys[k][layer] / values[k][layer]
+  // ([1, KVH, capacity, head_dim] bf16, contiguous), its new K/V written after them; the slots its
+  // token t sees in layers of kind j: indices[j][k][offsets[j][k][t] .. offsets[j][k][t+1])
+  // (undefined: every slot). keep: the rows whose logits to return (int64; undefined: all).
+  // Returns the logits [rows, vocab] bf16.
+  at::Tensor forward(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                     const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
+                     const std::vector<std::vector<at::Tensor>>& keys,
+                     const std::vector<std::vector<at::Tensor>>& values,
+                     const std::vector<std::vector<c10::optional<at::Tensor>>>& offsets,
+                     const std::vector<std::vector<c10::optional<at::Tensor>>>& indices,
+                     const c10::optional<at::Tensor>& keep) const;
 
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
 
@@ -59,8 +69,9 @@ class NativeDecoder {
   std::vector<NativeLayer> layers_;
   at::Tensor norm_;
   NativeLinear head_;
-  int64_t H_, KVH_, hd_, D_, I_, qkv_width_;
+  int64_t H_, KVH_, hd_, D_, I_, qkv_width_, kinds_;
   float eps_, scale_;
+  bool one_plus_, gelu_, qk_norms_;
 };
 
 }  // namespace triedec
