@@ -3,11 +3,13 @@ transformers' forward (``transformers``), triedec's runner walking the layers in
 and, where it applies, the same runner's forward in one native call (``native``;
 ``model/runner.py``, ``csrc/decoder.cpp``). Forwards, not decoding: no sampling, no drafting.
 
-Three shapes, each on a cache already holding ``--context`` tokens: one token (plain decoding's
-step), a 16-token verify tree (the root and 4 chains of 3 and 4 drafts under it) and a
-``--prompt``-token prompt chunk. Each runner's forwards of a shape run in rounds, the runners in
-a shuffled order per round; the median and the quartiles are over the rounds' own medians.
-Also checks that the runners' logits are ``torch.equal`` on each shape, and says if not.
+Four shapes, each on a cache already holding ``--context`` tokens: one token (plain decoding's
+step), a 16-token verify tree (the root and 4 chains of 3 and 4 drafts under it), a
+``--prompt``-token prompt chunk with every row's logits, and the same chunk with only its last
+row's (as prefill runs it, and as ``llama-bench``'s ``pp`` test does). Each runner's forwards of
+a shape run in rounds, the runners in a shuffled order per round; the median and the quartiles
+are over the rounds' own medians. Also checks that the runners' logits are ``torch.equal`` on
+each shape, and says if not.
 
     .venv/bin/python scripts/forward_timings.py --weights int4-a8 --out benchmarks/native-forward-cpu
 """
@@ -72,16 +74,19 @@ def main() -> int:
         caches[name] = cache
     tree = draft_tree(16, int(context[-1]), gen)
     shapes = {
-        "one token": (torch.tensor([1234]), torch.tensor([args.context]), torch.ones((1, 1), dtype=torch.bool)),
-        "16-token tree": (torch.tensor(tree.tokens), tree.positions(args.context)[0], tree.ancestry),
+        "one token": (torch.tensor([1234]), torch.tensor([args.context]), torch.ones((1, 1), dtype=torch.bool), -1),
+        "16-token tree": (torch.tensor(tree.tokens), tree.positions(args.context)[0], tree.ancestry, -1),
         f"{args.prompt}-token prompt chunk": (torch.randint(100, 4000, (args.prompt,), generator=gen),
                                                torch.arange(args.context, args.context + args.prompt),
-                                               torch.ones((args.prompt, args.prompt), dtype=torch.bool).tril()),
+                                               torch.ones((args.prompt, args.prompt), dtype=torch.bool).tril(), -1),
     }
+    # prefill as it runs: the same chunk, only its last row's logits (the head on one row)
+    chunk = shapes[f"{args.prompt}-token prompt chunk"]
+    shapes[f"{args.prompt}-token prompt chunk, last row's logits"] = (*chunk[:3], 1)
 
-    def forward(name: str, shape: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens, positions, visible = shape
-        out = runners[name].forward_batch([ForwardItem(caches[name], tokens, positions, visible)])[0]
+    def forward(name: str, shape: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+        tokens, positions, visible, keep = shape
+        out = runners[name].forward_batch([ForwardItem(caches[name], tokens, positions, visible, keep)])[0]
         caches[name].commit([])
         return out
 
