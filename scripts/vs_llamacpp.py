@@ -1,7 +1,7 @@
 """triedec against llama.cpp built natively, on the same GGUF, one client: ``llama-bench`` (tg and
 pp), ``llama-server`` plain and with ``--spec-type ngram-mod``, and ``triedec serve`` with ``ar``
-and with ``auto``, each server given the same chat-template token ids on ``POST /v1/completions``
-(streamed, greedy).
+and with ``auto``, each server given the same chat-template token ids (a model without a chat template: the
+question's plain text) on ``POST /v1/completions`` (streamed, greedy).
 
 Every server is up during a pass; each prompt goes to every system in an order shuffled per
 prompt (seeded), one request at a time, after two warm-up prompts from the tuning split. The
@@ -77,8 +77,9 @@ def main() -> int:
     questions = split(load_questions("spec-bench"), "evaluation")
     sample = select(questions, args.per_category)
     warm = warmup_questions("spec-bench", sample, 2)
-    prompts = {q.id: lm.prompts.encode(q.turns[0], chat=True) for q in sample}
-    warm_prompts = [lm.prompts.encode(q.turns[0], chat=True) for q in warm]
+    chat = lm.prompts.has_chat_template  # a base model (Gemma 3 270M) gets the question as plain text
+    prompts = {q.id: lm.prompts.encode(q.turns[0], chat=chat) for q in sample}
+    warm_prompts = [lm.prompts.encode(q.turns[0], chat=chat) for q in warm]
     del lm
 
     bench = llama_bench(args.llamacpp / "llama-bench", gguf, args.threads)
@@ -130,7 +131,8 @@ def main() -> int:
 
     lines = [
         f"{gguf.name}, {args.threads} threads; triedec `--weights {args.weights}`; {len(prompts)} Spec-Bench "
-        f"evaluation prompts x {args.max_tokens} greedy tokens, {args.repeats} pass(es), one client; "
+        f"evaluation prompts ({'chat template' if chat else 'plain text: no chat template'}) x "
+        f"{args.max_tokens} greedy tokens, {args.repeats} pass(es), one client; "
         f"intervals: 95% bootstrap over prompts.",
         "",
         llama_bench_line(bench),
@@ -146,7 +148,8 @@ def main() -> int:
     print("\n".join(lines))
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     (args.out / "results.json").write_text(json.dumps({
-        "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "commands": commands,
+        "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "chat_template": chat,
+        "commands": commands,
         "startup_lines": startup, "llama_server_version": (version.stdout + version.stderr).strip(),
         "llama_bench": bench, "decode": decode, "end_to_end": e2e, "auto_equals_ar": auto_equal,
         "llama_ngram_equals_plain": llama_same, "requests": len(texts), "records": records,
