@@ -153,9 +153,10 @@ def default_prompts():
     return [*PROMPTS, *code]
 
 
-BEAM_PROMPTS = (0, 3, 5, 6, 9, 12, 14, 17, 18, 20, 21, 22)
+BEAM_PROMPTS = (0, 3, 5, 6, 9, 17, 14, 12, 18, 20, 21, 22)
 """12 of the 24 prompts (each kind: chat, several turns, the article, translation, code, the long
-context, raw text, token ids), to keep the suite inside its time."""
+context, raw text, token ids), to keep the suite inside its time; the long context (~1,000
+tokens) gets 2 beams, not 8 (transformers' own 8-beam search of it took ~40 s)."""
 
 
 @pytest.mark.default_model
