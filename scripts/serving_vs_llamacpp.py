@@ -38,11 +38,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from triedec.bench.datasets import load_questions, select, split, warmup_questions
 from triedec.bench.report import machine_info, source_commit, versions
-from triedec.bench.servers import add_common_arguments, check_llamacpp, free_port, latency_summary, run_phase, server
+from triedec.bench.servers import (
+    add_common_arguments,
+    check_llamacpp,
+    engine_metrics,
+    free_port,
+    latency_summary,
+    run_phase,
+    server,
+)
 from triedec.bench.stats import geometric_mean, ratio_interval, repeat_interval
 from triedec.model.source import default_model_path
 
@@ -138,6 +147,17 @@ def cell_text(c: dict[str, Any] | None) -> str:
 
 def ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
+
+
+def engine_line(engine: dict[str, Any] | None) -> str:
+    """What a triedec phase's engine did (:func:`~triedec.bench.servers.engine_metrics`), for the log."""
+    if engine is None or not engine["steps"]:
+        return ""
+    levels = " ".join(f"{level}:{'draft' if engine['drafting'].get(level) else 'plain'}"
+                      f"({engine['speedup'][level]:.2f}x)" if level in engine["speedup"] else f"{level}:?"
+                      for level in sorted(engine["drafting"], key=int))
+    return (f"  steps {engine['steps']:.0f}, plain {engine['plain_steps'] / engine['steps']:.0%}, "
+            f"draft nodes/step {engine['draft_nodes'] / engine['steps']:.1f}; {levels}")
 
 
 def header_text(prompts: int, max_tokens: int | str, repeats: int | str, threads: int | str, commit: str,
@@ -315,15 +335,16 @@ def main() -> int:
             run_phase(base, warm_prompt, 1, args.max_tokens, lambda _q, n=name, t=temperature: body(n, t, args.seed))
             records, seconds = run_phase(base, prompts, concurrency, args.max_tokens,
                                          lambda q, n=name, t=temperature: body(n, t, args.seed + index[q]))
+            engine = None if name.startswith("llama") else engine_metrics(httpx.get(f"{base}/metrics").text)
         summary = latency_summary(records, seconds)
         phases.append({"system": name, "concurrency": concurrency, "temperature": temperature, "repeat": repeat,
                        "probe_gflops": probe, "summary": summary, "texts": {r["prompt"]: r["text"] for r in records},
                        "request_tokens_per_s": {r["prompt"]: r["tokens"] / (r["last"] - r["sent"])
                                                 for r in records if r["last"] is not None and r["tokens"]},
-                       "finish_reasons": {r["prompt"]: r["finish_reason"] for r in records}})
+                       "finish_reasons": {r["prompt"]: r["finish_reason"] for r in records}, "engine": engine})
         print(f"[{k + 1}/{len(plan)} {time.time() - started:6.0f}s] {name:>24} C={concurrency:<2} T={temperature} "
               f"r{repeat}: {summary['tokens_per_s']:7.1f} tok/s  ttft p50 {ms(summary['ttft_p50_ms'])} ms  "
-              f"tpot p50 {ms(summary['tpot_p50_ms'])} ms  probe {probe:.0f} GFLOP/s", flush=True)
+              f"tpot p50 {ms(summary['tpot_p50_ms'])} ms  probe {probe:.0f} GFLOP/s{engine_line(engine)}", flush=True)
         (args.out / "phases.partial.json").write_text(json.dumps(phases))  # a run cut short keeps what it measured
 
     header = header_text(len(prompts), args.max_tokens, args.repeats, args.threads, source_commit(), version)

@@ -135,3 +135,26 @@ def test_the_llamacpp_scripts_share_their_options_and_refuse_missing_tools(tmp_p
         check_llamacpp(tmp_path)
     with pytest.raises(TriedecError, match=r"llama-bench not found: .*, or pass --no-llama$"):
         check_llamacpp(tmp_path, otherwise="pass --no-llama")
+
+
+def test_engine_metrics_reads_the_servers_own_exposition() -> None:
+    """What a phase's engine did, read back from the text the server's metrics registry exports:
+    its step counters, the draft nodes it verified and each load level's drafting decision."""
+    from prometheus_client import generate_latest
+
+    from triedec.bench.servers import engine_metrics
+    from triedec.server.metrics import Metrics
+
+    metrics = Metrics(lambda: (0, 0), 128)
+    assert engine_metrics(generate_latest(metrics.registry).decode()) == {
+        "steps": 0.0, "plain_steps": 0.0, "draft_nodes": 0.0, "drafting": {}, "speedup": {}}
+    metrics.steps.inc(5)
+    metrics.plain_steps.inc(2)
+    for nodes in (3, 0, 9):
+        metrics.draft_nodes.observe(nodes)
+    metrics.drafting.labels("16").set(0.0)
+    metrics.speedup.labels("16").set(0.92)
+    metrics.drafting.labels("4").set(1.0)
+    got = engine_metrics(generate_latest(metrics.registry).decode())
+    assert got == {"steps": 5.0, "plain_steps": 2.0, "draft_nodes": 12.0, "drafting": {"16": 0.0, "4": 1.0},
+                   "speedup": {"16": 0.92}}

@@ -6,7 +6,8 @@ llama.cpp's ``llama-server`` (``scripts/vs_llamacpp.py``, ``scripts/json_bench.p
 A server runs as a process for a block (:func:`server`); :func:`complete` sends one streamed
 ``POST /v1/completions`` of token ids and times it; :func:`speeds` turns a record into decode
 tokens/s (after the first token) and end-to-end tokens/s; :func:`summarize` compares systems
-per prompt against a baseline with 95% bootstrap intervals over prompts.
+per prompt against a baseline with 95% bootstrap intervals over prompts; :func:`engine_metrics`
+reads what ``triedec serve``'s engine did from its metrics.
 """
 
 from __future__ import annotations
@@ -106,6 +107,31 @@ def run_phase(base: str, prompts: Mapping[str, Sequence[int]], concurrency: int,
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         records = list(pool.map(one, list(prompts)))
     return records, max((r["last"] or r["sent"] for r in records), default=started) - started
+
+
+ENGINE_METRICS = ("triedec_steps", "triedec_plain_steps")
+"""The server's step counters :func:`engine_metrics` reads (Prometheus names, without ``_total``)."""
+
+
+def engine_metrics(text: str) -> dict[str, Any]:
+    """What ``triedec serve``'s engine did, from its ``GET /metrics`` text: ``steps`` and
+    ``plain_steps`` (steps whose requests were not asked to draft), ``draft_nodes`` (verified, all
+    steps together), and per load level (:func:`triedec.core.allocate.load_level`, as a string)
+    ``drafting`` (1: steps at that load draft) and ``speedup`` (what drafting measurably bought
+    there). Levels the server has not seen are absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {"steps": 0.0, "plain_steps": 0.0, "draft_nodes": 0.0, "drafting": {}, "speedup": {}}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("triedec_steps_total", "triedec_plain_steps_total"):
+                out[sample.name.removeprefix("triedec_").removesuffix("_total")] = sample.value
+            elif sample.name == "triedec_forward_draft_nodes_sum":
+                out["draft_nodes"] = sample.value
+            elif sample.name in ("triedec_drafting", "triedec_drafting_speedup"):
+                key = "drafting" if sample.name == "triedec_drafting" else "speedup"
+                out[key][sample.labels["load"]] = sample.value
+    return out
 
 
 def latency_summary(records: Sequence[Mapping[str, Any]], seconds: float) -> dict[str, Any]:
