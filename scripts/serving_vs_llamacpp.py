@@ -261,7 +261,8 @@ def report(phases: list[dict[str, Any]], model: str, header: str, modes: list[st
                             total += 1
                             same += text == ref["texts"].get(qid)
                 lines.append(f"- triedec {mode}: `auto`'s text equals `ar`'s on {same} of {total}.")
-                lines.append(f"- triedec {mode}, one at a time: " + below_ar(phases, mode, low, temperature))
+                where = "one at a time" if low == 1 else f"at C={low}"
+                lines.append(f"- triedec {mode}, {where}: " + below_ar(phases, mode, low, temperature))
         lines.append("")
         ratios[str(temperature)] = comparisons
     return lines, ratios
