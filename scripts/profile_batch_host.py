@@ -1,7 +1,8 @@
 """Host time per request-step at B requests, as the server's batch runs them (``learn_cost`` and
 ``gate_drafts`` on): the step's wall time outside its forward, split by cProfile into the
 drafters' ``propose`` and ``observe`` and the rest, for ``ar`` and ``auto`` on tuning-split chat
-prompts (never the published ones), fresh learned state per method.
+prompts (never the published ones; ``--per-category N``: N of every category, long documents
+among them, instead of the split's first, all MT-bench), fresh learned state per method.
 
     .venv/bin/python scripts/profile_batch_host.py [--requests 16] [--slots 8] [--tokens 96] [--profile]
         [--measure-drafting]
@@ -24,7 +25,7 @@ import torch
 
 import triedec
 from triedec.api.generation import GenerationRequest
-from triedec.bench.datasets import load_questions, split
+from triedec.bench.datasets import load_questions, select, split
 from triedec.core.limits import BatchLimits
 from triedec.engine.batch import Batch
 
@@ -81,6 +82,8 @@ def run(lm: triedec.LM, method: str, prompts: list[str], tokens: int, profile: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--per-category", type=int, default=0,
+                        help="instead of the first --requests tuning questions, this many from each category")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--slots", type=int, default=0,
                         help="requests running at once, the rest waiting for a slot as in a server (0: all)")
@@ -95,8 +98,14 @@ def main() -> None:
     torch.set_num_threads(2)
     lm = triedec.load()
     questions = split(load_questions("spec-bench"), "tuning")
-    prompts = [q.turns[0] for q in questions[1 : 1 + args.requests]]
-    lm.generate(questions[0].turns[0], "auto", max_new_tokens=8)  # builds and warms up
+    if args.per_category:  # every category (the long RAG and summarization documents among them)
+        chosen = select(questions, args.per_category)
+        prompts = [q.turns[0] for q in chosen]
+        warm = next(q for q in questions if q not in chosen)
+    else:  # the split's first questions (all MT-bench: short prompts)
+        prompts = [q.turns[0] for q in questions[1 : 1 + args.requests]]
+        warm = questions[0]
+    lm.generate(warm.turns[0], "auto", max_new_tokens=8)  # builds and warms up
     for method in args.methods.split(","):
         run(lm.fresh(), method, prompts, args.tokens, args.profile, not args.no_gate, args.top,
             args.slots or args.requests, args.temperature, args.measure_drafting)
