@@ -109,10 +109,6 @@ def run_phase(base: str, prompts: Mapping[str, Sequence[int]], concurrency: int,
     return records, max((r["last"] or r["sent"] for r in records), default=started) - started
 
 
-ENGINE_METRICS = ("triedec_steps", "triedec_plain_steps")
-"""The server's step counters :func:`engine_metrics` reads (Prometheus names, without ``_total``)."""
-
-
 def engine_metrics(text: str) -> dict[str, Any]:
     """What ``triedec serve``'s engine did, from its ``GET /metrics`` text: ``steps`` and
     ``plain_steps`` (steps whose requests were not asked to draft), ``draft_nodes`` (verified, all
