@@ -215,7 +215,9 @@ class Replica:
             [sys.executable, "-m", "triedec.cli.main", "serve", "--model", str(model_dir), "--port", str(self.port),
              "--model-name", "tiny", "--method", "ar", "--api-keys-file", str(keys_file), "--learning", "tenant",
              "--redis-url", redis_url, "--share-interval", str(INTERVAL), "--drain-seconds", "5"],
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("TRIEDEC_")}, "TRIEDEC_CACHE": str(cache)},
+            # a cache of its own, and the suite's thread count and quick calibration (tests/conftest.py)
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("TRIEDEC_")}, "TRIEDEC_CACHE": str(cache),
+                 **{k: os.environ[k] for k in ("TRIEDEC_THREADS", "TRIEDEC_CALIBRATION") if k in os.environ}},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def wait_ready(self) -> None:
