@@ -137,7 +137,7 @@ class Request:
         self._draft: Draft | None = None
         self._kept: tuple[int, ...] = ()
         self._proposed = 0
-        self._own: tuple[int, ...] = ()  # the proposal's nodes' indices in the drafter's draft (-1: the grammar's)
+        self._own_nodes = 0  # the proposal's draft nodes that are the drafter's own (not the grammar's)
         self._draft_seconds = 0.0  # host seconds of the last proposal (the gate weighs drafting by them)
         self.draft_forward_seconds = 0.0
         """the forward seconds this step's verified draft rows added (set by a gating batch before
@@ -405,7 +405,9 @@ class Request:
             self._pruned = self._draft.size - sum(1 for o in own if o >= 0)
             self._draft, keep = merged.within(MAX_TREE_NODES, room)
             self._kept = tuple(-1 if own[k] < 0 else self._kept[own[k]] for k in keep)
-        self._own = self._kept
+            self._own_nodes = sum(1 for k in self._kept[1:] if k >= 0)
+        else:
+            self._own_nodes = self._draft.size - 1
         return self._draft
 
     def verify_item(self, count: int) -> ForwardItem:
@@ -423,10 +425,13 @@ class Request:
         acceptance = self.rule.accept(tree, logits, self._context, len(self.generated))
         started = time.perf_counter()
         session.observe(own_view(tree, logits, acceptance, self._kept, self._proposed))
-        if self.gate is not None:  # the drafter's own nodes only: a grammar's forced tokens are no evidence
-            kept = self._kept
-            self.gate.verified(sum(1 for k in self._own if k > 0), sum(1 for k in kept[1:] if k >= 0),
-                               sum(1 for n in acceptance.path[1:] if kept[n] >= 0),
+        if self.gate is not None:
+            verified, accepted = tree.size - 1, len(acceptance.path) - 1
+            if self.constraint is not None:  # the drafter's own nodes only: forced tokens are no evidence
+                kept = self._kept
+                verified = sum(1 for k in kept[1:] if k >= 0)
+                accepted = sum(1 for n in acceptance.path[1:] if kept[n] >= 0)
+            self.gate.verified(self._own_nodes, verified, accepted,
                                self._draft_seconds + time.perf_counter() - started + self.draft_forward_seconds)
             self.draft_forward_seconds = 0.0
         new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))

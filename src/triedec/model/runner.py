@@ -82,9 +82,16 @@ class Layer:
     mlp_norm: nn.Module
     mlp: nn.Module
     mlp_out_norm: nn.Module | None
+    qk_norms: tuple[nn.Module, nn.Module] | None  # each head's q and k norms (Gemma 3)
     qkv: tuple[LinearStandIn, list[int]] | None
     gate_up: tuple[LinearStandIn, list[int]] | None
     kind: str
+
+
+def layer_kinds(layers: list[Layer]) -> list[str]:
+    """The layers' kinds in the order the native forward numbers them (its rotary tables and key
+    lists are given in this order)."""
+    return sorted({layer.kind for layer in layers})
 
 
 def runner_for(model: nn.Module) -> DecoderRunner | None:
@@ -172,8 +179,7 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
             or getattr(config, "attn_logit_softcapping", None) is not None:
         return None
     optional = [n for layer in layers for n in (layer.attention_out_norm, layer.mlp_out_norm)]
-    qk = [n for layer in layers for n in ((layer.attn.q_norm, layer.attn.k_norm) if hasattr(layer.attn, "q_norm")
-                                         else ())]
+    qk = [n for layer in layers for n in layer.qk_norms or ()]
     norms = [base.norm, *(n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)), *qk,
              *(n for n in optional if n is not None)]
     if not all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms) \
@@ -187,7 +193,7 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     if len(scales) != 1 or any(layer.attn.head_dim != head_dim for layer in layers) \
             or len(activations) != 1 or None in activations:
         return None
-    kinds = sorted({layer.kind for layer in layers})
+    kinds = layer_kinds(layers)
     kernel = load_kernel()
     built = []
     for layer in layers:
@@ -197,7 +203,7 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
         if not all(type(m) in NATIVE_LINEARS for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
-        extra = (layer.attention_out_norm, layer.mlp_out_norm, *((attn.q_norm, attn.k_norm) if qk else (None, None)))
+        extra = (layer.attention_out_norm, layer.mlp_out_norm, *(layer.qk_norms or (None, None)))
         built.append(kernel.NativeLayer(
             layer.attention_norm.weight, layer.mlp_norm.weight, q, o[0], gu, down[0],
             *(None if norm is None else norm.weight for norm in extra), kinds.index(layer.kind)))
@@ -238,9 +244,10 @@ class DecoderRunner:
                 getattr(layer, arch.attention_out_norm) if arch.attention_out_norm else None,
                 getattr(layer, arch.mlp_norm), layer.mlp,
                 getattr(layer, arch.mlp_out_norm) if arch.mlp_out_norm else None,
+                (layer.self_attn.q_norm, layer.self_attn.k_norm) if arch.qk_norms else None,
                 join(layer.self_attn, ("q_proj", "k_proj", "v_proj")), join(layer.mlp, ("gate_proj", "up_proj")),
                 kinds[index] if index < len(kinds) else "full_attention"))
-        self._qk_norms = arch.qk_norms
+        self._kinds = layer_kinds(self.layers)
         self._native = native_decoder(model, self.layers)
         self._kv = (int(model.config.num_key_value_heads or model.config.num_attention_heads),
                     self.layers[0].attn.head_dim)
@@ -253,16 +260,15 @@ class DecoderRunner:
 
     def _rotary_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[Any, Any]]:
         """Each layer kind's rotary ``(cos, sin)`` at ``positions`` (Gemma 3: its own base per kind)."""
-        kinds = sorted({layer.kind for layer in self.layers})
         if self._rotary_by_kind:
-            return {kind: self.rotary(hidden, positions[None], kind) for kind in kinds}
-        return dict.fromkeys(kinds, self.rotary(hidden, positions[None]))
+            return {kind: self.rotary(hidden, positions[None], kind) for kind in self._kinds}
+        return dict.fromkeys(self._kinds, self.rotary(hidden, positions[None]))
 
     def _native_forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch,
                         keep: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embed(tokens)
         tables = self._rotary_tables(hidden, positions)
-        kinds = sorted(tables)
+        kinds = self._kinds
         caches: list[KVCache] = [item.cache for item in batch.items]
         for cache in caches:
             cache.allocate(len(self.layers), *self._kv, hidden.dtype, hidden.device)
@@ -301,8 +307,8 @@ class DecoderRunner:
                 query = out[:, :q_end].view(shape).transpose(1, 2)
                 key = out[:, q_end:k_end].view(shape).transpose(1, 2)
                 value = out[:, k_end:].view(shape).transpose(1, 2)
-            if self._qk_norms:
-                query, key = attn.q_norm(query), attn.k_norm(key)
+            if layer.qk_norms is not None:
+                query, key = layer.qk_norms[0](query), layer.qk_norms[1](key)
             query, key = self._rotate(query, key, *rotary[layer.kind])
             batch.write(index, key, value)
             kwargs = {"dropout": 0.0, "scaling": attn.scaling, "sliding_window": getattr(attn, "sliding_window", None)}

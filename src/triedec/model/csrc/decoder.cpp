@@ -135,6 +135,8 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
     TORCH_CHECK(!l.attn_out_norm.defined() || (l.attn_out_norm.numel() == D_ && l.mlp_out_norm.numel() == D_),
                 "output norm weights must be [D]");
     TORCH_CHECK(l.q_norm.defined() == qk_norms_, "every layer has q/k norms or none does");
+    TORCH_CHECK(l.attn_out_norm.defined() == layers_[0].attn_out_norm.defined(),
+                "every layer has output norms or none does");
     TORCH_CHECK(!qk_norms_ || (l.q_norm.numel() == hd_ && l.k_norm.numel() == hd_), "q/k norm weights must be [head_dim]");
     TORCH_CHECK(total_out(l.qkv) == qkv_width_, "q | k | v must give (heads + 2 kv_heads) * head_dim outputs");
     TORCH_CHECK(total_out(l.gate_up) == 2 * I_, "every layer's gate | up must be 2 * intermediate");
@@ -232,6 +234,17 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
   bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
   bf16 *qp = q.data_ptr<bf16>(), *kp = kr.data_ptr<bf16>(), *ap = att.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
   bf16 *gup = gu.data_ptr<bf16>(), *pp = prod.data_ptr<bf16>();
+  bf16* y2p = y2.defined() ? y2.data_ptr<bf16>() : nullptr;
+  // h += y, a sublayer's output in y, through the layer's norm on that output first where it has
+  // one (Gemma 3's post-attention and post-feedforward norms)
+  const auto add_output = [&](const at::Tensor& norm) {
+    if (!norm.defined()) {
+      add_into(hp, yp, N * D_);
+      return;
+    }
+    rms_norm_rows<bf16>(yp, D_, norm.data_ptr<bf16>(), y2p, N, D_, eps_, one_plus_);
+    add_into(hp, y2p, N * D_);
+  };
   const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
   const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
   const int64_t qn_strides[3] = {0, hd_, H_ * hd_}, kn_strides[3] = {0, hd_, KVH_ * hd_};
@@ -274,12 +287,7 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
     }
     tree_attention_run<bf16>(problems);
     run_linear(layer.o, ap, N, yp);
-    if (layer.attn_out_norm.defined()) {
-      rms_norm_rows<bf16>(yp, D_, layer.attn_out_norm.data_ptr<bf16>(), y2.data_ptr<bf16>(), N, D_, eps_, one_plus_);
-      add_into(hp, y2.data_ptr<bf16>(), N * D_);
-    } else {
-      add_into(hp, yp, N * D_);
-    }
+    add_output(layer.attn_out_norm);
     rms_norm_rows<bf16>(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
     run_parts(layer.gate_up, xp, N, gup, 2 * I_);
     const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
@@ -289,12 +297,7 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
       for (int64_t i = 0; i < I_; ++i)
         pp[r * I_ + i] = static_cast<bf16>(static_cast<float>(actp[r * I_ + i]) * static_cast<float>(gup[r * 2 * I_ + I_ + i]));
     run_linear(layer.down, pp, N, yp);
-    if (layer.mlp_out_norm.defined()) {
-      rms_norm_rows<bf16>(yp, D_, layer.mlp_out_norm.data_ptr<bf16>(), y2.data_ptr<bf16>(), N, D_, eps_, one_plus_);
-      add_into(hp, y2.data_ptr<bf16>(), N * D_);
-    } else {
-      add_into(hp, yp, N * D_);
-    }
+    add_output(layer.mlp_out_norm);
   }
   // The final norm and the head on the kept rows only (a row's norm is its own).
   const int64_t R = rows.defined() ? rows.numel() : N;
