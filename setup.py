@@ -1,6 +1,7 @@
-"""Builds triedec's C++ kernels when the package is installed: one extension per instruction set
-(src/triedec/model/isa.py declares them), the fastest one this CPU runs chosen at run time, so the
-first ``generate`` compiles nothing. torch's extension build needs torch in the environment that
+"""Builds triedec's C++ kernels when the package is installed: the kernel files once per instruction
+set, each into a library of its own, and the extension that binds them to torch once, for every CPU
+(src/triedec/model/isa.py declares them); the fastest library this CPU runs is chosen at run time, so
+the first ``generate`` compiles nothing. torch's extension build needs torch in the environment that
 builds: install torch first and this package with ``--no-build-isolation`` (scripts/setup.sh does).
 Without torch there (an isolated build) the package installs without them, and they are built on
 first use instead (triedec.model.native)."""
@@ -26,15 +27,20 @@ else:
     openmp = sys.platform.startswith("linux")
     digest = isa.sources_digest()
     csrc = Path("src") / "triedec" / "model" / "csrc"
-    for name in isa.buildable():
+    # -fopenmp compiles at::parallel_for onto OpenMP; not linked: its symbols bind to the runtime
+    # torch loaded, one thread pool (triedec.model.native)
+    common = [*isa.COMMON_FLAGS, *(["-fopenmp"] if openmp else [])]
+    digest_macro = ("TRIEDEC_SOURCES_DIGEST", f'"{digest}"')
+    ext_modules.append(CppExtension(
+        f"triedec.model.{isa.EXTENSION}", [str(csrc / s) for s in isa.EXTENSION_SOURCES],
+        include_dirs=[str(HERE / csrc)], define_macros=[digest_macro], libraries=["dl"],
+        extra_compile_args=common))
+    for name in isa.buildable():  # shared libraries the extension loads (no Python module in them)
         flags, _ = isa.ISAS[name]
         ext_modules.append(CppExtension(
-            f"triedec.model.{isa.module_name(name)}", [str(csrc / s) for s in isa.SOURCES],
-            include_dirs=[str(HERE / csrc)],
-            define_macros=[("TRIEDEC_SOURCES_DIGEST", f'"{digest}"'), ("TRIEDEC_ISA", f'"{name}"')],
-            # -fopenmp compiles at::parallel_for onto OpenMP; not linked: its symbols bind to the
-            # runtime torch loaded, one thread pool (triedec.model.native)
-            extra_compile_args=[*isa.COMMON_FLAGS, *flags, *(["-fopenmp"] if openmp else [])]))
+            f"triedec.model.{isa.library_name(name)}", [str(csrc / s) for s in isa.KERNEL_SOURCES],
+            include_dirs=[str(HERE / csrc)], define_macros=[digest_macro, ("TRIEDEC_ISA", f'"{name}"')],
+            extra_compile_args=[*common, *flags]))
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

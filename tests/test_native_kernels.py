@@ -359,40 +359,46 @@ def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():
 # ---- one build per instruction set ----------------------------------------------------------------
 
 
-def _installed_builds():
-    import importlib
+def _installed_libraries() -> dict:
+    """The installed kernel library of each ISA this CPU runs, when the extension loaded is the
+    installed one (not a build made on first use)."""
+    from triedec.model.isa import EXTENSION
+    from triedec.model.native import installed_libraries
 
-    from triedec.model.isa import module_name, sources_digest, supported
-
-    builds = {}
-    for isa in supported():
-        try:
-            module = importlib.import_module(f"triedec.model.{module_name(isa)}")
-        except ModuleNotFoundError:  # not installed; a build that is there but fails to load fails the test
-            continue
-        if module.sources_digest() == sources_digest():
-            builds[isa] = module
-    return builds
+    return installed_libraries() if KERNEL.__name__ == f"triedec.model.{EXTENSION}" else {}
 
 
 def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
     from triedec.model.isa import ISAS, supported
 
-    builds = _installed_builds()
+    libraries = _installed_libraries()
     assert supported()[-1] == "portable" and set(supported()) <= set(ISAS)
     assert supported(frozenset()) == ("portable",)
     assert "avx2" in supported(frozenset(ISAS["avx2"][1])) and "avx512vnni" not in supported(frozenset(ISAS["avx2"][1]))
-    if not builds:
+    if not libraries:
         pytest.skip("triedec was installed without its kernels' builds (they were built on first use)")
-    fastest = next(isa for isa in supported() if isa in builds)
-    assert KERNEL.isa() == fastest and KERNEL is builds[fastest]
+    assert KERNEL.isa() == next(isa for isa in supported() if isa in libraries)
+
+
+def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
+    """The extension loads only a kernel library built from its own sources: another file, or a
+    library whose digest differs, is refused with the reason and the library in use stays."""
+    libraries = _installed_libraries()
+    if not libraries:
+        pytest.skip("triedec was installed without its kernels' builds (they were built on first use)")
+    before = KERNEL.isa()
+    with pytest.raises(RuntimeError, match="cannot load the kernel library"):
+        KERNEL.use_kernels(str(tmp_path / "missing.so"))
+    with pytest.raises(RuntimeError, match="not a triedec kernel library"):
+        KERNEL.use_kernels(torch._C.__file__)
+    assert KERNEL.isa() == before
 
 
 def test_every_installed_build_gives_the_same_bits():
-    """The ISA decides the speed only: every build this CPU runs (vector and portable paths alike)
-    gives the int4 and int8 linears, the RMS norm and tree attention the same bits."""
-    builds = _installed_builds()
-    if len(builds) < 2:
+    """The ISA decides the speed only: every kernel library this CPU runs (vector and portable
+    paths alike) gives the int4 and int8 linears, the RMS norm and tree attention the same bits."""
+    libraries = _installed_libraries()
+    if len(libraries) < 2:
         pytest.skip("fewer than two installed builds run on this CPU")
     generator = torch.Generator().manual_seed(11)
     int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
@@ -401,12 +407,18 @@ def test_every_installed_build_gives_the_same_bits():
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
     outputs = {}
-    with torch.inference_mode():
-        for isa, module in builds.items():
-            outputs[isa] = (module.int4_linear(x, int4.packed, int4.scales_zeros, False),
-                            module.int8_linear(x, int8.packed, int8.scales, False),
-                            module.rms_norm(norm_x, norm_w, 1e-6, False),
-                            module.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+    fastest = KERNEL.isa()
+    try:
+        with torch.inference_mode():
+            for isa, path in libraries.items():
+                assert KERNEL.use_kernels(str(path)) == isa == KERNEL.isa()
+                outputs[isa] = (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
+                                KERNEL.int8_linear(x, int8.packed, int8.scales, False),
+                                KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
+                                KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+    finally:
+        KERNEL.use_kernels(str(libraries[fastest]))
+    assert KERNEL.isa() == fastest
     first, *others = outputs.values()
     for other in others:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

@@ -291,3 +291,29 @@ def test_the_native_forward_gives_the_same_bits_on_one_and_two_threads(adapter_p
     assert len(rows[0]) == len(rows[1])
     for i, (a, b) in enumerate(zip(*rows, strict=True)):
         assert torch.equal(a, b), f"row {i}"
+
+
+@pytest.mark.parametrize("name", sorted(NATIVE))
+def test_the_native_forward_gives_the_same_bits_on_every_installed_kernel_library(adapter_pairs, name):
+    """The ISA decides the speed only, for the whole native forward too (its elementwise steps
+    included): the same random forwards on each kernel library this CPU runs give every row the
+    same bits."""
+    from triedec.model.isa import EXTENSION
+    from triedec.model.native import installed_libraries, load_kernel
+
+    kernel = load_kernel()
+    libraries = installed_libraries() if kernel.__name__ == f"triedec.model.{EXTENSION}" else {}
+    if len(libraries) < 2:
+        pytest.skip("fewer than two installed kernel libraries run on this CPU")
+    mine, _ = adapter_pairs[name]
+    fastest, rows = kernel.isa(), {}
+    try:
+        for isa, path in libraries.items():
+            assert kernel.use_kernels(str(path)) == isa
+            rows[isa] = _forward_both((mine, mine), random.Random(5))[0]
+    finally:
+        kernel.use_kernels(str(libraries[fastest]))
+    first, *others = rows.values()
+    for other in others:
+        assert len(other) == len(first)
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

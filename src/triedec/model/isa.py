@@ -1,6 +1,9 @@
-"""Which builds of triedec's kernels exist and which one this CPU runs: one build of the same
-sources per instruction set (ISA), made when the package is installed (``setup.py``) and chosen at
-run time (:func:`best`). Torch-free, so that ``setup.py`` reads these declarations as they are.
+"""Which builds of triedec's kernels exist and which one this CPU runs. The kernel files are
+compiled once per instruction set (ISA), each into a library of its own, and the extension that
+binds them to torch tensors once, for every CPU; both are made when the package is installed
+(``setup.py``), and the extension runs the library of the fastest ISA this CPU runs, chosen at run
+time (:func:`supported`, :mod:`triedec.model.native`). Torch-free, so that ``setup.py`` reads these
+declarations as they are.
 
 Every build computes the same bits: each kernel's vector path and its portable path perform the
 same IEEE operations per element in the same order (``-ffp-contract=off``), so the ISA decides
@@ -13,12 +16,19 @@ import platform
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "ops.cpp", "decoder.cpp",
-           "bindings.cpp")
-"""The extension's translation units, in ``csrc/``: the kernels (``kernels.h``: plain pointers, no
-torch headers, quick to compile once per ISA), the operations on tensors that check, allocate and
-call them (``ops.h``, ``ops.cpp``) and the Python bindings of those."""
-HEADERS = ("kernels.h", "ops.h", "decoder.h")
+KERNEL_SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "elementwise.cpp",
+                  "table.cpp")
+"""A kernel library's translation units, in ``csrc/``: the kernels (``kernels.h``: plain pointers,
+no torch headers, quick to compile once per ISA) and the table of them it exports
+(``kernel_table.h``)."""
+EXTENSION_SOURCES = ("ops.cpp", "decoder.cpp", "bindings.cpp")
+"""The extension's: the operations on tensors that check, allocate and call the kernels through the
+loaded library's table (``ops.h``, ``ops.cpp``), the native forward (``decoder.h``, ``decoder.cpp``)
+and the Python bindings of those. Built once: torch's headers make them most of the build's time."""
+SOURCES = (*KERNEL_SOURCES, *EXTENSION_SOURCES)
+EXTENSION = "_kernels"
+"""The extension's module, inside this package: ``triedec.model._kernels``."""
+HEADERS = ("kernels.h", "kernel_table.h", "ops.h", "decoder.h")
 COMMON_FLAGS = ("-O3", "-g0", "-ffp-contract=off", "-fno-fast-math")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` overrides the ``-g``
@@ -36,9 +46,10 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 the linears' AVX2 path (``vpmaddubsw``) and tree attention's; ``portable`` plain C++ everywhere."""
 
 
-def module_name(isa: str) -> str:
-    """The build's module, inside this package: ``triedec.model._kernels_<isa>``."""
-    return f"_kernels_{isa}"
+def library_name(isa: str) -> str:
+    """The kernel library of ``isa``, inside this package: ``triedec/model/_isa_<isa>`` plus
+    Python's extension suffix (a shared library, not a module to import)."""
+    return f"_isa_{isa}"
 
 
 def buildable() -> tuple[str, ...]:

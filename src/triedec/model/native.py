@@ -1,12 +1,14 @@
 """triedec's compiled kernels (``csrc/``): the fixed-order tree attention
-(:mod:`triedec.model.attention`), the row-wise RMS norm (:mod:`triedec.model.rmsnorm`) and the linears on
-8-bit activations (:mod:`triedec.model.precision`), one C++ extension.
+(:mod:`triedec.model.attention`), the row-wise RMS norm (:mod:`triedec.model.rmsnorm`), the linears on
+8-bit activations (:mod:`triedec.model.precision`) and the native forward (:mod:`triedec.model.runner`).
 
-It is built when the package is installed (``setup.py``: one build per instruction set,
-:mod:`triedec.model.isa`), and :func:`load_kernel` imports the fastest build this CPU runs. Where no
-installed build matches the sources beside it (installed without torch in the build environment,
-or the sources edited since), it is built on first use with ``torch.utils.cpp_extension`` for this
-CPU (``-march=native``; about a minute with the C++ compiler) and cached under ``kernels/`` in
+Two parts, built when the package is installed (``setup.py``, :mod:`triedec.model.isa`): the kernel
+files, once per instruction set, each a library of its own; and one C++ extension, for every CPU,
+that checks tensors and calls the kernels of the library it loaded. :func:`load_kernel` imports the
+extension and loads into it the library of the fastest ISA this CPU runs. Where no installed build
+matches the sources beside it (installed without torch in the build environment, or the sources
+edited since), both are built on first use with ``torch.utils.cpp_extension``, the library for this
+CPU (``-march=native``; about a minute with the C++ compiler), and cached under ``kernels/`` in
 triedec's cache (:func:`triedec.core.paths.cache_root`, ``~/.cache/triedec`` by default), with a
 warning that says why. Pure torch: nothing here knows transformers.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.machinery
 import logging
 import os
 import platform
@@ -28,7 +31,18 @@ import torch
 
 from triedec.core.errors import TriedecError
 from triedec.core.paths import cache_root
-from triedec.model.isa import COMMON_FLAGS, CSRC, HEADERS, SOURCES, module_name, sources_digest, supported
+from triedec.model.isa import (
+    COMMON_FLAGS,
+    CSRC,
+    EXTENSION,
+    EXTENSION_SOURCES,
+    HEADERS,
+    KERNEL_SOURCES,
+    SOURCES,
+    library_name,
+    sources_digest,
+    supported,
+)
 
 OPENMP = torch.backends.openmp.is_available() and sys.platform.startswith("linux")
 """Whether the kernels are built with OpenMP: where torch runs its own ops on GNU OpenMP (Linux
@@ -39,7 +53,8 @@ directory names that CPU). ``-fopenmp``: ``at::parallel_for`` runs on torch's in
 (``torch.set_num_threads``) only when the including file is compiled with OpenMP; without it, it
 runs the whole range on the calling thread. The symbols resolve to the OpenMP runtime torch itself
 loaded, so there is one thread pool. ``parallel_threads()`` says how many threads a kernel's loop
-gets. The installed builds use the same flags with their ISA's instead of ``-march=native``."""
+gets. The installed builds use the same flags, the libraries with their ISA's instead of
+``-march=native``, the extension with neither."""
 NAME = "triedec_kernels"
 
 _log = logging.getLogger("triedec")
@@ -72,29 +87,48 @@ def build_directory() -> Path:
 
 def build_id() -> str:
     """What a measurement of these kernels' speed depends on (:func:`triedec.api.calibration.device_key`):
-    the loaded build's ISA and sources with torch, Python and the CPU for an installed build, the
+    the loaded library's ISA and sources with torch, Python and the CPU for an installed build, the
     name of :func:`build_directory` for one built on first use."""
     module = load_kernel()
-    if getattr(module, "__name__", "").startswith("triedec.model._kernels_"):
+    if getattr(module, "__name__", "") == f"triedec.model.{EXTENSION}":
         digest = hashlib.sha256("\0".join((module.isa(), module.sources_digest(), torch.__version__, sys.version,
                                            platform.machine(), _cpu_name())).encode())
         return f"{module.isa()}-{digest.hexdigest()[:12]}"
     return build_directory().name.removeprefix("triedec-")
 
 
-def installed_build() -> tuple[ModuleType | None, str]:
-    """The fastest installed build this CPU runs whose sources are the ones beside it, or None with
-    the reason there is none."""
-    wanted = sources_digest()
-    reasons = []
+def installed_libraries() -> dict[str, Path]:
+    """The installed kernel library of each ISA this CPU runs, fastest first (whatever sources
+    they were built from: :meth:`use_kernels` checks that)."""
+    found = {}
     for isa in supported():
-        try:
-            module = importlib.import_module(f"triedec.model.{module_name(isa)}")
-        except ImportError as exc:
-            reasons.append(f"{isa}: not installed ({exc})")
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = Path(__file__).parent / f"{library_name(isa)}{suffix}"
+            if path.is_file():
+                found[isa] = path
+                break
+    return found
+
+
+def installed_build() -> tuple[ModuleType | None, str]:
+    """The installed extension, with the fastest installed kernel library this CPU runs loaded
+    into it, when both were built from the sources beside them; else None with the reason."""
+    try:
+        module = importlib.import_module(f"triedec.model.{EXTENSION}")
+    except ImportError as exc:
+        return None, f"the extension is not installed ({exc})"
+    if module.sources_digest() != sources_digest():
+        return None, "the extension was built from other sources (edited since install?)"
+    reasons = []
+    libraries = installed_libraries()
+    for isa in supported():
+        if isa not in libraries:
+            reasons.append(f"{isa}: not installed")
             continue
-        if module.sources_digest() != wanted:
-            reasons.append(f"{isa}: built from other sources (edited since install?)")
+        try:
+            module.use_kernels(str(libraries[isa]))
+        except RuntimeError as exc:
+            reasons.append(f"{isa}: {str(exc).splitlines()[0]}")
             continue
         return module, ""
     return None, "; ".join(reasons) or "no build for this CPU"
@@ -137,15 +171,23 @@ def _build_now(why: str, verbose: bool) -> ModuleType:
     _put_ninja_on_path()
     where = build_directory()
     where.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not any(where.glob("*.so")):
+    if not any(where.rglob("*.so")):
         _log.warning("no installed build of triedec's kernels fits (%s): building them in %s (~1 min); "
                      "reinstall triedec (scripts/setup.sh) to build them at install", why, where)
     # ninja runs the compiler through a shell, which would strip bare quotes: the macro must stay a string
     digest = f'-DTRIEDEC_SOURCES_DIGEST=\\"{sources_digest()}\\"'
+    library, extension = where / "kernels", where / "extension"
+    library.mkdir(exist_ok=True, mode=0o700)
+    extension.mkdir(exist_ok=True, mode=0o700)
     try:
-        return cpp_extension.load(name=NAME, sources=[str(CSRC / name) for name in SOURCES],
+        path = cpp_extension.load(name=f"{NAME}_native", sources=[str(CSRC / name) for name in KERNEL_SOURCES],
                                   extra_cflags=[*CFLAGS, digest], extra_include_paths=[str(CSRC)],
-                                  build_directory=str(where), verbose=verbose)
+                                  build_directory=str(library), verbose=verbose, is_python_module=False)
+        module = cpp_extension.load(name=NAME, sources=[str(CSRC / name) for name in EXTENSION_SOURCES],
+                                    extra_cflags=[*CFLAGS, digest], extra_include_paths=[str(CSRC)],
+                                    extra_ldflags=["-ldl"], build_directory=str(extension), verbose=verbose)
+        module.use_kernels(str(path))
+        return module
     except Exception as exc:  # compiler missing or failing: say so once, keep the reason
         _failure = (f"triedec's kernels could not be built ({type(exc).__name__}: "
                     f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); "

@@ -1,7 +1,9 @@
-// The Python bindings of triedec's extension (setup.py builds it once per ISA; triedec/model/native.py
-// loads the fastest this CPU runs). Every kernel releases the GIL while it runs, as torch's own ops
+// The Python bindings of triedec's extension (setup.py builds it once, for every CPU; it runs the
+// kernels of the kernel library triedec/model/native.py loads into it with use_kernels: the fastest
+// ISA this CPU runs). Every kernel releases the GIL while it runs, as torch's own ops
 // do: it touches no Python object.
 #include "decoder.h"
+#include "kernel_table.h"
 #include "ops.h"
 
 // torch/python.h (pybind11 and torch's type casters), not torch/extension.h, which adds the whole
@@ -31,9 +33,6 @@ int64_t parallel_threads() {
 #ifndef TRIEDEC_SOURCES_DIGEST
 #define TRIEDEC_SOURCES_DIGEST ""
 #endif
-#ifndef TRIEDEC_ISA
-#define TRIEDEC_ISA "native"
-#endif
 
 }  // namespace
 
@@ -45,7 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary position embedding (rotate-half), transformers' bits", release());
   m.def("sources_digest", [] { return std::string(TRIEDEC_SOURCES_DIGEST); },
         "the digest of the sources this build was made from (triedec.model.isa.sources_digest)");
-  m.def("isa", [] { return std::string(TRIEDEC_ISA); }, "the instruction set this build was made for");
+  m.def("use_kernels", &triedec::use_kernels,
+        "load the kernel library at this path (checked against these sources) and run its kernels from now on; "
+        "returns its instruction set");
+  m.def("isa", [] { return std::string(triedec::kernels().isa); }, "the instruction set of the kernels in use");
   m.def("parallel_threads", &parallel_threads, "how many threads the kernels' parallel loops run on", release());
   m.def("a8_linears_vectorized", &a8_linears_vectorized, "whether the 8-bit-activation linears run a vector path (AVX512-VNNI or AVX2) here");
   m.def("int4_linear", &int4_linear, "a linear with 4-bit weights and 8-bit activations in its dot products",

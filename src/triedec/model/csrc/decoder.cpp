@@ -13,7 +13,7 @@
 // slots a row sees.
 #include "decoder.h"
 
-#include "kernels.h"
+#include "kernel_table.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/gelu.h>
@@ -35,16 +35,12 @@ void check_bf16(const at::Tensor& t, const char* what) {
 
 // out [R, N] (row stride ld) = x [R, K] W^T (+ bias), as the linear's own op gives it.
 void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
+  const KernelTable& kern = kernels();
   if (l.int4)
-    int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
+    kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
   else
-    int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
-  if (l.bias.defined()) {
-    const bf16* b = l.bias.data_ptr<bf16>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t n = 0; n < l.N; ++n) out[r * l.N + n] = static_cast<bf16>(static_cast<float>(out[r * l.N + n]) +
-                                                                            static_cast<float>(b[n]));
-  }
+    kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+  if (l.bias.defined()) kern.add_bias_bf16(out, l.bias.data_ptr<bf16>(), R, l.N);
 }
 
 // The parts' outputs side by side in out [R, width]: one linear writes out directly; several are
@@ -62,11 +58,6 @@ void run_parts(const std::vector<NativeLinear>& parts, const bf16* x, int64_t R,
     for (int64_t r = 0; r < R; ++r) std::memcpy(out + r * width + at, p + r * l.N, l.N * sizeof(bf16));
     at += l.N;
   }
-}
-
-// h += y elementwise: one float32 addition rounded to bfloat16 (torch's bfloat16 add).
-void add_into(bf16* h, const bf16* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<bf16>(static_cast<float>(h[i]) + static_cast<float>(y[i]));
 }
 
 int64_t total_out(const std::vector<NativeLinear>& parts) {
@@ -235,15 +226,16 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
   bf16 *qp = q.data_ptr<bf16>(), *kp = kr.data_ptr<bf16>(), *ap = att.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
   bf16 *gup = gu.data_ptr<bf16>(), *pp = prod.data_ptr<bf16>();
   bf16* y2p = y2.defined() ? y2.data_ptr<bf16>() : nullptr;
+  const KernelTable& kern = kernels();
   // h += y, a sublayer's output in y, through the layer's norm on that output first where it has
   // one (Gemma 3's post-attention and post-feedforward norms)
   const auto add_output = [&](const at::Tensor& norm) {
     if (!norm.defined()) {
-      add_into(hp, yp, N * D_);
+      kern.add_bf16(hp, yp, N * D_);
       return;
     }
-    rms_norm_rows<bf16>(yp, D_, norm.data_ptr<bf16>(), y2p, N, D_, eps_, one_plus_);
-    add_into(hp, y2p, N * D_);
+    kern.bf16.rms_norm(yp, D_, norm.data_ptr<bf16>(), y2p, N, D_, eps_, one_plus_);
+    kern.add_bf16(hp, y2p, N * D_);
   };
   const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
   const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
@@ -252,21 +244,21 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
   for (int64_t l = 0; l < L; ++l) {
     const NativeLayer& layer = layers_[l];
     const bf16 *cp = cos[layer.kind].data_ptr<bf16>(), *sp = sin[layer.kind].data_ptr<bf16>();
-    rms_norm_rows<bf16>(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
+    kern.bf16.rms_norm(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
     run_parts(layer.qkv, xp, N, qkvp, W);
     if (qk_norms_) {
       bf16* gp = gathered.data_ptr<bf16>();
       for (int64_t r = 0; r < N; ++r) std::memcpy(gp + r * q_end, qkvp + r * W, q_end * sizeof(bf16));
-      rms_norm_rows<bf16>(gp, hd_, layer.q_norm.data_ptr<bf16>(), qn.data_ptr<bf16>(), N * H_, hd_, eps_, one_plus_);
+      kern.bf16.rms_norm(gp, hd_, layer.q_norm.data_ptr<bf16>(), qn.data_ptr<bf16>(), N * H_, hd_, eps_, one_plus_);
       for (int64_t r = 0; r < N; ++r)
         std::memcpy(gp + r * KVH_ * hd_, qkvp + r * W + q_end, KVH_ * hd_ * sizeof(bf16));
-      rms_norm_rows<bf16>(gp, hd_, layer.k_norm.data_ptr<bf16>(), kn.data_ptr<bf16>(), N * KVH_, hd_, eps_,
+      kern.bf16.rms_norm(gp, hd_, layer.k_norm.data_ptr<bf16>(), kn.data_ptr<bf16>(), N * KVH_, hd_, eps_,
                           one_plus_);
-      rotary_rows<bf16>(qn.data_ptr<bf16>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      rotary_rows<bf16>(kn.data_ptr<bf16>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+      kern.bf16.rotary(qn.data_ptr<bf16>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      kern.bf16.rotary(kn.data_ptr<bf16>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
     } else {
-      rotary_rows<bf16>(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      rotary_rows<bf16>(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+      kern.bf16.rotary(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      kern.bf16.rotary(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
     }
     std::vector<AttentionProblem<bf16>> problems;
     const std::vector<at::Tensor>&koff = off[layer.kind], &kidx = idx[layer.kind];
@@ -285,17 +277,15 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
           H_ / KVH_, hd_, listed ? koff[k].data_ptr<int64_t>() : nullptr,
           listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + T, scale_, 0.0f});
     }
-    tree_attention_run<bf16>(problems);
+    kern.bf16.tree_attention(problems);
     run_linear(layer.o, ap, N, yp);
     add_output(layer.attn_out_norm);
-    rms_norm_rows<bf16>(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
+    kern.bf16.rms_norm(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
     run_parts(layer.gate_up, xp, N, gup, 2 * I_);
     const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
     const at::Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
     const bf16* actp = act.data_ptr<bf16>();
-    for (int64_t r = 0; r < N; ++r)
-      for (int64_t i = 0; i < I_; ++i)
-        pp[r * I_ + i] = static_cast<bf16>(static_cast<float>(actp[r * I_ + i]) * static_cast<float>(gup[r * 2 * I_ + I_ + i]));
+    kern.mul_bf16_rows(actp, I_, gup + I_, 2 * I_, pp, N, I_);
     run_linear(layer.down, pp, N, yp);
     add_output(layer.mlp_out_norm);
   }
@@ -309,7 +299,7 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
       std::memcpy(kept.data_ptr<bf16>() + i * D_, hp + r[i] * D_, D_ * sizeof(bf16));
   }
   at::Tensor normed = at::empty({R, D_}, opts);
-  rms_norm_rows<bf16>(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_,
+  kern.bf16.rms_norm(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_,
                       one_plus_);
   at::Tensor logits = at::empty({R, head_.N}, opts);
   run_linear(head_, normed.data_ptr<bf16>(), R, logits.data_ptr<bf16>());

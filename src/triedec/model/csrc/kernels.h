@@ -1,7 +1,9 @@
-// The kernels' own interface: plain pointers, strides and sizes, no torch. Each instruction set's
-// build compiles the kernel files with its own flags (triedec/model/isa.py), so they include only
-// what is light: c10's header-only 16-bit float types and ATen's parallel_for. Checking tensors,
-// allocating outputs and choosing the dtype happen once, in ops.cpp (what bindings.cpp binds).
+// The kernels' own interface: plain pointers, strides and sizes, no torch. The kernel files are
+// compiled once per instruction set, each into a library of its own (triedec/model/isa.py), so they
+// include only what is light: c10's header-only 16-bit float types and ATen's parallel_for. The
+// extension (ops.cpp, decoder.cpp, bindings.cpp: checking tensors, allocating outputs, choosing the
+// dtype) is compiled once, for every CPU, and calls the kernels only through the table of the
+// library loaded at run time (kernel_table.h), never by these names.
 // Each kernel computes every output row in an order fixed by that row alone, so a row gets the
 // same bits whatever else the call carries.
 #pragma once
@@ -52,5 +54,14 @@ void int4_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
                       const c10::BFloat16* scales_zeros, int64_t N, c10::BFloat16* out, bool portable);
 void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales,
                       int64_t N, c10::BFloat16* out, bool portable);
+
+// elementwise.cpp: the native forward's elementwise steps on bfloat16, each one float32 operation
+// per element rounded to bfloat16 (torch's bfloat16 add and mul): h[i] += y[i] over n elements;
+// out[r, i] = a[r, i] * b[r, i] for R rows of n at row strides a_ld and b_ld (out contiguous);
+// out[r, n] += bias[n] for R rows of N.
+void add_bf16(c10::BFloat16* h, const c10::BFloat16* y, int64_t n);
+void mul_bf16_rows(const c10::BFloat16* a, int64_t a_ld, const c10::BFloat16* b, int64_t b_ld, c10::BFloat16* out,
+                   int64_t R, int64_t n);
+void add_bias_bf16(c10::BFloat16* out, const c10::BFloat16* bias, int64_t R, int64_t N);
 
 }  // namespace triedec

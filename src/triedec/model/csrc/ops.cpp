@@ -1,11 +1,53 @@
 // The extension's operations on tensors (ops.h): each checks its inputs, allocates its output and
-// runs a kernel of kernels.h on its dtype. The only kernel-side file that includes torch's tensor
-// headers, so that the kernel files, compiled once per instruction set, stay light to build.
+// runs a kernel of the loaded kernel library (kernel_table.h) on its dtype. Here too: loading that
+// library.
 #include "ops.h"
 
-#include "kernels.h"
+#include "kernel_table.h"
 
+#include <dlfcn.h>
+
+#include <atomic>
 #include <initializer_list>
+#include <mutex>
+
+#ifndef TRIEDEC_SOURCES_DIGEST
+#define TRIEDEC_SOURCES_DIGEST ""
+#endif
+
+// ---- the kernel library in use --------------------------------------------------------------------
+
+namespace {
+std::atomic<const triedec::KernelTable*> active{nullptr};
+std::mutex loading;
+}  // namespace
+
+namespace triedec {
+
+const KernelTable& kernels() {
+  const KernelTable* table = active.load(std::memory_order_acquire);
+  TORCH_CHECK(table != nullptr, "no kernel library is loaded (triedec.model.native.load_kernel loads one)");
+  return *table;
+}
+
+std::string use_kernels(const std::string& path) {
+  const std::lock_guard<std::mutex> hold(loading);
+  // RTLD_LOCAL: each library's symbols stay its own (every build defines the same names); never
+  // closed: the table it returns lives as long as the process
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle != nullptr, "cannot load the kernel library ", path, ": ", dlerror());
+  using Entry = const KernelTable* (*)();
+  auto entry = reinterpret_cast<Entry>(dlsym(handle, "triedec_kernel_table"));
+  TORCH_CHECK(entry != nullptr, path, " is not a triedec kernel library");
+  const KernelTable* table = entry();
+  TORCH_CHECK(table->version == kKernelTableVersion && std::string(table->digest) == TRIEDEC_SOURCES_DIGEST,
+              "the kernel library ", path, " was built from other sources than this extension (",
+              table->digest, " against ", TRIEDEC_SOURCES_DIGEST, ")");
+  active.store(table, std::memory_order_release);
+  return table->isa;
+}
+
+}  // namespace triedec
 
 namespace {
 
@@ -77,7 +119,7 @@ torch::Tensor run_items(const torch::Tensor& query, const std::vector<Item>& ite
           out.data_ptr<scalar_t>() + it.start * H * D, it.T, H, H / it.KVH, D,
           it.listed ? it.off.data_ptr<int64_t>() : nullptr, it.listed ? it.idx.data_ptr<int32_t>() : nullptr, it.S,
           static_cast<float>(scale), static_cast<float>(softcap)});
-    triedec::tree_attention_run<scalar_t>(problems);
+    triedec::kernels().of<scalar_t>().tree_attention(problems);
   });
   return out;
 }
@@ -138,7 +180,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, bool o
   if (n == 0) return out;
   on_dtype(x.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);
-    triedec::rms_norm_rows<scalar_t>(rows.data_ptr<scalar_t>(), rows.stride(0), w.data_ptr<scalar_t>(),
+    triedec::kernels().of<scalar_t>().rms_norm(rows.data_ptr<scalar_t>(), rows.stride(0), w.data_ptr<scalar_t>(),
                                      out.data_ptr<scalar_t>(), n, D, static_cast<float>(eps), one_plus_weight);
   });
   return out;
@@ -165,7 +207,7 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const int64_t cs[2] = {cos.stride(0), cos.stride(1)}, ss[2] = {sin.stride(0), sin.stride(1)};
   on_dtype(dtype, [&](auto zero) {
     using scalar_t = decltype(zero);
-    triedec::rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), xs, cos.data_ptr<scalar_t>(), cs, sin.data_ptr<scalar_t>(),
+    triedec::kernels().of<scalar_t>().rotary(x.data_ptr<scalar_t>(), xs, cos.data_ptr<scalar_t>(), cs, sin.data_ptr<scalar_t>(),
                                    ss, out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.size(3));
   });
   return out;
@@ -183,7 +225,7 @@ void check_input(const torch::Tensor& x, std::initializer_list<const torch::Tens
 
 }  // namespace
 
-bool a8_linears_vectorized() { return triedec::a8_linears_vectorized(); }
+bool a8_linears_vectorized() { return triedec::kernels().a8_linears_vectorized(); }
 
 // x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
 // bytes in the block order a8_linears.cpp gives). Returns [R, N] bf16.
@@ -201,7 +243,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor rows = x.contiguous();
   const int64_t R = rows.size(0);
   torch::Tensor out = torch::empty({R, N}, rows.options());
-  triedec::int4_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
+  triedec::kernels().int4_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
                             scales_zeros.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>(), portable);
   return out;
 }
@@ -222,7 +264,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   torch::Tensor rows = x.contiguous();
   const int64_t R = rows.size(0);
   torch::Tensor out = torch::empty({R, N}, rows.options());
-  triedec::int8_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
+  triedec::kernels().int8_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
                             scales.data_ptr<c10::Half>(), N, out.data_ptr<c10::BFloat16>(), portable);
   return out;
 }
