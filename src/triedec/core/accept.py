@@ -141,8 +141,27 @@ def memo(choose: Callable[[int], int]) -> Callable[[int], int]:
     return once
 
 
+class _PerNode:
+    """What the rules share: a penalty reads the prefix, and accepting by walking the tree with
+    :meth:`choose` (each reached node's choice made once) on the node's own row, prefix and
+    position."""
+
+    sampling: Sampling
+
+    @property
+    def penalized(self) -> bool:
+        return self.sampling.reads_prefix
+
+    def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
+        raise NotImplementedError
+
+    def walk_nodes(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
+        nodes = NodeRows(tree, logits, context, position, self.penalized)
+        return walk(tree, memo(lambda i: self.choose(nodes.row(i), nodes.seen(i), nodes.position(i))))
+
+
 @dataclass(frozen=True)
-class GreedyRule:
+class GreedyRule(_PerNode):
     """Greedy decoding: after each node, the argmax of its logits, changed first as ``sampling``
     says (:func:`~triedec.core.sampling.adjust`: logit bias, ``min_tokens`` holding back the ids
     ``suppress``, the penalties over the node's own prefix); temperature and the top-k/p and min-p
@@ -152,25 +171,20 @@ class GreedyRule:
     suppress: tuple[int, ...] = ()
     seed: None = None
 
-    @property
-    def penalized(self) -> bool:
-        return self.sampling.reads_prefix
-
     def processed(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> torch.Tensor:
         return adjust(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
         if not self.sampling.adjusts_from(position):
             return accept_greedy(tree, argmax(logits))
-        nodes = NodeRows(tree, logits, context, position, self.penalized)
-        return walk(tree, memo(lambda i: self.choose(nodes.row(i), nodes.seen(i), nodes.position(i))))
+        return self.walk_nodes(tree, logits, context, position)
 
     def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
         return int(self.processed(row, seen, position).argmax())
 
 
 @dataclass(frozen=True)
-class SamplingRule:
+class SamplingRule(_PerNode):
     """Sampling: after node i, the token drawn from its processed distribution with the uniform
     number of output position ``position + depth(i)``, keyed by ``seed`` (``suppress``: the ids
     ``min_tokens`` holds back)."""
@@ -179,16 +193,11 @@ class SamplingRule:
     seed: int
     suppress: tuple[int, ...] = ()
 
-    @property
-    def penalized(self) -> bool:
-        return self.sampling.reads_prefix
-
     def processed(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> torch.Tensor:
         return process(row, seen, self.sampling, position, self.suppress)
 
     def accept(self, tree: TokenTree, logits: torch.Tensor, context: Sequence[int], position: int) -> Acceptance:
-        nodes = NodeRows(tree, logits, context, position, self.penalized)
-        return walk(tree, memo(lambda i: self.choose(nodes.row(i), nodes.seen(i), nodes.position(i))))
+        return self.walk_nodes(tree, logits, context, position)
 
     def choose(self, row: torch.Tensor, seen: torch.Tensor, position: int) -> int:
         return draw(self.processed(row, seen, position), uniform(self.seed, position))

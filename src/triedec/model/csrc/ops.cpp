@@ -223,6 +223,16 @@ void check_input(const torch::Tensor& x, std::initializer_list<const torch::Tens
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
 }
 
+// out [R, N] bf16 from run(rows, R, out) on x's rows, made contiguous.
+template <class Run>
+torch::Tensor on_rows(const torch::Tensor& x, int64_t N, Run&& run) {
+  torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  torch::Tensor out = torch::empty({R, N}, rows.options());
+  run(rows.data_ptr<c10::BFloat16>(), R, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 bool a8_linears_vectorized() { return triedec::kernels().a8_linears_vectorized(); }
@@ -240,12 +250,10 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
                   scales_zeros.size(0) == K / kA8Group && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
               "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
-  torch::Tensor rows = x.contiguous();
-  const int64_t R = rows.size(0);
-  torch::Tensor out = torch::empty({R, N}, rows.options());
-  triedec::kernels().int4_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
-                            scales_zeros.data_ptr<c10::BFloat16>(), N, out.data_ptr<c10::BFloat16>(), portable);
-  return out;
+  return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
+    triedec::kernels().int4_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(),
+                                        scales_zeros.data_ptr<c10::BFloat16>(), N, out, portable);
+  });
 }
 
 // x [R, K] bf16; packed uint8 [N, K] and scales fp16 [K / 32, N] as shapes only (their bytes in the
@@ -261,10 +269,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == K / kA8Group && scales.size(1) == N,
               "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
-  torch::Tensor rows = x.contiguous();
-  const int64_t R = rows.size(0);
-  torch::Tensor out = torch::empty({R, N}, rows.options());
-  triedec::kernels().int8_linear_rows(rows.data_ptr<c10::BFloat16>(), R, K, packed.data_ptr<uint8_t>(),
-                            scales.data_ptr<c10::Half>(), N, out.data_ptr<c10::BFloat16>(), portable);
-  return out;
+  return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
+    triedec::kernels().int8_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), N,
+                                        out, portable);
+  });
 }
