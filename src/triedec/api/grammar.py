@@ -1,13 +1,13 @@
 """Grammars compiled for one tokenizer, and each request's grammar state: llguidance underneath.
 
 llguidance (Microsoft's grammar engine, Rust, no dependencies) was chosen by measurement on this
-project's CPUs over xgrammar (``scripts/grammar_engines.py``, docs/structured-output.md): its mask
-over the default model's 49k vocabulary takes ~11 us a token against the ~5 ms forward, it gives
+project's CPUs over xgrammar (``scripts/grammar_engines.py``; the figures are in
+docs/structured-output.md): its mask over the vocabulary costs a small share of a forward, it gives
 the tokens a grammar forces as tokens (what the engine drafts for free), and it needs neither
 triton nor a compiler at install.
 
 :class:`Grammars` belongs to an :class:`~triedec.api.lm.LM`: it builds the tokenizer's llguidance
-view once (first use; ~0.4 s), compiles each :class:`~triedec.core.grammar.Grammar` once (an LRU of
+view once (on first use), compiles each :class:`~triedec.core.grammar.Grammar` once (an LRU of
 :data:`CACHE_SIZE`) under :data:`PARSER_LIMITS`, and hands each request a copy of the compiled
 matcher as its :class:`GrammarState` (a :class:`~triedec.core.grammar.TokenConstraint`). A grammar
 that does not compile, or exceeds the limits, is a :class:`~triedec.core.errors.TriedecError` that says why.
@@ -42,9 +42,9 @@ its own layout but cannot wander into endless whitespace. Tool calls' arguments 
 
 PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
                  "max_lexer_states": 20_000, "max_grammar_size": 200_000}
-"""llguidance's parser limits every grammar compiles and runs under: compiling ~20 ms of lexer fuel
-(~50k a ms), each token's mask ~14 ms at most (lexer ~14k a ms, parser ~20k items a ms), lexer
-states ~1-2 kB each (~40 MB), grammar symbols."""
+"""llguidance's parser limits every grammar compiles and runs under: the lexer fuel of compiling
+and of each token's mask, the parser items a token may take, the lexer states (~1-2 kB each), the
+grammar symbols. What they cost in time on this project's CPU is in docs/structured-output.md."""
 
 
 def _source(grammar: Grammar) -> str:

@@ -20,11 +20,9 @@ plus its accepted drafts. So the most tokens per second come from:
   the forward without them) leave the denominator. The prompt is processed whatever the cut, so
   a node is weighed against the rate of a decoding step, not against a step slowed by a prompt
   (which would take nodes at a fraction of the decode rate), while its marginal time is read
-  where the curve is with the chunks aboard (on this CPU a row beside a 256-token chunk costs
-  ~1-2 ms, several times a row in a decoding step). Measured on the default model in int4-a8, 16
-  requests in a batch: with the chunk's time in the denominator, drafts verified in chunk steps
-  added ~4 s of forward for ~400 accepted tokens over a run where the batch committed ~250 tokens
-  a second, and ``auto`` ran at 0.74-0.97x ``ar`` (1.01x after, ``docs/batching.md``).
+  where the curve is with the chunks aboard (a row beside a long chunk costs several times a row
+  in a decoding step). With the chunk's time in the denominator, drafts verified in chunk steps
+  cost more forward than they saved (the measurement is in docs/batching.md).
 
 At low load this is each drafter's own best tree (for one request it is exactly the old per-
 drafter rule); as requests pile up, the step's fixed cost is shared by more of them, a node's

@@ -1,13 +1,13 @@
 """Faster CPU kernels for the verifier, applied by swapping modules for equivalent ones (as
 quantizers do): no forked modeling code, no monkey-patching.
 
-On CPU, ``nn.Linear`` in fp32 runs MKL's sgemm, whose small-batch paths are slow on some CPUs: on
-the 2-core AMD EPYC measured here a 2-row matmul costs twice a 1-row one and a 16-row one 1.4x, so
-verifying a tree of a few tokens cost ~2x a plain step. oneDNN with weights reordered once into its
-blocked layout ("pre-packed") streams them faster at every batch size and is nearly flat from 1 to
-16 rows (``benchmarks/verifier-cpu``). :class:`PackedLinear` is an ``nn.Linear`` whose weight is
-stored that way (fp32, and bf16 where oneDNN has bf16 kernels for the CPU); :func:`pack_linears`
-swaps every ``nn.Linear`` of a model for one. A layer whose rows are not bit-identical alone and in
+On CPU, ``nn.Linear`` in fp32 runs MKL's sgemm, whose small-batch paths are slow on some CPUs (a
+few rows can cost several times one row, so verifying a small tree costs much more than a plain
+step). oneDNN with weights reordered once into its blocked layout ("pre-packed") streams them faster
+at every batch size and is nearly flat over a few rows (the measurement: ``benchmarks/verifier-cpu``).
+:class:`PackedLinear` is an ``nn.Linear`` whose weight is stored that way (fp32, and bf16 where
+oneDNN has bf16 kernels for the CPU); :func:`pack_linears` swaps every ``nn.Linear`` of a model for
+one. A layer whose rows are not bit-identical alone and in
 a batch on this CPU (checked per shape at load, :func:`row_invariant`) is split along its input
 features into pieces that are (:class:`SplitLinear`).
 

@@ -22,7 +22,7 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
 ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
-reference path 10-30x slower). Embeddings, norms and everything else stay in the activation
+reference path many times slower). Embeddings, norms and everything else stay in the activation
 dtype. A linear the int4 kernel cannot take (output rows not a multiple of 16, or input features
 not a multiple of the group size) stays unquantized, and :func:`quantize_linears` counts it.
 

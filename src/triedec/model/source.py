@@ -157,7 +157,7 @@ class ModelSource:
         """Whether ``weights="auto"`` may pick ``int4-a8`` (for a GGUF file stored in 4 bits): a CPU
         device, no dtype or bfloat16 asked for, and a CPU whose vector instructions the
         8-bit-activation kernels use (:data:`~triedec.model.isa.ISAS` but ``portable``; there, the
-        portable path is ~5x slower than float32)."""
+        portable path is slower than float32)."""
         dtype = self.dtype if self.dtype is None or isinstance(self.dtype, torch.dtype) \
             else getattr(torch, str(self.dtype), None)
         return torch.device(self.device).type == "cpu" and dtype in (None, torch.bfloat16) \
