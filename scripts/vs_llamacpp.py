@@ -16,12 +16,16 @@ streamed token to the last) and ``end-to-end`` tokens/s (tokens over the time fr
 the last token). Per system against ``llama-server`` plain: the geometric mean of per-prompt
 ratios with a 95% bootstrap interval over prompts, and the ratio of means (mean tokens/s over
 mean tokens/s) with its bootstrap interval over prompts. With ``--repeats`` R, each prompt's
-speed is its mean over the R passes. llama.cpp's tokens are not triedec's (other arithmetic
-on the same codes): its texts are not compared; ``auto``'s are compared with ``ar``'s.
+speed is its mean over the R passes. ``auto`` is also compared with ``llama-server --spec-type
+ngram-mod`` (llama.cpp's own draft-model-free speculation) the same way. llama.cpp's tokens are
+not triedec's (other arithmetic on the same codes): its texts are not compared; ``auto``'s are compared with ``ar``'s.
 
 Build llama.cpp first (about 6 minutes): ``bash ../shared/tools/build_llamacpp.sh``. Then:
 
     .venv/bin/python scripts/vs_llamacpp.py --out benchmarks/native-forward-vs-llamacpp-cpu
+
+``--report-only`` rewrites a stored run's report from its records (what this script reports now,
+on the same measurements).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from triedec.bench.servers import (
 from triedec.model.source import default_model_path
 
 BASELINE = "llama-server"
+NGRAM = "llama-server ngram-mod"
 
 
 def main() -> int:
@@ -65,7 +70,13 @@ def main() -> int:
     add_common_arguments(parser, max_tokens=128)
     parser.add_argument("--weights", default="int4-a8", help="triedec's precision mode")
     parser.add_argument("--per-category", type=int, default=5)
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: rewrite --out's results.md (and the summaries in its results.json) "
+                             "from the records its results.json holds")
     args = parser.parse_args()
+    if args.report_only:
+        print(write_report(args.out, json.loads((args.out / "results.json").read_text())))
+        return 0
     gguf = (args.model or default_model_path()).resolve()
     check_llamacpp(args.llamacpp)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -121,21 +132,40 @@ def main() -> int:
                     decode, e2e = speeds(record)
                     print(f"{repeat} {qid:>28} {name:>24} {record['tokens']:4d} tokens  decode "
                           f"{decode or float('nan'):7.1f}  e2e {e2e or float('nan'):7.1f} tok/s", flush=True)
+    data = {
+        "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "chat_template": chat,
+        "commands": commands,
+        "startup_lines": startup, "llama_server_version": (version.stdout + version.stderr).strip(),
+        "llama_bench": bench, "records": records,
+        "machine": machine_info(torch.device("cpu")), "versions": versions(), "commit": source_commit(),
+        "environment": env_note}
+    print(write_report(args.out, data))
+    return 0
+
+
+def write_report(out: Path, data: dict[str, Any]) -> str:
+    """The run's summaries from its records (``data``: what results.json holds; a run stored before
+    ``chat_template`` was recorded used the chat template), written to
+    ``out``'s results.json (with them) and results.md; returns the markdown."""
+    records, args = data["records"], data["args"]
+    systems = list(data["commands"])
     per_prompt = per_prompt_speeds(records, systems)
     decode, e2e = summarize(per_prompt, systems, 0, BASELINE), summarize(per_prompt, systems, 1, BASELINE)
-    texts = {(r["prompt"], r["repeat"]): {} for r in records}
+    vs_ngram = summarize(per_prompt, systems, 0, NGRAM)["triedec auto"]
+    texts: dict[tuple[str, int], dict[str, str]] = {(r["prompt"], r["repeat"]): {} for r in records}
     for r in records:
         texts[(r["prompt"], r["repeat"])][r["system"]] = r["text"]
     auto_equal = sum(t["triedec auto"] == t["triedec ar"] for t in texts.values())
-    llama_same = sum(t[BASELINE] == t["llama-server ngram-mod"] for t in texts.values())
-
+    llama_same = sum(t[BASELINE] == t[NGRAM] for t in texts.values())
+    low, high = vs_ngram["geomean_interval"]
     lines = [
-        f"{gguf.name}, {args.threads} threads; triedec `--weights {args.weights}`; {len(prompts)} Spec-Bench "
-        f"evaluation prompts ({'chat template' if chat else 'plain text: no chat template'}) x "
-        f"{args.max_tokens} greedy tokens, {args.repeats} pass(es), one client; "
+        f"{Path(data['model']).name}, {args['threads']} threads; triedec `--weights {args['weights']}`; "
+        f"{len({r['prompt'] for r in records})} Spec-Bench evaluation prompts "
+        f"({'chat template' if data.get('chat_template', True) else 'plain text: no chat template'}) x "
+        f"{args['max_tokens']} greedy tokens, {args['repeats']} pass(es), one client; "
         f"intervals: 95% bootstrap over prompts.",
         "",
-        llama_bench_line(bench),
+        llama_bench_line(data["llama_bench"]),
         "",
         "| system | decode tok/s | decode vs llama-server, geo-mean | ratio of means | end-to-end tok/s | "
         "end to end vs llama-server, geo-mean | ratio of means |",
@@ -143,21 +173,16 @@ def main() -> int:
     ]
     for name in systems:
         lines.append(f"| {name} | {ratio_cell(decode[name])} | {ratio_cell(e2e[name])} |")
-    lines += ["", f"`auto`'s text equals `ar`'s on {auto_equal} of {len(texts)} requests; llama-server's text with "
+    lines += ["", f"`auto` decode vs `llama-server --spec-type ngram-mod`: {vs_ngram['geomean_ratio']:.2f}x "
+              f"[{low:.2f}, {high:.2f}] (geo-mean), {vs_ngram['ratio_of_means']:.2f}x (ratio of means).",
+              "", f"`auto`'s text equals `ar`'s on {auto_equal} of {len(texts)} requests; llama-server's text with "
               f"ngram-mod equals its plain text on {llama_same} of {len(texts)}."]
-    print("\n".join(lines))
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    (args.out / "results.json").write_text(json.dumps({
-        "args": {k: str(v) for k, v in vars(args).items()}, "model": str(gguf), "chat_template": chat,
-        "commands": commands,
-        "startup_lines": startup, "llama_server_version": (version.stdout + version.stderr).strip(),
-        "llama_bench": bench, "decode": decode, "end_to_end": e2e, "auto_equals_ar": auto_equal,
-        "llama_ngram_equals_plain": llama_same, "requests": len(texts), "records": records,
-        "machine": machine_info(torch.device("cpu")), "versions": versions(), "commit": source_commit(),
-        "environment": env_note},
-        indent=1, default=str))
-    return 0
-
+    text = "\n".join(lines)
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({
+        **data, "decode": decode, "end_to_end": e2e, "auto_vs_ngram_decode": vs_ngram, "auto_equals_ar": auto_equal,
+        "llama_ngram_equals_plain": llama_same, "requests": len(texts)}, indent=1, default=str))
+    return text
 
 if __name__ == "__main__":
     sys.exit(main())
