@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md",
+        *sorted((ROOT / "benchmarks" / "history").glob("*.md"))]
 TRIEDEC = str(Path(sys.executable).with_name("triedec"))
 
 
