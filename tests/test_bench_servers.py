@@ -158,3 +158,23 @@ def test_engine_metrics_reads_the_servers_own_exposition() -> None:
     got = engine_metrics(generate_latest(metrics.registry).decode())
     assert got == {"steps": 5.0, "plain_steps": 2.0, "draft_nodes": 12.0, "drafting": {"16": 0.0, "4": 1.0},
                    "speedup": {"16": 0.92}}
+
+
+@pytest.mark.parametrize("run", ["native-forward-vs-llamacpp-cpu", "native-forward-vs-llamacpp-gemma3-270m-cpu",
+                                 "native-forward-vs-llamacpp-qwen2.5-coder-0.5b-cpu"])
+def test_a_stored_llamacpp_runs_report_is_what_its_records_give(tmp_path, run) -> None:
+    """scripts/vs_llamacpp.py --report-only rewrites a run's report from its records alone: the
+    published results.md of each stored run is exactly what its results.json's records give."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("vs_llamacpp", root / "scripts" / "vs_llamacpp.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    shutil.copy(root / "benchmarks" / run / "results.json", tmp_path / "results.json")
+    script.write_report(tmp_path, json.loads((tmp_path / "results.json").read_text()))
+    assert (tmp_path / "results.md").read_text() == (root / "benchmarks" / run / "results.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["auto_equals_ar"] == 60
