@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from triedec.core.errors import TriedecError
 from triedec.model.adapter import ModelAdapter
-from triedec.model.native import OPENMP, load_kernel
+from triedec.model.native import OPENMP, load_kernel, switchable_libraries
 from triedec.model.precision import (
     GROUP_SIZE,
     Int4A8Linear,
@@ -359,19 +359,10 @@ def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():
 # ---- one build per instruction set ----------------------------------------------------------------
 
 
-def _installed_libraries() -> dict:
-    """The installed kernel library of each ISA this CPU runs, when the extension loaded is the
-    installed one (not a build made on first use)."""
-    from triedec.model.isa import EXTENSION
-    from triedec.model.native import installed_libraries
-
-    return installed_libraries() if KERNEL.__name__ == f"triedec.model.{EXTENSION}" else {}
-
-
 def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
     from triedec.model.isa import ISAS, supported
 
-    libraries = _installed_libraries()
+    libraries = switchable_libraries()
     assert supported()[-1] == "portable" and set(supported()) <= set(ISAS)
     assert supported(frozenset()) == ("portable",)
     assert "avx2" in supported(frozenset(ISAS["avx2"][1])) and "avx512vnni" not in supported(frozenset(ISAS["avx2"][1]))
@@ -383,7 +374,7 @@ def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
 def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
     """The extension loads only a kernel library built from its own sources: another file, or a
     library whose digest differs, is refused with the reason and the library in use stays."""
-    libraries = _installed_libraries()
+    libraries = switchable_libraries()
     if not libraries:
         pytest.skip("triedec was installed without its kernels' builds (they were built on first use)")
     before = KERNEL.isa()
@@ -397,7 +388,7 @@ def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
 def test_every_installed_build_gives_the_same_bits():
     """The ISA decides the speed only: every kernel library this CPU runs (vector and portable
     paths alike) gives the int4 and int8 linears, the RMS norm and tree attention the same bits."""
-    libraries = _installed_libraries()
+    libraries = switchable_libraries()
     if len(libraries) < 2:
         pytest.skip("fewer than two installed builds run on this CPU")
     generator = torch.Generator().manual_seed(11)

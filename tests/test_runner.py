@@ -298,11 +298,9 @@ def test_the_native_forward_gives_the_same_bits_on_every_installed_kernel_librar
     """The ISA decides the speed only, for the whole native forward too (its elementwise steps
     included): the same random forwards on each kernel library this CPU runs give every row the
     same bits."""
-    from triedec.model.isa import EXTENSION
-    from triedec.model.native import installed_libraries, load_kernel
+    from triedec.model.native import load_kernel, switchable_libraries
 
-    kernel = load_kernel()
-    libraries = installed_libraries() if kernel.__name__ == f"triedec.model.{EXTENSION}" else {}
+    kernel, libraries = load_kernel(), switchable_libraries()
     if len(libraries) < 2:
         pytest.skip("fewer than two installed kernel libraries run on this CPU")
     mine, _ = adapter_pairs[name]

@@ -90,7 +90,7 @@ def build_id() -> str:
     the loaded library's ISA and sources with torch, Python and the CPU for an installed build, the
     name of :func:`build_directory` for one built on first use."""
     module = load_kernel()
-    if getattr(module, "__name__", "") == f"triedec.model.{EXTENSION}":
+    if _is_installed(module):
         digest = hashlib.sha256("\0".join((module.isa(), module.sources_digest(), torch.__version__, sys.version,
                                            platform.machine(), _cpu_name())).encode())
         return f"{module.isa()}-{digest.hexdigest()[:12]}"
@@ -108,6 +108,18 @@ def installed_libraries() -> dict[str, Path]:
                 found[isa] = path
                 break
     return found
+
+
+def _is_installed(module: ModuleType) -> bool:
+    """Whether ``module`` is the installed extension (not one built on first use)."""
+    return getattr(module, "__name__", "") == f"triedec.model.{EXTENSION}"
+
+
+def switchable_libraries() -> dict[str, Path]:
+    """The kernel libraries the loaded extension can run (its ``use_kernels``), fastest first: the
+    installed one of each ISA this CPU runs when the installed extension is loaded; none for a
+    build made on first use (its one library is for this CPU)."""
+    return installed_libraries() if _is_installed(load_kernel()) else {}
 
 
 def installed_build() -> tuple[ModuleType | None, str]:

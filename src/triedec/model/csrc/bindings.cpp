@@ -30,10 +30,6 @@ int64_t parallel_threads() {
   return static_cast<int64_t>(seen.size());
 }
 
-#ifndef TRIEDEC_SOURCES_DIGEST
-#define TRIEDEC_SOURCES_DIGEST ""
-#endif
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

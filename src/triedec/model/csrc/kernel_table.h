@@ -12,6 +12,12 @@
 #include <string>
 #include <type_traits>
 
+// The digest of the sources a build was made from (triedec.model.isa.sources_digest; setup.py and
+// the first-use build define it): the extension loads only a library of the same digest.
+#ifndef TRIEDEC_SOURCES_DIGEST
+#define TRIEDEC_SOURCES_DIGEST ""
+#endif
+
 namespace triedec {
 
 constexpr int kKernelTableVersion = 1;  // raised whenever KernelTable's layout changes

@@ -11,10 +11,6 @@
 #include <initializer_list>
 #include <mutex>
 
-#ifndef TRIEDEC_SOURCES_DIGEST
-#define TRIEDEC_SOURCES_DIGEST ""
-#endif
-
 // ---- the kernel library in use --------------------------------------------------------------------
 
 namespace {
@@ -32,17 +28,23 @@ const KernelTable& kernels() {
 
 std::string use_kernels(const std::string& path) {
   const std::lock_guard<std::mutex> hold(loading);
-  // RTLD_LOCAL: each library's symbols stay its own (every build defines the same names); never
-  // closed: the table it returns lives as long as the process
+  // RTLD_LOCAL: each library's symbols stay its own (every build defines the same names); a library
+  // taken into use is never closed: the table it returns lives as long as the process
   void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   TORCH_CHECK(handle != nullptr, "cannot load the kernel library ", path, ": ", dlerror());
   using Entry = const KernelTable* (*)();
   auto entry = reinterpret_cast<Entry>(dlsym(handle, "triedec_kernel_table"));
-  TORCH_CHECK(entry != nullptr, path, " is not a triedec kernel library");
+  if (entry == nullptr) {
+    dlclose(handle);
+    TORCH_CHECK(false, path, " is not a triedec kernel library");
+  }
   const KernelTable* table = entry();
-  TORCH_CHECK(table->version == kKernelTableVersion && std::string(table->digest) == TRIEDEC_SOURCES_DIGEST,
-              "the kernel library ", path, " was built from other sources than this extension (",
-              table->digest, " against ", TRIEDEC_SOURCES_DIGEST, ")");
+  if (table->version != kKernelTableVersion || std::string(table->digest) != TRIEDEC_SOURCES_DIGEST) {
+    const std::string digest = table->digest;
+    dlclose(handle);  // refused: nothing of it is used
+    TORCH_CHECK(false, "the kernel library ", path, " was built from other sources than this extension (", digest,
+                " against ", TRIEDEC_SOURCES_DIGEST, ")");
+  }
   active.store(table, std::memory_order_release);
   return table->isa;
 }

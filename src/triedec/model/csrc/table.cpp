@@ -1,9 +1,6 @@
 // A kernel library's one export: its table of kernels (kernel_table.h).
 #include "kernel_table.h"
 
-#ifndef TRIEDEC_SOURCES_DIGEST
-#define TRIEDEC_SOURCES_DIGEST ""
-#endif
 #ifndef TRIEDEC_ISA
 #define TRIEDEC_ISA "native"
 #endif
