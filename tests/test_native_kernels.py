@@ -293,7 +293,9 @@ def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number(
     without it, it silently ran on one); every output is computed by one thread in a fixed order, so
     1 and 2 threads give the same bits."""
     generator = torch.Generator().manual_seed(5)
-    int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))  # 4 blocks of outputs: work for both threads
+    # 4 blocks of outputs and 7 rows in 3 tiles: 1 thread cuts each block's tiles into 2 work
+    # items, 2 threads into 3
+    int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
     int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
