@@ -126,8 +126,11 @@ def draw(logits: torch.Tensor, u: float) -> int:
     row = logits.detach().to("cpu", torch.float32).reshape(-1).numpy()
     weights = np.exp(row - row.max()).astype(np.float64)  # -inf -> 0
     blocks = -(-weights.size // DRAW_BLOCK)
-    padded = np.zeros(blocks * DRAW_BLOCK)
-    padded[: weights.size] = weights
+    if weights.size == blocks * DRAW_BLOCK:  # whole blocks (the default model's 49,152): no copy
+        padded = weights
+    else:  # the last block zero-padded, so that every block sums 256 values alike
+        padded = np.zeros(blocks * DRAW_BLOCK)
+        padded[: weights.size] = weights
     ends = np.cumsum(padded.reshape(blocks, DRAW_BLOCK).sum(axis=1))
     target = u * float(ends[-1])
     b = int(np.searchsorted(ends, target, side="right"))
