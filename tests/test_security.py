@@ -480,3 +480,15 @@ def test_scopes_rewrite_state_files_per_tenant_and_forget_what_they_must():
     assert forgotten == [("tenant", "../../etc/passwd")] and tenants.tenants == 1
     tenants.leave(busy)
     assert tenants.tenants == 1  # bob stays: within the bound
+
+
+def test_the_server_keeps_an_idle_connection_longer_than_client_pools_do():
+    """A pooled connection must be dropped by its client before the server closes it: with equal
+    idle times a request sent as the server closes the connection fails ("Server disconnected",
+    seen in the suite when both were 5 s). httpx's pool (the ``openai`` client's) keeps one 5 s."""
+    import httpx2
+
+    from triedec.server.config import KEEP_ALIVE_SECONDS
+
+    for limits in (httpx.Limits(), httpx2.Limits()):
+        assert limits.keepalive_expiry is not None and limits.keepalive_expiry < KEEP_ALIVE_SECONDS

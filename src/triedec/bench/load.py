@@ -37,7 +37,10 @@ def serving(app: Any, timeout: float = 60.0) -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(2048)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    from triedec.server.config import KEEP_ALIVE_SECONDS
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

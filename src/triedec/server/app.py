@@ -25,7 +25,7 @@ from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.drafters.state import check_location
 from triedec.engine.methods import method as find_method
 from triedec.server.auth import MaskQueryStrings
-from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, ServerConfig
+from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, KEEP_ALIVE_SECONDS, ServerConfig
 from triedec.server.memory import tune_allocator
 from triedec.server.playground import add_routes as add_playground
 from triedec.server.playground import info as playground_info
@@ -247,10 +247,12 @@ def serve(lm: LM, config: ServerConfig, host: str = DEFAULT_HOST, port: int = DE
     app = create_app(lm, config)
     sock = listening_socket(host, port, config.send_buffer_bytes)
     scheduler: Scheduler = app.state.scheduler
-    # an idle kept-alive connection is closed after 5 s; a request head is bounded to 16 KiB (h11,
-    # chosen explicitly); uvicorn has no timeout for a head that never ends (docs/serving.md: Security)
+    # an idle kept-alive connection is closed after KEEP_ALIVE_SECONDS; a request head is bounded to
+    # 16 KiB (h11, chosen explicitly); uvicorn has no timeout for a head that never ends
+    # (docs/serving.md: Security)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", http="h11",
-                                           timeout_keep_alive=5, h11_max_incomplete_event_size=16 << 10,
+                                           timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                                           h11_max_incomplete_event_size=16 << 10,
                                            timeout_graceful_shutdown=int(config.drain_seconds)))
     access = logging.getLogger("uvicorn.access")  # configured by uvicorn.Config just above
     if not any(isinstance(f, MaskQueryStrings) for f in access.filters):

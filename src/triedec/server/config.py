@@ -98,6 +98,11 @@ class SharingConfig:
 
 
 DEFAULT_HOST = "127.0.0.1"
+KEEP_ALIVE_SECONDS = 10
+"""How long an idle kept-alive connection stays open. Longer than the client pools' own idle
+expiry (httpx's, under the ``openai`` client: 5 s), so a pooled connection is dropped by its
+client before the server closes it: with equal times a request sent at the moment the server
+closes the connection fails with "Server disconnected" (seen in the suite at 5 s)."""
 """the address a server listens on unless told otherwise: loopback only"""
 DEFAULT_PORT = 8000
 
