@@ -81,6 +81,7 @@ from triedec.model.dispatch import (
     ItemBatch,
     item_visibility,
 )
+from triedec.model.hugepages import place_weights
 from triedec.model.linears import PackedLinear, pack_linears, packing_available, split_linears
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
@@ -211,6 +212,7 @@ class ModelAdapter:
         if runner == RUNNER and self._runner is None:
             raise TriedecError(f"triedec's runner does not run {type(model).__name__} "
                                f"(it runs {', '.join(ARCHITECTURES)}); use runner='{TRANSFORMERS}'")
+        place_weights(model)  # a no-op for what the runner placed
         self.runner = TRANSFORMERS if self._runner is None else RUNNER
         """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by
         default with ``kernels="auto"`` on the architectures it runs) or ``transformers`` (the model's

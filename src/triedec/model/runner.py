@@ -36,6 +36,7 @@ from torch import nn
 
 from triedec.core.kvcache import KVCache
 from triedec.model.dispatch import ItemBatch
+from triedec.model.hugepages import place_weights
 from triedec.model.linears import JoinedPart, LinearStandIn
 from triedec.model.native import kernel_available, load_kernel
 from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, joinable
@@ -248,6 +249,7 @@ class DecoderRunner:
                 join(layer.self_attn, ("q_proj", "k_proj", "v_proj")), join(layer.mlp, ("gate_proj", "up_proj")),
                 kinds[index] if index < len(kinds) else "full_attention"))
         self._kinds = layer_kinds(self.layers)
+        place_weights(model)  # the joined layers' too, before the native forward takes them
         self._native = native_decoder(model, self.layers)
         self._kv = (int(model.config.num_key_value_heads or model.config.num_attention_heads),
                     self.layers[0].attn.head_dim)

@@ -24,9 +24,9 @@ from triedec.core.errors import TriedecError
 from triedec.drafters.registry import NEEDS_COST, profile_specs
 from triedec.drafters.state import check_location
 from triedec.engine.methods import method as find_method
+from triedec.model.memory import tune_allocator
 from triedec.server.auth import MaskQueryStrings
 from triedec.server.config import DEFAULT_HOST, DEFAULT_PORT, KEEP_ALIVE_SECONDS, ServerConfig
-from triedec.server.memory import tune_allocator
 from triedec.server.playground import add_routes as add_playground
 from triedec.server.playground import info as playground_info
 from triedec.server.scheduler import Scheduler
@@ -89,7 +89,7 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``lm``. Its scheduler thread starts with the first request; the
     lifespan's shutdown cancels what is left and writes the learned state."""
     config = config or ServerConfig()
-    tune_allocator()  # big buffers go back to the system when freed (server/memory.py)
+    tune_allocator()  # big buffers go back to the system when freed (model/memory.py)
     # The engine thread takes the GIL back after each torch op; while the event loop is busy (a flood of refusals)
     # each take waits up to the switch interval, 5 ms by default: dozens of waits a step. A short interval keeps
     # everyone else's requests at their speed under such a flood (tests/test_hostile.py).

@@ -39,9 +39,9 @@ from triedec.api.lm import LM
 from triedec.core.errors import TriedecError
 from triedec.core.limits import BatchLimits
 from triedec.engine.batch import Batch, StepReport
+from triedec.model.memory import release_memory
 from triedec.server.config import TenantLimits
 from triedec.server.jobs import Job
-from triedec.server.memory import release_memory
 
 log = logging.getLogger("triedec.server")
 

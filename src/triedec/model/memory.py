@@ -1,12 +1,14 @@
-"""The server process's heap: big buffers handed back to the system when freed, and freed pages
-returned after a peak, so that RSS falls back after a burst (of large bodies, refused prompts or
-long requests) instead of only ever stepping up. glibc only (Linux); elsewhere both are no-ops.
+"""The process's heap: big buffers handed back to the system when freed, and freed pages
+returned after a peak, so that RSS falls back after a burst (the server's large bodies, refused
+prompts or long requests; loading's intermediate copies of the weights) instead of only ever
+stepping up. glibc only (Linux); elsewhere both are no-ops.
 
 glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap`` and unmaps it
 on free. By default that threshold rises to the size of any such block freed (up to 32 MiB), after
 which 1 MiB request bodies and their parsed copies come from the heap and stay there. Fixing the
 threshold keeps them out of the heap; ``malloc_trim`` returns free heap pages at the top of each
-arena when the server goes idle."""
+arena when the server goes idle, and once a model's weights are placed
+(:func:`triedec.model.hugepages.place_weights`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import functools
 import logging
 import sys
 
-log = logging.getLogger("triedec.server")
+log = logging.getLogger("triedec")
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
