@@ -8,10 +8,10 @@ On 4 KiB pages that is ~125,000 pages a forward, each a TLB miss and a page walk
 ``THP_MEM_ALLOC_ENABLE=1``, for every allocation). :func:`place_weights` copies the buffers of
 every linear triedec packed (:class:`~triedec.model.linears.LinearStandIn`: its codes, scales and
 zeros) into one mapping so advised, 2 MiB-aligned, and points the modules at it: the same values,
-so no bit of any forward changes, and one mapping, so at most one partly used huge page. Measured
-in one process, alternating the two placements of the same weights (2-core AVX-512 EPYC,
-``int4-a8``, 2 threads; ``benchmarks/huge-pages-cpu``): a one-token forward of Qwen2.5-Coder-0.5B
-~1.16x faster, of the default model and Gemma 3 270M ~1.03x.
+so no bit of any forward changes, and one mapping, so at most one partly used huge page. What it
+buys is measured by ``scripts/huge_pages.py`` (in one process, the two placements of the same
+weights alternating; docs/kernels.md gives the run): most at one token, where the forward is
+bound by reading the weights, little at 16, where it is bound by arithmetic.
 
 Where the platform has no ``MADV_HUGEPAGE`` (not Linux), or the kernel refuses the advice, the
 weights stay where they are. Where huge pages are off (``never``) the advice does nothing.
