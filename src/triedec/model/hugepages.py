@@ -35,6 +35,8 @@ HUGE_PAGE = 2 << 20
 ALIGN = 64
 """Each buffer's start in the mapping: a cache line, as the kernels' vector loads expect at most."""
 _PLACED = "_triedec_huge_pages"
+_MAPPINGS: set[int] = set()
+"""The start of every mapping :func:`place_weights` made (each view's storage starts there)."""
 
 
 def huge_pages_supported() -> bool:
@@ -58,8 +60,8 @@ def place_weights(model: nn.Module) -> int:
     """Move the buffers of ``model``'s packed linears (those not placed before) into one anonymous
     mapping advised for transparent huge pages; returns the bytes moved (0 where nothing moved:
     no such buffers, under 2 MiB of them, or no support). The values are copied unchanged; the old
-    buffers are freed once nothing else holds them, and the heap's free pages are returned
-(:func:`~triedec.model.memory.release_memory`)."""
+        buffers are freed once nothing else holds them, and the heap's free pages are returned
+    (:func:`~triedec.model.memory.release_memory`)."""
     if not huge_pages_supported():
         return 0
     found = _candidates(model)
@@ -74,6 +76,7 @@ def place_weights(model: nn.Module) -> int:
         log.info("weights stay on the allocator's pages: %s", exc)
         return 0
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
+    _MAPPINGS.add(whole.untyped_storage().data_ptr())
     at = -whole.data_ptr() % HUGE_PAGE
     with torch.no_grad():
         for (module, name, tensor), size in zip(found, sizes, strict=True):
@@ -92,5 +95,4 @@ def place_weights(model: nn.Module) -> int:
 
 def in_placed_memory(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives in a mapping :func:`place_weights` made (for tests and reports)."""
-    storage = tensor.untyped_storage()
-    return storage.nbytes() >= HUGE_PAGE and not storage.resizable()
+    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in _MAPPINGS
