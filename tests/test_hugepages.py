@@ -14,6 +14,7 @@ import torch
 from helpers import TINY_VOCAB
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from triedec.core.tree import TokenTree
 from triedec.model import hugepages
 from triedec.model.adapter import ForwardItem, ModelAdapter
 from triedec.model.hugepages import ALIGN, HUGE_PAGE, in_placed_memory, place_weights
@@ -51,16 +52,9 @@ def _rows(adapter: ModelAdapter, seed: int) -> list[torch.Tensor]:
                                                   torch.ones((n, n), dtype=torch.bool).tril())])[0])
     cache.commit(list(range(n)))
     nodes = gen.randint(1, 8)
-    parents = [gen.randint(-1, i - 1) for i in range(nodes)]
-    visible = torch.zeros((nodes, nodes), dtype=torch.bool)
-    depth = []
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] = visible[p]
-        visible[i, i] = True
-        depth.append(1 + (depth[p] if p >= 0 else 0))
-    tokens = torch.tensor([gen.randrange(TINY_VOCAB) for _ in range(nodes)])
-    positions = torch.tensor([n + d - 1 for d in depth])
+    tree = TokenTree(tuple(gen.randrange(TINY_VOCAB) for _ in range(nodes)),
+                     tuple(-1 if i == 0 else gen.randrange(i) for i in range(nodes)))
+    tokens, positions, visible = torch.tensor(tree.tokens), tree.positions(n)[0], tree.ancestry
     out += list(adapter.forward_batch([ForwardItem(cache, tokens, positions, visible)])[0])
     return out
 
