@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -227,13 +230,14 @@ def test_a_gate_never_pauses_longer_than_its_cap_and_a_verified_node_reopens_it(
 
 
 def test_a_payoff_drafts_only_where_drafting_measurably_pays_and_explores_the_other_arm():
-    """The A/B controller over steps: drafting is the prior; both arms get measured (one step in
-    ``warmup`` runs the arm with too few steps), then the faster arm runs but for one step in
-    ``explore``; load levels are kept apart, and a change in what pays is followed."""
+    """The A/B controller over steps: drafting is the prior; both arms get measured in pairs (one
+    step in ``warmup`` runs the plain arm until the level has ``min_pairs`` pairs), then the faster
+    arm runs but for one step in ``explore``; load levels are kept apart, and a change in what pays
+    is followed."""
     from triedec.core.allocate import DraftPayoff, load_level
 
     assert [load_level(b) for b in (0, 1, 2, 3, 4, 5, 7, 8, 15, 16, 40)] == [1, 1, 2, 3, 4, 4, 4, 8, 8, 16, 32]
-    payoff = DraftPayoff(explore=16, warmup=4, min_steps=4)
+    payoff = DraftPayoff(explore=16, warmup=4, min_pairs=4)
 
     def run(requests: int, steps: int, draft_rate: float, plain_rate: float) -> str:
         arms = []
@@ -244,23 +248,53 @@ def test_a_payoff_drafts_only_where_drafting_measurably_pays_and_explores_the_ot
         return "".join(arms)
 
     first = run(16, 16, draft_rate=70, plain_rate=100)  # drafting is slower at 16 requests
-    assert first[:16] == "ddd.ddd.ddd.ddd." and payoff.speedup(16) == pytest.approx(0.7)
+    assert first == "ddd.ddd.ddd.ddd." and payoff.pairs(16) == 4 and payoff.speedup(16) == pytest.approx(0.7)
     later = run(16, 160, draft_rate=70, plain_rate=100)
     assert later.count("d") == 10 and not payoff.prefers_drafting(16)  # one step in 16 explores
     assert payoff.prefers_drafting(1) and payoff.speedup(1) is None  # another level: nothing known, the prior
     alone = run(1, 160, draft_rate=180, plain_rate=100)  # alone, drafting pays
     assert alone[:16] == "ddd.ddd.ddd.ddd." and alone[16:].count(".") == 9 and payoff.speedup(1) == pytest.approx(1.8)
-    turned = run(16, 400, draft_rate=130, plain_rate=100)  # the load's drafts got better: followed within a window
-    assert turned.index("dd") < 128 and turned[-160:].count(".") == 10 and payoff.prefers_drafting(16)
+    turned = run(16, 1200, draft_rate=130, plain_rate=100)  # the load's drafts got better: followed within a window
+    assert turned.index("dd") < 16 * 32 and turned[-160:].count(".") == 10 and payoff.prefers_drafting(16)
     report = payoff.report()
     assert set(report) == {1, 16} and report[16]["drafting"] and report[1]["speedup"] == pytest.approx(1.8)
-    payoff.observe(1, True, 0.0, 3)  # a step that took no time, or a bad count, teaches nothing
+    assert payoff.drafts(16, measured=False) and payoff.drafts(1, measured=False)  # unmeasured: the preferred arm
+    pairs = payoff.pairs(1)
+    payoff.observe(1, False, 1.0, 1)
+    payoff.observe(1, True, 0.0, 3)  # a step that took no time, or a bad count, teaches nothing and breaks a pair
     payoff.observe(1, True, float("nan"), 3)
     payoff.observe(1, True, 1.0, -1)
-    assert payoff.speedup(1) == pytest.approx(1.8)
-    for bad in ({"explore": 1}, {"warmup": True}, {"min_steps": 0}, {"window": 0.5}):
+    assert payoff.pairs(1) == pairs and payoff.speedup(1) == pytest.approx(1.8)
+    payoff.observe(1, True, 1.0, 3)
+    payoff.observe(2, False, 1.0, 3)  # another number of requests: no pair
+    payoff.observe(2, False, 1.0, 3)  # the same arm: no pair
+    assert payoff.pairs(1) == pairs and payoff.pairs(2) == 0
+    for bad in ({"explore": 1}, {"warmup": True}, {"min_pairs": 0}, {"window": 0.5}):
         with pytest.raises(TriedecError):
             DraftPayoff(**bad)
+
+
+@given(st.integers(0, 2**31), st.integers(2, 12))
+@settings(max_examples=40, deadline=None)
+def test_a_payoff_does_not_mistake_the_load_inside_a_level_for_a_difference_between_identical_arms(seed, every):
+    """Two identical arms (``ar``'s) at a load that falls from 15 requests to 8 as requests finish:
+    a step's rate depends on how many requests it carries, and the rarely run arm runs at other
+    loads than the other. Compared in pairs at the same load, the arms measure equal, whatever the
+    machine's speed does meanwhile."""
+    from triedec.core.allocate import DraftPayoff
+
+    rng = random.Random(seed)
+    payoff = DraftPayoff(explore=16, warmup=4, min_pairs=4)
+    requests, machine = 15, 1.0
+    for step in range(1, 600):
+        if step % every == 0 and requests > 8:
+            requests -= 1  # a request finished
+        machine *= math.exp(rng.gauss(0, 0.02))  # the machine's speed drifts
+        jitter = math.exp(rng.gauss(0, 0.01))
+        drafted = payoff.drafts(requests)
+        payoff.observe(requests, drafted, machine * jitter * (0.004 + 0.0011 * requests), requests)
+    assert payoff.pairs(8) >= 4
+    assert payoff.speedup(8) == pytest.approx(1.0, rel=0.03)
 
 
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=300), st.floats(1.2, 5.0), st.booleans())
@@ -271,7 +305,7 @@ def test_a_payoff_runs_the_slower_arm_on_at_most_its_exploration_share_once_both
     steady factor, the slower arm runs on at most one step in ``explore`` (plus one) at that level."""
     from triedec.core.allocate import DraftPayoff, load_level
 
-    payoff = DraftPayoff(explore=8, warmup=2, min_steps=2)
+    payoff = DraftPayoff(explore=8, warmup=2, min_pairs=2)
     slower: dict[int, int] = {}
     decided: dict[int, int] = {}
     for requests in loads:

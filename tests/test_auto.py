@@ -232,13 +232,15 @@ def test_rates_are_calibrated_per_unit_of_base_and_skipped_keys_relax_to_the_pri
 
 
 def test_a_root_only_step_costs_no_lookup_and_a_drafting_step_catches_up():
-    """A step asked for the root alone (plain, or skipped by the gate) neither feeds the context
-    trie nor recycles its row; the next drafting step adds the tokens it missed to the trie, and
-    recycles its verified rows even when it found nothing to propose (so an empty matrix fills)."""
+    """The context trie is not built when a request begins; a step asked for the root alone
+    (plain, or skipped by the gate) neither feeds the trie nor recycles its row; the first drafting
+    step builds it from the documents, the prompt and the tokens since, and recycles its verified
+    rows even when it found nothing to propose (so an empty matrix fills)."""
     drafter = build({"sized": False}, tiny_info())
     prompt = [5, 6, 7, 8, 5, 6, 7]
-    session = drafter.begin(prompt)
+    session = drafter.begin(prompt, documents=[[40, 41, 42]])
     fed, nodes = session.fed, session.trie.size
+    assert (fed, nodes) == (0, 0)  # nothing built yet
     row = torch.zeros(1, drafter.vocab_size)
     row[0, 9] = 1.0
     for token in (8, 5):
@@ -251,6 +253,7 @@ def test_a_root_only_step_costs_no_lookup_and_a_drafting_step_catches_up():
     context = [*prompt, 8, 5]
     draft = session.propose(context)  # drafting: the trie catches up, and drafts 6 7 8 after "8 5"
     assert session.fed == len(context) and session.trie.size > nodes
+    assert session.trie.node([40, 41, 42]) is not None and session.trie.node([6, 7, 8, 5]) is not None
     assert draft.tree.tokens[:2] == (5, 6)
     session.observe(Verified(draft.tree.truncated(1), row, Acceptance((0,), (6,)), (0,), draft.size))
     assert drafter.matrix.filled[5] and drafter.matrix.table[5, 0] == 9  # the root's row, recycled

@@ -490,9 +490,9 @@ def test_generate_batch_on_the_default_model_equals_transformers(default_lm):
 
 
 def test_a_batch_that_measures_drafting_runs_plain_steps_where_drafting_does_not_pay_and_keeps_every_token():
-    """``measure_drafting``: steps that draft and steps that do not are both measured at each load
-    (one in 4 runs plain while the plain arm has too few steps); where plain steps commit more per
-    second, only one step in 16 drafts. A plain step asks every drafter for its root alone, and
+    """``measure_drafting``: steps that draft and steps that do not are both measured at each load,
+    in pairs (one in 4 runs plain while the level has too few pairs); where plain steps commit more
+    per second, only one step in 16 drafts. A plain step asks every drafter for its root alone, and
     every request's tokens stay ``ar``'s."""
     from triedec.core.allocate import load_level
 
@@ -524,7 +524,7 @@ def test_a_batch_that_measures_drafting_runs_plain_steps_where_drafting_does_not
         if trained:
             assert len(drafted) <= len(decoding) // 16 + 1 and not batch.payoff.prefers_drafting(load_level(3))
         else:
-            assert len(decoding) > len(drafted) and batch.payoff.report()[3]["plain_steps"] >= 1
+            assert len(decoding) > len(drafted) and batch.payoff.report()[3]["pairs"] >= 1
     assert Batch(adapter, None).payoff is None
 
 

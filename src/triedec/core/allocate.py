@@ -204,11 +204,11 @@ def load_level(requests: int) -> int:
 
 @dataclass
 class _Arm:
-    """Decayed sums of one arm's committed tokens and step seconds at one load level."""
+    """Decayed sums of one arm's committed tokens and step seconds at one load level, over the
+    steps it ran in measured pairs."""
 
     tokens: float = 0.0
     seconds: float = 0.0
-    steps: int = 0
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -216,81 +216,101 @@ class _Arm:
 
 class DraftPayoff:
     """Whether drafting pays at each load, measured rather than predicted: an A/B controller over
-    whole steps. At each load level (:func:`load_level` of the step's decoding requests) it keeps
-    two arms, steps that draft and steps that do not (every request verifies its root alone, as
-    ``ar`` does), and for each the committed tokens per second of step time, as decayed sums (at
-    each measured step of the level both arms' sums weigh ``1 - 1/window`` less: each arm's ratio
-    of means over about the last ``window`` steps of that level, so the arm that runs rarely is
-    judged on its recent samples and a change in what pays is followed within about ``window``
-    steps). A step drafts when the drafting arm's rate is at least the plain arm's;
-    one step in ``explore`` runs the other arm, so both estimates stay current as the load, the
-    prompts and the machine change (one in ``warmup`` while an arm has fewer than ``min_steps``
-    measured steps). Before any measurement, drafting (the cost model's choice) is the prior.
+    whole steps, in *pairs*. At each load level (:func:`load_level` of the step's decoding
+    requests) it compares two arms, steps that draft and steps that do not (every request verifies
+    its root alone, as ``ar`` does), by committed tokens per second of step time. Only pairs count:
+    two observed steps in a row, one of each arm, with the same number of decoding requests. What a
+    step costs and yields depends far more on how many requests it carries (a level spans 8-15, say)
+    and on the machine's state (which drifts over minutes) than on whether it drafted; a pair holds
+    both fixed, so an arm that runs rarely is not judged on the loads and minutes it happened to run
+    in (unpaired, ``ar``'s two identical arms measured 1.2x apart at 8-15 requests, where requests
+    finishing made the load fall while the rare arm ran). Each arm's rate is its ratio of sums over
+    the level's pairs, decayed: at each new pair both arms' sums weigh ``1 - 1/window`` less, so a
+    change in what pays is followed within about ``window`` pairs.
 
+    A step drafts when the drafting arm's rate is at least the plain arm's; one step in
+    ``explore`` runs the other arm (one in ``warmup`` while the level has fewer than ``min_pairs``
+    pairs), and pairs with the step before it or, where that one carried another number of
+    requests, the step after it. Before any pair, drafting (the cost model's choice) is the prior.
     So drafting runs only where it measurably pays, and where it does not the loss is bounded by
     the exploration share: ``1/explore`` of the steps run the slower arm. Which arm a step runs
-    changes when its tokens come, never which tokens (every method's tokens are ``ar``'s
-    whatever it verifies). The batch observes only steps without prompt chunks (a chunk's time is
-    not the decode rate). Deterministic (a counter per level, no randomness); one engine thread
-    uses it."""
+    changes when its tokens come, never which tokens (every method's tokens are ``ar``'s whatever
+    it verifies). The batch observes only steps without prompt chunks (a chunk's time is not the
+    decode rate). Deterministic (a counter per level, no randomness); one engine thread uses it."""
 
-    def __init__(self, explore: int = 16, warmup: int = 4, min_steps: int = 4, window: int = 128) -> None:
-        for name, value, least in (("explore", explore, 2), ("warmup", warmup, 2), ("min_steps", min_steps, 1),
+    def __init__(self, explore: int = 16, warmup: int = 4, min_pairs: int = 4, window: int = 32) -> None:
+        for name, value, least in (("explore", explore, 2), ("warmup", warmup, 2), ("min_pairs", min_pairs, 1),
                                    ("window", window, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise TriedecError(f"{name} must be an integer >= {least}, got {value!r}")
-        self.explore, self.warmup, self.min_steps = explore, warmup, min_steps
+        self.explore, self.warmup, self.min_pairs = explore, warmup, min_pairs
         self.decay = 1.0 - 1.0 / window
         self._arms: dict[tuple[int, bool], _Arm] = {}
+        self._pairs: dict[int, int] = {}
         self._decisions: dict[int, int] = {}
+        self._last: tuple[int, bool, float, int] | None = None  # the last observed step, still unpaired
 
     def arm(self, level: int, drafting: bool) -> _Arm:
         return self._arms.setdefault((level, drafting), _Arm())
 
-    def prefers_drafting(self, level: int) -> bool:
-        """The arm the measurements favour at ``level`` (drafting until both arms are measured)."""
-        draft, plain = self.arm(level, True), self.arm(level, False)
-        if draft.steps < self.min_steps or plain.steps < self.min_steps:
-            return True
-        return draft.rate() >= plain.rate()
+    def pairs(self, level: int) -> int:
+        """Pairs measured at ``level``."""
+        return self._pairs.get(level, 0)
 
-    def drafts(self, requests: int) -> bool:
-        """Whether a step of ``requests`` decoding requests drafts (counts one decision at its level)."""
+    def prefers_drafting(self, level: int) -> bool:
+        """The arm the measurements favour at ``level`` (drafting until ``min_pairs`` pairs)."""
+        if self.pairs(level) < self.min_pairs:
+            return True
+        return self.arm(level, True).rate() >= self.arm(level, False).rate()
+
+    def drafts(self, requests: int, measured: bool = True) -> bool:
+        """Whether a step of ``requests`` decoding requests drafts (counts one decision at its
+        level). ``measured`` False: a step that will not be observed (it carries prompt chunks)
+        runs the preferred arm and counts no decision, so no exploration is spent on it."""
         level = load_level(requests)
+        if not measured:
+            return self.prefers_drafting(level)
         count = self._decisions.get(level, 0) + 1
         self._decisions[level] = count
         best = self.prefers_drafting(level)
-        other = self.arm(level, not best)
-        period = self.warmup if other.steps < self.min_steps else self.explore
+        period = self.warmup if self.pairs(level) < self.min_pairs else self.explore
         return (not best) if count % period == 0 else best
 
     def observe(self, requests: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A step of ``requests`` decoding requests (``drafted``: whether it drafted) took ``seconds``
-        and committed ``tokens``."""
+        and committed ``tokens``. It completes a pair with the step observed just before it if that
+        one ran the other arm with as many requests; else it waits for the next one. A step that
+        took no time or a bad count breaks the chain."""
         if not (seconds > 0 and math.isfinite(seconds)) or tokens < 0:
+            self._last = None
             return
+        before, self._last = self._last, (requests, drafted, seconds, tokens)
+        if before is None or before[0] != requests or before[1] == drafted:
+            return
+        self._last = None  # a step counts in one pair at most
         level = load_level(requests)
-        for either in (self.arm(level, True), self.arm(level, False)):  # both age: a clock of the level's steps
+        for either in (self.arm(level, True), self.arm(level, False)):
             either.tokens *= self.decay
             either.seconds *= self.decay
-        arm = self.arm(level, drafted)
-        arm.tokens += tokens
-        arm.seconds += seconds
-        arm.steps += 1
+        for _, arm_drafted, arm_seconds, arm_tokens in (before, (requests, drafted, seconds, tokens)):
+            arm = self.arm(level, arm_drafted)
+            arm.tokens += arm_tokens
+            arm.seconds += arm_seconds
+        self._pairs[level] = self.pairs(level) + 1
 
     def speedup(self, level: int) -> float | None:
-        """The drafting arm's rate over the plain arm's at ``level`` (None until both are measured)."""
-        draft, plain = self.arm(level, True), self.arm(level, False)
-        if draft.steps < self.min_steps or plain.steps < self.min_steps or not plain.rate():
+        """The drafting arm's rate over the plain arm's at ``level`` (None before ``min_pairs`` pairs)."""
+        plain = self.arm(level, False).rate()
+        if self.pairs(level) < self.min_pairs or not plain:
             return None
-        return draft.rate() / plain.rate()
+        return self.arm(level, True).rate() / plain
 
     def report(self) -> dict[int, dict[str, float | int | bool | None]]:
-        """Per load level measured so far: each arm's tokens/s and steps, the speedup, and which arm
-        is preferred."""
-        levels = sorted({level for level, _ in self._arms})
+        """Per load level measured so far: each arm's tokens/s over the pairs, the pairs, the
+        speedup, and which arm is preferred."""
+        levels = sorted({level for level, _ in self._arms} | set(self._decisions))
         return {level: {"draft_tokens_per_s": round(self.arm(level, True).rate(), 2),
                         "plain_tokens_per_s": round(self.arm(level, False).rate(), 2),
-                        "draft_steps": self.arm(level, True).steps, "plain_steps": self.arm(level, False).steps,
-                        "speedup": self.speedup(level), "drafting": self.prefers_drafting(level)}
+                        "pairs": self.pairs(level), "speedup": self.speedup(level),
+                        "drafting": self.prefers_drafting(level)}
                 for level in levels}

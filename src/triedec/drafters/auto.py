@@ -57,7 +57,7 @@ from triedec.drafters.rates import RateTable
 from triedec.drafters.registry import NEEDS_COST, STATE_FILE, register
 from triedec.drafters.state import check_location
 from triedec.drafters.store import LONGEST_MATCH, STORE_BYTES_PER_TOKEN, OutputStore
-from triedec.drafters.trie import NgramTrie
+from triedec.drafters.trie import NgramTrie, TrieStream
 
 METHOD = "auto"
 SOURCES = ("context", "store", "recycling")
@@ -258,11 +258,13 @@ class AutoSession(BaseSession):
     def __init__(self, drafter: AutoDrafter, prompt: Sequence[int], documents: Sequence[Sequence[int]]) -> None:
         self.drafter = drafter
         options = drafter.options
+        # the context trie is built at the first step that drafts, not here: a request admitted
+        # while steps run plain (a loaded server's, where drafting does not pay) never pays for it,
+        # and its first token does not wait for it (pure Python, ~45 us a token of prompt)
         self.trie = NgramTrie(options.n, min(3, options.n - 1))
-        for doc in documents:
-            self.trie.add(doc)
-        self.stream = self.trie.add(prompt)
-        self.fed = len(prompt)
+        self._documents: Sequence[Sequence[int]] | None = documents
+        self.stream: TrieStream | None = None
+        self.fed = 0  # tokens of the context in the trie (documents apart)
         self.prompt_len = len(prompt)
         self.context: Sequence[int] = prompt  # the last proposal's context
         self.last: tuple[int, ...] = ()  # the tokens the last step emitted after it
@@ -348,8 +350,12 @@ class AutoSession(BaseSession):
             self._sent, self._depths, self.context, self._plain = [{}], [0], context, True
             return Draft.scored(TokenTree((int(context[-1]),), (-1,)), [1.0], not o.sized, [()])
         self._plain = False
+        if self._documents is not None:
+            for doc in self._documents:
+                self.trie.add(doc)
+            self._documents = None
         if len(context) > self.fed:
-            self.trie.add(context[self.fed :], self.stream)
+            self.stream = self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
         nodes = self._candidates(context)
         chance = self.score(nodes)
@@ -378,6 +384,9 @@ class AutoSession(BaseSession):
         the engine did not verify relax their keys toward the prior."""
         d = self.drafter
         tree, path = verified.tree, verified.acceptance.path
+        if self._plain and tree.size == 1:  # the root alone: nothing tried, nothing skipped, no row recycled
+            self.hot, self.last, self._sent, self._depths = False, verified.acceptance.tokens, [], []
+            return
         on_path = set(path)
         kinds = [self._sent[verified.index(i)] for i in range(tree.size)] if self._sent else []
         outcomes = [(kinds[i], tree.depths[i], i in on_path)

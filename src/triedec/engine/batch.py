@@ -127,8 +127,9 @@ class Batch:
     growing pause (:class:`~triedec.core.allocate.DraftGate`);
     tokens never change. ``measure_drafting``: whether a step drafts at all is decided by what
     drafting measurably bought at this load, steps that draft against steps that do not, with one
-    step in 16 running the other arm (:class:`~triedec.core.allocate.DraftPayoff`), so speculation
-    runs only where it pays, and where it does not it costs at most that exploration share. The
+    step in 16 running the other arm, each such step compared with its neighbour at the same load
+    (:class:`~triedec.core.allocate.DraftPayoff`), so speculation runs only where it pays, and
+    where it does not it costs at most that exploration share. The
     server turns all three on; a single ``generate`` keeps the calibrated sizes and drafts every
     step, reproducible step for step.
 
@@ -353,7 +354,7 @@ class Batch:
                 chunks.append(r)
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
-        drafting = self.payoff is None or not decoding or self.payoff.drafts(len(decoding))
+        drafting = self.payoff is None or not decoding or self.payoff.drafts(len(decoding), measured=not chunks)
         drafts = [r.propose(drafting) for r in decoding]
         chunk_context = sum(r.context_tokens for r in chunks)
         context = chunk_context + sum(r.context_tokens for r in decoding)
