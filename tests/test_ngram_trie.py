@@ -77,6 +77,43 @@ def test_streamed_construction_equals_algorithm_1(tokens, n, data):
         assert trie.parent[v] == 0 or trie.freq[v] <= trie.freq[trie.parent[v]]
 
 
+def looped(n: int, lp: int, documents: list[list[int]]) -> tuple[NgramTrie, object]:
+    """The trie built token by token (:meth:`NgramTrie.add`'s loop, never :meth:`NgramTrie.build`)."""
+    trie = NgramTrie(n, lp)
+    stream = None
+    for doc in documents:
+        stream = trie.add(doc[:1])  # a one-token first piece never goes through build
+        trie.add(doc[1:], stream)
+    return trie, stream
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=90), min_size=1, max_size=3), st.integers(2, 13),
+       st.lists(st.integers(0, 5), max_size=20), st.data())
+def test_building_at_once_makes_the_token_loops_trie_node_for_node(documents, n, more, data):
+    """:meth:`NgramTrie.build` (numpy, one pass over sorted keys) against the token loop: the same
+    nodes with the same ids, parents, tokens, frequencies and children, the same open paths, and
+    the same trie after more tokens are added to the stream; ``add`` of a long first document
+    goes through it."""
+    lp = data.draw(st.integers(1, n - 1))
+    expected, expected_stream = looped(n, lp, documents)
+    trie = NgramTrie(n, lp)
+    stream = trie.build(documents)
+    assert (stream.length, stream.open) == (expected_stream.length, expected_stream.open)
+    assert (trie.children, trie.freq, trie.parent, trie.token) == (
+        expected.children, expected.freq, expected.parent, expected.token)
+    trie.add(more, stream)
+    expected.add(more, expected_stream)
+    assert (trie.children, trie.freq, trie.parent, trie.token) == (
+        expected.children, expected.freq, expected.parent, expected.token)
+    long = [*documents[0], *range(100, 100 + 64)]
+    direct = NgramTrie(n, lp)
+    direct.add(long)  # at least BUILD_AT_ONCE tokens into an empty trie: built at once
+    assert as_paths(direct) == algorithm_1(long, n, lp) == as_paths(looped(n, lp, [long])[0])
+    with pytest.raises(TriedecError):
+        direct.build(documents)  # only an empty trie
+
+
 def test_documents_do_not_share_windows():
     trie = NgramTrie(4, 1)
     trie.add([1, 2])
