@@ -258,7 +258,9 @@ def test_a_payoff_drafts_only_where_drafting_measurably_pays_and_explores_the_ot
     assert turned.index("dd") < 16 * 32 and turned[-160:].count(".") == 10 and payoff.prefers_drafting(16)
     report = payoff.report()
     assert set(report) == {1, 16} and report[16]["drafting"] and report[1]["speedup"] == pytest.approx(1.8)
-    assert payoff.drafts(16, measured=False) and payoff.drafts(1, measured=False)  # unmeasured: the preferred arm
+    # a step that is not measured (prompt chunks aboard) drafts only where pairs measured drafting to pay
+    assert payoff.drafts(16, measured=False) and payoff.drafts(1, measured=False)
+    assert not payoff.drafts(2, measured=False) and payoff.prefers_drafting(2)  # level 2: the prior only
     pairs = payoff.pairs(1)
     payoff.observe(1, False, 1.0, 1)
     payoff.observe(1, True, 0.0, 3)  # a step that took no time, or a bad count, teaches nothing and breaks a pair

@@ -266,10 +266,12 @@ class DraftPayoff:
     def drafts(self, requests: int, measured: bool = True) -> bool:
         """Whether a step of ``requests`` decoding requests drafts (counts one decision at its
         level). ``measured`` False: a step that will not be observed (it carries prompt chunks)
-        runs the preferred arm and counts no decision, so no exploration is spent on it."""
+        drafts only where pairs at its level measured drafting to pay (never on the prior: such
+        steps are never measured, and beside a chunk a draft row costs more than in a decoding
+        step), and counts no decision, so no exploration is spent on it."""
         level = load_level(requests)
         if not measured:
-            return self.prefers_drafting(level)
+            return self.pairs(level) >= self.min_pairs and self.prefers_drafting(level)
         count = self._decisions.get(level, 0) + 1
         self._decisions[level] = count
         best = self.prefers_drafting(level)
