@@ -469,3 +469,31 @@ def test_the_end_to_end_check_runs_for_real(monkeypatch, tiny_lm):
     assert check["ar_seconds"] > 0 and check["recycling_seconds"] > 0
     assert check["speedup"] == pytest.approx(check["ar_seconds"] / check["recycling_seconds"], rel=0.05)
     assert profile.nodes in (0, profile.details["predicted_nodes"])
+
+
+def test_a_cached_cost_model_that_no_longer_fits_the_machine_is_measured_again_at_startup(tiny_lm, monkeypatch):
+    """``Calibrator.check_cost`` (a server's startup) times a few forwards against the cached cost
+    model: one 3x too steep (as one measured while something else ran) is measured again, written
+    over the cached file and used, with its profiles kept; one that fits is left alone. The
+    decision (:func:`calibration.stale`) takes any ratio beyond the tolerance either way."""
+    assert calibration.stale({"1x1": 1.0, "1x8": 1.0 / 1.5}) and calibration.stale({"4x4": 1.4})
+    assert not calibration.stale({"1x1": 0.8, "1x8": 1.25, "4x4": 1.0})
+    assert tiny_lm.calibrator.check_cost() == {}  # nothing loaded: nothing to check
+    fits = tiny_lm.calibration()
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    now = calibration.measure_cost_model(tiny_lm, sizes=(1, 8), batch=((4, (1,)),), repeats=3)
+    steep = CostModel({1: now.seconds(1), 8: 3 * now.seconds(8)}, now.context_tokens,
+                      batch_seconds={4: {4: 3 * now.seconds(4, 4)}})
+    profiles = {"recycling": RecyclingProfile(tuple(monotone_rates()), 8)}
+    tiny_lm.calibrator._calibration = stale = dataclasses.replace(fits, cost=steep, profiles=profiles)
+    ratios = tiny_lm.calibrator.check_cost()
+    assert set(ratios) == {"1x1", "1x8", "4x4"} and calibration.stale(ratios)
+    fresh = tiny_lm.loaded_calibration()
+    assert fresh is not stale and fresh.cost != steep and fresh.profiles == profiles
+    assert fresh.details["remeasured"].startswith("stale at startup")
+    assert Calibration.from_json(path.read_text()) == fresh
+    measured: list[int] = []
+    monkeypatch.setattr(calibration, "remeasure_cost", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(calibration, "spot_check", lambda lm, cost: {"1x1": 1.02, "1x8": 0.97, "4x4": 1.05})
+    assert not calibration.stale(tiny_lm.calibrator.check_cost()) and not measured  # it fits: left alone
+    assert tiny_lm.loaded_calibration() is fresh

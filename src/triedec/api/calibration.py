@@ -156,7 +156,7 @@ def device_key(adapter: ModelAdapter) -> str:
         f"cpu-{host_key()}-{torch.get_num_threads()}threads"
     key = f"{name}-{str(adapter.dtype).removeprefix('torch.')}-{adapter.kernels}"
     if adapter.native_build:
-        key += f"-build{adapter.native_build[:8]}"
+        key += f"-build{adapter.native_build}"
     if adapter.precision.quantized:
         key += f"-{layer_mix(adapter.model)}"
     return "".join(c if c.isalnum() or c in "-." else "-" for c in key)
@@ -462,12 +462,13 @@ def load_or_calibrate(lm: Target, cache_dir: Path, needs: frozenset[str] = froze
 
 
 def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, repeats: int | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> Calibration:
+                   should_stop: Callable[[], bool] | None = None, reason: str = "while idle") -> Calibration:
     """``calibration`` with its cost model measured again now (its profiles kept), under a
     :class:`~triedec.core.machine.CpuWatch`, and written atomically over the cached file: what a
     server does, between requests, with a calibration that was measured busy. ``repeats``
     defaults to the calibration's own effort's (a full one's for a ``custom`` one). Raises
-    :class:`Interrupted` (and writes nothing) when ``should_stop()`` says so."""
+    :class:`Interrupted` (and writes nothing) when ``should_stop()`` says so. ``reason`` is recorded
+    in its details (``remeasured``)."""
     if repeats is None:
         repeats = CALIBRATION_EFFORTS.get(calibration.effort, CALIBRATION_EFFORTS[DEFAULT_CALIBRATION_EFFORT]).repeats
     started = time.perf_counter()
@@ -475,9 +476,39 @@ def remeasure_cost(lm: Target, cache_dir: Path, calibration: Calibration, *, rep
         cost = measure_cost_model(lm, repeats=repeats, should_stop=should_stop)
     fresh = replace(calibration, cost=cost, details={
         **calibration.details, "others_cpu_share": watch.others_share,
-        "seconds_taken": round(time.perf_counter() - started, 1), "remeasured": "while idle"})
+        "seconds_taken": round(time.perf_counter() - started, 1), "remeasured": reason})
     _write(calibration_path(cache_dir, lm.adapter), fresh)
     return fresh
+
+
+SPOT_SHAPES = ((1, 1), (1, 8), (4, 4))
+"""(requests, tokens in all) of the forwards :func:`spot_check` times: plain decoding's step, an
+8-token tree, and a step of 4 requests."""
+SPOT_TOLERANCE = 1.3
+"""how far (as a ratio, either way) a spot-checked forward may sit from a cached cost model's
+estimate before the cost model is measured again"""
+
+
+def spot_check(lm: Target, cost: CostModel, repeats: int = 3) -> dict[str, float]:
+    """Each :data:`SPOT_SHAPES` forward timed now (median of ``repeats`` after a warm-up, on caches
+    of ``cost.context_tokens``, as the cost model was measured) over ``cost``'s estimate for it, by
+    ``"requests x tokens"``. A ratio far from 1 means the cached surface no longer describes this
+    machine: measured while something else ran without being caught, or before a change to the
+    code around the kernels (where the weights live, how a step is run). Drafts sized under such a
+    surface stay wrong where the engine never runs forwards to correct it
+    (:class:`~triedec.core.costmodel.ObservedCost` corrects only the shapes it sees, and a surface that
+    is too steep keeps trees too small to be seen): a few forwards at startup catch it."""
+    sizes = sorted({t for b, t in SPOT_SHAPES if b == 1})
+    batch = [(b, (t // b,)) for b, t in SPOT_SHAPES if b > 1]
+    now = measure_cost_model(lm, sizes=sizes, batch=batch, context_tokens=cost.context_tokens,
+                             long_context=cost.context_tokens + 1, repeats=repeats)
+    return {f"{b}x{t}": now.seconds(t, b) / cost.seconds(t, b) for b, t in SPOT_SHAPES}
+
+
+def stale(ratios: Mapping[str, float], tolerance: float = SPOT_TOLERANCE) -> bool:
+    """Whether :func:`spot_check`'s ratios say the cached cost model is stale: any beyond
+    ``tolerance`` either way."""
+    return any(not 1 / tolerance <= r <= tolerance for r in ratios.values())
 
 
 def _write(path: Path, calibration: Calibration) -> None:
@@ -525,6 +556,26 @@ class Calibrator:
                 return cal is not None
             self._calibration = remeasure_cost(self.target, self.cache_dir, cal, should_stop=should_stop)
             return not self._calibration.busy
+
+    def check_cost(self) -> dict[str, float]:
+        """Time a few forwards now against the cost model in use (:func:`spot_check`); where the
+        surface is stale (:func:`stale`) twice in a row, measure the cost model again now
+        (:func:`remeasure_cost`) and use that. Returns the ratios found (empty when no calibration is in use). What a
+        server does at startup, before it serves."""
+        with self._lock:
+            cal = self._calibration
+            if cal is None:
+                return {}
+            ratios = spot_check(self.target, cal.cost)
+            if stale(ratios):  # timed once more before a whole measurement: one slow moment is not a stale surface
+                ratios = spot_check(self.target, cal.cost)
+            if stale(ratios):
+                log.warning("the cached cost model does not match this machine now (measured / cached: %s); "
+                            "measuring it again", ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+                with _measuring(calibration_path(self.cache_dir, self.target.adapter)):
+                    self._calibration = remeasure_cost(self.target, self.cache_dir, cal,
+                                                       reason="stale at startup: " + json.dumps(ratios))
+            return ratios
 
     @property
     def loaded(self) -> Calibration | None:

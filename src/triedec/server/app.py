@@ -189,12 +189,15 @@ def _calibrate_everything(lm: LM) -> None:
     """Load, or measure now, every part of the calibration that a method a request may name could
     need (the cost model and every registered profile: recycling's takes a minute or two on a new
     machine), so that no request ever waits on a measurement and the engine thread never stalls on
-    one. Logged with its time."""
+    one; then check the cost model against a few forwards timed now, and measure it again if it no
+    longer fits this machine (:meth:`~triedec.api.calibration.Calibrator.check_cost`). Logged with
+    its time."""
     needs = frozenset({NEEDS_COST, *profile_specs()})
     log.info("loading the calibration every method needs (%s); measured once per machine and model, then cached",
              ", ".join(sorted(needs)))
     started = time.perf_counter()
     lm.calibration(needs)
+    lm.calibrator.check_cost()  # a few forwards against the cached surface; measured again if stale
     log.info("calibration ready in %.1f s", time.perf_counter() - started)
 
 
