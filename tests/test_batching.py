@@ -491,7 +491,7 @@ def test_generate_batch_on_the_default_model_equals_transformers(default_lm):
 
 def test_a_batch_that_measures_drafting_runs_plain_steps_where_drafting_does_not_pay_and_keeps_every_token():
     """``measure_drafting``: steps that draft and steps that do not are both measured at each load,
-    in pairs (one in 4 runs plain while the level has too few pairs); where plain steps commit more
+    in pairs (every other step runs plain while the level has too few pairs); where plain steps commit more
     per second, only one step in 16 drafts. A plain step asks every drafter for its root alone, and
     every request's tokens stay ``ar``'s."""
     from triedec.core.allocate import load_level

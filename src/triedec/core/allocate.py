@@ -229,16 +229,19 @@ class DraftPayoff:
     change in what pays is followed within about ``window`` pairs.
 
     A step drafts when the drafting arm's rate is at least the plain arm's; one step in
-    ``explore`` runs the other arm (one in ``warmup`` while the level has fewer than ``min_pairs``
-    pairs), and pairs with the step before it or, where that one carried another number of
-    requests, the step after it. Before any pair, drafting (the cost model's choice) is the prior.
+    ``explore`` runs the other arm and pairs with the step before it or, where that one carried
+    another number of requests, the step after it. While the level has fewer than ``min_pairs``
+    pairs, one step in ``warmup`` does (every other step by default: a level is measured in about
+    ``2 * min_pairs`` steps, half of them on the prior's arm, which may be the slow one; sampled
+    under load a drafting step can cost twice a plain one). Before any pair, drafting (the cost
+    model's choice) is the prior.
     So drafting runs only where it measurably pays, and where it does not the loss is bounded by
     the exploration share: ``1/explore`` of the steps run the slower arm. Which arm a step runs
     changes when its tokens come, never which tokens (every method's tokens are ``ar``'s whatever
     it verifies). The batch observes only steps without prompt chunks (a chunk's time is not the
     decode rate). Deterministic (a counter per level, no randomness); one engine thread uses it."""
 
-    def __init__(self, explore: int = 16, warmup: int = 4, min_pairs: int = 4, window: int = 32) -> None:
+    def __init__(self, explore: int = 16, warmup: int = 2, min_pairs: int = 4, window: int = 32) -> None:
         for name, value, least in (("explore", explore, 2), ("warmup", warmup, 2), ("min_pairs", min_pairs, 1),
                                    ("window", window, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
