@@ -138,7 +138,7 @@ def test_forced_tokens_are_drafted_on_steps_that_do_not_draft(lm, monkeypatch, w
     batch = batch_module.Batch(lm.adapter, lm.cost_model(), lm.limits, measure_drafting=why == "plain step",
                                gate_drafts=why == "gated")
     if batch.payoff is not None:
-        monkeypatch.setattr(batch.payoff, "drafts", lambda load: False)
+        monkeypatch.setattr(batch.payoff, "drafts", lambda load, measured=True: False)
     [(tokens, outcome)], _ = together(lm.adapter, [run], batch=batch)
     assert tokens == want
     assert outcome.stats.accepted_by_origin.get("grammar", 0) > 0

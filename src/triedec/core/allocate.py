@@ -235,6 +235,7 @@ class DraftPayoff:
     ``2 * min_pairs`` steps, half of them on the prior's arm, which may be the slow one; sampled
     under load a drafting step can cost twice a plain one). Before any pair, drafting (the cost
     model's choice) is the prior.
+
     So drafting runs only where it measurably pays, and where it does not the loss is bounded by
     the exploration share: ``1/explore`` of the steps run the slower arm. Which arm a step runs
     changes when its tokens come, never which tokens (every method's tokens are ``ar``'s whatever
