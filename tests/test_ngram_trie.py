@@ -78,12 +78,11 @@ def test_streamed_construction_equals_algorithm_1(tokens, n, data):
 
 
 def looped(n: int, lp: int, documents: list[list[int]]) -> tuple[NgramTrie, object]:
-    """The trie built token by token (:meth:`NgramTrie.add`'s loop, never :meth:`NgramTrie.build`)."""
+    """The trie built token by token (:meth:`NgramTrie.add`'s loop)."""
     trie = NgramTrie(n, lp)
     stream = None
     for doc in documents:
-        stream = trie.add(doc[:1])  # a one-token first piece never goes through build
-        trie.add(doc[1:], stream)
+        stream = trie.add(doc)
     return trie, stream
 
 
@@ -93,8 +92,7 @@ def looped(n: int, lp: int, documents: list[list[int]]) -> tuple[NgramTrie, obje
 def test_building_at_once_makes_the_token_loops_trie_node_for_node(documents, n, more, data):
     """:meth:`NgramTrie.build` (numpy, one pass over sorted keys) against the token loop: the same
     nodes with the same ids, parents, tokens, frequencies and children, the same open paths, and
-    the same trie after more tokens are added to the stream; ``add`` of a long first document
-    goes through it."""
+    the same trie after more tokens are added to the stream; and the paper's frequencies."""
     lp = data.draw(st.integers(1, n - 1))
     expected, expected_stream = looped(n, lp, documents)
     trie = NgramTrie(n, lp)
@@ -108,7 +106,7 @@ def test_building_at_once_makes_the_token_loops_trie_node_for_node(documents, n,
         expected.children, expected.freq, expected.parent, expected.token)
     long = [*documents[0], *range(100, 100 + 64)]
     direct = NgramTrie(n, lp)
-    direct.add(long)  # at least BUILD_AT_ONCE tokens into an empty trie: built at once
+    direct.build([long])
     assert as_paths(direct) == algorithm_1(long, n, lp) == as_paths(looped(n, lp, [long])[0])
     with pytest.raises(TriedecError):
         direct.build(documents)  # only an empty trie

@@ -262,8 +262,8 @@ class AutoSession(BaseSession):
         # while steps run plain (a loaded server's, where drafting does not pay) never pays for it,
         # and its first token does not wait for it (pure Python, ~45 us a token of prompt)
         self.trie = NgramTrie(options.n, min(3, options.n - 1))
-        self._documents: Sequence[Sequence[int]] | None = documents
-        self.stream: TrieStream | None = None
+        self.documents = documents
+        self.stream: TrieStream | None = None  # None until the trie is built
         self.fed = 0  # tokens of the context in the trie (documents apart)
         self.prompt_len = len(prompt)
         self.context: Sequence[int] = prompt  # the last proposal's context
@@ -350,12 +350,11 @@ class AutoSession(BaseSession):
             self._sent, self._depths, self.context, self._plain = [{}], [0], context, True
             return Draft.scored(TokenTree((int(context[-1]),), (-1,)), [1.0], not o.sized, [()])
         self._plain = False
-        if self._documents is not None:
-            for doc in self._documents:
-                self.trie.add(doc)
-            self._documents = None
-        if len(context) > self.fed:
-            self.stream = self.trie.add(context[self.fed :], self.stream)
+        if self.stream is None:  # the first drafting step: the documents and the context at once
+            self.stream = self.trie.build([*self.documents, context])
+            self.fed = len(context)
+        elif len(context) > self.fed:
+            self.trie.add(context[self.fed :], self.stream)
             self.fed = len(context)
         nodes = self._candidates(context)
         chance = self.score(nodes)

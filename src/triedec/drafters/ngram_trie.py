@@ -121,9 +121,7 @@ class _NgramTrieSession(BaseSession):
         self.drafter = drafter
         options = drafter.options
         self.trie = NgramTrie(options.n, options.prefix)
-        for doc in documents:
-            self.trie.add(doc)
-        self.stream = self.trie.add(prompt)
+        self.stream = self.trie.build([*documents, prompt])
         self.fed = len(prompt)
         self.hot = False  # the last step accepted at least one draft token
         self.drafted: tuple[int, bool] | None = None  # the key of the last proposal if it drafted

@@ -9,7 +9,7 @@ the context starting at some position s, and the node at depth d of the path fro
 token extending the (at most n) open paths by one node, so building costs O(n) dict operations
 per token and adding generated tokens later continues the same paths.
 
-Pure Python, with numpy to build a first document at once (:meth:`NgramTrie.build`); one
+Pure Python, with numpy to build an empty trie's documents at once (:meth:`NgramTrie.build`); one
 request's trie is used by that request only.
 """
 
@@ -22,10 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from triedec.core.errors import TriedecError
-
-BUILD_AT_ONCE = 64
-"""a first document at least this long goes through :meth:`NgramTrie.build` (shorter ones: the
-token loop, cheaper below this)"""
 
 
 @dataclass
@@ -60,10 +56,8 @@ class NgramTrie:
 
     def add(self, tokens: Sequence[int], stream: TrieStream | None = None) -> TrieStream:
         """Insert the windows of ``tokens``, continuing ``stream`` (the same document) if given,
-        else starting a new document. Returns the stream to continue later. The first document of
-        an empty trie is built at once (:meth:`build`): the same trie, node for node."""
-        if stream is None and self.size == 0 and len(tokens) >= BUILD_AT_ONCE:
-            return self.build([tokens])
+        else starting a new document. Returns the stream to continue later. A session's first
+        documents go in at once (:meth:`build`); this loop continues them token by token."""
         st = stream if stream is not None else TrieStream()
         n, lp = self.n, self.prefix
         for t in tokens:

@@ -60,7 +60,7 @@ def place_weights(model: nn.Module) -> int:
     """Move the buffers of ``model``'s packed linears (those not placed before) into one anonymous
     mapping advised for transparent huge pages; returns the bytes moved (0 where nothing moved:
     no such buffers, under 2 MiB of them, or no support). The values are copied unchanged; the old
-        buffers are freed once nothing else holds them, and the heap's free pages are returned
+    buffers are freed once nothing else holds them, and the heap's free pages are returned
     (:func:`~triedec.model.memory.release_memory`)."""
     if not huge_pages_supported():
         return 0
