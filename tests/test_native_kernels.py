@@ -6,6 +6,7 @@ for the linears, give the same bits on the vector path and the portable one."""
 
 from __future__ import annotations
 
+import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -287,6 +288,24 @@ def test_calls_from_several_threads_at_once_each_get_their_own_rows():
             assert all(pool.map(run, range(16)))
 
 
+def attention_cases(generator: torch.Generator) -> list[tuple]:
+    """Tree attention's arguments with grouped heads as the shipped models have them (teams of 3, 2
+    and 1 query heads on a key/value head), keys past several 64-key chunks and odd counts, every
+    key or a listed subset per query, in each dtype."""
+    cases = []
+    shapes = ((torch.bfloat16, (9, 3), 64, 203), (torch.float16, (14, 2), 64, 70),
+              (torch.bfloat16, (4, 1), 256, 37), (torch.float32, (5, 5), 40, 129))
+    for dtype, (heads, kv_heads), features, slots in shapes:
+        q = torch.randn(heads, 3, features, generator=generator).to(dtype)
+        k, v = (torch.randn(kv_heads, slots, features, generator=generator).to(dtype) for _ in range(2))
+        picks = (torch.randint(0, slots, (slots // 2 + 1,), generator=generator) for _ in range(3))
+        lists = [sorted(set(p.tolist())) for p in picks]
+        offsets = torch.tensor([0, *itertools.accumulate(len(keys) for keys in lists)])
+        indices = torch.tensor([i for keys in lists for i in keys], dtype=torch.int32)
+        cases += [(q, k, v, None, None, features ** -0.5, 0.0), (q, k, v, offsets, indices, 0.1, 50.0)]
+    return cases
+
+
 @pytest.mark.skipif(not OPENMP, reason="torch here runs no OpenMP: the kernels run on the calling thread")
 def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number():
     """Built with OpenMP, a kernel's parallel loop runs on ``torch.set_num_threads`` threads (built
@@ -300,6 +319,7 @@ def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number(
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
+    attention = attention_cases(generator)
     before = torch.get_num_threads()
     outputs = {}
     try:
@@ -308,7 +328,8 @@ def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number(
             assert KERNEL.parallel_threads() == threads
             with torch.inference_mode():
                 outputs[threads] = (int4(x), int8(x), KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
-                                    KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+                                    KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
+                                    *(KERNEL.tree_attention(*case) for case in attention))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(outputs[1], outputs[2], strict=True))
@@ -399,6 +420,7 @@ def test_every_installed_build_gives_the_same_bits():
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
+    attention = attention_cases(generator)
     outputs = {}
     fastest = KERNEL.isa()
     try:
@@ -408,7 +430,8 @@ def test_every_installed_build_gives_the_same_bits():
                 outputs[isa] = (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
                                 KERNEL.int8_linear(x, int8.packed, int8.scales, False),
                                 KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
-                                KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0))
+                                KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
+                                *(KERNEL.tree_attention(*case) for case in attention))
     finally:
         KERNEL.use_kernels(str(libraries[fastest]))
     assert KERNEL.isa() == fastest

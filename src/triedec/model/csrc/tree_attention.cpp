@@ -9,8 +9,8 @@
 //   * the softmax denominator: 8 partial sums (r mod 8) in r order, combined the same way;
 //   * the weighted values: one chain of fused multiply-adds per feature, in r order;
 //   * exp: a polynomial of IEEE operations (Cody-Waite reduction, Cephes' coefficients).
-// The AVX2 path and the portable scalar path perform the same IEEE operations on every element
-// (each correctly rounded, so a vector lane and a scalar give the same bits; the file is compiled
+// The AVX-512 path, the AVX2 path and the portable scalar path perform the same IEEE operations on
+// every element (each correctly rounded, so a vector lane and a scalar give the same bits; the file is compiled
 // with -ffp-contract=off and without -ffast-math, so the compiler adds no fusion or reassociation
 // of its own). Two queries that see the same key and value vectors in the same order therefore
 // get the same bits, whatever else the call holds. Threads split the work by (query, head), each
@@ -128,8 +128,104 @@ inline __m256 exp8(__m256 x) {  // exp_scalar on 8 lanes, the same operations
   return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
 }
 
+// ---- the AVX-512 path -------------------------------------------------------------------------
+// The same IEEE operations per element again, 16 lanes at a time. A score's 8 partial sums (d mod
+// 8) sit in 8 lanes, so a 16-lane register carries two keys' (lanes 0-7 one key, 8-15 the next)
+// against the query's 8 features broadcast to both halves; the partial sums are combined by the
+// same additions as the AVX2 path's hadd tree ((0+1)+(2+3))+((4+5)+(6+7)), here on shuffles within
+// each 128-bit lane. The weighted values are one chain per feature, 16 features per register. Each
+// returns where the AVX2 loop goes on.
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load8x2(const float* a, const float* b) {  // lanes 0-7: a[0..8), lanes 8-15: b[0..8)
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+inline __m256i halves(const void* a, const void* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+}
+inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves(a, b)), 16));
+}
+inline __m512 load8x2(const c10::Half* a, const c10::Half* b) { return _mm512_cvtph_ps(halves(a, b)); }
+
+inline __m512 hadd512(__m512 a, __m512 b) {  // _mm256_hadd_ps's sums in each 128-bit lane
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <typename scalar_t, int NQ>
+inline int64_t team_scores_avx512(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
+  const scalar_t* kbase = P.k + o[0].g * P.k_sh;
+  const int64_t D = P.D;
+  if (D % kLanes != 0) return r;
+  const __m128 scale = _mm_set1_ps(P.scale);
+  for (; r + 8 <= last; r += 8) {  // 8 keys: pairs (0,1), (2,3), (4,5), (6,7), one register each
+    const scalar_t* kp[8];
+    for (int j = 0; j < 8; ++j) kp[j] = kbase + o[0].keys.at(r + j) * P.k_ss;
+    __m512 a[NQ][4];
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      __m512 qv[NQ];
+      for (int i = 0; i < NQ; ++i) qv[i] = _mm512_broadcast_f32x8(_mm256_loadu_ps(q0 + i * D + d));
+      for (int j = 0; j < 4; ++j) {
+        const __m512 kv = load8x2(kp[2 * j] + d, kp[2 * j + 1] + d);
+        for (int i = 0; i < NQ; ++i) a[i][j] = _mm512_fmadd_ps(qv[i], kv, a[i][j]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      // 128-bit lanes of t: [k0 k2 k4 k6] (partials 0-3), the same (4-7), [k1 k3 k5 k7] (0-3), (4-7)
+      const __m512 t = hadd512(hadd512(a[i][0], a[i][1]), hadd512(a[i][2], a[i][3]));
+      const __m128 even = _mm_add_ps(_mm512_castps512_ps128(t), _mm512_extractf32x4_ps(t, 1));
+      const __m128 odd = _mm_add_ps(_mm512_extractf32x4_ps(t, 2), _mm512_extractf32x4_ps(t, 3));
+      _mm_storeu_ps(o[i].scores + r, _mm_mul_ps(_mm_unpacklo_ps(even, odd), scale));
+      _mm_storeu_ps(o[i].scores + r + 4, _mm_mul_ps(_mm_unpackhi_ps(even, odd), scale));
+    }
+  }
+  return r;
+}
+
+template <typename scalar_t, int NQ>
+inline int64_t team_values_avx512(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
+  const scalar_t* vbase = P.v + o[0].g * P.v_sh;
+  const int64_t D = P.D;
+  constexpr int kWide = 16, kRegs = 4;  // 64 features a pass
+  int64_t d0 = 0;
+  for (; d0 + kRegs * kWide <= D; d0 += kRegs * kWide) {
+    __m512 a[NQ][kRegs];
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < kRegs; ++j) a[i][j] = _mm512_loadu_ps(o[i].acc + d0 + j * kWide);
+    for (int64_t s = first; s < last; ++s) {
+      const scalar_t* vp = vbase + o[0].keys.at(s) * P.v_ss + d0;
+      __m512 e[NQ];
+      for (int i = 0; i < NQ; ++i) e[i] = _mm512_set1_ps(o[i].scores[s]);
+      for (int j = 0; j < kRegs; ++j) {
+        const __m512 vv = load16(vp + j * kWide);
+        for (int i = 0; i < NQ; ++i) a[i][j] = _mm512_fmadd_ps(e[i], vv, a[i][j]);
+      }
+    }
+    for (int i = 0; i < NQ; ++i)
+      for (int j = 0; j < kRegs; ++j) _mm512_storeu_ps(o[i].acc + d0 + j * kWide, a[i][j]);
+  }
+  return d0;
+}
+#else
+template <typename scalar_t, int NQ>
+inline int64_t team_scores_avx512(const Problem<scalar_t>&, Output*, const float*, int64_t r, int64_t) { return r; }
+template <typename scalar_t, int NQ>
+inline int64_t team_values_avx512(const Problem<scalar_t>&, Output*, int64_t, int64_t) { return 0; }
+#endif
+
 template <typename scalar_t>
 inline int64_t scores_avx2(const Problem<scalar_t>& P, Output& o, const float* q, int64_t r, int64_t last) {
+  r = team_scores_avx512<scalar_t, 1>(P, &o, q, r, last);
   const scalar_t* kbase = P.k + o.g * P.k_sh;
   const int64_t D = P.D;
   if (D % kLanes == 0) {
@@ -156,7 +252,7 @@ template <typename scalar_t>
 inline int64_t values_avx2(const Problem<scalar_t>& P, Output& o, int64_t first, int64_t last) {
   const scalar_t* vbase = P.v + o.g * P.v_sh;
   const int64_t D = P.D;
-  int64_t d0 = 0;
+  int64_t d0 = team_values_avx512<scalar_t, 1>(P, &o, first, last);
   if (D % kLanes == 0) {
     for (; d0 + 8 * kLanes <= D; d0 += 8 * kLanes) {  // 64 features at a time, in registers
       __m256 a[8];
@@ -180,6 +276,7 @@ inline int64_t values_avx2(const Problem<scalar_t>& P, Output& o, int64_t first,
 
 template <typename scalar_t, int NQ>
 inline int64_t team_scores_avx2(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
+  r = team_scores_avx512<scalar_t, NQ>(P, o, q0, r, last);
   const scalar_t* kbase = P.k + o[0].g * P.k_sh;
   const int64_t D = P.D;
   if (D % kLanes == 0) {
@@ -212,7 +309,7 @@ template <typename scalar_t, int NQ>
 inline int64_t team_values_avx2(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
   const scalar_t* vbase = P.v + o[0].g * P.v_sh;
   const int64_t D = P.D;
-  int64_t d0 = 0;
+  int64_t d0 = team_values_avx512<scalar_t, NQ>(P, o, first, last);
   if (D % kLanes == 0) {
     for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
       __m256 a[NQ][4];
