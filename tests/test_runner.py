@@ -19,6 +19,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from triedec.core.errors import TriedecError
 from triedec.model.adapter import BIT_EXACT, NATIVE_FORWARD, OWN_RUNNER, ForwardItem, ModelAdapter
+from triedec.model.linears import packing_available
 from triedec.model.precision import Precision
 from triedec.model.runner import RUNNER, TRANSFORMERS
 from triedec.model.source import quantize
@@ -87,11 +88,30 @@ def _gguf_like_with_int8_parts(seed: int = 0):
     return model
 
 
+def _split_bfloat16(seed: int = 0):
+    """A tiny Llama in bfloat16 whose down projections are :class:`SplitLinear` over two pieces of
+    oneDNN-packed linears (what a long input gets where oneDNN's sum order depends on the rows),
+    the rest packed when the adapter loads it."""
+    from torch import nn
+
+    from triedec.model.linears import PackedLinear, SplitLinear
+
+    model = _in_mode(tiny_llama(seed=seed), "bfloat16")
+    for layer in model.model.layers:
+        down = layer.mlp.down_proj
+        assert type(down) is nn.Linear
+        layer.mlp.down_proj = SplitLinear(down, 2, PackedLinear)
+    return model
+
+
 MODELS = {
     "llama-gqa-float32": lambda: tiny_llama(seed=2),
     "llama-mqa-bfloat16": lambda: _in_mode(_mqa_llama(seed=4), "bfloat16"),
     "llama-int8": lambda: _in_mode(tiny_llama(seed=6), weights="int8"),
     "llama-int4": lambda: _in_mode(tiny_llama(seed=7), weights="int4"),
+    "qwen2-bias-int8": lambda: _in_mode(_tiny_qwen2(seed=16), weights="int8"),
+    "gemma3-int4": lambda: _in_mode(_tiny_gemma3(seed=17), weights="int4"),
+    "qwen2-bias-bfloat16": lambda: _in_mode(_tiny_qwen2(seed=18), "bfloat16"),
     "llama-int4-a8": lambda: _in_mode(tiny_llama(seed=8), weights="int4-a8"),
     "llama-int8-parts-int4-a8": lambda: _gguf_like_with_int8_parts(seed=10),
     "qwen2-bias-tied-float32": lambda: _tiny_qwen2(seed=3),
@@ -100,19 +120,22 @@ MODELS = {
     "gemma3-softcap-bfloat16": lambda: _in_mode(_tiny_gemma3(seed=14, softcap=3.0), "bfloat16"),
     "gemma3-int4-a8": lambda: _in_mode(_tiny_gemma3(seed=15), weights="int4-a8"),
 }
-NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8"}
-"""The models whose forward is one native call (every part on triedec's kernels, one kind of layer)."""
+NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8",
+          "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4"}
+"""The models whose forward is one native call (bf16 activations, every linear on triedec's
+8-bit-activation kernels, the int8 / int4 modes' torch ops or bf16 oneDNN, triedec's norms, no
+soft-capping)."""
+if packing_available(torch.device("cpu"), torch.bfloat16):  # oneDNN has bf16 kernels for this CPU
+    MODELS["llama-split-bfloat16"] = lambda: _split_bfloat16(seed=19)
+    NATIVE |= {"llama-mqa-bfloat16", "qwen2-bias-bfloat16", "llama-split-bfloat16"}
 
 
 @pytest.fixture(scope="module")
 def adapter_pairs():
-    """Per model: (triedec's runner, transformers' forward), each on its own copy, both kernels="auto"."""
-    pairs = {}
-    for name, make in MODELS.items():
-        model = make()
-        pairs[name] = (ModelAdapter(copy.deepcopy(model), "auto", runner=RUNNER),
-                       ModelAdapter(model, "auto", runner=TRANSFORMERS))
-    return pairs
+    """Per model: (triedec's runner, transformers' forward), each on its own copy (the maker called
+    twice: it is seeded; a oneDNN-packed weight cannot be deep-copied), both kernels="auto"."""
+    return {name: (ModelAdapter(make(), "auto", runner=RUNNER), ModelAdapter(make(), "auto", runner=TRANSFORMERS))
+            for name, make in MODELS.items()}
 
 
 def _forward_both(pair, gen: random.Random) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -234,9 +257,10 @@ def test_joined_projections_hold_the_weights_once_and_keep_the_models_own_forwar
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("weights", ["float", "int4-a8"])
+@pytest.mark.parametrize("weights", ["float", "int4", "int4-a8"])
 def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
-    """The default model in float32 and int4-a8 (its q/k/v and gate/up joined there): a prompt in
+    """The default model in float32, int4 and int4-a8 (its q/k/v and gate/up joined there; the
+    forward one native call in the last two): a prompt in
     two chunks, then a draft tree beside another request's chunk, through triedec's runner and
     through transformers' forward on the same kernels: every row ``torch.equal``."""
     import triedec
@@ -244,7 +268,7 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
     mine = triedec.load(weights=weights).adapter
     theirs = ModelAdapter(triedec.load(weights=weights, kernels="plain").model, "auto", runner=TRANSFORMERS)
     assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
-    assert mine.native_forward is (weights == "int4-a8")
+    assert mine.native_forward is (weights != "float")
     assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" + (f"+{NATIVE_FORWARD}" if mine.native_forward else "")
     prompt = torch.tensor([1, 4093, 314, 253, 1345, 28, 1116, 335, 260, 6372, 2761, 47, 2])
     tree = torch.tensor([[True, False, False, False], [True, True, False, False],

@@ -42,7 +42,7 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "portable": ((), ()),
 }
 """Each build: its compiler flags and the CPU flags (``/proc/cpuinfo``) it needs, fastest first.
-``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX2 path; ``avx2``
+``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX-512 path; ``avx2``
 the linears' AVX2 path (``vpmaddubsw``) and tree attention's; ``portable`` plain C++ everywhere."""
 
 

@@ -14,10 +14,12 @@ same order as transformers' modeling file calls it. So its logits are the same b
 own forward in every precision mode (``tests/test_runner.py`` checks ``torch.equal`` on tiny random
 models of the three architectures and on the default model); what it saves is the plumbing.
 
-Where every part of the model runs on triedec's kernels (the ``int4-a8`` mode: 8-bit-activation
-linears, fused RMS norms, SiLU or tanh-gelu, triedec's fixed-order attention), the whole walk is one
-native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels in the same
-order, with no Python between layers, so again the same bits. Elsewhere the walk is Python calls
+Where the model runs on bfloat16 activations with triedec's fused RMS norms, SiLU or tanh-gelu and
+triedec's fixed-order attention, and every linear is one the native code calls (the ``int4-a8``
+mode's 8-bit-activation kernels, or the torch ops the ``int8`` and ``int4`` modes' stand-ins call),
+the whole walk is one native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same
+kernels and ops in the same order, with no Python between layers, so again the same bits. Elsewhere
+(float32, which keeps transformers' own norms; bfloat16's oneDNN linears) the walk is Python calls
 of the same modules.
 
 Anything else (another architecture, a module that is not of the expected shape) keeps
@@ -37,9 +39,9 @@ from torch import nn
 from triedec.core.kvcache import KVCache
 from triedec.model.dispatch import ItemBatch
 from triedec.model.hugepages import place_weights
-from triedec.model.linears import JoinedPart, LinearStandIn
+from triedec.model.linears import JoinedPart, LinearStandIn, PackedLinear, SplitLinear
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, joinable
+from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear, joinable
 from triedec.model.rmsnorm import FusedRMSNorm
 
 RUNNER = "triedec"
@@ -153,11 +155,33 @@ def _activation(module: nn.Module) -> str | None:
     return None
 
 
+_DECODER_LINEARS = {Int4A8Linear: ("a8-int4", "packed", "scales_zeros"), Int8A8Linear: ("a8-int8", "packed", "scales"),
+                    Int8Linear: ("int8", "codes", "scale"), Int4Linear: ("int4", "packed", "scales_and_zeros")}
+"""The linears the native forward runs (``csrc/decoder.h``'s ``NativeLinear``): its kind for each
+stand-in, and the stand-in's buffers it takes (codes, scales). triedec's 8-bit-activation kernels
+(int4-a8) or the torch op the int8 and int4 modes' stand-ins call."""
+
+
+def _runs_natively(layer: nn.Module) -> bool:
+    """Whether the native forward can run ``layer``: one of :data:`_DECODER_LINEARS`, or a bf16
+    :class:`~triedec.model.linears.PackedLinear` (oneDNN), alone or as every piece of a
+    :class:`~triedec.model.linears.SplitLinear`."""
+    if type(layer) in _DECODER_LINEARS:
+        return True
+    if type(layer) is SplitLinear:
+        return all(type(p) is PackedLinear and p.packed.dtype == torch.bfloat16 and p.bias is None for p in layer.parts)
+    return type(layer) is PackedLinear and layer.packed.dtype == torch.bfloat16
+
+
 def _native_linear(kernel: Any, layer: nn.Module) -> Any:
+    if type(layer) is PackedLinear:
+        return kernel.NativeLinear([layer.packed], [0, layer.in_features], False, layer.bias, layer.out_features)
+    if type(layer) is SplitLinear:
+        bounds = [a for a, _ in layer.bounds] + [layer.bounds[-1][1]]
+        return kernel.NativeLinear([p.packed for p in layer.parts], bounds, True, layer.bias, layer.out_features)
+    kind, codes, scales = _DECODER_LINEARS[type(layer)]
     buffers = layer._buffers
-    if type(layer) is Int4A8Linear:
-        return kernel.NativeLinear(True, buffers["packed"], buffers["scales_zeros"], layer.bias)
-    return kernel.NativeLinear(False, buffers["packed"], buffers["scales"], layer.bias)
+    return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features)
 
 
 def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | None) -> list[nn.Module]:
@@ -167,9 +191,9 @@ def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | No
 
 def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     """The native forward (``csrc/decoder.cpp``'s ``NativeDecoder``) of ``model``, whose layers
-    :class:`DecoderRunner` has prepared, when every part of it runs on triedec's kernels with the
-    arithmetic that file reproduces: bfloat16 activations, every linear and the head on the
-    8-bit-activation kernels (:data:`~triedec.model.precision.NATIVE_LINEARS`), every norm
+    :class:`DecoderRunner` has prepared, when every part of it runs on what that file calls, with
+    the same arithmetic: bfloat16 activations, every linear and the head one of
+    :data:`_DECODER_LINEARS` (the 8-bit-activation kernels, or the int8 / int4 torch ops), every norm
     (Gemma 3's q/k and output norms too) triedec's RMS norm of one variant and one epsilon, SiLU
     or tanh-gelu, one attention scale, no soft-capping. Else None (the Python walk runs)."""
     config = model.config
@@ -201,14 +225,14 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
         attn, mlp = layer.attn, layer.mlp
         groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
                   _parts([mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
-        if not all(type(m) in NATIVE_LINEARS for group in groups for m in group):
+        if not all(_runs_natively(m) for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
         extra = (layer.attention_out_norm, layer.mlp_out_norm, *(layer.qk_norms or (None, None)))
         built.append(kernel.NativeLayer(
             layer.attention_norm.weight, layer.mlp_norm.weight, q, o[0], gu, down[0],
             *(None if norm is None else norm.weight for norm in extra), kinds.index(layer.kind)))
-    if type(model.lm_head) not in NATIVE_LINEARS:
+    if not _runs_natively(model.lm_head):
         return None
     return kernel.NativeDecoder(built, base.norm.weight, _native_linear(kernel, model.lm_head), heads, kv_heads,
                                 head_dim, base.norm.eps, scales.pop(), base.norm.variant == "one-plus-weight",

@@ -53,8 +53,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using triedec::NativeDecoder, triedec::NativeLayer, triedec::NativeLinear;
   // module_local: each instruction set's build registers its own classes (the tests load several in one process)
   pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local(),
-                                 "one linear on the 8-bit-activation kernels (decoder.h)")
-      .def(pybind11::init<bool, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>>());
+                                 "one linear: kind, packed codes, scales, bias, input features (decoder.h)")
+      .def(pybind11::init<std::string, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, bool, c10::optional<torch::Tensor>,
+                          int64_t>());
   pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local(), "one decoder layer's weights (decoder.h)")
       .def(pybind11::init<torch::Tensor, torch::Tensor, std::vector<NativeLinear>, NativeLinear,
                           std::vector<NativeLinear>, NativeLinear, c10::optional<torch::Tensor>,

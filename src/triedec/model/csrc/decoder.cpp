@@ -15,7 +15,12 @@
 
 #include "kernel_table.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
 
@@ -33,13 +38,52 @@ void check_bf16(const at::Tensor& t, const char* what) {
               " must be a contiguous bfloat16 CPU tensor");
 }
 
-// out [R, N] (row stride ld) = x [R, K] W^T (+ bias), as the linear's own op gives it.
+// out [R, N] = x [R, K] W^T (+ bias), as the linear's own op gives it: triedec's kernel, or the
+// torch op the mode's stand-in calls (on the same rows, so the same bits), its result copied out.
 void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
   const KernelTable& kern = kernels();
-  if (l.int4)
-    kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
-  else
-    kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+  switch (l.kind) {
+    case NativeLinear::kA8Int4:
+      kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
+      break;
+    case NativeLinear::kA8Int8:
+      kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+      break;
+    case NativeLinear::kOneDnn: {
+      // as PackedLinear.rows (one piece, the bias in the op) or SplitLinear.rows (pieces, then + bias)
+      static const auto op = c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                            c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+      const at::Tensor rows = at::from_blob(const_cast<bf16*>(x), {R, l.K}, at::TensorOptions().dtype(at::kBFloat16));
+      at::Tensor y;
+      if (!l.split) {
+        y = op.call(rows, l.pieces[0], l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, "none",
+                    c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+      } else {
+        for (size_t i = 0; i < l.pieces.size(); ++i) {
+          const at::Tensor piece = op.call(rows.narrow(1, l.bounds[i], l.bounds[i + 1] - l.bounds[i]), l.pieces[i],
+                                           c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(),
+                                           c10::string_view(""));
+          y = i == 0 ? piece : at::add(y, piece);
+        }
+        if (l.bias.defined()) y = at::add(y, l.bias);
+      }
+      TORCH_CHECK(y.is_contiguous() && y.size(0) == R && y.size(1) == l.N, "oneDNN's linear returned another shape");
+      std::memcpy(out, y.data_ptr<bf16>(), R * l.N * sizeof(bf16));
+      return;  // the bias is in
+    }
+    case NativeLinear::kInt8:
+    case NativeLinear::kInt4: {
+      const at::Tensor rows = at::from_blob(const_cast<bf16*>(x), {R, l.K}, at::TensorOptions().dtype(at::kBFloat16));
+      const at::Tensor y = l.kind == NativeLinear::kInt8
+                               ? at::_weight_int8pack_mm(rows, l.packed, l.scales)
+                               : at::_weight_int4pack_mm_for_cpu(rows, l.packed, kA8Group, l.scales);
+      TORCH_CHECK(y.is_contiguous() && y.size(0) == R && y.size(1) == l.N, "a weight-only op returned another shape");
+      std::memcpy(out, y.data_ptr<bf16>(), R * l.N * sizeof(bf16));
+      break;
+    }
+  }
   if (l.bias.defined()) kern.add_bias_bf16(out, l.bias.data_ptr<bf16>(), R, l.N);
 }
 
@@ -68,21 +112,62 @@ int64_t total_out(const std::vector<NativeLinear>& parts) {
 
 }  // namespace
 
-NativeLinear::NativeLinear(bool int4_, at::Tensor packed_, at::Tensor scales_, c10::optional<at::Tensor> bias_)
-    : int4(int4_), packed(std::move(packed_)), scales(std::move(scales_)), bias(bias_.value_or(at::Tensor())) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.dim() == 2 && packed.size(0) % kA8Cols == 0, "packed must be contiguous uint8 [N, *]");
+static NativeLinear::Kind linear_kind(const std::string& kind) {
+  if (kind == "a8-int4") return NativeLinear::kA8Int4;
+  if (kind == "a8-int8") return NativeLinear::kA8Int8;
+  if (kind == "int8") return NativeLinear::kInt8;
+  TORCH_CHECK(kind == "int4", "a linear's kind is a8-int4, a8-int8, int8 or int4, not ", kind);
+  return NativeLinear::kInt4;
+}
+
+NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, at::Tensor scales_,
+                           c10::optional<at::Tensor> bias_, int64_t in_features)
+    : kind(linear_kind(kind_)), packed(std::move(packed_)), scales(std::move(scales_)),
+      bias(bias_.value_or(at::Tensor())), K(in_features) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.scalar_type() == (kind == kInt8 ? at::kChar : at::kByte),
+              "packed codes must be a contiguous 2-D CPU tensor (int8 for int8, else uint8)");
   N = packed.size(0);
-  K = int4 ? packed.size(1) * 2 : packed.size(1);
-  TORCH_CHECK(K % kA8Group == 0, "input features must be a multiple of 32");
+  TORCH_CHECK(K > 0 && K % kA8Group == 0, "input features must be a multiple of 32");
+  TORCH_CHECK(packed.size(1) == ((kind == kA8Int4 || kind == kInt4) ? K / 2 : K), "packed codes must be [N, K] (4-bit: [N, K / 2])");
   TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous(), "scales must be contiguous");
-  if (int4) {
-    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
-                    scales.size(1) == 2 && scales.size(2) == N, "scales_zeros must be bf16 [K / 32, 2, N]");
-  } else {
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == K / kA8Group &&
-                    scales.size(1) == N, "scales must be fp16 [K / 32, N]");
+  switch (kind) {
+    case kA8Int4:
+      TORCH_CHECK(N % kA8Cols == 0, "output features must be a multiple of 16");
+      TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
+                      scales.size(1) == 2 && scales.size(2) == N, "scales_zeros must be bf16 [K / 32, 2, N]");
+      break;
+    case kA8Int8:
+      TORCH_CHECK(N % kA8Cols == 0, "output features must be a multiple of 16");
+      TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == K / kA8Group &&
+                      scales.size(1) == N, "scales must be fp16 [K / 32, N]");
+      break;
+    case kInt8:
+      TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 && scales.size(0) == N,
+                  "an int8 linear's scale must be bf16 [N]");
+      break;
+    case kInt4:
+      TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
+                      scales.size(1) == N && scales.size(2) == 2, "scales_and_zeros must be bf16 [K / 32, N, 2]");
+      break;
   }
+  if (bias.defined()) {
+    check_bf16(bias, "bias");
+    TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");
+  }
+}
+
+NativeLinear::NativeLinear(std::vector<at::Tensor> pieces_, std::vector<int64_t> bounds_, bool split_,
+                           c10::optional<at::Tensor> bias_, int64_t out_features)
+    : kind(kOneDnn), bias(bias_.value_or(at::Tensor())), pieces(std::move(pieces_)), bounds(std::move(bounds_)),
+      split(split_), N(out_features) {
+  TORCH_CHECK(!pieces.empty() && bounds.size() == pieces.size() + 1 && bounds[0] == 0 && (split || pieces.size() == 1),
+              "a oneDNN linear needs its pieces and their bounds (one piece unless split)");
+  for (size_t i = 0; i < pieces.size(); ++i)
+    TORCH_CHECK(bounds[i + 1] > bounds[i] && pieces[i].device().is_cpu() && pieces[i].scalar_type() == at::kBFloat16,
+                "pieces must be bf16 CPU weights over ascending bounds");
+  K = bounds.back();
+  TORCH_CHECK(N > 0, "output features must be positive");
   if (bias.defined()) {
     check_bf16(bias, "bias");
     TORCH_CHECK(bias.dim() == 1 && bias.size(0) == N, "bias must be [N]");

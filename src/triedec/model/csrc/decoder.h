@@ -6,17 +6,32 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <vector>
 
 namespace triedec {
 
-// One linear on triedec's 8-bit-activation kernels (a8_linears.cpp): 4-bit codes (packed uint8
-// [N, K / 2], scales_zeros bf16 [K / 32, 2, N]) or 8-bit codes (packed uint8 [N, K], scales fp16
-// [K / 32, N]), and a bf16 bias [N] or an undefined tensor.
+// One linear, by kind: on triedec's 8-bit-activation kernels (a8_linears.cpp), "a8-int4" (4-bit codes
+// packed uint8 [N, K / 2], scales_zeros bf16 [K / 32, 2, N]) or "a8-int8" (8-bit codes packed uint8
+// [N, K], scales fp16 [K / 32, N]); or on torch's weight-only ops on bf16 activations, the int8 and
+// int4 modes' own (triedec/model/precision.py): "int8" (_weight_int8pack_mm: codes int8 [N, K],
+// scale bf16 [N]) or "int4" (_weight_int4pack_mm_for_cpu: codes as torch packs them, [N, K / 2]
+// uint8, scales_and_zeros bf16 [K / 32, N, 2]). in_features: K. bias: bf16 [N] or undefined.
+// Or "onednn" (the second constructor): oneDNN's pre-packed linear, torch's mkldnn::_linear_pointwise
+// as triedec's PackedLinear calls it (the bias inside the op), or over consecutive pieces of the
+// input features as SplitLinear runs it (split: each piece's output added in order, then the bias);
+// pieces: the packed weights, bounds: where each piece starts, then in_features.
 struct NativeLinear {
-  NativeLinear(bool int4, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias);
-  bool int4;
+  enum Kind { kA8Int4, kA8Int8, kInt8, kInt4, kOneDnn };
+  NativeLinear(const std::string& kind, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
+               int64_t in_features);
+  NativeLinear(std::vector<at::Tensor> pieces, std::vector<int64_t> bounds, bool split, c10::optional<at::Tensor> bias,
+               int64_t out_features);
+  Kind kind;
   at::Tensor packed, scales, bias;
+  std::vector<at::Tensor> pieces;
+  std::vector<int64_t> bounds;
+  bool split = false;
   int64_t K, N;
 };
 
