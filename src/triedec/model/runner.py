@@ -16,11 +16,11 @@ models of the three architectures and on the default model); what it saves is th
 
 Where the model runs on bfloat16 activations with triedec's fused RMS norms, SiLU or tanh-gelu and
 triedec's fixed-order attention, and every linear is one the native code calls (the ``int4-a8``
-mode's 8-bit-activation kernels, or the torch ops the ``int8`` and ``int4`` modes' stand-ins call),
-the whole walk is one native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same
-kernels and ops in the same order, with no Python between layers, so again the same bits. Elsewhere
-(float32, which keeps transformers' own norms; bfloat16's oneDNN linears) the walk is Python calls
-of the same modules.
+mode's 8-bit-activation kernels, the torch ops the ``int8`` and ``int4`` modes' stand-ins call, or
+bfloat16's oneDNN-packed linears), the whole walk is one native call instead
+(:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels and ops in the same order, with no
+Python between layers, so again the same bits. Elsewhere (float32, which keeps transformers' own
+norms; soft-capped logits; any other linear) the walk is Python calls of the same modules.
 
 Anything else (another architecture, a module that is not of the expected shape) keeps
 transformers' forward: :func:`runner_for` returns None, and :attr:`ModelAdapter.runner` names which
@@ -193,7 +193,8 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     """The native forward (``csrc/decoder.cpp``'s ``NativeDecoder``) of ``model``, whose layers
     :class:`DecoderRunner` has prepared, when every part of it runs on what that file calls, with
     the same arithmetic: bfloat16 activations, every linear and the head one of
-    :data:`_DECODER_LINEARS` (the 8-bit-activation kernels, or the int8 / int4 torch ops), every norm
+    :data:`_DECODER_LINEARS` (the 8-bit-activation kernels, the int8 / int4 torch ops) or a bf16
+    oneDNN-packed linear, alone or split (:func:`_runs_natively`), every norm
     (Gemma 3's q/k and output norms too) triedec's RMS norm of one variant and one epsilon, SiLU
     or tanh-gelu, one attention scale, no soft-capping. Else None (the Python walk runs)."""
     config = model.config
