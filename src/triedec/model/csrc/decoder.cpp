@@ -38,51 +38,42 @@ void check_bf16(const at::Tensor& t, const char* what) {
               " must be a contiguous bfloat16 CPU tensor");
 }
 
+// rows [R, K] W^T as the torch op a mode's stand-in calls gives it: int8's or int4's weight-only op
+// (no bias), or oneDNN's pre-packed linear as PackedLinear.rows (the bias in the op) or
+// SplitLinear.rows (the pieces' outputs added in order, then the bias).
+at::Tensor torch_linear(const NativeLinear& l, const at::Tensor& rows) {
+  if (l.kind == NativeLinear::kInt8) return at::_weight_int8pack_mm(rows, l.packed, l.scales);
+  if (l.kind == NativeLinear::kInt4) return at::_weight_int4pack_mm_for_cpu(rows, l.packed, kA8Group, l.scales);
+  static const auto op = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                        c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  const auto call = [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+    return op.call(x, w, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+  };
+  if (!l.split) return call(rows, l.pieces[0], l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt);
+  at::Tensor y;
+  for (size_t i = 0; i < l.pieces.size(); ++i) {
+    const at::Tensor piece = call(rows.narrow(1, l.bounds[i], l.bounds[i + 1] - l.bounds[i]), l.pieces[i], c10::nullopt);
+    y = i == 0 ? piece : at::add(y, piece);
+  }
+  return l.bias.defined() ? at::add(y, l.bias) : y;
+}
+
 // out [R, N] = x [R, K] W^T (+ bias), as the linear's own op gives it: triedec's kernel, or the
 // torch op the mode's stand-in calls (on the same rows, so the same bits), its result copied out.
 void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
   const KernelTable& kern = kernels();
-  switch (l.kind) {
-    case NativeLinear::kA8Int4:
-      kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
-      break;
-    case NativeLinear::kA8Int8:
-      kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
-      break;
-    case NativeLinear::kOneDnn: {
-      // as PackedLinear.rows (one piece, the bias in the op) or SplitLinear.rows (pieces, then + bias)
-      static const auto op = c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
-                            c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
-      const at::Tensor rows = at::from_blob(const_cast<bf16*>(x), {R, l.K}, at::TensorOptions().dtype(at::kBFloat16));
-      at::Tensor y;
-      if (!l.split) {
-        y = op.call(rows, l.pieces[0], l.bias.defined() ? c10::optional<at::Tensor>(l.bias) : c10::nullopt, "none",
-                    c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
-      } else {
-        for (size_t i = 0; i < l.pieces.size(); ++i) {
-          const at::Tensor piece = op.call(rows.narrow(1, l.bounds[i], l.bounds[i + 1] - l.bounds[i]), l.pieces[i],
-                                           c10::nullopt, "none", c10::List<c10::optional<at::Scalar>>(),
-                                           c10::string_view(""));
-          y = i == 0 ? piece : at::add(y, piece);
-        }
-        if (l.bias.defined()) y = at::add(y, l.bias);
-      }
-      TORCH_CHECK(y.is_contiguous() && y.size(0) == R && y.size(1) == l.N, "oneDNN's linear returned another shape");
-      std::memcpy(out, y.data_ptr<bf16>(), R * l.N * sizeof(bf16));
-      return;  // the bias is in
-    }
-    case NativeLinear::kInt8:
-    case NativeLinear::kInt4: {
-      const at::Tensor rows = at::from_blob(const_cast<bf16*>(x), {R, l.K}, at::TensorOptions().dtype(at::kBFloat16));
-      const at::Tensor y = l.kind == NativeLinear::kInt8
-                               ? at::_weight_int8pack_mm(rows, l.packed, l.scales)
-                               : at::_weight_int4pack_mm_for_cpu(rows, l.packed, kA8Group, l.scales);
-      TORCH_CHECK(y.is_contiguous() && y.size(0) == R && y.size(1) == l.N, "a weight-only op returned another shape");
-      std::memcpy(out, y.data_ptr<bf16>(), R * l.N * sizeof(bf16));
-      break;
-    }
+  if (l.kind == NativeLinear::kA8Int4) {
+    kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
+  } else if (l.kind == NativeLinear::kA8Int8) {
+    kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+  } else {
+    const at::Tensor y = torch_linear(l, at::from_blob(const_cast<bf16*>(x), {R, l.K},
+                                                       at::TensorOptions().dtype(at::kBFloat16)));
+    TORCH_CHECK(y.is_contiguous() && y.size(0) == R && y.size(1) == l.N, "a linear's torch op returned another shape");
+    std::memcpy(out, y.data_ptr<bf16>(), R * l.N * sizeof(bf16));
+    if (l.kind == NativeLinear::kOneDnn) return;  // its bias is in y
   }
   if (l.bias.defined()) kern.add_bias_bf16(out, l.bias.data_ptr<bf16>(), R, l.N);
 }
@@ -110,15 +101,15 @@ int64_t total_out(const std::vector<NativeLinear>& parts) {
   return n;
 }
 
-}  // namespace
-
-static NativeLinear::Kind linear_kind(const std::string& kind) {
+NativeLinear::Kind linear_kind(const std::string& kind) {
   if (kind == "a8-int4") return NativeLinear::kA8Int4;
   if (kind == "a8-int8") return NativeLinear::kA8Int8;
   if (kind == "int8") return NativeLinear::kInt8;
   TORCH_CHECK(kind == "int4", "a linear's kind is a8-int4, a8-int8, int8 or int4, not ", kind);
   return NativeLinear::kInt4;
 }
+
+}  // namespace
 
 NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, at::Tensor scales_,
                            c10::optional<at::Tensor> bias_, int64_t in_features)
