@@ -20,6 +20,7 @@ from triedec.engine.request import StopRule
 from triedec.model.adapter import ModelAdapter, cache_keyword, returned_cache
 from triedec.model.dispatch import GQA_SDPA, _gqa_sdpa
 from triedec.model.linears import (
+    F32Linear,
     PackedLinear,
     SplitLinear,
     invariant_linear,
@@ -54,9 +55,14 @@ def test_pack_linears_swaps_every_linear_and_copies_only_a_tied_head():
     model.lm_head.weight = model.model.embed_tokens.weight  # tie them
     linears = sum(type(m) is nn.Linear for m in model.modules())
     added = pack_linears(model)
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == linears
+    assert sum(isinstance(m, F32Linear) for m in model.modules()) == linears  # float32: triedec's own kernel
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert added == model.model.embed_tokens.weight.numel() * 4  # the tied head is the only copy
+    if packing_available(torch.device("cpu"), torch.bfloat16):  # bf16 keeps oneDNN's
+        bf16 = tiny_llama(vocab=64).to(torch.bfloat16)
+        pack_linears(bf16)
+        assert not any(type(m) in (nn.Linear, F32Linear) for m in bf16.modules())
+        assert any(isinstance(m, PackedLinear) for m in bf16.modules())
 
 
 def test_grouped_query_sdpa_equals_stock_sdpa_under_a_tree_mask():
@@ -128,9 +134,9 @@ def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
     plain = triedec.load(tiny_model_dir, kernels="plain")
     assert plain.adapter.kernels == "plain" and plain.reference_model() is plain.model
     if packing_available(torch.device("cpu"), torch.float32):
-        assert fast.adapter.kernels == "onednn-packed-linear+fixed-order-attention+triedec-runner"
+        assert fast.adapter.kernels == "f32-linear+fixed-order-attention+triedec-runner+native-forward"
         reference = fast.reference_model()
-        assert reference is not fast.model and not any(isinstance(m, PackedLinear) for m in reference.modules())
+        assert reference is not fast.model and not any(isinstance(m, F32Linear) for m in reference.modules())
         assert reference.config._attn_implementation == "sdpa" and fast.model.config._attn_implementation == GQA_SDPA
     out = fast.generate("Hello there", "pld", max_new_tokens=8, min_expected=0.0)
     assert out.stats.kernels == fast.adapter.kernels and out.stats.exactness == "bit-exact"

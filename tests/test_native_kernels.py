@@ -1,8 +1,9 @@
 """triedec's own compiled kernels besides tree attention (``csrc/``): the fused RMS norm
-(:mod:`triedec.model.rmsnorm`) and the linears whose dot products run on 8-bit activations
-(``int4-a8`` mode, :mod:`triedec.model.precision`). Each must compute what it claims (against a float64
-reference or the module it replaces), give a row the same bits alone and inside any call, and,
-for the linears, give the same bits on the vector path and the portable one."""
+(:mod:`triedec.model.rmsnorm`), the linears whose dot products run on 8-bit activations
+(``int4-a8`` mode, :mod:`triedec.model.precision`) and the float32 linear (:mod:`triedec.model.linears`).
+Each must compute what it claims (against a float64 reference or the module it replaces), give a
+row the same bits alone and inside any call, and, for the linears, give the same bits on the vector
+path and the portable one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from triedec.core.errors import TriedecError
 from triedec.model.adapter import ModelAdapter
+from triedec.model.linears import F32Linear, pack_f32, unpack_f32
 from triedec.model.native import OPENMP, load_kernel, switchable_libraries
 from triedec.model.precision import (
     GROUP_SIZE,
@@ -316,6 +318,7 @@ def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number(
     # items, 2 threads into 3
     int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
     int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
+    f32 = F32Linear(nn.Linear(96, 208))
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
@@ -327,7 +330,7 @@ def test_the_kernels_run_on_torchs_threads_and_give_the_same_bits_on_any_number(
             torch.set_num_threads(threads)
             assert KERNEL.parallel_threads() == threads
             with torch.inference_mode():
-                outputs[threads] = (int4(x), int8(x), KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
+                outputs[threads] = (int4(x), int8(x), f32(x.float()), KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
                                     KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
                                     *(KERNEL.tree_attention(*case) for case in attention))
     finally:
@@ -361,6 +364,62 @@ def test_the_linears_refuse_bad_input_with_a_message():
     int8 = Int8A8Linear(nn.Linear(64, 32))
     with pytest.raises(RuntimeError, match="float16"):
         KERNEL.int8_linear(torch.ones(2, 64, dtype=torch.bfloat16), int8.packed, int8.scales.float(), False)
+
+
+# ---- the float32 linear ---------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(vectors=st.integers(1, 9), features=st.integers(1, 70), rows=st.integers(1, 11), seed=st.integers(0, 2**16),
+       bias=st.booleans(), pad=st.integers(0, 15))
+def test_the_float32_linear_computes_the_product_and_a_row_alone_as_in_any_call(vectors, features, rows, seed, bias,
+                                                                                 pad):
+    """Against a float64 reference within the error bound of a sum of ``features`` float32 terms;
+    each row the same bits alone as in the call (outputs padded to 16 and back included)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = max(1, vectors * 16 - pad)
+    linear = nn.Linear(features, out, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out, features, generator=generator))
+        if bias:
+            linear.bias.copy_(torch.randn(out, generator=generator))
+    layer = F32Linear(linear)
+    x = torch.randn(rows, features, generator=generator)
+    with torch.inference_mode():
+        y = layer(x)
+        exact = x.double() @ linear.weight.double().T + (linear.bias.double() if bias else 0)
+        bound = (features + 2) * 2.0**-23 * ((x.double().abs() @ linear.weight.double().abs().T)
+                                            + (linear.bias.double().abs() if bias else 0))
+        assert y.shape == (rows, out) and bool(((y.double() - exact).abs() <= bound + 1e-30).all())
+        assert all(torch.equal(layer(x[r : r + 1]), y[r : r + 1]) for r in range(rows))
+    assert torch.equal(unpack_f32(layer.packed)[:out], linear.weight.detach())
+
+
+def test_the_float32_linear_sums_in_input_order_with_fused_multiply_adds():
+    """Output 0: 2^24 + 1 rounds to 2^24 (ties to even), then - 2^24: 0, where any other order
+    gives 1. Output 1: -(1 + 2^-11), then + (1 + 2^-12)^2 fused: 2^-24, where a rounded product
+    gives 0."""
+    w = torch.zeros(16, 3)
+    w[0] = torch.tensor([2.0**24, 1.0, -(2.0**24)])
+    w[1] = torch.tensor([-(1 + 2.0**-11), 1 + 2.0**-12, 0.0])
+    x = torch.tensor([[1.0, 1.0, 1.0]])
+    x2 = torch.tensor([[1.0, 1 + 2.0**-12, 0.0]])
+    y = KERNEL.f32_linear(torch.cat([x, x2]), pack_f32(w), None)
+    assert y[0, 0].item() == 0.0 and y[1, 1].item() == 2.0**-24
+
+
+def test_float32_linears_join_with_each_output_s_own_bits():
+    torch.manual_seed(3)
+    parts = [F32Linear(nn.Linear(48, n)) for n in (64, 16, 100)]
+    joined = F32Linear.joined(parts)
+    x = torch.randn(5, 48)
+    with torch.inference_mode():
+        assert torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=1))
+    with pytest.raises(ValueError, match="one input size"):
+        F32Linear.joined([parts[0], F32Linear(nn.Linear(32, 16))])
+    with pytest.raises(RuntimeError, match="float32"):
+        KERNEL.f32_linear(torch.ones(2, 48, dtype=torch.bfloat16), joined.packed, None)
+    with pytest.raises(RuntimeError, match="features must match"):
+        KERNEL.f32_linear(torch.ones(2, 40), joined.packed, None)
 
 
 def test_int4_a8_mode_runs_the_8_bit_kernels_and_keeps_int4s_codes():
@@ -410,14 +469,16 @@ def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
 
 def test_every_installed_build_gives_the_same_bits():
     """The ISA decides the speed only: every kernel library this CPU runs (vector and portable
-    paths alike) gives the int4 and int8 linears, the RMS norm and tree attention the same bits."""
+    paths alike) gives the int4, int8 and float32 linears, the RMS norm and tree attention the same bits."""
     libraries = switchable_libraries()
     if len(libraries) < 2:
         pytest.skip("fewer than two installed builds run on this CPU")
     generator = torch.Generator().manual_seed(11)
     int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
     int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
+    f32 = F32Linear(nn.Linear(96, 208))
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    x32 = torch.randn(9, 96, generator=generator)  # tiles of 4, 4 and 1 rows on AVX-512
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
     attention = attention_cases(generator)
@@ -429,6 +490,7 @@ def test_every_installed_build_gives_the_same_bits():
                 assert KERNEL.use_kernels(str(path)) == isa == KERNEL.isa()
                 outputs[isa] = (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
                                 KERNEL.int8_linear(x, int8.packed, int8.scales, False),
+                                KERNEL.f32_linear(x32, f32.packed, f32.padded_bias),
                                 KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
                                 KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
                                 *(KERNEL.tree_attention(*case) for case in attention))

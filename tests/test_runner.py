@@ -121,10 +121,11 @@ MODELS = {
     "gemma3-int4-a8": lambda: _in_mode(_tiny_gemma3(seed=15), weights="int4-a8"),
 }
 NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8",
-          "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4"}
+          "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4",
+          "llama-gqa-float32", "qwen2-bias-tied-float32", "gemma3-float32"}
 """The models whose forward is one native call (bf16 activations, every linear on triedec's
-8-bit-activation kernels, the int8 / int4 modes' torch ops or bf16 oneDNN, triedec's norms, no
-soft-capping)."""
+8-bit-activation kernels, the int8 / int4 modes' torch ops or bf16 oneDNN, triedec's norms; or
+float32 activations, triedec's float32 linears, transformers' own norms; no soft-capping)."""
 if packing_available(torch.device("cpu"), torch.bfloat16):  # oneDNN has bf16 kernels for this CPU
     MODELS["llama-split-bfloat16"] = lambda: _split_bfloat16(seed=19)
     NATIVE |= {"llama-mqa-bfloat16", "qwen2-bias-bfloat16", "llama-split-bfloat16"}
@@ -259,8 +260,8 @@ def test_joined_projections_hold_the_weights_once_and_keep_the_models_own_forwar
 @pytest.mark.default_model
 @pytest.mark.parametrize("weights", ["float", "int4", "int4-a8"])
 def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
-    """The default model in float32, int4 and int4-a8 (its q/k/v and gate/up joined there; the
-    forward one native call in the last two): a prompt in
+    """The default model in float32, int4 and int4-a8 (its q/k/v and gate/up joined; the forward
+    one native call): a prompt in
     two chunks, then a draft tree beside another request's chunk, through triedec's runner and
     through transformers' forward on the same kernels: every row ``torch.equal``."""
     import triedec
@@ -268,8 +269,8 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
     mine = triedec.load(weights=weights).adapter
     theirs = ModelAdapter(triedec.load(weights=weights, kernels="plain").model, "auto", runner=TRANSFORMERS)
     assert (mine.runner, theirs.runner) == (RUNNER, TRANSFORMERS)
-    assert mine.native_forward is (weights != "float")
-    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}" + (f"+{NATIVE_FORWARD}" if mine.native_forward else "")
+    assert mine.native_forward
+    assert mine.kernels == f"{theirs.kernels}+{OWN_RUNNER}+{NATIVE_FORWARD}"
     prompt = torch.tensor([1, 4093, 314, 253, 1345, 28, 1116, 335, 260, 6372, 2761, 47, 2])
     tree = torch.tensor([[True, False, False, False], [True, True, False, False],
                          [True, False, True, False], [True, True, False, True]])

@@ -82,7 +82,7 @@ from triedec.model.dispatch import (
     item_visibility,
 )
 from triedec.model.hugepages import place_weights
-from triedec.model.linears import PackedLinear, pack_linears, packing_available, split_linears
+from triedec.model.linears import F32Linear, PackedLinear, pack_linears, packing_available, split_linears
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
 from triedec.model.rmsnorm import FusedRMSNorm, fuse_norms
@@ -162,6 +162,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append(f"{weights}-weights")
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         used.append("onednn-packed-linear")
+    if any(isinstance(m, F32Linear) for m in model.modules()):
+        used.append("f32-linear")
     if any(isinstance(m, FusedRMSNorm) for m in model.modules()):
         used.append("fused-rmsnorm")
     if exact_attention:

@@ -11,16 +11,23 @@ one. A layer whose rows are not bit-identical alone and in
 a batch on this CPU (checked per shape at load, :func:`row_invariant`) is split along its input
 features into pieces that are (:class:`SplitLinear`).
 
+In float32 on a CPU, :func:`pack_linears` uses triedec's own kernel instead (:class:`F32Linear`,
+``csrc/f32_linears.cpp``): each output summed over the input features in order, so a row's bits
+never depend on its batch or the thread count (no probe, no split), and one row streams the weights
+at this machine's memory rate (~37 GB/s on 2 cores against oneDNN's ~25, docs/kernels.md).
+
 Pure torch (nothing here knows transformers). Outputs equal ``nn.Linear``'s up to rounding, as
 between any two GEMM kernels (summation order differs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from triedec.model.native import kernel_available, load_kernel
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 """Weight dtypes :class:`PackedLinear` packs (bf16 where the CPU has oneDNN's bf16 kernels)."""
@@ -98,6 +105,86 @@ class PackedLinear(LinearStandIn):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.packed, self._parameters.get("bias"), "none", [], "")
+
+
+F32_COLS = 16
+"""Outputs per vector of :func:`pack_f32`'s layout (a layer's outputs are padded to a multiple)."""
+F32_BLOCK = 4
+"""Vectors per block of :func:`pack_f32`'s layout: each block one sequential stream."""
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` float32 (``N`` a multiple of :data:`F32_COLS`) in ``csrc/f32_linears.cpp``'s
+    order, as a ``[N, K]`` tensor: blocks of :data:`F32_BLOCK` vectors of 16 outputs, each block
+    feature by feature, the block's vectors side by side."""
+    n, k = weight.shape
+    if n % F32_COLS:
+        raise ValueError(f"output features must be a multiple of {F32_COLS}, got {n}")
+    width = F32_COLS * F32_BLOCK
+    full = n // width * width
+    w = weight.detach().to(torch.float32)
+    parts = [w[:full].reshape(-1, F32_BLOCK, F32_COLS, k).permute(0, 3, 1, 2).reshape(-1)]
+    if full < n:
+        parts.append(w[full:].reshape(-1, F32_COLS, k).permute(2, 0, 1).reshape(-1))
+    return torch.cat(parts).view(n, k)
+
+
+def unpack_f32(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[N, K]`` weight :func:`pack_f32` packed."""
+    n, k = packed.shape
+    width = F32_COLS * F32_BLOCK
+    full = n // width * width
+    flat = packed.reshape(-1)
+    rows = [flat[: full * k].view(-1, k, F32_BLOCK, F32_COLS).permute(0, 2, 3, 1).reshape(full, k)]
+    if full < n:
+        rows.append(flat[full * k :].view(k, -1, F32_COLS).permute(1, 2, 0).reshape(n - full, k))
+    return torch.cat(rows)
+
+
+class F32Linear(LinearStandIn):
+    """``y = x W^T + b`` in float32 on triedec's kernel (``csrc/f32_linears.cpp``; CPU, inference
+    only): output ``n`` of a row is ``fma(x_k, w_nk, y)`` over ``k`` in order from 0, then plus the
+    bias, so a row gets the same bits alone or in any batch, on any thread count and every ISA's
+    build. The weight is packed once (:func:`pack_f32`; outputs padded to a multiple of 16 with
+    zero rows, dropped from the result) into a buffer: no gradient, not in ``state_dict``, moved
+    onto huge pages by :func:`~triedec.model.hugepages.place_weights` with the other packed linears'."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__(linear)
+        weight = linear.weight.detach().to(torch.float32)
+        pad = -self.out_features % F32_COLS
+        with torch.no_grad():
+            if pad:
+                weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
+            self.register_buffer("packed", pack_f32(weight), persistent=False)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(), requires_grad=False)
+        # the bias the kernel adds, padded as the outputs are
+        self.register_buffer("padded_bias", None if bias is None else torch.cat([self.bias.detach(),
+                                                                                 self.bias.new_zeros(pad)]),
+                             persistent=False)
+        load_kernel()  # built (or the reason it cannot be) before the first forward
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        out = load_kernel().f32_linear(x, self._buffers["packed"], self._buffers["padded_bias"])
+        return out if out.shape[1] == self.out_features else out[:, : self.out_features].contiguous()
+
+    def weight_matrix(self) -> torch.Tensor:
+        """The ``[out_features, in_features]`` weight this layer multiplies by."""
+        return unpack_f32(self.packed)[: self.out_features]
+
+    @classmethod
+    def joined(cls, layers: Sequence[F32Linear]) -> F32Linear:
+        """One layer computing ``layers``' outputs side by side, each with the bits it has alone
+        (an output's sum is its own). Needs one input size, biases on all or none."""
+        if not layers or len({(m.in_features, m.bias is None) for m in layers}) != 1:
+            raise ValueError("joined layers need one input size, and biases on all or none")
+        weight = torch.cat([m.weight_matrix() for m in layers])
+        linear = nn.Linear(layers[0].in_features, weight.shape[0], bias=layers[0].bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if layers[0].bias is not None:
+            linear.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
+        return cls(linear)
 
 
 PROBE_ROWS = (2, 3, 5, 8, 17, 33, 64)
@@ -227,9 +314,10 @@ def invariant_linear(linear: nn.Linear, make: Callable[[nn.Linear], nn.Module],
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` of ``model`` (CPU, a dtype of :data:`PACKED_DTYPES`) for a
-    :class:`PackedLinear` (or, where its rows are not invariant whole, a :class:`SplitLinear` of
-    them: :func:`invariant_linear`), in place.
+    """Swap every ``nn.Linear`` of ``model`` (CPU, a dtype of :data:`PACKED_DTYPES`) for an
+    :class:`F32Linear` (float32, where triedec's kernels are built) or a :class:`PackedLinear` (or,
+    where its rows are not invariant whole, a :class:`SplitLinear` of them:
+    :func:`invariant_linear`), in place.
 
     A linear whose weight is shared with another module (a tied LM head) gets a packed copy; the
     other module keeps the original. The parameters left (embeddings, norms) are then copied into
@@ -241,12 +329,16 @@ def pack_linears(model: nn.Module) -> int:
               for p in m.parameters(recurse=False)}
     added = 0
     verdicts: dict[tuple[int, int], int] = {}
+    own = kernel_available()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype in PACKED_DTYPES:
                 if id(child.weight) in shared:
                     added += child.weight.numel() * child.weight.element_size()
-                setattr(parent, name, invariant_linear(child, PackedLinear, verdicts))
+                if own and child.weight.dtype == torch.float32:
+                    setattr(parent, name, F32Linear(child))
+                else:
+                    setattr(parent, name, invariant_linear(child, PackedLinear, verdicts))
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.clone()

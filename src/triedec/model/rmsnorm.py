@@ -55,7 +55,8 @@ class FusedRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, variant={self.variant}"
 
 
-def _eps(module: nn.Module) -> float | None:
+def norm_epsilon(module: nn.Module) -> float | None:
+    """An RMS norm module's epsilon (``variance_epsilon`` or ``eps``), or None."""
     for name in ("variance_epsilon", "eps"):
         value = getattr(module, name, None)
         if isinstance(value, float | int) and not isinstance(value, bool):
@@ -68,7 +69,7 @@ def fusable_variant(module: nn.Module, seed: int = 0) -> str | None:
     :data:`PROBE_ROWS` seeded rows within :data:`ULPS` units in the last place of the module's own,
     in its dtype), or None: not an RMS norm by name, no usable weight or epsilon, a dtype the kernel
     does not run, or arithmetic it does not recognise."""
-    weight, eps = getattr(module, "weight", None), _eps(module)
+    weight, eps = getattr(module, "weight", None), norm_epsilon(module)
     if not type(module).__name__.endswith("RMSNorm") or eps is None or not isinstance(weight, torch.Tensor) \
             or weight.dim() != 1 or weight.device.type != "cpu" \
             or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -119,6 +120,6 @@ def fuse_norms(model: nn.Module) -> Fused:
                 continue
             weight = child.weight
             assert isinstance(weight, torch.Tensor)
-            setattr(parent, name, FusedRMSNorm(weight, _eps(child) or 0.0, variant))
+            setattr(parent, name, FusedRMSNorm(weight, norm_epsilon(child) or 0.0, variant))
             norms += 1
     return Fused(norms, kept)

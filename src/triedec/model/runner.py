@@ -39,10 +39,10 @@ from torch import nn
 from triedec.core.kvcache import KVCache
 from triedec.model.dispatch import ItemBatch
 from triedec.model.hugepages import place_weights
-from triedec.model.linears import JoinedPart, LinearStandIn, PackedLinear, SplitLinear
+from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear
 from triedec.model.native import kernel_available, load_kernel
 from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear, joinable
-from triedec.model.rmsnorm import FusedRMSNorm
+from triedec.model.rmsnorm import FusedRMSNorm, norm_epsilon
 
 RUNNER = "triedec"
 """How the stats name this runner."""
@@ -125,11 +125,12 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
     """The linears ``parent.<names>`` as one layer computing their outputs side by side (q, k and v;
     gate and up), where they are triedec's 8-bit-activation linears of one class that the class can
     join (:meth:`~triedec.model.precision.Int4A8Linear.joined`: each output keeps its bits, and the
-    activations are quantized once for all). In ``parent`` each is replaced by a
+    activations are quantized once for all) or its float32 ones
+    (:class:`~triedec.model.linears.F32Linear`). In ``parent`` each is replaced by a
     :class:`~triedec.model.linears.JoinedPart` of it, so the weights are held once. Returns the joined layer and where
     each part ends, or None (the linears stay as they are)."""
     parts = [getattr(parent, name) for name in names]
-    if type(parts[0]) not in NATIVE_LINEARS or not joinable(parts):
+    if type(parts[0]) not in (*NATIVE_LINEARS, F32Linear) or not joinable(parts):
         return None
     joined = type(parts[0]).joined(parts)
     ends, at = [], 0
@@ -162,10 +163,13 @@ stand-in, and the stand-in's buffers it takes (codes, scales). triedec's 8-bit-a
 (int4-a8) or the torch op the int8 and int4 modes' stand-ins call."""
 
 
-def _runs_natively(layer: nn.Module) -> bool:
-    """Whether the native forward can run ``layer``: one of :data:`_DECODER_LINEARS`, or a bf16
-    :class:`~triedec.model.linears.PackedLinear` (oneDNN), alone or as every piece of a
-    :class:`~triedec.model.linears.SplitLinear`."""
+def _runs_natively(layer: nn.Module, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the native forward can run ``layer`` on ``dtype`` activations: on bfloat16, one of
+    :data:`_DECODER_LINEARS`, or a bf16 :class:`~triedec.model.linears.PackedLinear` (oneDNN), alone
+    or as every piece of a :class:`~triedec.model.linears.SplitLinear`; on float32, an
+    :class:`~triedec.model.linears.F32Linear` whose outputs need no padding."""
+    if dtype == torch.float32:
+        return type(layer) is F32Linear and layer.packed.shape[0] == layer.out_features
     if type(layer) in _DECODER_LINEARS:
         return True
     if type(layer) is SplitLinear:
@@ -174,6 +178,8 @@ def _runs_natively(layer: nn.Module) -> bool:
 
 
 def _native_linear(kernel: Any, layer: nn.Module) -> Any:
+    if type(layer) is F32Linear:
+        return kernel.NativeLinear("f32", layer.packed, None, layer.bias, layer.in_features)
     if type(layer) is PackedLinear:
         return kernel.NativeLinear([layer.packed], [0, layer.in_features], False, layer.bias, layer.out_features)
     if type(layer) is SplitLinear:
@@ -182,6 +188,38 @@ def _native_linear(kernel: Any, layer: nn.Module) -> Any:
     kind, codes, scales = _DECODER_LINEARS[type(layer)]
     buffers = layer._buffers
     return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features)
+
+
+NORM_PROBE_ROWS = 16
+"""Seeded rows :func:`_norm_variant` compares a float32 norm's outputs on."""
+
+
+def _norm_variant(kernel: Any, norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | None:
+    """``(variant, eps)`` of the RMS norm the native forward runs for ``norm`` on ``dtype``
+    activations, or None (it runs none that gives ``norm``'s bits). On bfloat16, triedec's fused
+    norm (:class:`~triedec.model.rmsnorm.FusedRMSNorm`); on float32, transformers' own norm in its
+    own torch ops (``csrc/decoder.h``'s ``aten_rms_norm``), a variant whose outputs are
+    ``torch.equal`` to ``norm``'s on seeded rows, some of them narrower than the model's rows."""
+    if dtype == torch.bfloat16:
+        if type(norm) is FusedRMSNorm and norm.weight.dtype == torch.bfloat16:
+            return norm.variant, norm.eps
+        return None
+    weight, eps = getattr(norm, "weight", None), norm_epsilon(norm)
+    if type(norm) is FusedRMSNorm or eps is None or not isinstance(weight, torch.Tensor) \
+            or weight.dtype != torch.float32 or weight.dim() != 1:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(NORM_PROBE_ROWS, weight.shape[0], generator=gen) * 4
+    with torch.no_grad():
+        try:
+            expected = norm(x)
+        except Exception:  # not a module of plain rows
+            return None
+        for variant, one_plus in (("weight", False), ("one-plus-weight", True)):
+            if isinstance(expected, torch.Tensor) and torch.equal(kernel.aten_rms_norm(x, weight, eps, one_plus),
+                                                                 expected):
+                return variant, eps
+    return None
 
 
 def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | None) -> list[nn.Module]:
@@ -194,24 +232,29 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     :class:`DecoderRunner` has prepared, when every part of it runs on what that file calls, with
     the same arithmetic: bfloat16 activations, every linear and the head one of
     :data:`_DECODER_LINEARS` (the 8-bit-activation kernels, the int8 / int4 torch ops) or a bf16
-    oneDNN-packed linear, alone or split (:func:`_runs_natively`), every norm
-    (Gemma 3's q/k and output norms too) triedec's RMS norm of one variant and one epsilon, SiLU
-    or tanh-gelu, one attention scale, no soft-capping. Else None (the Python walk runs)."""
+    oneDNN-packed linear, alone or split, every norm triedec's RMS norm; or float32 activations,
+    every linear and the head triedec's float32 linear, every norm transformers' own
+    (:func:`_runs_natively`, :func:`_norm_variant`); every norm (Gemma 3's q/k and output norms
+    too) of one variant and one epsilon, SiLU or tanh-gelu, one attention scale, no soft-capping.
+    Else None (the Python walk runs)."""
     config = model.config
     base = model.model
+    dtype = base.embed_tokens.weight.dtype
     if next(model.parameters()).device.type != "cpu" or not kernel_available() \
-            or base.embed_tokens.weight.dtype != torch.bfloat16 \
+            or dtype not in (torch.bfloat16, torch.float32) \
             or getattr(config, "final_logit_softcapping", None) is not None \
             or getattr(config, "attn_logit_softcapping", None) is not None:
         return None
+    kernel = load_kernel()
     optional = [n for layer in layers for n in (layer.attention_out_norm, layer.mlp_out_norm)]
     qk = [n for layer in layers for n in layer.qk_norms or ()]
     norms = [base.norm, *(n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)), *qk,
              *(n for n in optional if n is not None)]
-    if not all(type(n) is FusedRMSNorm and n.weight.dtype == torch.bfloat16 for n in norms) \
-            or len({n.eps for n in norms}) != 1 or len({n.variant for n in norms}) != 1 \
+    variants = [_norm_variant(kernel, n, dtype) for n in norms]
+    if None in variants or len(set(variants)) != 1 \
             or len({n is None for n in optional}) > 1 or len(qk) not in (0, 2 * len(layers)):
         return None
+    variant, eps = variants[0]
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
     head_dim = layers[0].attn.head_dim
     scales = {float(layer.attn.scaling) for layer in layers}
@@ -220,23 +263,22 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
             or len(activations) != 1 or None in activations:
         return None
     kinds = layer_kinds(layers)
-    kernel = load_kernel()
     built = []
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
         groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
                   _parts([mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
-        if not all(_runs_natively(m) for group in groups for m in group):
+        if not all(_runs_natively(m, dtype) for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
         extra = (layer.attention_out_norm, layer.mlp_out_norm, *(layer.qk_norms or (None, None)))
         built.append(kernel.NativeLayer(
             layer.attention_norm.weight, layer.mlp_norm.weight, q, o[0], gu, down[0],
             *(None if norm is None else norm.weight for norm in extra), kinds.index(layer.kind)))
-    if not _runs_natively(model.lm_head):
+    if not _runs_natively(model.lm_head, dtype):
         return None
     return kernel.NativeDecoder(built, base.norm.weight, _native_linear(kernel, model.lm_head), heads, kv_heads,
-                                head_dim, base.norm.eps, scales.pop(), base.norm.variant == "one-plus-weight",
+                                head_dim, eps, scales.pop(), variant == "one-plus-weight",
                                 activations.pop() == "gelu-tanh")
 
 

@@ -50,11 +50,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("int8_linear", &int8_linear, "a linear with 8-bit weights and 8-bit activations in its dot products",
         release());
+  m.def("f32_linear", &f32_linear, "a float32 linear, each output summed over the input features in order",
+        release());
+  m.def("aten_rms_norm", &triedec::aten_rms_norm,
+        "transformers' float32 RMS norm in its own torch ops, as the native forward runs it (decoder.h)");
   using triedec::NativeDecoder, triedec::NativeLayer, triedec::NativeLinear;
   // module_local: each instruction set's build registers its own classes (the tests load several in one process)
   pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local(),
                                  "one linear: kind, packed codes, scales, bias, input features (decoder.h)")
-      .def(pybind11::init<std::string, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t>())
+      .def(pybind11::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                          int64_t>())
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, bool, c10::optional<torch::Tensor>,
                           int64_t>());
   pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local(), "one decoder layer's weights (decoder.h)")

@@ -9,6 +9,8 @@
 // is the kernel or the one IEEE operation per element that the Python walk runs (the residual adds
 // and the product act(g) * u are one float32 operation rounded to bfloat16, as torch's bfloat16 ops
 // are; the activation is torch's own op), so the logits are the same bits (tests/test_runner.py).
+// On float32 activations (the float mode: triedec's float32 linears) the norms are transformers'
+// own torch ops (aten_rms_norm), the adds and the product plain float32 operations.
 // Rows depend on their own inputs only: every kernel computes a row alone, and attention reads the
 // slots a row sees.
 #include "decoder.h"
@@ -22,10 +24,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/gelu.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace triedec {
 
@@ -36,6 +43,17 @@ using bf16 = c10::BFloat16;
 void check_bf16(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), what,
               " must be a contiguous bfloat16 CPU tensor");
+}
+
+// a norm's or a bias's weight: a contiguous CPU tensor in the activations' dtype (bf16 or float32)
+void check_act(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat) &&
+                  t.is_contiguous(), what, " must be a contiguous bfloat16 or float32 CPU tensor");
+}
+
+template <typename T>
+constexpr at::ScalarType dtype_of() {
+  return std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
 }
 
 // rows [R, K] W^T as the torch op a mode's stand-in calls gives it: int8's or int4's weight-only op
@@ -62,8 +80,15 @@ at::Tensor torch_linear(const NativeLinear& l, const at::Tensor& rows) {
 
 // out [R, N] = x [R, K] W^T (+ bias), as the linear's own op gives it: triedec's kernel, or the
 // torch op the mode's stand-in calls (on the same rows, so the same bits), its result copied out.
+void run_linear(const NativeLinear& l, const float* x, int64_t R, float* out) {
+  TORCH_CHECK(l.kind == NativeLinear::kF32, "float32 activations take float32 linears only");
+  kernels().f32_linear_rows(x, R, l.K, l.packed.data_ptr<float>(), l.bias.defined() ? l.bias.data_ptr<float>() : nullptr,
+                            l.N, out);
+}
+
 void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
   const KernelTable& kern = kernels();
+  TORCH_CHECK(l.kind != NativeLinear::kF32, "bfloat16 activations take no float32 linear");
   if (l.kind == NativeLinear::kA8Int4) {
     kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
   } else if (l.kind == NativeLinear::kA8Int8) {
@@ -80,19 +105,34 @@ void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
 
 // The parts' outputs side by side in out [R, width]: one linear writes out directly; several are
 // each computed alone (their own bits) and copied into their columns.
-void run_parts(const std::vector<NativeLinear>& parts, const bf16* x, int64_t R, bf16* out, int64_t width) {
+template <typename T>
+void run_parts(const std::vector<NativeLinear>& parts, const T* x, int64_t R, T* out, int64_t width) {
   if (parts.size() == 1) {
     run_linear(parts[0], x, R, out);
     return;
   }
   int64_t at = 0;
   for (const NativeLinear& l : parts) {
-    at::Tensor part = at::empty({R, l.N}, at::kBFloat16);
-    run_linear(l, x, R, part.data_ptr<bf16>());
-    const bf16* p = part.data_ptr<bf16>();
-    for (int64_t r = 0; r < R; ++r) std::memcpy(out + r * width + at, p + r * l.N, l.N * sizeof(bf16));
+    at::Tensor part = at::empty({R, l.N}, dtype_of<T>());
+    run_linear(l, x, R, part.data_ptr<T>());
+    const T* p = part.data_ptr<T>();
+    for (int64_t r = 0; r < R; ++r) std::memcpy(out + r * width + at, p + r * l.N, l.N * sizeof(T));
     at += l.N;
   }
+}
+
+// The elementwise steps on float32 activations: one float32 operation per element, as torch's
+// float32 add and mul (the extension is built with -ffp-contract=off).
+void add_rows(float* h, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] += y[i];
+}
+void mul_rows(const float* a, int64_t a_ld, const float* b, int64_t b_ld, float* out, int64_t R, int64_t n) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < n; ++i) out[r * n + i] = a[r * a_ld + i] * b[r * b_ld + i];
+}
+void add_rows(bf16* h, const bf16* y, int64_t n) { kernels().add_bf16(h, y, n); }
+void mul_rows(const bf16* a, int64_t a_ld, const bf16* b, int64_t b_ld, bf16* out, int64_t R, int64_t n) {
+  kernels().mul_bf16_rows(a, a_ld, b, b_ld, out, R, n);
 }
 
 int64_t total_out(const std::vector<NativeLinear>& parts) {
@@ -102,19 +142,35 @@ int64_t total_out(const std::vector<NativeLinear>& parts) {
 }
 
 NativeLinear::Kind linear_kind(const std::string& kind) {
+  if (kind == "f32") return NativeLinear::kF32;
   if (kind == "a8-int4") return NativeLinear::kA8Int4;
   if (kind == "a8-int8") return NativeLinear::kA8Int8;
   if (kind == "int8") return NativeLinear::kInt8;
-  TORCH_CHECK(kind == "int4", "a linear's kind is a8-int4, a8-int8, int8 or int4, not ", kind);
+  TORCH_CHECK(kind == "int4", "a linear's kind is f32, a8-int4, a8-int8, int8 or int4, not ", kind);
   return NativeLinear::kInt4;
 }
 
 }  // namespace
 
-NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, at::Tensor scales_,
+at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool one_plus) {
+  const at::Tensor normed = at::mul(x, at::rsqrt(at::add(at::mean(at::pow(x, 2), {-1}, true), eps)));
+  return one_plus ? at::mul(normed, at::add(weight, 1.0)) : at::mul(weight, normed);
+}
+
+NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::optional<at::Tensor> scales_,
                            c10::optional<at::Tensor> bias_, int64_t in_features)
-    : kind(linear_kind(kind_)), packed(std::move(packed_)), scales(std::move(scales_)),
+    : kind(linear_kind(kind_)), packed(std::move(packed_)), scales(scales_.value_or(at::Tensor())),
       bias(bias_.value_or(at::Tensor())), K(in_features) {
+  if (kind == kF32) {
+    TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
+                    packed.scalar_type() == at::kFloat && packed.size(1) == K && packed.size(0) % 16 == 0,
+                "an f32 linear's packed weight must be contiguous float32 [N, K], N a multiple of 16");
+    N = packed.size(0);
+    TORCH_CHECK(!bias.defined() || (bias.device().is_cpu() && bias.scalar_type() == at::kFloat && bias.is_contiguous() &&
+                                    bias.dim() == 1 && bias.size(0) == N), "an f32 linear's bias must be float32 [N]");
+    return;
+  }
+  TORCH_CHECK(scales.defined(), "a quantized linear needs its scales");
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.scalar_type() == (kind == kInt8 ? at::kChar : at::kByte),
               "packed codes must be a contiguous 2-D CPU tensor (int8 for int8, else uint8)");
@@ -173,10 +229,13 @@ NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vec
       gate_up(std::move(gate_up_)), down(std::move(down_)), attn_out_norm(attn_out_norm_.value_or(at::Tensor())),
       mlp_out_norm(mlp_out_norm_.value_or(at::Tensor())), q_norm(q_norm_.value_or(at::Tensor())),
       k_norm(k_norm_.value_or(at::Tensor())), kind(kind_) {
-  check_bf16(input_norm, "input_norm");
-  check_bf16(post_norm, "post_norm");
-  for (const at::Tensor* t : {&attn_out_norm, &mlp_out_norm, &q_norm, &k_norm})
-    if (t->defined()) check_bf16(*t, "a norm weight");
+  check_act(input_norm, "input_norm");
+  check_act(post_norm, "post_norm");
+  for (const at::Tensor* t : {&attn_out_norm, &mlp_out_norm, &q_norm, &k_norm}) {
+    if (t->defined()) check_act(*t, "a norm weight");
+    TORCH_CHECK(!t->defined() || t->scalar_type() == input_norm.scalar_type(), "a layer's norms share one dtype");
+  }
+  TORCH_CHECK(post_norm.scalar_type() == input_norm.scalar_type(), "a layer's norms share one dtype");
   TORCH_CHECK(attn_out_norm.defined() == mlp_out_norm.defined(), "the output norms come together");
   TORCH_CHECK(q_norm.defined() == k_norm.defined(), "the q and k norms come together");
   TORCH_CHECK(kind >= 0, "a layer's kind is an index");
@@ -186,12 +245,14 @@ NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vec
 NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu)
     : layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)), H_(heads), KVH_(kv_heads),
-      hd_(head_dim), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), one_plus_(one_plus),
-      gelu_(gelu) {
+      hd_(head_dim), eps_(eps), scale_(static_cast<float>(scale)), one_plus_(one_plus), gelu_(gelu) {
   TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
   TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && hd_ > 0 && hd_ % 2 == 0,
               "heads must be a multiple of kv_heads, head_dim even");
-  check_bf16(norm_, "norm");
+  check_act(norm_, "norm");
+  f32_ = norm_.scalar_type() == at::kFloat;
+  // every linear's kind fits the activations: float32 ones on float32, the others on bf16
+  const auto fits = [&](const NativeLinear& l) { return (l.kind == NativeLinear::kF32) == f32_; };
   D_ = norm_.size(0);
   qkv_width_ = (H_ + 2 * KVH_) * hd_;
   I_ = total_out(layers_[0].gate_up) / 2;
@@ -199,6 +260,11 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
   kinds_ = 0;
   for (const NativeLayer& l : layers_) {
     TORCH_CHECK(l.input_norm.numel() == D_ && l.post_norm.numel() == D_, "norm weights must be [D]");
+    TORCH_CHECK(l.input_norm.scalar_type() == norm_.scalar_type(), "every norm shares the final norm's dtype");
+    bool all_fit = fits(l.o) && fits(l.down);
+    for (const NativeLinear& p : l.qkv) all_fit = all_fit && fits(p);
+    for (const NativeLinear& p : l.gate_up) all_fit = all_fit && fits(p);
+    TORCH_CHECK(all_fit, "float32 activations take f32 linears only, bfloat16 ones no f32 linear");
     TORCH_CHECK(!l.attn_out_norm.defined() || (l.attn_out_norm.numel() == D_ && l.mlp_out_norm.numel() == D_),
                 "output norm weights must be [D]");
     TORCH_CHECK(l.q_norm.defined() == qk_norms_, "every layer has q/k norms or none does");
@@ -214,6 +280,7 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
     kinds_ = std::max(kinds_, l.kind + 1);
   }
   TORCH_CHECK(head_.K == D_, "the head takes the hidden size");
+  TORCH_CHECK(fits(head_), "float32 activations take f32 linears only, bfloat16 ones no f32 linear");
 }
 
 at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at::Tensor>& cos,
@@ -224,15 +291,45 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
                                   const std::vector<std::vector<c10::optional<at::Tensor>>>& offsets,
                                   const std::vector<std::vector<c10::optional<at::Tensor>>>& indices,
                                   const c10::optional<at::Tensor>& keep) const {
-  check_bf16(hidden, "hidden");
+  if (f32_) return run<float>(hidden, cos, sin, bounds, lengths, keys, values, offsets, indices, keep);
+  return run<bf16>(hidden, cos, sin, bounds, lengths, keys, values, offsets, indices, keep);
+}
+
+// x [rows, D'] at unit strides into out: the decoder's norm (triedec's kernel on bf16, transformers'
+// own ops on float32)
+template <typename T>
+void NativeDecoder::norm_rows(const T* x, const at::Tensor& weight, T* out, int64_t rows, int64_t D) const {
+  if constexpr (std::is_same_v<T, float>) {
+    const at::Tensor y = aten_rms_norm(at::from_blob(const_cast<float*>(x), {rows, D}, at::TensorOptions().dtype(at::kFloat)),
+                                       weight, eps_, one_plus_);
+    TORCH_CHECK(y.is_contiguous() && y.numel() == rows * D, "the norm returned another shape");
+    std::memcpy(out, y.data_ptr<float>(), rows * D * sizeof(float));
+  } else {
+    kernels().bf16.rms_norm(x, D, weight.data_ptr<T>(), out, rows, D, static_cast<float>(eps_), one_plus_);
+  }
+}
+
+template <typename T>
+at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Tensor>& cos,
+                              const std::vector<at::Tensor>& sin, const std::vector<int64_t>& bounds,
+                              const std::vector<int64_t>& lengths, const std::vector<std::vector<at::Tensor>>& keys,
+                              const std::vector<std::vector<at::Tensor>>& values,
+                              const std::vector<std::vector<c10::optional<at::Tensor>>>& offsets,
+                              const std::vector<std::vector<c10::optional<at::Tensor>>>& indices,
+                              const c10::optional<at::Tensor>& keep) const {
+  const auto check = [](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype_of<T>() && t.is_contiguous(), what,
+                " must be a contiguous CPU tensor in the decoder's dtype (its norms')");
+  };
+  check(hidden, "hidden");
   const int64_t N = hidden.size(0), L = layers();
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == D_, "hidden must be [N, D]");
   TORCH_CHECK(static_cast<int64_t>(cos.size()) == kinds_ && static_cast<int64_t>(sin.size()) == kinds_ &&
                   static_cast<int64_t>(offsets.size()) == kinds_ && static_cast<int64_t>(indices.size()) == kinds_,
               "one rotary table and one set of key lists per kind of layer");
   for (int64_t j = 0; j < kinds_; ++j) {
-    check_bf16(cos[j], "cos");
-    check_bf16(sin[j], "sin");
+    check(cos[j], "cos");
+    check(sin[j], "sin");
     TORCH_CHECK(cos[j].dim() == 2 && cos[j].size(0) == N && cos[j].size(1) == hd_ && sin[j].sizes() == cos[j].sizes(),
                 "cos and sin must be [N, head_dim]");
   }
@@ -246,31 +343,31 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
   std::vector<int64_t> capacity(items);
   std::vector<std::vector<at::Tensor>> off(kinds_, std::vector<at::Tensor>(items)), idx(off);
   for (size_t k = 0; k < items; ++k) {
-    const int64_t T = bounds[k + 1] - bounds[k];
-    TORCH_CHECK(T > 0, "every item needs tokens");
+    const int64_t count = bounds[k + 1] - bounds[k];
+    TORCH_CHECK(count > 0, "every item needs tokens");
     TORCH_CHECK(static_cast<int64_t>(keys[k].size()) == L && static_cast<int64_t>(values[k].size()) == L,
                 "one K and V buffer per layer");
     const at::Tensor& first = keys[k][0];
     TORCH_CHECK(first.dim() == 4, "caches must be [1, kv_heads, capacity, head_dim]");
     capacity[k] = first.size(2);
-    TORCH_CHECK(lengths[k] >= 0 && lengths[k] + T <= capacity[k], "the new tokens must fit in the cache");
+    TORCH_CHECK(lengths[k] >= 0 && lengths[k] + count <= capacity[k], "the new tokens must fit in the cache");
     for (int64_t l = 0; l < L; ++l)
       for (const at::Tensor* buf : {&keys[k][l], &values[k][l]}) {
-        check_bf16(*buf, "a cache buffer");
+        check(*buf, "a cache buffer");
         TORCH_CHECK(buf->dim() == 4 && buf->size(0) == 1 && buf->size(1) == KVH_ && buf->size(2) == capacity[k] &&
                         buf->size(3) == hd_, "caches must be [1, kv_heads, capacity, head_dim]");
       }
-    const int64_t S = lengths[k] + T;
+    const int64_t S = lengths[k] + count;
     for (int64_t j = 0; j < kinds_; ++j) {
       if (!offsets[j][k].has_value() || !offsets[j][k]->defined()) continue;
       TORCH_CHECK(indices[j][k].has_value() && indices[j][k]->defined(), "offsets need indices");
       off[j][k] = offsets[j][k]->to(at::kLong).contiguous();
       idx[j][k] = indices[j][k]->to(at::kInt).contiguous();
-      TORCH_CHECK(off[j][k].dim() == 1 && off[j][k].size(0) == T + 1, "offsets must be [T + 1]");
+      TORCH_CHECK(off[j][k].dim() == 1 && off[j][k].size(0) == count + 1, "offsets must be [T + 1]");
       const int64_t* o = off[j][k].data_ptr<int64_t>();
       const int32_t* ix = idx[j][k].data_ptr<int32_t>();
-      TORCH_CHECK(o[0] == 0 && o[T] == idx[j][k].numel(), "offsets must run from 0 to len(indices)");
-      for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(o[0] == 0 && o[count] == idx[j][k].numel(), "offsets must run from 0 to len(indices)");
+      for (int64_t t = 0; t < count; ++t) {
         TORCH_CHECK(o[t + 1] > o[t], "every query must see at least one key");
         for (int64_t i = o[t]; i < o[t + 1]; ++i)
           TORCH_CHECK(ix[i] >= 0 && ix[i] < S && (i == o[t] || ix[i] > ix[i - 1]), "indices must ascend within [0, S)");
@@ -298,20 +395,20 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
     kn = at::empty({N * KVH_, hd_}, opts);
   }
   at::Tensor y2 = (layers_[0].attn_out_norm.defined()) ? at::empty({N, D_}, opts) : at::Tensor();
-  bf16 *hp = h.data_ptr<bf16>(), *xp = x.data_ptr<bf16>(), *qkvp = qkv.data_ptr<bf16>();
-  bf16 *qp = q.data_ptr<bf16>(), *kp = kr.data_ptr<bf16>(), *ap = att.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
-  bf16 *gup = gu.data_ptr<bf16>(), *pp = prod.data_ptr<bf16>();
-  bf16* y2p = y2.defined() ? y2.data_ptr<bf16>() : nullptr;
+  T *hp = h.data_ptr<T>(), *xp = x.data_ptr<T>(), *qkvp = qkv.data_ptr<T>();
+  T *qp = q.data_ptr<T>(), *kp = kr.data_ptr<T>(), *ap = att.data_ptr<T>(), *yp = y.data_ptr<T>();
+  T *gup = gu.data_ptr<T>(), *pp = prod.data_ptr<T>();
+  T* y2p = y2.defined() ? y2.data_ptr<T>() : nullptr;
   const KernelTable& kern = kernels();
   // h += y, a sublayer's output in y, through the layer's norm on that output first where it has
   // one (Gemma 3's post-attention and post-feedforward norms)
   const auto add_output = [&](const at::Tensor& norm) {
     if (!norm.defined()) {
-      kern.add_bf16(hp, yp, N * D_);
+      add_rows(hp, yp, N * D_);
       return;
     }
-    kern.bf16.rms_norm(yp, D_, norm.data_ptr<bf16>(), y2p, N, D_, eps_, one_plus_);
-    kern.add_bf16(hp, y2p, N * D_);
+    norm_rows<T>(yp, norm, y2p, N, D_);
+    add_rows(hp, y2p, N * D_);
   };
   const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
   const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
@@ -319,49 +416,48 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
 
   for (int64_t l = 0; l < L; ++l) {
     const NativeLayer& layer = layers_[l];
-    const bf16 *cp = cos[layer.kind].data_ptr<bf16>(), *sp = sin[layer.kind].data_ptr<bf16>();
-    kern.bf16.rms_norm(hp, D_, layer.input_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
+    const T *cp = cos[layer.kind].data_ptr<T>(), *sp = sin[layer.kind].data_ptr<T>();
+    norm_rows<T>(hp, layer.input_norm, xp, N, D_);
     run_parts(layer.qkv, xp, N, qkvp, W);
     if (qk_norms_) {
-      bf16* gp = gathered.data_ptr<bf16>();
-      for (int64_t r = 0; r < N; ++r) std::memcpy(gp + r * q_end, qkvp + r * W, q_end * sizeof(bf16));
-      kern.bf16.rms_norm(gp, hd_, layer.q_norm.data_ptr<bf16>(), qn.data_ptr<bf16>(), N * H_, hd_, eps_, one_plus_);
+      T* gp = gathered.data_ptr<T>();
+      for (int64_t r = 0; r < N; ++r) std::memcpy(gp + r * q_end, qkvp + r * W, q_end * sizeof(T));
+      norm_rows<T>(gp, layer.q_norm, qn.data_ptr<T>(), N * H_, hd_);
       for (int64_t r = 0; r < N; ++r)
-        std::memcpy(gp + r * KVH_ * hd_, qkvp + r * W + q_end, KVH_ * hd_ * sizeof(bf16));
-      kern.bf16.rms_norm(gp, hd_, layer.k_norm.data_ptr<bf16>(), kn.data_ptr<bf16>(), N * KVH_, hd_, eps_,
-                          one_plus_);
-      kern.bf16.rotary(qn.data_ptr<bf16>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      kern.bf16.rotary(kn.data_ptr<bf16>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+        std::memcpy(gp + r * KVH_ * hd_, qkvp + r * W + q_end, KVH_ * hd_ * sizeof(T));
+      norm_rows<T>(gp, layer.k_norm, kn.data_ptr<T>(), N * KVH_, hd_);
+      kern.of<T>().rotary(qn.data_ptr<T>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      kern.of<T>().rotary(kn.data_ptr<T>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
     } else {
-      kern.bf16.rotary(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      kern.bf16.rotary(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+      kern.of<T>().rotary(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+      kern.of<T>().rotary(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
     }
-    std::vector<AttentionProblem<bf16>> problems;
+    std::vector<AttentionProblem<T>> problems;
     const std::vector<at::Tensor>&koff = off[layer.kind], &kidx = idx[layer.kind];
     for (size_t k = 0; k < items; ++k) {
-      const int64_t start = bounds[k], T = bounds[k + 1] - start, len = lengths[k], cap = capacity[k];
-      bf16* kb = keys[k][l].data_ptr<bf16>();
-      bf16* vb = values[k][l].data_ptr<bf16>();
+      const int64_t start = bounds[k], count = bounds[k + 1] - start, len = lengths[k], cap = capacity[k];
+      T* kb = keys[k][l].data_ptr<T>();
+      T* vb = values[k][l].data_ptr<T>();
       for (int64_t g = 0; g < KVH_; ++g)
-        for (int64_t t = 0; t < T; ++t) {
-          std::memcpy(kb + (g * cap + len + t) * hd_, kp + (g * N + start + t) * hd_, hd_ * sizeof(bf16));
-          std::memcpy(vb + (g * cap + len + t) * hd_, qkvp + (start + t) * W + k_end + g * hd_, hd_ * sizeof(bf16));
+        for (int64_t t = 0; t < count; ++t) {
+          std::memcpy(kb + (g * cap + len + t) * hd_, kp + (g * N + start + t) * hd_, hd_ * sizeof(T));
+          std::memcpy(vb + (g * cap + len + t) * hd_, qkvp + (start + t) * W + k_end + g * hd_, hd_ * sizeof(T));
         }
       const bool listed = koff[k].defined();
-      problems.push_back(AttentionProblem<bf16>{
-          qp + start * hd_, N * hd_, hd_, kb, cap * hd_, hd_, vb, cap * hd_, hd_, ap + start * H_ * hd_, T, H_,
+      problems.push_back(AttentionProblem<T>{
+          qp + start * hd_, N * hd_, hd_, kb, cap * hd_, hd_, vb, cap * hd_, hd_, ap + start * H_ * hd_, count, H_,
           H_ / KVH_, hd_, listed ? koff[k].data_ptr<int64_t>() : nullptr,
-          listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + T, scale_, 0.0f});
+          listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + count, scale_, 0.0f});
     }
-    kern.bf16.tree_attention(problems);
+    kern.of<T>().tree_attention(problems);
     run_linear(layer.o, ap, N, yp);
     add_output(layer.attn_out_norm);
-    kern.bf16.rms_norm(hp, D_, layer.post_norm.data_ptr<bf16>(), xp, N, D_, eps_, one_plus_);
+    norm_rows<T>(hp, layer.post_norm, xp, N, D_);
     run_parts(layer.gate_up, xp, N, gup, 2 * I_);
     const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
     const at::Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
-    const bf16* actp = act.data_ptr<bf16>();
-    kern.mul_bf16_rows(actp, I_, gup + I_, 2 * I_, pp, N, I_);
+    const T* actp = act.data_ptr<T>();
+    mul_rows(actp, I_, gup + I_, 2 * I_, pp, N, I_);
     run_linear(layer.down, pp, N, yp);
     add_output(layer.mlp_out_norm);
   }
@@ -372,13 +468,12 @@ at::Tensor NativeDecoder::forward(const at::Tensor& hidden, const std::vector<at
     kept = at::empty({R, D_}, opts);
     const int64_t* r = rows.data_ptr<int64_t>();
     for (int64_t i = 0; i < R; ++i)
-      std::memcpy(kept.data_ptr<bf16>() + i * D_, hp + r[i] * D_, D_ * sizeof(bf16));
+      std::memcpy(kept.data_ptr<T>() + i * D_, hp + r[i] * D_, D_ * sizeof(T));
   }
   at::Tensor normed = at::empty({R, D_}, opts);
-  kern.bf16.rms_norm(kept.data_ptr<bf16>(), D_, norm_.data_ptr<bf16>(), normed.data_ptr<bf16>(), R, D_, eps_,
-                      one_plus_);
+  norm_rows<T>(kept.data_ptr<T>(), norm_, normed.data_ptr<T>(), R, D_);
   at::Tensor logits = at::empty({R, head_.N}, opts);
-  run_linear(head_, normed.data_ptr<bf16>(), R, logits.data_ptr<bf16>());
+  run_linear(head_, normed.data_ptr<T>(), R, logits.data_ptr<T>());
   return logits;
 }
 

@@ -11,7 +11,13 @@
 
 namespace triedec {
 
-// One linear, by kind: on triedec's 8-bit-activation kernels (a8_linears.cpp), "a8-int4" (4-bit codes
+// transformers' RMS norm in float32, as its own torch ops compute it (LlamaRMSNorm, Qwen2RMSNorm:
+// w * (x * rsqrt(mean(x^2) + eps)); one_plus, Gemma3RMSNorm: (x * rsqrt(mean(x^2) + eps)) * (1 + w)).
+at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool one_plus);
+
+// One linear, by kind: "f32", triedec's float32 linear (f32_linears.cpp: packed float32 [N, K], N a
+// multiple of 16, no scales, bias float32 [N] or undefined; on float32 activations); on triedec's
+// 8-bit-activation kernels (a8_linears.cpp), "a8-int4" (4-bit codes
 // packed uint8 [N, K / 2], scales_zeros bf16 [K / 32, 2, N]) or "a8-int8" (8-bit codes packed uint8
 // [N, K], scales fp16 [K / 32, N]); or on torch's weight-only ops on bf16 activations, the int8 and
 // int4 modes' own (triedec/model/precision.py): "int8" (_weight_int8pack_mm: codes int8 [N, K],
@@ -22,9 +28,9 @@ namespace triedec {
 // input features as SplitLinear runs it (split: each piece's output added in order, then the bias);
 // pieces: the packed weights, bounds: where each piece starts, then in_features.
 struct NativeLinear {
-  enum Kind { kA8Int4, kA8Int8, kInt8, kInt4, kOneDnn };
-  NativeLinear(const std::string& kind, at::Tensor packed, at::Tensor scales, c10::optional<at::Tensor> bias,
-               int64_t in_features);
+  enum Kind { kA8Int4, kA8Int8, kInt8, kInt4, kOneDnn, kF32 };
+  NativeLinear(const std::string& kind, at::Tensor packed, c10::optional<at::Tensor> scales,
+               c10::optional<at::Tensor> bias, int64_t in_features);
   NativeLinear(std::vector<at::Tensor> pieces, std::vector<int64_t> bounds, bool split, c10::optional<at::Tensor> bias,
                int64_t out_features);
   Kind kind;
@@ -35,7 +41,8 @@ struct NativeLinear {
   int64_t K, N;
 };
 
-// One decoder layer: its two RMS norms' weights ([D] bf16: before attention, before the MLP), the
+// One decoder layer: its two RMS norms' weights ([D] bf16 or float32, the activations' dtype: before
+// attention, before the MLP), the
 // linears whose outputs side by side are q | k | v and gate | up (one joined linear each, or the
 // parts), the output and down linears; Gemma 3's norms where it has them (undefined elsewhere): on
 // the attention's and the MLP's outputs ([D]) and on each head's q and k ([head_dim]); kind: which
@@ -59,17 +66,19 @@ class NativeDecoder {
   // heads, kv_heads and head_dim of the attention; eps of every RMS norm; one_plus: every norm is
   // y = round(x * r * (1 + w)) (Gemma) rather than y = w * round(x * r); gelu: the MLP's activation
   // is torch's tanh-approximated gelu (Gemma) rather than silu; scale: the attention's score scale;
-  // norm: the final norm's weight; head: the LM head.
+  // norm: the final norm's weight; head: the LM head. The norms' dtype is the activations': bfloat16
+  // (every linear of a bf16 kind, the norms triedec's kernel) or float32 (every linear "f32", the
+  // norms transformers' own ops, aten_rms_norm).
   NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
                 int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu);
 
-  // hidden [N, D] bf16: the embedded tokens of every item, item k's rows bounds[k] .. bounds[k+1);
+  // hidden [N, D] in the activations' dtype (as cos, sin, the caches and the logits): the embedded tokens of every item, item k's rows bounds[k] .. bounds[k+1);
   // cos[j] / sin[j] [N, head_dim] bf16: the rotary embedding of layers of kind j at each row's
   // position. Item k's cache: lengths[k] committed slots in keys[k][layer] / values[k][layer]
   // ([1, KVH, capacity, head_dim] bf16, contiguous), its new K/V written after them; the slots its
   // token t sees in layers of kind j: indices[j][k][offsets[j][k][t] .. offsets[j][k][t+1])
   // (undefined: every slot). keep: the rows whose logits to return (int64; undefined: all).
-  // Returns the logits [rows, vocab] bf16.
+  // Returns the logits [rows, vocab].
   at::Tensor forward(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                      const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
                      const std::vector<std::vector<at::Tensor>>& keys,
@@ -81,12 +90,23 @@ class NativeDecoder {
   int64_t layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  template <typename T>
+  at::Tensor run(const at::Tensor& hidden, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                 const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
+                 const std::vector<std::vector<at::Tensor>>& keys, const std::vector<std::vector<at::Tensor>>& values,
+                 const std::vector<std::vector<c10::optional<at::Tensor>>>& offsets,
+                 const std::vector<std::vector<c10::optional<at::Tensor>>>& indices,
+                 const c10::optional<at::Tensor>& keep) const;
+  template <typename T>
+  void norm_rows(const T* x, const at::Tensor& weight, T* out, int64_t rows, int64_t D) const;
+
   std::vector<NativeLayer> layers_;
   at::Tensor norm_;
   NativeLinear head_;
   int64_t H_, KVH_, hd_, D_, I_, qkv_width_, kinds_;
-  float eps_, scale_;
-  bool one_plus_, gelu_, qk_norms_;
+  double eps_;
+  float scale_;
+  bool one_plus_, gelu_, qk_norms_, f32_;
 };
 
 }  // namespace triedec

@@ -20,7 +20,7 @@
 
 namespace triedec {
 
-constexpr int kKernelTableVersion = 1;  // raised whenever KernelTable's layout changes
+constexpr int kKernelTableVersion = 2;  // raised whenever KernelTable's layout changes
 
 // One float type's kernels.
 template <typename T>
@@ -43,6 +43,7 @@ struct KernelTable {
                            c10::BFloat16*, bool);
   void (*int8_linear_rows)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const c10::Half*, int64_t,
                            c10::BFloat16*, bool);
+  void (*f32_linear_rows)(const float*, int64_t, int64_t, const float*, const float*, int64_t, float*);
   void (*add_bf16)(c10::BFloat16*, const c10::BFloat16*, int64_t);
   void (*mul_bf16_rows)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t,
                         int64_t);

@@ -55,6 +55,12 @@ void int4_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
 void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales,
                       int64_t N, c10::BFloat16* out, bool portable);
 
+// f32_linears.cpp: x [R, K] float32 contiguous, packed [N, K] float32 in that file's block order (N
+// a multiple of 16), bias [N] or null, out [R, N] float32 contiguous; each output summed over the
+// input features in order, one fused multiply-add each, then the bias added.
+void f32_linear_rows(const float* x, int64_t R, int64_t K, const float* packed, const float* bias, int64_t N,
+                     float* out);
+
 // elementwise.cpp: the native forward's elementwise steps on bfloat16, each one float32 operation
 // per element rounded to bfloat16 (torch's bfloat16 add and mul): h[i] += y[i] over n elements;
 // out[r, i] = a[r, i] * b[r, i] for R rows of n at row strides a_ld and b_ld (out contiguous);

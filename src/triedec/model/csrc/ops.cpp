@@ -276,3 +276,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                                         out, portable);
   });
 }
+
+// x [R, K] float32; packed float32 [N, K] as a shape only (its values in f32_linears.cpp's block
+// order), bias float32 [N] or none. Returns [R, N] float32.
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [R, K] float32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(0) % 16 == 0,
+              "packed must be contiguous float32 [N, K] (N a multiple of 16)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x's features must match the packed weight's");
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.device().is_cpu() && bias_c.scalar_type() == at::kFloat && bias_c.dim() == 1 &&
+                    bias_c.size(0) == N, "bias must be float32 [N]");
+    b = bias_c.data_ptr<float>();
+  }
+  torch::Tensor rows = x.contiguous();
+  const int64_t R = rows.size(0);
+  torch::Tensor out = torch::empty({R, N}, rows.options());
+  triedec::kernels().f32_linear_rows(rows.data_ptr<float>(), R, K, packed.data_ptr<float>(), b, N,
+                                     out.data_ptr<float>());
+  return out;
+}

@@ -1,0 +1,162 @@
+// Linear layers in float32 (the float mode's, triedec/model/linears.py's F32Linear packs the weights
+// and calls this). One token's forward of a float32 model reads its weights once at one row, so
+// the layer is bound by how fast its weights stream from memory; oneDNN's pre-packed GEMM streamed
+// the default model's at ~19 GB/s a forward where this machine reads ~35 (docs/kernels.md).
+//
+// The sum: output n of row r is, over the input features in order,
+//   y = fma(x[r, k], w[n, k], y)    for k = 0 .. K - 1, from y = 0
+// then y + b[n] where the layer has a bias: one IEEE operation each, in an order fixed by the
+// output alone, so a row gets the same bits alone or in any call, on any thread count, and the
+// AVX-512, AVX2 and portable paths give the same bits (each lane of a vector is one output).
+//
+// Packed layout (triedec.model.linears.pack_f32): float32, N * K values in blocks of 4 vectors of 16
+// outputs (64 outputs; the last block may hold fewer, nvb): block b, feature k, vector v of the
+// block: 16 values at b * 4 * K * 16 + (k * nvb + v) * 16, holding w[16 (4 b + v) + i, k] for
+// i = 0 .. 15: one sequential stream per block, read in that order.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TRIEDEC_F32_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TRIEDEC_F32_AVX2 1
+#endif
+
+namespace {
+
+constexpr int kCols = 16;   // outputs per vector
+constexpr int kBlock = 4;   // vectors per block (one stream per block)
+#if defined(TRIEDEC_F32_AVX512)
+constexpr int kRows = 4;    // rows per register tile: 4 rows x 4 vectors, 16 accumulators of 32 registers
+#elif defined(TRIEDEC_F32_AVX2)
+constexpr int kRows = 1;    // 16 registers: 1 row x 4 vectors is 8 accumulators of 8 lanes
+#else
+constexpr int kRows = 1;
+#endif
+constexpr int64_t kAhead = 1024;  // floats of the block's stream prefetched ahead (4 KiB)
+
+// One tile: rows r < R (row r at x[r * ldx]) and vectors v < V of a block's stream w (nvb vectors
+// per feature), y [R, V * 16] written in float32.
+template <int R, int V>
+inline void tile(const float* x, int64_t ldx, const float* w, int64_t nvb, int64_t K, float* y) {
+#if defined(TRIEDEC_F32_AVX512)
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* at = w + k * nvb * kCols;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+    __m512 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(at + v * kCols);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + (r * V + v) * kCols, acc[r][v]);
+#elif defined(TRIEDEC_F32_AVX2)
+  __m256 acc[R][V][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* at = w + k * nvb * kCols;
+    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < V; ++v)
+        for (int h = 0; h < 2; ++h)
+          acc[r][v][h] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(at + v * kCols + 8 * h), acc[r][v][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r * V + v) * kCols + 8 * h, acc[r][v][h]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V * kCols; ++i) y[r * V * kCols + i] = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float* at = w + k * nvb * kCols;
+    for (int r = 0; r < R; ++r) {
+      const float xk = x[r * ldx + k];
+      for (int i = 0; i < V * kCols; ++i) y[r * V * kCols + i] = std::fma(xk, at[i], y[r * V * kCols + i]);
+    }
+  }
+#endif
+}
+
+// Calls f(rows, vectors) with both as compile-time constants, rows in 1..kRows, vectors in 1..4.
+template <class F>
+inline void dispatch(int rows, int vectors, F&& f) {
+  const auto with_rows = [&](auto r) {
+    switch (vectors) {
+      case 1: return f(r, std::integral_constant<int, 1>{});
+      case 2: return f(r, std::integral_constant<int, 2>{});
+      case 3: return f(r, std::integral_constant<int, 3>{});
+      default: return f(r, std::integral_constant<int, 4>{});
+    }
+  };
+  if constexpr (kRows == 4) {
+    switch (rows) {
+      case 1: return with_rows(std::integral_constant<int, 1>{});
+      case 2: return with_rows(std::integral_constant<int, 2>{});
+      case 3: return with_rows(std::integral_constant<int, 3>{});
+      default: return with_rows(std::integral_constant<int, 4>{});
+    }
+  } else {
+    return with_rows(std::integral_constant<int, 1>{});
+  }
+}
+
+}  // namespace
+
+namespace triedec {
+
+// The loop: blocks of 64 outputs, each in register tiles of up to kRows rows (the first tile brings
+// the block's stream from memory, the others read it from cache), the work items (block, part) as
+// in a8_linears.cpp's for_each_tile: a part is a run of consecutive row tiles, as many parts per
+// block as keep every thread busy. Each output is computed whole by one tile in the same operations
+// whatever the tile, part or thread count.
+void f32_linear_rows(const float* x, int64_t R, int64_t K, const float* packed, const float* bias, int64_t N,
+                     float* out) {
+  if (R == 0) return;
+  const int64_t NV = N / kCols, blocks = (NV + kBlock - 1) / kBlock;
+  const int64_t tiles = (R + kRows - 1) / kRows;
+  const int64_t wanted = 8 * std::max<int64_t>(1, at::get_num_threads());
+  const int64_t parts = std::min<int64_t>(tiles, std::max<int64_t>(1, (wanted + blocks - 1) / blocks));
+  const auto row_of = [&](int64_t t) { return R - (tiles - t) * R / tiles; };
+  at::parallel_for(0, blocks * parts, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float y[kRows * kBlock * kCols];
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / parts, part = item % parts;
+      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock), first = b * kBlock * kCols;
+      const float* w = packed + b * kBlock * K * kCols;
+      for (int64_t t = part * tiles / parts; t < (part + 1) * tiles / parts; ++t) {
+        const int64_t r0 = row_of(t);
+        const int rows = static_cast<int>(row_of(t + 1) - r0);
+        dispatch(rows, static_cast<int>(nvb), [&](auto tr, auto tv) {
+          tile<decltype(tr)::value, decltype(tv)::value>(x + r0 * K, K, w, nvb, K, y);
+        });
+        const int64_t width = nvb * kCols;
+        for (int r = 0; r < rows; ++r) {
+          float* o = out + (r0 + r) * N + first;
+          const float* yr = y + r * width;
+          if (bias != nullptr)
+            for (int64_t i = 0; i < width; ++i) o[i] = yr[i] + bias[first + i];
+          else
+            for (int64_t i = 0; i < width; ++i) o[i] = yr[i];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace triedec
