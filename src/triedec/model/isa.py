@@ -39,12 +39,20 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
                     "-mf16c"),
                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c")),
+    "avxvnni": (("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
+    "avxvnni_evex": (("-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl", "-DTRIEDEC_VNNI256_EVEX"),
+                     ("avx2", "fma", "f16c", "avx512_vnni", "avx512vl")),
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
     "portable": ((), ()),
 }
 """Each build: its compiler flags and the CPU flags (``/proc/cpuinfo``) it needs, fastest first.
-``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX-512 path; ``avx2``
-the linears' AVX2 path (``vpmaddubsw``) and tree attention's; ``portable`` plain C++ everywhere."""
+``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX-512 path; ``avxvnni``
+(AVX2 CPUs with AVX-VNNI: Intel's since Alder Lake, AMD's Zen 5) the linears' AVX2 tiles with the
+256-bit ``vpdpbusd`` in its VEX encoding; ``avx2`` the linears' AVX2 path (``vpmaddubsw``) and tree
+attention's; ``portable`` plain C++ everywhere. ``avxvnni_evex`` is ``avxvnni``'s code with the EVEX
+encoding of the same instruction (AVX512-VNNI + VL): never the fastest where it runs, it exists so
+that the CPUs with AVX-512, which lack AVX-VNNI's encoding (Zen 4), run and test the path an
+AVX-VNNI CPU takes (``tests/test_native_kernels.py``: every installed build gives the same bits)."""
 
 
 def library_name(isa: str) -> str:

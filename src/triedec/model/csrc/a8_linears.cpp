@@ -4,7 +4,8 @@
 // the default model is ~2 GMAC, ~22 ms at two cores' float peak), and integer dot products
 // (AVX512-VNNI's vpdpbusd: 64 multiply-adds an instruction) do four times as many per instruction.
 // Three paths give the same bits: AVX512-VNNI (tile4, tile8), AVX2 (tile4_avx2, tile8_avx2, for the
-// CPUs without AVX-512) and a portable one (int4_portable, int8_portable); the build's ISA picks.
+// CPUs without AVX-512; with AVX-VNNI's 256-bit vpdpbusd in place of vpmaddubsw + vpmaddwd where
+// the build has it) and a portable one (int4_portable, int8_portable); the build's ISA picks.
 //
 // Activations: each row's features are quantized per group g of 32: a = max|x| / 127 and
 // x' = round(x * (127 / max|x|)) in -127..127 (nearest even; a = 0 and x' = 0 for a group whose
@@ -49,12 +50,21 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(TRIEDEC_VNNI256_EVEX)
 #include <immintrin.h>
 #define TRIEDEC_VNNI 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TRIEDEC_A8_AVX2 1
+// AVX-VNNI (Alder Lake and later, Zen 5): the 256-bit vpdpbusd in its VEX encoding. The
+// avxvnni_evex build compiles the same tiles with the EVEX encoding of the same instruction
+// (AVX512-VNNI + VL), so that a CPU with AVX-512 runs, and the tests check, the code an AVX-VNNI
+// CPU runs (triedec/model/isa.py).
+#if defined(__AVXVNNI__)
+#define TRIEDEC_DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#elif defined(TRIEDEC_VNNI256_EVEX) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define TRIEDEC_DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#endif
 #endif
 #if defined(TRIEDEC_VNNI) || defined(TRIEDEC_A8_AVX2)
 #define TRIEDEC_A8_VECTOR 1
@@ -363,8 +373,13 @@ inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nv
           const __m256i x0 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
           const __m256i x1 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
           for (int h = 0; h < 2; ++h) {
+#ifdef TRIEDEC_DPBUSD256
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], lo[h], x0);  // int32 sums of 4 products
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], hi[h], x1);
+#else
             acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(lo[h], x0));
             acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(hi[h], x1));
+#endif
           }
         }
       }
@@ -374,7 +389,11 @@ inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nv
         const __m256 constant = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_float8(at + nvb * kCols + 8 * h));
         for (int r = 0; r < R; ++r) {
           float* y = y_out + (r * V + v) * kCols + 8 * h;
+#ifdef TRIEDEC_DPBUSD256
+          const __m256i D = acc[r][h];
+#else
           const __m256i D = _mm256_madd_epi16(acc[r][h], ones);
+#endif
           const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(D), _mm256_set1_ps(x.a[r][g]));
           __m256 sum = _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y));
           sum = _mm256_fmadd_ps(_mm256_set1_ps(x.aq[r][g]), constant, sum);
@@ -396,6 +415,19 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
   for (int64_t g = 0; g < G; ++g) {
     for (int v = 0; v < V; ++v) {
       __m256i acc[R][2];
+#ifdef TRIEDEC_DPBUSD256
+      // as tile8: from -128 Q, the codes + 128 as unsigned bytes by the activations
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-128 * x.sum[r][g]);
+      for (int m = 0; m < kQuads; ++m) {
+        const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
+        __m256i w[2];
+        for (int h = 0; h < 2; ++h) w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+        for (int r = 0; r < R; ++r) {
+          const __m256i xb = _mm256_set1_epi32(x.xq[r][g * kQuads + m]);
+          for (int h = 0; h < 2; ++h) acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], w[h], xb);
+        }
+      }
+#else
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
       for (int m = 0; m < kQuads; ++m) {
         const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
@@ -412,6 +444,7 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
           }
         }
       }
+#endif
       for (int h = 0; h < 2; ++h) {
         const __m256 scale = _mm256_cvtph_ps(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));

@@ -197,6 +197,8 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
       TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
                       scales.size(1) == N && scales.size(2) == 2, "scales_and_zeros must be bf16 [K / 32, N, 2]");
       break;
+    default:  // kF32 returned above; kOneDnn has its own constructor
+      break;
   }
   if (bias.defined()) {
     check_bf16(bias, "bias");
