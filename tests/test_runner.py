@@ -119,6 +119,8 @@ MODELS = {
     "gemma3-float32": lambda: _tiny_gemma3(seed=13),
     "gemma3-softcap-bfloat16": lambda: _in_mode(_tiny_gemma3(seed=14, softcap=3.0), "bfloat16"),
     "gemma3-int4-a8": lambda: _in_mode(_tiny_gemma3(seed=15), weights="int4-a8"),
+    # a head of 50 outputs: triedec's float32 linear pads it to 64, so the Python walk runs
+    "llama-padded-head-float32": lambda: tiny_llama(seed=20, vocab=50),
 }
 NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8",
           "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4",
