@@ -17,10 +17,12 @@ models of the three architectures and on the default model); what it saves is th
 Where the model runs on bfloat16 activations with triedec's fused RMS norms, SiLU or tanh-gelu and
 triedec's fixed-order attention, and every linear is one the native code calls (the ``int4-a8``
 mode's 8-bit-activation kernels, the torch ops the ``int8`` and ``int4`` modes' stand-ins call, or
-bfloat16's oneDNN-packed linears), the whole walk is one native call instead
-(:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels and ops in the same order, with no
-Python between layers, so again the same bits. Elsewhere (float32, which keeps transformers' own
-norms; soft-capped logits; any other linear) the walk is Python calls of the same modules.
+bfloat16's oneDNN-packed linears), or on float32 activations with triedec's float32 linears and
+transformers' own norms (which the native code calls as the same torch ops), the whole walk is one
+native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels and ops in the
+same order, with no Python between layers, so again the same bits. Elsewhere (soft-capped logits,
+a float32 layer whose outputs were padded, any other linear or norm) the walk is Python calls of
+the same modules.
 
 Anything else (another architecture, a module that is not of the expected shape) keeps
 transformers' forward: :func:`runner_for` returns None, and :attr:`ModelAdapter.runner` names which
@@ -199,7 +201,7 @@ def _norm_variant(kernel: Any, norm: nn.Module, dtype: torch.dtype) -> tuple[str
     activations, or None (it runs none that gives ``norm``'s bits). On bfloat16, triedec's fused
     norm (:class:`~triedec.model.rmsnorm.FusedRMSNorm`); on float32, transformers' own norm in its
     own torch ops (``csrc/decoder.h``'s ``aten_rms_norm``), a variant whose outputs are
-    ``torch.equal`` to ``norm``'s on seeded rows, some of them narrower than the model's rows."""
+    ``torch.equal`` to ``norm``'s on :data:`NORM_PROBE_ROWS` seeded rows."""
     if dtype == torch.bfloat16:
         if type(norm) is FusedRMSNorm and norm.weight.dtype == torch.bfloat16:
             return norm.variant, norm.eps
@@ -287,7 +289,7 @@ class DecoderRunner:
     the module doc).
 
     Construction joins each layer's q/k/v projections, and its gate and up projections, into one
-    call each where the mode's linears can be joined with the same bits (:func:`join`: int4-a8),
+    call each where the mode's linears can be joined with the same bits (:func:`join`: int4-a8, float32),
     and builds the native forward where it applies (:attr:`native`)."""
 
     def __init__(self, model: nn.Module, arch: _Architecture = _LLAMA) -> None:
