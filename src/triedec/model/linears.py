@@ -23,10 +23,12 @@ between any two GEMM kernels (summation order differs).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from triedec.core.errors import TriedecError
 from triedec.model.native import kernel_available, load_kernel
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -107,38 +109,74 @@ class PackedLinear(LinearStandIn):
         return self._op(x, self.packed, self._parameters.get("bias"), "none", [], "")
 
 
-F32_COLS = 16
-"""Outputs per vector of :func:`pack_f32`'s layout (a layer's outputs are padded to a multiple)."""
-F32_BLOCK = 4
-"""Vectors per block of :func:`pack_f32`'s layout: each block one sequential stream."""
+VECTOR = 16
+"""Outputs per vector of triedec's packed linears (a 64-byte register of 32-bit lanes)."""
+BLOCK = 64
+"""Outputs per block of triedec's packed linears (one sequential stream per block)."""
+
+
+def blocked(values: torch.Tensor) -> torch.Tensor:
+    """``values [N, G, S, W]`` (per output, group of input features, step, width) flat in the
+    order triedec's kernels read them: per block of :data:`BLOCK` outputs (the last may hold
+    fewer), per group, per step, per :data:`VECTOR` outputs, per output, the step's ``W`` values."""
+    _, groups, steps, width = values.shape
+    parts = [block.reshape(block.shape[0] // VECTOR, VECTOR, groups, steps, width).permute(2, 3, 0, 1, 4).reshape(-1)
+             for block in values.split(BLOCK)]
+    return torch.cat(parts)
+
+
+def unblocked(flat: torch.Tensor, n: int, groups: int, steps: int, width: int) -> torch.Tensor:
+    """The ``values [n, groups, steps, width]`` that :func:`blocked` laid out as ``flat``."""
+    rows, per_output = [], groups * steps * width
+    for b in range(0, n, BLOCK):
+        vectors = min(BLOCK, n - b) // VECTOR
+        block = flat[b * per_output : (b + vectors * VECTOR) * per_output]
+        rows.append(block.reshape(groups, steps, vectors, VECTOR, width).permute(2, 3, 0, 1, 4)
+                    .reshape(vectors * VECTOR, groups, steps, width))
+    return torch.cat(rows)
+
+
+_Stand = TypeVar("_Stand", bound=LinearStandIn)
+
+
+def joinable(layers: Sequence[LinearStandIn]) -> bool:
+    """Whether ``layers`` can be joined into one (``joined``): at least one, of one class and input
+    size, all with a bias or none (a zero bias added to a layer without one could turn a -0 into +0)."""
+    return bool(layers) and len({(type(m), m.in_features, m.bias is None) for m in layers}) == 1
+
+
+def empty_join(cls: type[_Stand], layers: Sequence[LinearStandIn]) -> _Stand:
+    """A ``cls`` of ``layers``' input size and their outputs together, its buffers not set yet;
+    refused unless :func:`joinable`."""
+    if not joinable(layers):
+        raise TriedecError("joined layers need one class, one input size, and biases on all or none")
+    joined = cls.__new__(cls)
+    LinearStandIn.__init__(joined, nn.Linear(layers[0].in_features, sum(m.out_features for m in layers),
+                                             bias=False, device="meta"))
+    return joined
+
+
+def joined_bias(layers: Sequence[LinearStandIn]) -> nn.Parameter | None:
+    """``layers``' biases side by side (None when they have none)."""
+    if layers[0].bias is None:
+        return None
+    return nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
 
 
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` float32 (``N`` a multiple of :data:`F32_COLS`) in ``csrc/f32_linears.cpp``'s
-    order, as a ``[N, K]`` tensor: blocks of :data:`F32_BLOCK` vectors of 16 outputs, each block
-    feature by feature, the block's vectors side by side."""
+    """``weight [N, K]`` float32 (``N`` a multiple of :data:`VECTOR`) in ``csrc/f32_linears.cpp``'s
+    order (:func:`blocked`, one feature a group): per block of :data:`BLOCK` outputs, per input
+    feature, the block's outputs side by side. Shape ``[N, K]``, values in that order."""
     n, k = weight.shape
-    if n % F32_COLS:
-        raise ValueError(f"output features must be a multiple of {F32_COLS}, got {n}")
-    width = F32_COLS * F32_BLOCK
-    full = n // width * width
-    w = weight.detach().to(torch.float32)
-    parts = [w[:full].reshape(-1, F32_BLOCK, F32_COLS, k).permute(0, 3, 1, 2).reshape(-1)]
-    if full < n:
-        parts.append(w[full:].reshape(-1, F32_COLS, k).permute(2, 0, 1).reshape(-1))
-    return torch.cat(parts).view(n, k)
+    if n % VECTOR:
+        raise ValueError(f"output features must be a multiple of {VECTOR}, got {n}")
+    return blocked(weight.detach().to(torch.float32)[:, :, None, None]).view(n, k)
 
 
 def unpack_f32(packed: torch.Tensor) -> torch.Tensor:
     """The ``[N, K]`` weight :func:`pack_f32` packed."""
     n, k = packed.shape
-    width = F32_COLS * F32_BLOCK
-    full = n // width * width
-    flat = packed.reshape(-1)
-    rows = [flat[: full * k].view(-1, k, F32_BLOCK, F32_COLS).permute(0, 2, 3, 1).reshape(full, k)]
-    if full < n:
-        rows.append(flat[full * k :].view(k, -1, F32_COLS).permute(1, 2, 0).reshape(n - full, k))
-    return torch.cat(rows)
+    return unblocked(packed.reshape(-1), n, k, 1, 1)[..., 0, 0]
 
 
 class F32Linear(LinearStandIn):
@@ -151,19 +189,22 @@ class F32Linear(LinearStandIn):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__(linear)
-        weight = linear.weight.detach().to(torch.float32)
-        pad = -self.out_features % F32_COLS
-        with torch.no_grad():
-            if pad:
-                weight = torch.cat([weight, weight.new_zeros(pad, self.in_features)])
-            self.register_buffer("packed", pack_f32(weight), persistent=False)
+        load_kernel()  # built (or the reason it cannot be) before the first forward
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32).clone(), requires_grad=False)
-        # the bias the kernel adds, padded as the outputs are
-        self.register_buffer("padded_bias", None if bias is None else torch.cat([self.bias.detach(),
-                                                                                 self.bias.new_zeros(pad)]),
-                             persistent=False)
-        load_kernel()  # built (or the reason it cannot be) before the first forward
+        self._pack(linear.weight.detach().to(torch.float32))
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        """Store ``weight [out_features, in_features]`` and the bias the kernel adds, both padded
+        to a multiple of :data:`VECTOR` outputs."""
+        pad = -self.out_features % VECTOR
+        with torch.no_grad():
+            self.register_buffer("packed", pack_f32(torch.cat([weight, weight.new_zeros(pad, self.in_features)])),
+                                 persistent=False)
+            bias = self.bias
+            self.register_buffer("padded_bias", None if bias is None else torch.cat([bias.detach(),
+                                                                                     bias.new_zeros(pad)]),
+                                 persistent=False)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         out = load_kernel().f32_linear(x, self._buffers["packed"], self._buffers["padded_bias"])
@@ -176,15 +217,11 @@ class F32Linear(LinearStandIn):
     @classmethod
     def joined(cls, layers: Sequence[F32Linear]) -> F32Linear:
         """One layer computing ``layers``' outputs side by side, each with the bits it has alone
-        (an output's sum is its own). Needs one input size, biases on all or none."""
-        if not layers or len({(m.in_features, m.bias is None) for m in layers}) != 1:
-            raise ValueError("joined layers need one input size, and biases on all or none")
-        weight = torch.cat([m.weight_matrix() for m in layers])
-        linear = nn.Linear(layers[0].in_features, weight.shape[0], bias=layers[0].bias is not None, device="meta")
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if layers[0].bias is not None:
-            linear.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
-        return cls(linear)
+        (an output's sum is its own). Needs one input size, biases on all or none (:func:`joinable`)."""
+        joined = empty_join(cls, layers)
+        joined.bias = joined_bias(layers)
+        joined._pack(torch.cat([m.weight_matrix() for m in layers]))
+        return joined
 
 
 PROBE_ROWS = (2, 3, 5, 8, 17, 33, 64)

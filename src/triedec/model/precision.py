@@ -36,14 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 from torch import nn
 
 from triedec.core.errors import TriedecError
 from triedec.core.params import GROUP_SIZE, WEIGHTS
-from triedec.model.linears import JoinedPart, LinearStandIn
+from triedec.model.linears import JoinedPart, LinearStandIn, blocked, empty_join, joined_bias, unblocked
 from triedec.model.native import load_kernel
 
 QUANTIZED_DTYPE = torch.bfloat16
@@ -201,11 +200,11 @@ class Int4A8Linear(LinearStandIn):
         projections as one call), for layers of one input size, all with biases or none. Each
         output keeps its codes, scale, zero and bias, and the kernel computes an output from those
         and its row alone, in a fixed order: every output gets the bits its own layer gives it."""
-        joined = _empty_join(cls, layers)
+        joined = empty_join(cls, layers)
         scales, zeros = zip(*(m.scale_and_zero() for m in layers), strict=True)
         joined.register_buffer("packed", pack_int4(torch.cat([m.codes() for m in layers])))
         joined.register_buffer("scales_zeros", pack_scales_zeros(torch.cat(scales, dim=1), torch.cat(zeros, dim=1)))
-        joined.bias = _joined_bias(layers)
+        joined.bias = joined_bias(layers)
         return joined
 
     def repr_extra(self) -> str:
@@ -248,11 +247,11 @@ class Int8A8Linear(LinearStandIn):
     @classmethod
     def joined(cls, layers: Sequence[Int8A8Linear]) -> Int8A8Linear:
         """As :meth:`Int4A8Linear.joined`: the outputs of ``layers`` side by side, each with its own bits."""
-        joined = _empty_join(cls, layers)
+        joined = empty_join(cls, layers)
         codes, scales = zip(*(m.codes_and_scales() for m in layers), strict=True)
         joined.register_buffer("packed", pack_int8(torch.cat(codes)))
         joined.register_buffer("scales", pack_int8_scales(torch.cat(scales)))
-        joined.bias = _joined_bias(layers)
+        joined.bias = joined_bias(layers)
         return joined
 
     def repr_extra(self) -> str:
@@ -301,96 +300,71 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return codes.reshape(out_features, in_features).to(torch.int8), scale.to(torch.float16).contiguous()
 
 
-BLOCK = 64
-"""Outputs per block of the int4 kernel's packed weight (one sequential stream per block)."""
-
-
-def _blocked(values: torch.Tensor) -> torch.Tensor:
-    """``values [N, G, S, W]`` (per output, group of :data:`GROUP_SIZE` features, step, width) flat
-    in the order triedec's kernels read them: per block of :data:`BLOCK` outputs (the last may hold
-    fewer), per group, per step, per 16 outputs, per output, the step's ``W`` values."""
-    _, groups, steps, width = values.shape
-    parts = [block.reshape(block.shape[0] // 16, 16, groups, steps, width).permute(2, 3, 0, 1, 4).reshape(-1)
-             for block in values.split(BLOCK)]
-    return torch.cat(parts)
-
-
-def _unblocked(flat: torch.Tensor, n: int, groups: int, steps: int, width: int) -> torch.Tensor:
-    """The ``values [n, groups, steps, width]`` that :func:`_blocked` laid out as ``flat``."""
-    rows, per_output = [], groups * steps * width
-    for b in range(0, n, BLOCK):
-        vectors = min(BLOCK, n - b) // 16
-        block = flat[b * per_output : (b + vectors * 16) * per_output]
-        rows.append(block.reshape(groups, steps, vectors, 16, width).permute(2, 3, 0, 1, 4)
-                    .reshape(vectors * 16, groups, steps, width))
-    return torch.cat(rows)
-
-
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes [N, K]`` (0..15; N a multiple of 16, K of :data:`GROUP_SIZE`) in the order
-    triedec's int4 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs
+    triedec's int4 kernel reads them (``csrc/a8_linears.cpp``): per block of 64 outputs
     (the last may hold fewer), per group of 32 features, per step of 8, per 16 outputs: 64 bytes,
     byte ``4i + j`` holding output ``i``'s feature ``j`` of the step in its low nibble and feature
     ``4 + j`` in its high one. Shape ``[N, K / 2]`` uint8, bytes in that order."""
     n, k = codes.shape
     t = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
-    return _blocked(t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n, k // 2).contiguous()
+    return blocked(t[..., 0, :] | (t[..., 1, :] << 4)).reshape(n, k // 2).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` (int32) that :func:`pack_int4` packed."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    nibbles = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, 4, 4)  # n, g, m, j
+    nibbles = unblocked(packed.reshape(-1), n, k // GROUP_SIZE, 4, 4)  # n, g, m, j
     return torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(n, k).to(torch.int32)
 
 
 def pack_scales_zeros(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """int4's bf16 ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` in the order triedec's int4 kernel
-    reads them beside the codes (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs and
+    reads them beside the codes (``csrc/a8_linears.cpp``): per block of 64 outputs and
     group, the block's scales, then its zeros. Shape ``[K / GROUP_SIZE, 2, N]``, bytes in that
     order."""
     groups, n = scale.shape
     both = torch.stack([scale.T, zero.T], dim=-1)[..., None]  # n, g, (scale, zero), 1
-    return _blocked(both).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
+    return blocked(both).to(QUANTIZED_DTYPE).reshape(groups, 2, n).contiguous()
 
 
 def unpack_scales_zeros(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``scale`` and ``zero`` ``[K / GROUP_SIZE, N]`` that :func:`pack_scales_zeros` packed."""
     groups, _, n = packed.shape
-    both = _unblocked(packed.reshape(-1), n, groups, 2, 1)
+    both = unblocked(packed.reshape(-1), n, groups, 2, 1)
     return both[:, :, 0, 0].T.contiguous(), both[:, :, 1, 0].T.contiguous()
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     """int8 ``codes [N, K]`` (N a multiple of 16, K of :data:`GROUP_SIZE`) in the order triedec's
-    int8 kernel reads them (``csrc/a8_linears.cpp``): per block of :data:`BLOCK` outputs (the last
+    int8 kernel reads them (``csrc/a8_linears.cpp``): per block of 64 outputs (the last
     may hold fewer), per group of 32 features, per step of 4, per 16 outputs: 64 bytes, byte ``4i +
     j`` holding ``codes[output i, feature j of the step] + 128``. Shape ``[N, K]`` uint8, bytes in
     that order."""
     n, k = codes.shape
     shifted = (codes.to(torch.int16) + 128).to(torch.uint8).reshape(n, k // GROUP_SIZE, GROUP_SIZE // 4, 4)
-    return _blocked(shifted).reshape(n, k).contiguous()
+    return blocked(shifted).reshape(n, k).contiguous()
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     """The int8 codes ``[N, K]`` that :func:`pack_int8` packed."""
     n, k = packed.shape
-    shifted = _unblocked(packed.reshape(-1), n, k // GROUP_SIZE, GROUP_SIZE // 4, 4).reshape(n, k)
+    shifted = unblocked(packed.reshape(-1), n, k // GROUP_SIZE, GROUP_SIZE // 4, 4).reshape(n, k)
     return (shifted.to(torch.int16) - 128).to(torch.int8)
 
 
 def pack_int8_scales(scale: torch.Tensor) -> torch.Tensor:
     """int8's fp16 ``scale [N, K / GROUP_SIZE]`` in the order triedec's int8 kernel reads them: per
-    block of :data:`BLOCK` outputs and group, the block's scales. Shape ``[K / GROUP_SIZE, N]``,
+    block of 64 outputs and group, the block's scales. Shape ``[K / GROUP_SIZE, N]``,
     bytes in that order."""
     n, groups = scale.shape
-    return _blocked(scale[..., None, None]).to(torch.float16).reshape(groups, n).contiguous()
+    return blocked(scale[..., None, None]).to(torch.float16).reshape(groups, n).contiguous()
 
 
 def unpack_int8_scales(packed: torch.Tensor) -> torch.Tensor:
     """The scales ``[N, K / GROUP_SIZE]`` that :func:`pack_int8_scales` packed."""
     groups, n = packed.shape
-    return _unblocked(packed.reshape(-1), n, groups, 1, 1)[..., 0, 0]
+    return unblocked(packed.reshape(-1), n, groups, 1, 1)[..., 0, 0]
 
 
 def int4_fits(linear: nn.Linear) -> bool:
@@ -474,32 +448,6 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     per_element_zero = zero.float().T.repeat_interleave(GROUP_SIZE, dim=1)
     assert per_element_scale.shape == (out_features, in_features)
     return (codes.float() - 8) * per_element_scale + per_element_zero
-
-
-_Stand = TypeVar("_Stand", bound=LinearStandIn)
-
-
-def joinable(layers: Sequence[LinearStandIn]) -> bool:
-    """Whether ``layers`` can be joined into one (``joined``): at least one, of one class and input
-    size, all with a bias or none (a zero bias added to a layer without one could turn a -0 into +0)."""
-    return bool(layers) and len({(type(m), m.in_features, m.bias is None) for m in layers}) == 1
-
-
-def _empty_join(cls: type[_Stand], layers: Sequence[LinearStandIn]) -> _Stand:
-    """A ``cls`` of ``layers``' input size and their outputs together, its buffers not set yet;
-    refused unless :func:`joinable`."""
-    if not joinable(layers):
-        raise TriedecError("joined layers need one class, one input size, and biases on all or none")
-    joined = cls.__new__(cls)
-    LinearStandIn.__init__(joined, nn.Linear(layers[0].in_features, sum(m.out_features for m in layers),
-                                             bias=False, device="meta"))
-    return joined
-
-
-def _joined_bias(layers: Sequence[LinearStandIn]) -> nn.Parameter | None:
-    if layers[0].bias is None:
-        return None
-    return nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
 
 
 def _plus_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

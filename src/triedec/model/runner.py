@@ -41,9 +41,9 @@ from torch import nn
 from triedec.core.kvcache import KVCache
 from triedec.model.dispatch import ItemBatch
 from triedec.model.hugepages import place_weights
-from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear
+from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear, joinable
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear, joinable
+from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear
 from triedec.model.rmsnorm import FusedRMSNorm, norm_epsilon
 
 RUNNER = "triedec"
