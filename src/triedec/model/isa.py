@@ -29,7 +29,7 @@ and the Python bindings of those. Built once: torch's headers make them most of 
 SOURCES = (*KERNEL_SOURCES, *EXTENSION_SOURCES)
 EXTENSION = "_kernels"
 """The extension's module, inside this package: ``triedec.model._kernels``."""
-HEADERS = ("kernels.h", "kernel_table.h", "ops.h", "decoder.h")
+HEADERS = ("kernels.h", "kernel_table.h", "tiles.h", "ops.h", "decoder.h")
 COMMON_FLAGS = ("-O3", "-g0", "-ffp-contract=off", "-fno-fast-math")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` overrides the ``-g``

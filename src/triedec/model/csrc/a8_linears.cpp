@@ -40,6 +40,7 @@
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
 // sequential streams, read in that order.
 #include "kernels.h"
+#include "tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -460,76 +461,36 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
 #endif  // TRIEDEC_A8_AVX2
 
 #ifdef TRIEDEC_A8_VECTOR
-// Calls f(rows, vectors) with both as compile-time constants (std::integral_constant), rows in
-// 1..kRows and vectors in 1..kBlock: the tiles are templates over their shape, so registers hold them.
-template <class F>
-inline void dispatch(int rows, int vectors, F&& f) {
-  const auto with_rows = [&](auto r) {
-    switch (vectors) {
-      case 1: return f(r, std::integral_constant<int, 1>{});
-      case 2: return f(r, std::integral_constant<int, 2>{});
-      case 3: return f(r, std::integral_constant<int, 3>{});
-      default: return f(r, std::integral_constant<int, 4>{});
-    }
-  };
-  static_assert(kRows == 3 && kBlock == 4, "dispatch names every shape");
-  switch (rows) {
-    case 1: return with_rows(std::integral_constant<int, 1>{});
-    case 2: return with_rows(std::integral_constant<int, 2>{});
-    default: return with_rows(std::integral_constant<int, 3>{});
-  }
-}
-
-// The loop both kernels share. The outputs go in blocks of kBlock vectors (64 outputs; the last
-// may hold fewer, nvb); a block in register tiles of up to kRows rows x the block's nvb vectors,
-// so each tile reads the block's stream once, in order, and the first tile brings it from memory
-// for the others. (Tiles of 4 rows x 2 vectors, which read every other 128 bytes of the stream in
-// each of two passes, took ~1.5x as long at 3-4 rows.) The rows are cut into ceil(R / kRows) tiles
-// of as even sizes as can be, the larger first (16 rows: 3, 3, 3, 3, 2, 2, not five of 3 and one
-// of 1: a one-row tile does a third of the work per weight byte unpacked; and the first tile, which
-// streams the block from memory, has the most arithmetic to overlap with it). In one process on
-// the default model, against tiles of 3 with the rest last: 2-3% less time a forward at 7-16
-// rows, the same at 4. The parallel work items are (block, part) pairs, a part being a run of
-// consecutive row tiles: one part per block when there are blocks enough to keep every thread
-// busy, else as many as it takes (up to one per tile), so that a layer of few blocks (576 outputs:
-// 9) splits evenly over the threads at many rows (with one item per block, a 16-row forward of the
-// default model took ~1.25x as long). Each output is still computed whole by one tile, in the
-// same operations whatever the tile's shape or part, so the bits do not depend on R, the cut or
-// the thread count. For each tile, fill(rows, vectors, b, nvb, x, y) writes y [rows, vectors *
-// 16] in float32 (rows and vectors as std::integral_constant); it is rounded to bf16 into out
-// [R, N].
+// The loop both kernels share: tiles.h's cut of the rows and blocks, tiles of up to kRows rows x the
+// block's nvb vectors. (Tiles of 4 rows x 2 vectors, which read every other 128 bytes of the stream
+// in each of two passes, took ~1.5x as long at 3-4 rows. Tiles of even sizes, the larger first: a
+// one-row tile does a third of the work per weight byte unpacked, and the first tile, which
+// streams the block from memory, has the most arithmetic to overlap with it; in one process on the
+// default model, against tiles of 3 with the rest last, 2-3% less time a forward at 7-16 rows, the
+// same at 4. Parts of blocks: a layer of 576 outputs is 9 blocks; with one item per block a
+// 16-row forward of the default model took ~1.25x as long.) For each tile,
+// fill(rows, vectors, b, nvb, x, y) writes y [rows, vectors * 16] in float32 (rows and vectors as
+// std::integral_constant); it is rounded to bf16 into out [R, N].
 template <class Fill>
 void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat16* out, Fill&& fill) {
+  static_assert(kBlock == 4, "tiles.h cuts blocks of 4 vectors");
   const int64_t G = K / kGroup, NV = N / kCols;
   const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
-  const int64_t blocks = (NV + kBlock - 1) / kBlock;
-  const int64_t tiles = (R + kRows - 1) / kRows;
-  const int64_t wanted = 8 * std::max<int64_t>(1, at::get_num_threads());  // work items for an even split
-  const int64_t parts = std::min<int64_t>(tiles, std::max<int64_t>(1, (wanted + blocks - 1) / blocks));
-  // tile t covers rows [row_of(t), row_of(t + 1)): sizes differ by at most one, the larger first
-  const auto row_of = [&](int64_t t) { return R - (tiles - t) * R / tiles; };
-  at::parallel_for(0, blocks * parts, 1, [&](int64_t i0, int64_t i1) {
+  triedec::for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows) {
     alignas(64) float y[kRows * kBlock * kCols];
     RowTile x{};
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / parts, part = item % parts;
-      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
-      const int64_t first = b * kBlock * kCols;
-      for (int64_t t = part * tiles / parts; t < (part + 1) * tiles / parts; ++t) {
-        const int64_t r0 = row_of(t);
-        const int rows = static_cast<int>(row_of(t + 1) - r0);
-        for (int r = 0; r < rows; ++r) {
-          x.xq[r] = quads + (r0 + r) * (K / 4);
-          x.a[r] = xs.a.data() + (r0 + r) * G;
-          x.aq[r] = xs.aq.data() + (r0 + r) * G;
-          x.sum[r] = xs.sum.data() + (r0 + r) * G;
-        }
-        dispatch(rows, static_cast<int>(nvb), [&](auto tr, auto tv) { fill(tr, tv, b, nvb, x, y); });
-        for (int r = 0; r < rows; ++r)
-          for (int64_t i = 0; i < nvb * kCols; ++i)
-            out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nvb * kCols + i]);
-      }
+    const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
+    const int64_t first = b * kBlock * kCols;
+    for (int r = 0; r < rows; ++r) {
+      x.xq[r] = quads + (r0 + r) * (K / 4);
+      x.a[r] = xs.a.data() + (r0 + r) * G;
+      x.aq[r] = xs.aq.data() + (r0 + r) * G;
+      x.sum[r] = xs.sum.data() + (r0 + r) * G;
     }
+    triedec::dispatch_tile<kRows>(rows, static_cast<int>(nvb), [&](auto tr, auto tv) { fill(tr, tv, b, nvb, x, y); });
+    for (int r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < nvb * kCols; ++i)
+        out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nvb * kCols + i]);
   });
 }
 

@@ -14,6 +14,7 @@
 // block: 16 values at b * 4 * K * 16 + (k * nvb + v) * 16, holding w[16 (4 b + v) + i, k] for
 // i = 0 .. 15: one sequential stream per block, read in that order.
 #include "kernels.h"
+#include "tiles.h"
 
 #include <ATen/Parallel.h>
 
@@ -93,68 +94,31 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t nvb, int64
 #endif
 }
 
-// Calls f(rows, vectors) with both as compile-time constants, rows in 1..kRows, vectors in 1..4.
-template <class F>
-inline void dispatch(int rows, int vectors, F&& f) {
-  const auto with_rows = [&](auto r) {
-    switch (vectors) {
-      case 1: return f(r, std::integral_constant<int, 1>{});
-      case 2: return f(r, std::integral_constant<int, 2>{});
-      case 3: return f(r, std::integral_constant<int, 3>{});
-      default: return f(r, std::integral_constant<int, 4>{});
-    }
-  };
-  if constexpr (kRows == 4) {
-    switch (rows) {
-      case 1: return with_rows(std::integral_constant<int, 1>{});
-      case 2: return with_rows(std::integral_constant<int, 2>{});
-      case 3: return with_rows(std::integral_constant<int, 3>{});
-      default: return with_rows(std::integral_constant<int, 4>{});
-    }
-  } else {
-    return with_rows(std::integral_constant<int, 1>{});
-  }
-}
-
 }  // namespace
 
 namespace triedec {
 
-// The loop: blocks of 64 outputs, each in register tiles of up to kRows rows (the first tile brings
-// the block's stream from memory, the others read it from cache), the work items (block, part) as
-// in a8_linears.cpp's for_each_tile: a part is a run of consecutive row tiles, as many parts per
-// block as keep every thread busy. Each output is computed whole by one tile in the same operations
+// tiles.h's loop: blocks of 64 outputs in register tiles of up to kRows rows, the rows and blocks
+// cut as for the 8-bit linears. Each output is computed whole by one tile in the same operations
 // whatever the tile, part or thread count.
 void f32_linear_rows(const float* x, int64_t R, int64_t K, const float* packed, const float* bias, int64_t N,
                      float* out) {
   if (R == 0) return;
-  const int64_t NV = N / kCols, blocks = (NV + kBlock - 1) / kBlock;
-  const int64_t tiles = (R + kRows - 1) / kRows;
-  const int64_t wanted = 8 * std::max<int64_t>(1, at::get_num_threads());
-  const int64_t parts = std::min<int64_t>(tiles, std::max<int64_t>(1, (wanted + blocks - 1) / blocks));
-  const auto row_of = [&](int64_t t) { return R - (tiles - t) * R / tiles; };
-  at::parallel_for(0, blocks * parts, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t NV = N / kCols;
+  for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows) {
     alignas(64) float y[kRows * kBlock * kCols];
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / parts, part = item % parts;
-      const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock), first = b * kBlock * kCols;
-      const float* w = packed + b * kBlock * K * kCols;
-      for (int64_t t = part * tiles / parts; t < (part + 1) * tiles / parts; ++t) {
-        const int64_t r0 = row_of(t);
-        const int rows = static_cast<int>(row_of(t + 1) - r0);
-        dispatch(rows, static_cast<int>(nvb), [&](auto tr, auto tv) {
-          tile<decltype(tr)::value, decltype(tv)::value>(x + r0 * K, K, w, nvb, K, y);
-        });
-        const int64_t width = nvb * kCols;
-        for (int r = 0; r < rows; ++r) {
-          float* o = out + (r0 + r) * N + first;
-          const float* yr = y + r * width;
-          if (bias != nullptr)
-            for (int64_t i = 0; i < width; ++i) o[i] = yr[i] + bias[first + i];
-          else
-            for (int64_t i = 0; i < width; ++i) o[i] = yr[i];
-        }
-      }
+    const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock), first = b * kBlock * kCols;
+    dispatch_tile<kRows>(rows, static_cast<int>(nvb), [&](auto tr, auto tv) {
+      tile<decltype(tr)::value, decltype(tv)::value>(x + r0 * K, K, packed + b * kBlock * K * kCols, nvb, K, y);
+    });
+    const int64_t width = nvb * kCols;
+    for (int r = 0; r < rows; ++r) {
+      float* o = out + (r0 + r) * N + first;
+      const float* yr = y + r * width;
+      if (bias != nullptr)
+        for (int64_t i = 0; i < width; ++i) o[i] = yr[i] + bias[first + i];
+      else
+        for (int64_t i = 0; i < width; ++i) o[i] = yr[i];
     }
   });
 }
