@@ -74,6 +74,41 @@ def fusable_variant(module: nn.Module, seed: int = 0) -> str | None:
             or weight.dim() != 1 or weight.device.type != "cpu" \
             or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    probe = _probe(module, weight, seed)
+    if probe is None:
+        return None
+    x, expected = probe
+    with torch.no_grad():
+        for variant in VARIANTS:
+            got = FusedRMSNorm(weight, eps, variant)(x)
+            if _within_ulps(got, expected):
+                return variant
+    return None
+
+
+def torch_ops_variant(module: nn.Module) -> tuple[str, float] | None:
+    """``(variant, eps)`` of transformers' own float32 RMS norm in its own torch ops (the native
+    forward's ``aten_rms_norm``, ``csrc/decoder.h``) whose outputs are ``torch.equal`` to a float32
+    ``module``'s on :data:`PROBE_ROWS` seeded rows, or None."""
+    weight, eps = getattr(module, "weight", None), norm_epsilon(module)
+    if isinstance(module, FusedRMSNorm) or eps is None or not isinstance(weight, torch.Tensor) \
+            or weight.dtype != torch.float32 or weight.dim() != 1:
+        return None
+    probe = _probe(module, weight, 0)
+    if probe is None:
+        return None
+    x, expected = probe
+    kernel = load_kernel()
+    with torch.no_grad():
+        for variant in VARIANTS:
+            if torch.equal(kernel.aten_rms_norm(x, weight, eps, variant == "one-plus-weight"), expected):
+                return variant, eps
+    return None
+
+
+def _probe(module: nn.Module, weight: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:data:`PROBE_ROWS` seeded rows in ``weight``'s dtype and ``module``'s outputs on them, or None
+    when the module does not take plain ``[rows, D]`` rows to rows of that shape and dtype."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(PROBE_ROWS, weight.shape[0], generator=gen) * 4).to(weight.dtype)
     with torch.no_grad():
@@ -81,13 +116,9 @@ def fusable_variant(module: nn.Module, seed: int = 0) -> str | None:
             expected = module(x)
         except Exception:  # a module that does not take a plain [rows, D] input is left alone
             return None
-        if not isinstance(expected, torch.Tensor) or expected.shape != x.shape or expected.dtype != x.dtype:
-            return None
-        for variant in VARIANTS:
-            got = FusedRMSNorm(weight, eps, variant)(x)
-            if _within_ulps(got, expected):
-                return variant
-    return None
+    if not isinstance(expected, torch.Tensor) or expected.shape != x.shape or expected.dtype != x.dtype:
+        return None
+    return x, expected
 
 
 def _within_ulps(got: torch.Tensor, expected: torch.Tensor) -> bool:

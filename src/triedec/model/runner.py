@@ -44,7 +44,7 @@ from triedec.model.hugepages import place_weights
 from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear, joinable
 from triedec.model.native import kernel_available, load_kernel
 from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear
-from triedec.model.rmsnorm import FusedRMSNorm, norm_epsilon
+from triedec.model.rmsnorm import FusedRMSNorm, torch_ops_variant
 
 RUNNER = "triedec"
 """How the stats name this runner."""
@@ -192,36 +192,16 @@ def _native_linear(kernel: Any, layer: nn.Module) -> Any:
     return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features)
 
 
-NORM_PROBE_ROWS = 16
-"""Seeded rows :func:`_norm_variant` compares a float32 norm's outputs on."""
-
-
-def _norm_variant(kernel: Any, norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | None:
+def _norm_variant(norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | None:
     """``(variant, eps)`` of the RMS norm the native forward runs for ``norm`` on ``dtype``
-    activations, or None (it runs none that gives ``norm``'s bits). On bfloat16, triedec's fused
-    norm (:class:`~triedec.model.rmsnorm.FusedRMSNorm`); on float32, transformers' own norm in its
-    own torch ops (``csrc/decoder.h``'s ``aten_rms_norm``), a variant whose outputs are
-    ``torch.equal`` to ``norm``'s on :data:`NORM_PROBE_ROWS` seeded rows."""
+    activations, or None (it runs none that gives ``norm``'s bits): on bfloat16 triedec's fused
+    norm (:class:`~triedec.model.rmsnorm.FusedRMSNorm`), on float32 transformers' own norm in its
+    own torch ops (:func:`~triedec.model.rmsnorm.torch_ops_variant`)."""
     if dtype == torch.bfloat16:
         if type(norm) is FusedRMSNorm and norm.weight.dtype == torch.bfloat16:
             return norm.variant, norm.eps
         return None
-    weight, eps = getattr(norm, "weight", None), norm_epsilon(norm)
-    if type(norm) is FusedRMSNorm or eps is None or not isinstance(weight, torch.Tensor) \
-            or weight.dtype != torch.float32 or weight.dim() != 1:
-        return None
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(NORM_PROBE_ROWS, weight.shape[0], generator=gen) * 4
-    with torch.no_grad():
-        try:
-            expected = norm(x)
-        except Exception:  # not a module of plain rows
-            return None
-        for variant, one_plus in (("weight", False), ("one-plus-weight", True)):
-            if isinstance(expected, torch.Tensor) and torch.equal(kernel.aten_rms_norm(x, weight, eps, one_plus),
-                                                                 expected):
-                return variant, eps
-    return None
+    return torch_ops_variant(norm)
 
 
 def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | None) -> list[nn.Module]:
@@ -252,7 +232,7 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     qk = [n for layer in layers for n in layer.qk_norms or ()]
     norms = [base.norm, *(n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)), *qk,
              *(n for n in optional if n is not None)]
-    variants = [_norm_variant(kernel, n, dtype) for n in norms]
+    variants = [_norm_variant(n, dtype) for n in norms]
     if None in variants or len(set(variants)) != 1 \
             or len({n is None for n in optional}) > 1 or len(qk) not in (0, 2 * len(layers)):
         return None
