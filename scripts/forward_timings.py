@@ -30,6 +30,7 @@ import triedec
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.core.tree import TokenTree
 from triedec.model.adapter import ForwardItem, ModelAdapter
+from triedec.model.native import load_kernel, switchable_libraries
 from triedec.model.runner import RUNNER, TRANSFORMERS
 
 
@@ -50,9 +51,17 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--per-round", type=int, default=15, help="forwards of the one-token shape per round")
+    parser.add_argument("--isa", default=None,
+                        help="run this installed kernel build (avx512vnni, avxvnni, avxvnni_evex, avx2, portable) "
+                             "instead of the fastest this CPU runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.isa is not None:
+        libraries = switchable_libraries()
+        if args.isa not in libraries:
+            parser.error(f"--isa {args.isa}: the installed builds this CPU runs are {sorted(libraries)}")
+        load_kernel().use_kernels(str(libraries[args.isa]))
     lm = triedec.load(args.model, weights=args.weights, dtype=args.dtype)
     runners: dict[str, ModelAdapter] = {"native": lm.adapter} if lm.adapter.native_forward else {}
     walk = ModelAdapter(triedec.load(args.model, weights=args.weights, dtype=args.dtype, kernels="plain").model,
@@ -113,7 +122,8 @@ def main() -> int:
         for name, values in medians.items():
             q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
             results[label][name] = {"median_ms": statistics.median(values), "q1_ms": q[0], "q3_ms": q[2]}
-    lines = [f"{lm.adapter.precision.name} ({lm.adapter.kernels}), {args.threads} threads, "
+    lines = [f"{lm.adapter.precision.name} ({lm.adapter.kernels}; kernel build {load_kernel().isa()}), "
+             f"{args.threads} threads, "
              f"{args.context}-token cache; median ms [quartiles] over {args.rounds} rounds", ""]
     lines.append("| shape | " + " | ".join(runners) + " | logits equal |")
     lines.append("|---|" + "---|" * (len(runners) + 1))
@@ -125,6 +135,7 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps({
             "args": {k: str(v) for k, v in vars(args).items()}, "kernels": lm.adapter.kernels,
+            "isa": load_kernel().isa(),
             "results": results, "logits_equal": equal, "machine": machine_info(torch.device("cpu")),
             "versions": versions(),
             "commit": source_commit()}, indent=2))

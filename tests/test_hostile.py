@@ -169,7 +169,14 @@ def test_health_never_reports_more_waiting_than_the_queue_allows(lm):
                     pass
 
         threads = [threading.Thread(target=send) for _ in range(10)]
-        for t in threads:  # all at once: a tiny model's 100 tokens take well under a second
+        # one running first, then the rest at once (a tiny model's 100 tokens take well under a
+        # second): before any request runs, requests that would fit the free slots may wait past
+        # the bound until the next step (Scheduler.check_room)
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").json()["running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for t in threads[1:]:
             t.start()
         for _ in range(len(threads) + 10):
             seen.append(httpx.get(f"{url}/health").json()["waiting"])
