@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
 import triedec
+from triedec import Grammar
 from triedec.bench.load import serving
 from triedec.server import ApiKeys, ServerConfig, create_app
 
@@ -361,3 +363,148 @@ def test_the_smaller_points(lm):
         assert _get(url, "/v1/models", key=ALICE).status_code == 200
     with pytest.raises(triedec.TriedecError):
         ApiKeys(KEYS, metrics_key="key-alice-0123456789")
+
+
+# ---- the third review: one bad request fails only itself -------------------------------------------
+
+
+def _post(c: httpx.Client, url: str, body: dict) -> httpx.Response:
+    return c.post(f"{url}/v1/completions", json={"model": MODEL, **body})
+
+
+def test_a_bad_grammar_fails_only_its_own_request(lm, monkeypatch):
+    """Grammars that compile but admit no continuation are 400s naming the field, alone and beside
+    3 other peers' requests, which return the tokens they return alone; so is a grammar that passes
+    its check and fails while it decodes (its state raises on its third commit), before its first
+    token: a 400, and after it: a 200 whose ``stop_reason`` is ``error`` with the cause. No 500."""
+    from triedec.api.grammar import Grammars
+
+    failing = Grammar.regex("x[a-z ]{1,40}")
+    state = Grammars.state
+
+    def tagged(self, grammar):
+        made = state(self, grammar)
+        if grammar == failing:
+            commit, calls = made.commit, [0]
+
+            def commit_then_fail(tokens):
+                calls[0] += 1
+                if calls[0] >= 3:
+                    raise triedec.TriedecError("the grammar failed: made up for the test")
+                commit(tokens)
+
+            made.commit = commit_then_fail
+        return made
+
+    monkeypatch.setattr(Grammars, "state", tagged)
+    cycle = json.dumps({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    bad = [("guided_regex", r"[^\s\S]"), ("guided_json", json.loads(cycle)), ("guided_regex", "(a{1000}){1000}"),
+           ("guided_regex", "a{100000}")]
+    peers = [f"Peer {i} says: one two three four" for i in range(3)]
+    with serving(create_app(lm, _config(method="auto"))) as url:
+        with _client("127.0.0.2") as c:
+            alone = [_post(c, url, {"prompt": p, "max_tokens": 12}).json()["choices"][0]["text"] for p in peers]
+        for field, value in bad:
+            with ThreadPoolExecutor(4) as pool, _client("127.0.0.3") as attacker:
+                others = [pool.submit(lambda p=p, i=i: _post(_client(f"127.0.1.{i}"), url,
+                                                             {"prompt": p, "max_tokens": 12}))
+                          for i, p in enumerate(peers)]
+                answer = _post(attacker, url, {"prompt": "Say:", "max_tokens": 8, field: value})
+                assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+                assert [f.result().json()["choices"][0]["text"] for f in others] == alone
+        with _client("127.0.0.3") as attacker:
+            failed = _post(attacker, url, {"prompt": "Say:", "max_tokens": 8, "method": "ar",
+                                           "guided_regex": failing.source})
+            assert failed.status_code == 200, failed.text
+            ext = failed.json()["triedec"]
+            assert ext["stop_reason"] == "error" and "made up for the test" in ext["error"]
+            monkeypatch.setattr(Grammars, "state", lambda self, grammar: _fail_at_once(state(self, grammar)))
+            first = _post(attacker, url, {"prompt": "Say:", "max_tokens": 8, "guided_regex": failing.source})
+            assert first.status_code == 400 and "generation failed" in first.json()["error"]["message"]
+
+
+def _fail_at_once(made):
+    def commit(tokens):
+        raise triedec.TriedecError("the grammar failed at once")
+
+    made.commit = commit
+    return made
+
+
+def test_beams_are_capped_and_counted_in_their_peers_share(lm):
+    """prompts x num_beams past the cap is a 400 naming it; 16 prompts x 16 beams beside another
+    peer's 8-token request: that request finishes within 3x its time alone + 1 s."""
+    from triedec.server.schemas import MAX_HYPOTHESES
+
+    beams = {"prompt": ["Once upon a time"] * 16, "method": "beam", "max_tokens": 16}
+    short = {"prompt": "Tell me a story", "max_tokens": 8, "method": "ar"}
+    with serving(create_app(lm, _config())) as url, _client("127.0.0.2") as peer:
+        with _client("127.0.0.3") as attacker:
+            refused = _post(attacker, url, {**beams, "method_options": {"num_beams": 64}})
+            assert refused.status_code == 400 and str(MAX_HYPOTHESES) in refused.json()["error"]["message"]
+            assert refused.json()["error"]["param"] == "prompt"
+        _post(peer, url, short)
+        alone = min(_timed_post(peer, url, short) for _ in range(3))
+        with ThreadPoolExecutor(1) as pool:
+            flood = pool.submit(lambda: _post(_client("127.0.0.3"), url,
+                                              {**beams, "method_options": {"num_beams": 16}}))
+            time.sleep(0.3)
+            beside = _timed_post(peer, url, short)
+            assert flood.result().status_code == 200
+    assert beside <= 3 * alone + 1.0, (beside, alone)
+
+
+def _timed_post(c: httpx.Client, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    assert _post(c, url, body).status_code == 200
+    return time.perf_counter() - started
+
+
+def test_a_long_text_is_refused_after_a_bounded_piece_of_it(lm, monkeypatch):
+    """A prompt under the size precheck but past the context (``"a " * 100_000`` on a 512-token
+    model) is refused by completions and ``/tokenize`` after tokenizing a piece of ~4 characters a
+    token of the context, never the whole; ``/tokenize`` returns no more ids than the context."""
+    seen = []
+    original = lm.prompts._ids
+
+    def counting(text, split_special, **kwargs):
+        seen.append(len(text))
+        return original(text, split_special, **kwargs)
+
+    monkeypatch.setattr(lm.prompts, "_ids", counting)
+    text = "a " * 100_000
+    context = lm.max_context
+    with serving(create_app(lm, _config(max_body_bytes=1 << 20))) as url, _client("127.0.0.2") as c:
+        answer = _post(c, url, {"prompt": text, "max_tokens": 1})
+        assert answer.status_code == 400 and "context" in answer.json()["error"]["message"]
+        assert sum(seen) <= 8 * (context + 1), sum(seen)
+        seen.clear()
+        tokenized = c.post(f"{url}/tokenize", json={"prompt": text})
+        assert tokenized.status_code == 400 and sum(seen) <= 8 * (context + 1)
+        fits = c.post(f"{url}/tokenize", json={"prompt": "a " * 100})
+        assert fits.status_code == 200 and fits.json()["count"] <= context
+
+
+def test_response_sizes_and_the_smaller_findings(lm):
+    """echo / prompt_logprobs x alternatives past the cap are 400s naming the field; min_tokens >
+    max_tokens, a non-boolean strict and a non-canonical logit_bias key are 400s."""
+    from triedec.server.schemas import MAX_LOGPROB_ENTRIES
+
+    long = "one two three " * 60  # ~180 tokens of the tiny tokenizer: 16 of them x 21 entries pass the cap
+    with serving(create_app(lm, _config())) as url, _client("127.0.0.2") as c:
+        for body, field in [({"prompt": [long] * 16, "echo": True, "logprobs": 20, "max_tokens": 1}, "echo"),
+                            ({"prompt": [long] * 16, "prompt_logprobs": 20, "max_tokens": 1}, "prompt_logprobs"),
+                            ({"prompt": "hi", "min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+                            ({"prompt": "hi", "logit_bias": {"0005": 1}, "max_tokens": 2}, "logit_bias"),
+                            ({"prompt": "hi", "max_tokens": 2, "response_format": {
+                                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"},
+                                                                       "strict": "yes"}}}, "response_format")]:
+            answer = _post(c, url, body)
+            assert answer.status_code == 400, (field, answer.text)
+            assert answer.json()["error"]["param"] == field, (field, answer.text)
+            if field in ("echo", "prompt_logprobs"):
+                assert str(MAX_LOGPROB_ENTRIES) in answer.json()["error"]["message"]
+        within = _post(c, url, {"prompt": long, "echo": True, "logprobs": 5, "max_tokens": 1})
+        assert within.status_code == 200
+        assert _post(c, url, {"prompt": "hi", "logit_bias": {"5": 1}, "max_tokens": 2}).status_code == 200
+

@@ -378,9 +378,9 @@ def test_sigterm_finishes_in_flight_requests_and_saves_the_learned_state(tmp_pat
             proc.kill()
 
 
-def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
-    """A run that raises as it starts fails its step: it and the runs that stepped get an error
-    event (never a hang), the run waiting behind its tenant's cap is untouched and runs next."""
+def test_a_run_that_fails_as_it_starts_fails_alone(lm):
+    """A run that raises as it starts ends alone: it gets an error event (never a hang), the run
+    that steps beside it finishes, and the run waiting behind its tenant's cap runs next."""
     import asyncio
     import threading
 
@@ -423,8 +423,48 @@ def test_a_failed_step_fails_the_requests_it_ran_and_keeps_the_ones_waiting(lm):
 
     events = asyncio.run(scenario())
     assert events["broken"][0] == "error" and "a bug while starting" in str(events["broken"][1])
-    assert events["first"][0] == "error"
+    assert events["first"][0] == "done" and events["first"][1].stats.new_tokens == 50
     assert events["behind"][0] == "done" and events["behind"][1].stats.new_tokens == 2
+
+
+def test_a_failed_forward_fails_the_requests_it_carried_and_keeps_the_ones_waiting(lm, monkeypatch):
+    """A failure outside any one run's part of a step (the forward itself: a bug) fails the runs
+    that stepped, each with an error event (never a hang), and the server goes on: the run waiting
+    behind its tenant's cap is untouched and runs next."""
+    import asyncio
+
+    from triedec.api.generation import GenerationRequest
+    from triedec.engine.batch import BatchLimits
+    from triedec.server import Job, Scheduler, TenantLimits
+
+    forward, calls = lm.adapter.forward_batch, [0]
+
+    def broken_once(items):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("a bug in the forward")
+        return forward(items)
+
+    monkeypatch.setattr(lm.adapter, "forward_batch", broken_once)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        scheduler = Scheduler(lm, BatchLimits(max_running=4), max_queue=4, tenants=TenantLimits(max_running=1))
+        runs = [lm.start(GenerationRequest.of("Tell me a story", "ar", max_new_tokens=6)) for _ in range(2)]
+        first, behind = Job(runs[0], loop, tenant="t"), Job(runs[1], loop, tenant="t")
+        for job in (first, behind):
+            scheduler.submit(job)
+        events = {}
+        for name, job in (("first", first), ("behind", behind)):
+            while (event := await asyncio.wait_for(job.next(), 60))[0] == "tokens":  # never a hang
+                pass
+            events[name] = event
+        await asyncio.to_thread(scheduler.close)
+        return events
+
+    events = asyncio.run(scenario())
+    assert events["first"][0] == "error" and "a bug in the forward" in str(events["first"][1])
+    assert events["behind"][0] == "done" and events["behind"][1].stats.new_tokens == 6
 
 
 def test_scheduler_frees_a_cancelled_request_at_once_and_cancels_the_rest_on_close(lm):

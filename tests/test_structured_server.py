@@ -355,3 +355,19 @@ def test_a_tag_the_tokenizer_holds_as_one_token_is_asked_for_as_that_token(defau
     assert text.startswith('<tool_call>\n{"name": "get_weather"'), text
     # without the added tokens the tag is text, as before
     assert tool_format(default_mode_lm.tokenizer).tokens == ()
+
+
+def test_a_required_call_cut_by_max_tokens_keeps_its_shape(smol):
+    """A reply that must be calls and is cut by max_tokens is calls still: content null and
+    finish_reason length, streamed and not; a call cut after its name comes with that name and the
+    arguments written so far."""
+    for cut in (2, 8, 16):
+        options = {"model": "smol", "messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "required",
+                   "max_tokens": cut}
+        choice = smol.chat.completions.create(**options).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, choice
+        for call in choice.message.tool_calls or ():
+            assert call.function.name == "get_weather"
+        chunks = list(smol.chat.completions.create(**options, stream=True))
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

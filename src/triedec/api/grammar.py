@@ -73,7 +73,48 @@ def _source(grammar: Grammar) -> str:
             return llguidance.LLMatcher.grammar_from_lark(grammar.source)
 
 
+GRAMMAR_CALL_SECONDS = 0.05
+"""The most one call of a request's grammar may take (a token's mask, a draft path's check, the
+forced tokens, a commit: llguidance's work on the engine thread, which every batched request
+waits on). At compile time :meth:`Grammars.check` times the first token's mask and forced tokens
+and refuses a grammar over it; while a request decodes, a call that took longer ends that request
+alone with the reason. A JSON schema's or a short regex's mask takes ~0.1-3 ms here; ``a{10000}``
+~10 ms, ``a{100000}`` ~160 ms (docs/structured-output.md)."""
+
+MAX_REPETITIONS = 10_000
+"""The most times a regex's bounded repetitions may repeat their part, nested counts multiplied
+(``a{100}{100}`` counts 10,000): a mask's cost grows with it, so a larger one is refused before it
+compiles."""
+
 _DETAIL = re.compile(r"\s+")
+_COUNT = re.compile(r"(?<!\\)\{(\d+)(?:,(\d*))?\}")
+
+
+def repetitions(pattern: str) -> int:
+    """The largest product of nested bounded repetition counts in ``pattern`` (``{n}``, ``{m,n}``
+    counted as ``n``, ``{m,}`` as ``m``), a quantified group's count multiplying every count inside
+    it; 1 without any. A cheap over-estimate where the syntax is unusual (a brace inside a class)."""
+    groups: list[int] = []  # where each open group starts
+    spans: list[tuple[int, int]] = []  # (start, end) of each closed group
+    i = 0
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "(":
+            groups.append(i)
+        elif pattern[i] == ")" and groups:
+            spans.append((groups.pop(), i))
+        i += 1
+    counts = {m.start(): int(m.group(2)) if m.group(2) else int(m.group(1)) for m in _COUNT.finditer(pattern)}
+    best = 1
+    for at, count in counts.items():
+        product = count
+        for start, end in spans:  # each group around this count, times the group's own count
+            if start < at < end:
+                product *= counts.get(end + 1, 1)
+        best = max(best, product)
+    return best
 
 _T = TypeVar("_T")
 
@@ -85,9 +126,14 @@ def _timed(method: Callable[..., _T]) -> Callable[..., _T]:
     def timed(self: GrammarState, *args: Any) -> _T:
         started = time.perf_counter()
         try:
-            return method(self, *args)
+            result = method(self, *args)
         finally:
-            self.seconds += time.perf_counter() - started
+            took = time.perf_counter() - started
+            self.seconds += took
+        if took > self.call_seconds:
+            raise TriedecError(f"the grammar is too slow: one step of it took {1e3 * took:.0f} ms, over the "
+                               f"{1e3 * self.call_seconds:.0f} ms a grammar may take a token")
+        return result
 
     return timed
 
@@ -97,10 +143,13 @@ class GrammarState:
     llguidance's matcher; ``vocab``: the model's logits width, ``eos``: its end-of-sequence ids.
     ``seconds``: the wall time its calls took so far (masks, draft checks, forced tokens, commits)."""
 
-    def __init__(self, matcher: Any, vocab: int, eos: Iterable[int]) -> None:
+    def __init__(self, matcher: Any, vocab: int, eos: Iterable[int], call_seconds: float = GRAMMAR_CALL_SECONDS
+                 ) -> None:
         import llguidance.torch
 
         self.seconds = 0.0
+        self.call_seconds = call_seconds
+        """the most one call may take (:data:`GRAMMAR_CALL_SECONDS`): a slower one raises"""
         self._m, self._vocab = matcher, vocab
         self._eos = sorted(t for t in eos if 0 <= t < vocab)
         self._fill = llguidance.torch.fill_next_token_bitmask
@@ -109,6 +158,8 @@ class GrammarState:
 
     def _mask(self) -> torch.Tensor:
         self._fill(self._m, self._bits, 0)
+        if self._m.is_error():  # past llguidance's limits, or a state nothing can follow
+            raise TriedecError(f"the grammar failed: {_DETAIL.sub(' ', self._m.get_error()).strip()[:300]}")
         allowed = ((self._bits[0].unsqueeze(1) >> self._shifts) & 1).bool().flatten()[: self._vocab]
         if not bool(allowed.any()):
             allowed[self._eos] = True
@@ -145,7 +196,10 @@ class GrammarState:
         try:
             if consumed != len(path) or self._m.is_stopped():
                 return []
-            return list(self._m.compute_ff_tokens())[:limit]
+            forced = list(self._m.compute_ff_tokens())[:limit]
+            if self._m.is_error():
+                raise TriedecError(f"the grammar failed: {_DETAIL.sub(' ', self._m.get_error()).strip()[:300]}")
+            return forced
         finally:
             if consumed:
                 self._m.rollback(consumed)
@@ -172,8 +226,11 @@ class Grammars:
     """The grammars of one model: ``tokenizer`` (a transformers tokenizer), ``vocab`` (the
     logits width) and ``eos`` (the end-of-sequence ids a complete grammar allows). Thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab: int, eos: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab: int, eos: Iterable[int], call_seconds: float = GRAMMAR_CALL_SECONDS
+                 ) -> None:
         self._tokenizer, self._vocab, self._eos = tokenizer, vocab, sorted(eos)
+        self.call_seconds = call_seconds
+        """the most one call of a grammar may take (:data:`GRAMMAR_CALL_SECONDS`)"""
         self._lock = threading.Lock()
         self._ll: Any = None
         self._compiled: OrderedDict[Grammar, Any] = OrderedDict()
@@ -187,16 +244,40 @@ class Grammars:
         return self._ll
 
     def check(self, grammar: Grammar) -> None:
-        """Raise :class:`~triedec.core.errors.TriedecError` if ``grammar`` does not compile (it is
-        compiled and cached if it does)."""
+        """Raise :class:`~triedec.core.errors.TriedecError` if ``grammar`` does not compile, admits
+        no output (its first token's mask is empty, or llguidance fails on it: an empty language,
+        a ``$ref`` cycle), or is too slow to run (a regex repeating more than
+        :data:`MAX_REPETITIONS` times; a first token's mask and forced tokens that take more than
+        :attr:`call_seconds`). A grammar that passes is compiled and cached, and not timed again."""
         with self._lock:
             self._matcher(grammar)
 
     def state(self, grammar: Grammar) -> GrammarState:
-        """A fresh state of ``grammar`` for one request (compiled once, then copied)."""
+        """A fresh state of ``grammar`` for one request (compiled and checked once, then copied)."""
         with self._lock:
             copy = self._matcher(grammar).deep_copy()
-        return GrammarState(copy, self._vocab, self._eos)
+        return GrammarState(copy, self._vocab, self._eos, self.call_seconds)
+
+    def _first_step(self, grammar: Grammar, matcher: Any) -> None:
+        """Refuse ``grammar`` (its compiled ``matcher``) unless its first token's mask admits a
+        token and it and the forced tokens take at most :attr:`call_seconds` (on a copy)."""
+        import llguidance.torch
+
+        trial = matcher.deep_copy()
+        bits = llguidance.torch.allocate_token_bitmask(1, self._vocab)
+        started = time.perf_counter()
+        llguidance.torch.fill_next_token_bitmask(trial, bits, 0)
+        if not trial.is_error():
+            trial.compute_ff_tokens()
+        took = time.perf_counter() - started
+        if trial.is_error():
+            detail = _DETAIL.sub(" ", trial.get_error()).strip()[:300]
+            raise TriedecError(f"the {grammar.kind} grammar admits no output ({detail})")
+        if not bool((bits != 0).any()) and not trial.is_accepting():
+            raise TriedecError(f"the {grammar.kind} grammar admits no output: no token can start it")
+        if took > self.call_seconds:
+            raise TriedecError(f"the {grammar.kind} grammar is too slow: its first token took {1e3 * took:.0f} ms, "
+                               f"over the {1e3 * self.call_seconds:.0f} ms a grammar may take a token")
 
     def _matcher(self, grammar: Grammar) -> Any:
         """``grammar``'s compiled matcher (under the lock)."""
@@ -205,6 +286,9 @@ class Grammars:
         matcher = self._compiled.get(grammar)
         if matcher is None:
             tokenizer = self._lltokenizer()
+            if grammar.kind == "regex" and repetitions(grammar.source) > MAX_REPETITIONS:
+                raise TriedecError(f"the regex grammar repeats a part {repetitions(grammar.source)} times (nested "
+                                   f"counts multiplied); the limit is {MAX_REPETITIONS}: a mask's cost grows with it")
             try:
                 source = _source(grammar)
             except ValueError as exc:
@@ -214,6 +298,7 @@ class Grammars:
             if matcher.is_error():
                 detail = _DETAIL.sub(" ", matcher.get_error()).strip()[:500]
                 raise TriedecError(f"the {grammar.kind} grammar does not compile: {detail}")
+            self._first_step(grammar, matcher)
             self._compiled[grammar] = matcher
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)

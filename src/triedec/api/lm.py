@@ -159,14 +159,15 @@ class LM:
     # ---- prompts ------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+               tools: Sequence[Mapping[str, Any]] | None = None, most: int | None = None) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is).
-        ``split_special``: special tokens' text inside strings and messages is tokenized as plain
-        text, so only the chat template makes control tokens (:mod:`triedec.api.prompts`);
+        ``split_special``: special tokens' text inside strings, messages and tools is tokenized as
+        plain text, so only the chat template makes control tokens (:mod:`triedec.api.prompts`);
         ``tools``: functions the chat template shows the model (OpenAI's ``tools`` shape;
-        :mod:`triedec.api.tools`)."""
-        return self.prompts.encode(prompt, chat, split_special, tools)
+        :mod:`triedec.api.tools`); ``most``: a prompt of more tokens is refused
+        (:class:`~triedec.api.prompts.PromptTooLong`) without tokenizing all of a long text."""
+        return self.prompts.encode(prompt, chat, split_special, tools, most)
 
     def decode_result(self, tokens: Sequence[int], stop: str | Sequence[str] | None = None) -> str:
         """Text of ``tokens`` (special tokens skipped), cut right after the first stop string."""

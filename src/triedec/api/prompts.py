@@ -14,7 +14,9 @@ Token-id prompts are used as given either way.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -23,6 +25,18 @@ from typing import Any
 from triedec.api.generation import GenerationRequest, Prompt, checked_prompt
 from triedec.core.errors import TriedecError
 from triedec.engine.request import StopRule
+
+PIECE_CHARS = 4
+"""A text of more than this many characters a token of a bound is counted in pieces against it
+(:meth:`Prompts._ids_within`)."""
+
+
+class PromptTooLong(TriedecError):
+    """A prompt of more tokens than a bound (``most``), found without tokenizing all of a long one."""
+
+    def __init__(self, message: str, most: int) -> None:
+        super().__init__(message)
+        self.most = most
 
 
 class Prompts:
@@ -41,40 +55,75 @@ class Prompts:
         with self._lock:
             return list(self.tokenizer(text, split_special_tokens=split_special, **kwargs)["input_ids"])
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _ids_within(self, text: str, split_special: bool, most: int | None, **kwargs: Any) -> list[int]:
+        """:meth:`_ids`, refused (:class:`PromptTooLong`) once ``text`` is seen to make more than
+        ``most`` tokens, before the whole of a long text is tokenized: a text longer than
+        :data:`PIECE_CHARS` characters a token of ``most`` is counted piece by piece, each of that
+        many characters ending before a space (where byte-level BPE's words start, so the pieces'
+        counts add up to the whole's; another tokenizer may merge across a cut, allowed for with
+        two tokens a piece), and refused as soon as the count passes; only a text found within is
+        then tokenized whole. So a refusal tokenizes at most ~``PIECE_CHARS x (most + 1)``
+        characters whatever the text's size."""
+        piece = PIECE_CHARS * ((most or 0) + 1)
+        if most is not None and len(text) > piece:
+            counted, at, pieces = 0, 0, 0
+            while at < len(text):
+                end = min(len(text), at + piece)
+                if end < len(text):
+                    cut = text.rfind(" ", at + piece // 2, end)
+                    end = cut if cut > at else end
+                counted += len(self._ids(text[at:end], split_special, add_special_tokens=False))
+                pieces += 1
+                if counted > most + 2 * pieces:
+                    raise PromptTooLong(f"the prompt is more than {most} tokens long (counted {counted} in its first "
+                                        f"{end} characters)", most)
+                at = end
+        ids = self._ids(text, split_special, **kwargs)
+        if most is not None and len(ids) > most:
+            raise PromptTooLong(f"the prompt is {len(ids)} tokens long, more than {most}", most)
+        return ids
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, most: int | None = None) -> list[int]:
         """``text``'s token ids as transformers tokenizes it (special tokens' text becomes the
-        control token; ``add_special_tokens``: the tokenizer's own BOS/EOS, if it adds any)."""
-        return self._ids(text, False, add_special_tokens=add_special_tokens)
+        control token; ``add_special_tokens``: the tokenizer's own BOS/EOS, if it adds any);
+        ``most``: refuse (:class:`PromptTooLong`) a text of more tokens, without tokenizing the
+        whole of a long one (:meth:`_ids_within`)."""
+        return self._ids_within(text, False, most, add_special_tokens=add_special_tokens)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, prompt: Prompt, chat: bool = False, split_special: bool = False,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+               tools: Sequence[Mapping[str, Any]] | None = None, most: int | None = None) -> list[int]:
         """Token ids for a string (plain tokenization, or the chat template if ``chat``), a list
         of chat messages (the chat template), or a list of token ids (used as is);
         ``split_special``: special tokens' text in strings and messages stays plain text (module
-        doc); ``tools``: functions the chat template shows the model (OpenAI's ``tools`` shape)."""
-        return self.tokens(checked_prompt(prompt), chat, split_special, tools)
+        doc); ``tools``: functions the chat template shows the model (OpenAI's ``tools`` shape);
+        ``most``: a prompt of more tokens is refused (:class:`PromptTooLong`), without tokenizing
+        the whole of a long text (:meth:`_ids_within`)."""
+        return self.tokens(checked_prompt(prompt), chat, split_special, tools, most)
 
     def tokens(self, prompt: Prompt, chat: bool = False, split_special: bool = False,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+               tools: Sequence[Mapping[str, Any]] | None = None, most: int | None = None) -> list[int]:
         """:meth:`encode` for a prompt already checked for shape (a
         :class:`~triedec.api.generation.GenerationRequest`'s): only what needs the tokenizer and the
         vocabulary is checked here."""
         if isinstance(prompt, str):
             if chat:
-                return self.tokens(({"role": "user", "content": prompt},), split_special=split_special, tools=tools)
-            ids = self._ids(prompt, split_special)
+                return self.tokens(({"role": "user", "content": prompt},), split_special=split_special, tools=tools,
+                                   most=most)
+            ids = self._ids_within(prompt, split_special, most)
         elif isinstance(prompt[0], Mapping):
             if not self.has_chat_template:
                 raise TriedecError("this model's tokenizer has no chat template; pass a string or token ids")
-            ids = self._chat_ids(list(prompt), split_special, tools)
+            ids = self._chat_ids(list(prompt), split_special, tools, most)
         else:
             ids = list(prompt)
             if any(t >= self.vocab_size for t in ids):  # type: ignore[operator]
                 raise TriedecError(f"token ids must lie in [0, {self.vocab_size})")
+            if most is not None and len(ids) > most:
+                raise PromptTooLong(f"the prompt is {len(ids)} tokens long, more than {most}", most)
         if not ids:
             raise TriedecError("the prompt is empty (no tokens)")
         return list(ids)
@@ -89,36 +138,52 @@ class Prompts:
         return tuple(sorted(t for t in texts if t))
 
     def _chat_ids(self, messages: list[Mapping[str, Any]], split_special: bool,
-                  tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """The chat template's token ids for ``messages``. With ``split_special``, each message whose
-        text holds a special token's text is found in the rendered template and tokenized on its own
-        with special tokens split; the template's own text around it is tokenized as usual. Messages
-        without such text (nearly all) leave the tokenization exactly as without ``split_special``."""
-        text = self.tokenizer.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
-                                                  add_generation_prompt=True)
-        contents = [m.get("content") for m in messages]
-        marked = [c for c in contents if isinstance(c, str) and any(s in c for s in self.special_texts)]
-        if not split_special or not marked:
-            return self._ids(text, False, add_special_tokens=False)
-        pieces: list[tuple[str, bool]] = []  # (text, split its special tokens)
-        at = 0
-        for content in marked:
-            for candidate in (content, content.strip()):
-                found = text.find(candidate, at) if candidate else -1
-                if found >= 0:
-                    break
-            else:
-                raise TriedecError("a message holds a special token's text and the chat template changed that "
-                                   "message's text, so it cannot be kept apart from the template's own tokens; "
-                                   "remove the special token's text from the message")
-            pieces += [(text[at:found], False), (candidate, True)]
-            at = found + len(candidate)
-        pieces.append((text[at:], False))
+                  tools: Sequence[Mapping[str, Any]] | None = None, most: int | None = None) -> list[int]:
+        """The chat template's token ids for ``messages``. With ``split_special``, every string of
+        the client's that holds a special token's text (a message's content or name, a tool call's
+        name or arguments, any string of ``tools``: descriptions, parameter names and schemas) is
+        found in the rendered template and tokenized on its own with special tokens split; the
+        template's own text around it is tokenized as usual. Where it is: the template is rendered
+        a second time with each such string replaced by a marker, and the template's own text
+        between the markers is matched against the first rendering, each string in the form the
+        template wrote it (as given, stripped, or as a JSON string's inside, as ``tojson`` writes
+        it). Requests without such text (nearly all) are tokenized exactly as without
+        ``split_special``."""
+        text = self._render(messages, tools)
+        if not split_special:
+            return self._ids_within(text, False, most, add_special_tokens=False)
+        marked: list[str] = []
+        for value in _client_strings(messages, tools):
+            if value not in marked and any(special in value for special in self.special_texts):
+                marked.append(value)
+        if not marked:
+            return self._ids_within(text, False, most, add_special_tokens=False)
+        self._ids_within(text, True, most, add_special_tokens=False)  # a bound on the count, before the pieces
+        marker = {value: f"\ue000{i}\ue001" for i, value in enumerate(marked)}
+        template = _MARKER.split(self._render(_replaced(messages, marker), _replaced(tools, marker)))
+        pieces: list[tuple[str, bool]] = [(template[0], False)]  # (text, split its special tokens)
+        at = len(template[0])
+        if not text.startswith(template[0]):
+            raise TriedecError(_CHANGED)
+        for i in range(1, len(template), 2):
+            value, after = marked[int(template[i])], template[i + 1]
+            forms = dict.fromkeys((value, value.strip(), json.dumps(value, ensure_ascii=False)[1:-1]))
+            form = next((f for f in forms if text.startswith(f, at) and text.startswith(after, at + len(f))), None)
+            if form is None:
+                raise TriedecError(_CHANGED)
+            pieces += [(form, True), (after, False)]
+            at += len(form) + len(after)
+        if at != len(text):
+            raise TriedecError(_CHANGED)
         ids: list[int] = []
         for piece, split in pieces:
             if piece:
                 ids += self._ids(piece, split, add_special_tokens=False)
         return ids
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  tokenize=False, add_generation_prompt=True)
 
     @cached_property
     def max_token_bytes(self) -> int:
@@ -187,3 +252,43 @@ class Prompts:
         stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         ends = [text.find(s) + len(s) for s in stops if s in text]
         return text[: min(ends)] if ends else text
+
+
+_MARKER = re.compile("\ue000(\\d+)\ue001")
+_CHANGED = ("a message or tool holds a special token's text and the chat template changed that text, so it "
+            "cannot be kept apart from the template's own tokens; remove the special token's text from it")
+
+
+def _client_strings(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """Every string of the client's a chat template may write: each message's values (its content,
+    name, tool calls' names and arguments), every string and key of ``tools``."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            for key, inner in value.items():
+                walk(key)
+                walk(inner)
+        elif isinstance(value, list | tuple):
+            for inner in value:
+                walk(inner)
+
+    for message in messages:
+        for key, value in message.items():
+            if key != "role":
+                walk(value)
+    walk(list(tools or ()))
+    return found
+
+
+def _replaced(value: Any, marker: Mapping[str, str]) -> Any:
+    """``value`` (messages or tools) with every string that ``marker`` names replaced by its marker."""
+    if isinstance(value, str):
+        return marker.get(value, value)
+    if isinstance(value, Mapping):
+        return {_replaced(k, marker): _replaced(v, marker) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_replaced(v, marker) for v in value]
+    return value

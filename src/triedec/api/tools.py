@@ -336,8 +336,11 @@ class CallStream:
     it could still be a call's opening tag) or calls (each given whole once its closing tag
     arrives)."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, required: bool = False) -> None:
         self.fmt = fmt
+        self.required = required
+        """the reply must be calls (``tool_choice`` ``required`` or a named function): a cut reply
+        that wrote only part of the opening tag is calls (none) too"""
         self.kind: str | None = None
         """``"text"`` or ``"calls"`` once known"""
         self.calls: list[ToolCall] = []
@@ -371,13 +374,35 @@ class CallStream:
         return "", found
 
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left at the end: held text. A reply that began as a call and was cut short (by
-        ``max_tokens`` or a stop string) before any call completed is given as text."""
+        """What is left at the end: held text, or the call a cut reply was writing. A reply that
+        began as a call stays calls when it is cut short (by ``max_tokens`` or a stop string): no
+        text, the calls that completed, and the one it was writing, once its name was written,
+        with the arguments written so far (not yet valid JSON; ``finish_reason`` ``length`` says
+        it was cut)."""
         out, self._held = self._held, ""
+        if self.kind is None and self.required:  # cut inside the opening tag the grammar asked for
+            self.kind = "calls"
+            return "", []
         if self.kind == "calls":
-            if self.calls:
+            partial = _partial_call(out[self._at:].removeprefix(self.fmt.separator).removeprefix(self.fmt.open))
+            if partial is None:
                 return "", []
-            self.kind = "text"
-            return out, []
+            self.calls.append(partial)
+            return "", [partial]
         self.kind = "text"
         return out, []
+
+
+_WRITING = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*(?:,\s*"arguments"\s*:\s*)?')
+
+
+def _partial_call(body: str) -> ToolCall | None:
+    """The call a cut reply was writing (``body``: its JSON so far), once its name is whole."""
+    found = _WRITING.match(body)
+    if found is None:
+        return None
+    try:
+        name = json.loads(f'"{found.group(1)}"')
+    except ValueError:
+        return None
+    return new_call(name, body[found.end():].rstrip())

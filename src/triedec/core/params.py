@@ -66,8 +66,8 @@ def _bias_pairs(given: object) -> tuple[tuple[int, float], ...]:
     low, high = LOGIT_BIAS_RANGE
     for key, value in items:
         token = key
-        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
-            token = int(key)
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 and key == str(int(key)):
+            token = int(key)  # in its canonical form only ("5", not "05": two keys could name one token)
         if isinstance(token, bool) or not isinstance(token, int) or token < 0:
             raise TriedecError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
         if token in pairs:

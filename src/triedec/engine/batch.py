@@ -31,12 +31,13 @@ the batch closes; never on the per-step path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -50,6 +51,8 @@ from triedec.engine.outcome import Outcome, Stats
 from triedec.engine.request import Request, StopRule
 from triedec.engine.runs import Run
 from triedec.model.adapter import ForwardItem, ModelAdapter
+
+_T = TypeVar("_T")
 
 __all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "Outcome", "Request", "Run", "Stats", "StepPlan", "StepReport",
            "StopRule", "run_alone", "speculative_decode"]
@@ -92,7 +95,8 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepReport:
     """What one :meth:`Batch.step` did: the request ids of the runs that finished during it
-    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), its
+    (already closed and out of the batch: the caller that holds a run reads its ``outcome``), those
+    that failed alone (``failed``), its
     :class:`StepPlan` (what its forward carried: ``requests``, ``tokens``, ``prefill_tokens``,
     ``draft_nodes`` verified and ``proposed_nodes`` drafted), the step's wall
     ``seconds`` and its forward's ``forward_seconds`` (the rest is host time: drafting,
@@ -102,6 +106,11 @@ class StepReport:
     plan: StepPlan
     seconds: float
     forward_seconds: float
+    failed: tuple[tuple[str, BaseException], ...] = ()
+    """the runs that raised in their own part of the step (starting, drafting, accepting, a grammar,
+    a stop rule, logprobs), each with what it raised: each ended alone (closed with stop reason
+    ``error``, the message in its stats' ``error``), out of the batch before the report, while the
+    step went on for the others"""
 
 
 class Batch:
@@ -175,6 +184,8 @@ class Batch:
         self._running_in: Counter[str] = Counter()  # group -> its runs running
         self._dirty: dict[Drafter, None] = {}  # drafters with state to write, in the order they finished
         self._finished_since_persist = 0
+        self._failed: list[tuple[str, BaseException]] = []  # runs that failed alone in the step under way
+        self._steps_done = 0
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -278,7 +289,12 @@ class Batch:
         self.waiting.remove(rid)
         try:
             run.start(self.adapter)
-        except BaseException:  # it never ran: it leaves the batch, closed, and the step fails
+        except Exception as exc:  # it never ran: it leaves the batch alone, closed, and the step goes on
+            del self._group[rid], self.runs[rid]
+            run.close("error")
+            self._note_failure(rid, run, exc)
+            return
+        except BaseException:
             del self._group[rid], self.runs[rid]
             run.close("cancelled")
             raise
@@ -332,6 +348,7 @@ class Batch:
         """Advance every running run by one step (module doc); the report names the runs that
         finished during it and what the forward carried."""
         started = time.perf_counter()
+        self._failed = []
         self._admit()
         scheduled = time.perf_counter()
         plan = self.schedule()
@@ -340,7 +357,32 @@ class Batch:
         finished = self.retire_finished()
         seconds = time.perf_counter() - started
         self._learn(plan, seconds, forward_seconds, work_seconds)
-        return StepReport(finished, plan, seconds, forward_seconds)
+        failed, self._failed = tuple(self._failed), []
+        return StepReport(finished, plan, seconds, forward_seconds, failed)
+
+    def _alone(self, run: Run, call: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """``call()``, one run's own part of the step: ``(True, its result)``, or, when it raises
+        an :class:`Exception`, ``(False, None)`` with the run ended alone (:meth:`_fail`)."""
+        try:
+            return True, call()
+        except Exception as exc:
+            self._fail(run, exc)
+            return False, None
+
+    def _fail(self, run: Run, exc: Exception) -> None:
+        """``run`` raised in its own part of the step: it leaves the batch now, closed with stop
+        reason ``error`` (``exc``'s message in its stats), and the step goes on for the others."""
+        rid = next((i for i in self.running if self.runs[i] is run), None)
+        if rid is None:  # already out (a second failure in one step)
+            return
+        self.running.remove(rid)
+        self._retire(rid, "error")
+        self._note_failure(rid, run, exc)
+
+    def _note_failure(self, rid: str, run: Run, exc: Exception) -> None:
+        with contextlib.suppress(TriedecError):  # a run that never started has no outcome to note it in
+            run.outcome.stats.error = str(exc) if isinstance(exc, TriedecError) else f"{type(exc).__name__}: {exc}"
+        self._failed.append((rid, exc))
 
     def schedule(self) -> StepPlan:
         """Propose and allocate: which requests put a prompt chunk in this step's forward, which
@@ -355,14 +397,22 @@ class Batch:
                 budget -= r.chunk_tokens
         decoding = [r for r in requests if not r.prefilling and not r.done]
         drafting = self.payoff is None or not decoding or self.payoff.drafts(len(decoding), measured=not chunks)
-        drafts = [r.propose(drafting) for r in decoding]
+        proposed = [(r, self._alone(r, lambda r=r: r.propose(drafting))) for r in decoding]
+        decoding = [r for r, (ok, _) in proposed if ok]
+        drafts = [d for _, (ok, d) in proposed if ok]
         chunk_context = sum(r.context_tokens for r in chunks)
         context = chunk_context + sum(r.context_tokens for r in decoding)
         counts = allocate([d.chances for d in drafts], [d.required for d in drafts], self.sizing_cost,
                           fixed_tokens=sum(r.chunk_tokens for r in chunks), items=len(chunks) + len(decoding),
                           context=context, max_tokens=self.limits.max_tokens_per_forward,
                           host_seconds=self.host_seconds, fixed_context=chunk_context)
-        items = [r.prefill_item() for r in chunks] + [r.verify_item(n) for r, n in zip(decoding, counts, strict=True)]
+        items = [r.prefill_item() for r in chunks]
+        verifying = [(r, self._alone(r, lambda r=r, n=n: r.verify_item(n)))
+                     for r, n in zip(decoding, counts, strict=True)]
+        decoding = [r for r, (ok, _) in verifying if ok]
+        items += [item for _, (ok, item) in verifying if ok]
+        counts = [n for (_, (ok, _)), n in zip(verifying, counts, strict=True) if ok]
+        drafts = [d for (_, (ok, _)), d in zip(verifying, drafts, strict=True) if ok]
         return StepPlan(running, tuple(chunks), tuple(decoding), tuple(items), context,
                         tokens_before=sum(len(r.generated) for r in decoding),
                         proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts),
@@ -404,13 +454,40 @@ class Batch:
             if self.gate_drafts and plan.draft_nodes:
                 self._charge_draft_rows(plan)
             for r, rows in zip(plan.chunks, logits, strict=False):
-                r.prefilled(rows)
+                self._alone(r, lambda r=r, rows=rows: r.prefilled(rows))
             for r, rows in zip(plan.decoding, logits[len(plan.chunks) :], strict=True):
-                r.verified(rows)
-        for run in plan.running:
-            if not run.shares_forward and not run.done:
-                run.advance()  # type: ignore[attr-defined]
+                self._alone(r, lambda r=r, rows=rows: r.verified(rows))
+        for run in self._solo_turns(plan):
+            self._alone(run, run.advance)  # type: ignore[attr-defined]
         return forward_seconds
+
+    def _solo_turns(self, plan: StepPlan) -> list[Run]:
+        """The runs with a loop of their own (beam search) that advance this step: all of them,
+        unless another group has work; then each group's advance, longest waiting first, only
+        while its rows (its beams) fit its share of the forward's tokens
+        (``max_tokens_per_forward`` over the groups with work; at least one run a group), so one
+        client's beams never hold a step for everyone else."""
+        self._steps_done += 1
+        solo = [(rid, self.runs[rid]) for rid in self.running
+                if not self.runs[rid].shares_forward and not self.runs[rid].done and self.runs[rid] in plan.running]
+        if not solo:
+            return []
+        groups = {self._group[i] for i in (*self.running, *self.waiting, *self.paused)}
+        if len(groups) <= 1:
+            chosen = [run for _, run in solo]
+        else:
+            share = max(1, self.limits.max_tokens_per_forward // len(groups))
+            spent: Counter[str] = Counter()
+            chosen = []
+            for rid, run in sorted(solo, key=lambda pair: pair[1].advanced_at):  # type: ignore[attr-defined]
+                group, rows = self._group[rid], getattr(run, "rows", 1)
+                if spent[group] and spent[group] + rows > share:
+                    continue
+                spent[group] += rows
+                chosen.append(run)
+        for run in chosen:
+            run.advanced_at = self._steps_done  # type: ignore[attr-defined]
+        return chosen
 
     def _charge_draft_rows(self, plan: StepPlan) -> None:
         """Tell each decoding request what its verified draft rows added to the forward (the sizing
@@ -494,16 +571,20 @@ class Batch:
 def run_alone(adapter: ModelAdapter, run: Run, cost: CostModel | None = None,
               limits: BatchLimits | None = None) -> Generator[list[int], None, Outcome]:
     """Decode one run in a batch of its own: yields its tokens as they are committed (non-empty
-    lists), returns its :class:`~triedec.engine.outcome.Outcome`. Closing the generator early ends the
-    run (its session ends; its learned state is written)."""
+    lists), returns its :class:`~triedec.engine.outcome.Outcome`. A run that fails in its own part
+    of a step (its grammar admits no continuation, ...) raises what it raised, after the tokens it
+    committed. Closing the generator early ends the run (its session ends; its learned state is
+    written)."""
     batch = Batch(adapter, cost, limits)
     batch.submit(run)
     try:
         while not run.done:
-            batch.step()
+            failed = batch.step().failed
             fresh = run.take()
             if fresh:
                 yield fresh
+            if failed:
+                raise failed[0][1]
         return run.outcome
     finally:
         batch.close()

@@ -257,7 +257,7 @@ class BeamSearchDecoder:
         def loop(adapter: Any, steps: list[StepTrace] | None) -> Generator[list[int], None, Outcome]:
             return (yield from beam_search(adapter, ids, self.options, stop, steps=steps))
 
-        return SoloRun(loop, reserve)
+        return SoloRun(loop, reserve, rows=self.options.num_beams)
 
     def export_learned(self) -> Learned:
         """Beam search learns nothing across requests."""

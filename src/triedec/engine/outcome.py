@@ -26,7 +26,9 @@ class Stats:
       lived it: when it shares forwards with other requests, each forward's whole duration counts;
       ``tokens_per_s`` = new tokens / seconds; ``queued_seconds``: waiting before that;
     * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
-      ``stop_string``, ``length``, ``grammar`` (the request's grammar is complete), ``cancelled``);
+      ``stop_string``, ``length``, ``grammar`` (the request's grammar is complete), ``cancelled``,
+      ``time_limit``, ``error``: the run raised in its own part of a step, e.g. a grammar that
+      admits no continuation, and ended alone); ``error``: what it raised (``stop_reason`` ``error``);
     * ``peak_kv_tokens``: most KV slots in use; ``kv_bytes``: their size;
     * ``kernels``: what the model ran on (``plain``, or triedec's faster kernels; see the adapter);
       ``runner``: which code walked its layers, ``triedec`` (its own runner) or ``transformers``;
@@ -69,6 +71,7 @@ class Stats:
     prefill_seconds: float = 0.0
     queued_seconds: float = 0.0
     stop_reason: str = ""
+    error: str = ""
     peak_kv_tokens: int = 0
     kv_bytes: int = 0
     kernels: str = ""

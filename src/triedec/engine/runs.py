@@ -56,13 +56,19 @@ class SoloRun:
     :meth:`record_steps`) a list it appends a :class:`~triedec.core.trace.StepTrace` to per step. It
     advances one step per batch step, beside the shared forward. Closed before its loop returned
     (cancelled, or past its time limit), its outcome holds what it lived: the tokens it emitted,
-    its steps, its seconds and the reason."""
+    its steps, its seconds and the reason. ``rows``: the rows one step of its loop carries
+    (beam search's beams): a batch counts them in the run's group's share of a step's rows."""
 
     shares_forward = False
 
     def __init__(self, loop: Callable[[ModelAdapter, list[StepTrace] | None], Generator[list[int], None, Outcome]],
-                 kv_tokens: int) -> None:
+                 kv_tokens: int, rows: int = 1) -> None:
         self._loop = loop
+        self.rows = rows
+        """the rows a step of its loop carries (beam search: its beams), what a batch counts against
+        its group's share of a step while other groups have work"""
+        self.advanced_at = 0
+        """the batch step it last advanced in (a batch that shares steps advances the longest waiting first)"""
         self._trace: list[StepTrace] | None = None
         self._steps: Generator[list[int], None, Outcome] | None = None
         self._kv_tokens = kv_tokens

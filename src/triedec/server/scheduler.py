@@ -338,7 +338,7 @@ class Scheduler:
         batch.cost = self.lm.cost_model()  # measured once a method needed it
         try:
             report = batch.step()
-        except Exception as exc:  # a bug: the requests of this step fail (500), the server lives on
+        except Exception as exc:  # a bug outside any one run's part (the forward): this step's runs fail (500)
             log.exception("a decoding step failed")
             waiting = set(batch.waiting)  # the others ran in the step, or were being started when it failed
             for job in [job for rid, job in self._jobs.items() if rid not in waiting]:
@@ -352,6 +352,14 @@ class Scheduler:
         for rid in report.finished:
             job = self._jobs.pop(rid)
             self._finish(job, "done", job.run.outcome)
+        for rid, exc in report.failed:  # each ended alone; the others' tokens went out above
+            job = self._jobs.pop(rid)
+            if not isinstance(exc, TriedecError):  # the request's own error is its answer; anything else is a bug
+                log.error("request %s failed alone in a step: %s", rid, exc, exc_info=exc)
+            if job.emitted:  # it has output: it ends as a finished choice, stop reason "error" naming why
+                self._finish(job, "done", job.run.outcome)
+            else:
+                self._finish(job, "error", exc)
         if self.on_step is not None:
             self.on_step(report)
 

@@ -28,6 +28,16 @@ MAX_CHOICES = 16
 """The most choices (``n``) one request may ask for; each is a request of its own in the batch and
 in its tenant's share."""
 
+MAX_LOGPROB_ENTRIES = 50_000
+"""The most logprob entries one request's response may hold: tokens x (1 + alternatives), over its
+prompts and choices, for echoed prompts' logprobs, vLLM's ``prompt_logprobs`` and the generated
+tokens' ``logprobs`` (an entry is ~100 bytes of JSON: ~5 MB at the cap). A request asking for more
+is refused (400 naming the field) before it runs."""
+
+MAX_HYPOTHESES = 256
+"""The most beam hypotheses one request may ask for, prompts x ``num_beams`` (each is a row of
+every step's forward; a batch counts a beam search's rows in its client's share of a step)."""
+
 IGNORED_HEADER = "X-Triedec-Warning"
 """The response header that names the top-level request fields the server ignored (unknown to it),
 as vLLM ignores them: ``unknown fields ignored: a, b``."""
@@ -154,6 +164,8 @@ class Generation(Body):
                             "name", "schema", "strict", "description"}:
                         raise TriedecError('response_format json_schema must be {"name", "schema": {...}, "strict", '
                                            '"description"} with a schema object')
+                    if "strict" in spec and not isinstance(spec["strict"], bool):
+                        raise TriedecError("response_format json_schema.strict must be true or false")
                     asked.append(("response_format", Grammar.json_schema(spec["schema"])))
                 elif not (kind == "text" and set(form) == {"type"}):
                     raise TriedecError('response_format must be {"type": "text"}, {"type": "json_object"} or '

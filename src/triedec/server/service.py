@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from triedec.api.generation import GenerationRequest
 from triedec.api.lm import LM
+from triedec.api.prompts import PromptTooLong
 from triedec.api.text import TextStream, TokenOffsets
 from triedec.api.tools import CallStream, ToolFormat, tool_format
 from triedec.core.errors import StateFileError, TriedecError
@@ -44,6 +45,8 @@ from triedec.server.schemas import (
     CHAT_SHAPE,
     COMPLETION_SHAPE,
     MAX_CHOICES,
+    MAX_HYPOTHESES,
+    MAX_LOGPROB_ENTRIES,
     ChatRequest,
     FieldError,
     Generation,
@@ -86,6 +89,8 @@ class _Prepared:
     tools: ToolFormat | None = None
     """how the model writes calls, when the request lets it call tools (its reply is read back as
     text or calls)"""
+    calls_required: bool = False
+    """its reply must be calls (``tool_choice`` ``required`` or a named function)"""
 
     @property
     def prompt_tokens(self) -> int:
@@ -212,9 +217,28 @@ class Service:
             except TriedecError as exc:
                 raise FieldError(asked[0], str(exc)) from None
         out = []
+        most = None if lm.max_context is None else lm.max_context - 1  # room for a token to generate
+        total_entries = 0
         for index, prompt in enumerate(prompts):
-            ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text, tools=shown_tools)
+            try:
+                ids = lm.encode(prompt, chat=chat, split_special=not config.special_tokens_in_text, tools=shown_tools,
+                                most=most)
+            except PromptTooLong as exc:  # found in bounded pieces: a long text is never tokenized whole
+                raise FieldError("messages" if chat else "prompt",
+                                 f"{exc}: it cannot fit the model's context of {lm.max_context} tokens with a token "
+                                 "to generate") from None
             limit, score_only = self.limit(req, ids)
+            if sampling.min_tokens > limit and not score_only:
+                raise FieldError("min_tokens", f"min_tokens ({sampling.min_tokens}) exceeds the tokens this request "
+                                               f"may generate ({limit})")
+            entries = n * ((len(ids) - 1) * (1 + logprobs.prompt_alternatives) if scores_prompt and logprobs else 0)
+            entries += n * (limit * (1 + top) if top is not None else 0)
+            total_entries += entries
+            if total_entries > MAX_LOGPROB_ENTRIES:
+                field = "prompt_logprobs" if prompt_k is not None else "echo" if echo and scores_prompt else "logprobs"
+                raise FieldError(field, f"the logprobs asked for come to {total_entries} entries (tokens x (1 + "
+                                        f"alternatives), every choice and prompt), past this server's cap of "
+                                        f"{MAX_LOGPROB_ENTRIES} (~{MAX_LOGPROB_ENTRIES * 100 // 10**6} MB of JSON)")
             for seed in seeds:
                 request = GenerationRequest(ids, method, options, limit, req.stop, tuple(req.stop_token_ids or ()),
                                             sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
@@ -223,7 +247,8 @@ class Service:
                 if req.trace:
                     run.record_steps()
                 out.append(_Prepared(run, method, shown_options(method, options), tuple(ids), index, request.stop,
-                                     req.trace, top, prompt_k, echo, score_only, limit, fmt))
+                                     req.trace, top, prompt_k, echo, score_only, limit, fmt,
+                                     fmt is not None and tools is not None and tools.choice != "auto"))
         return out
 
     def tool_format(self) -> ToolFormat:
@@ -341,8 +366,10 @@ class Service:
                 self.check_size(req, prompt, shape.chat)  # 400 before anything is tokenized
             method, options = self.method_of(req)
             n, k = self.runs(req, len(prompts), method)
-            if find_method(method).spec.own_loop and n > 1:  # beam search: its n best hypotheses
-                options = self.beam_choices(method, options, n)
+            if find_method(method).spec.own_loop:  # beam search: its n best hypotheses, its beams counted
+                if n > 1:
+                    options = self.beam_choices(method, options, n)
+                self.check_hypotheses(method, options, len(prompts))
             tenant = self.tenant(request, req)
             self.scheduler.check_tenant(tenant, len(prompts) * k)  # 429 now, before any wait for the engine thread
             scope, options = self.scopes.enter(tenant, method, options)
@@ -398,6 +425,16 @@ class Service:
         return answer
 
     @staticmethod
+    def check_hypotheses(method: str, options: dict[str, Any], prompts: int) -> None:
+        """Refuse beam search over more than :data:`MAX_HYPOTHESES` hypotheses in all (prompts x
+        ``num_beams``): each is a row of every step's forward."""
+        beams = find_method(method).make_options(options).num_beams
+        if prompts * beams > MAX_HYPOTHESES:
+            raise FieldError("method_options" if prompts == 1 else "prompt",
+                             f"{prompts} prompt(s) x num_beams {beams} = {prompts * beams} beam hypotheses exceed this "
+                             f"server's cap of {MAX_HYPOTHESES} per request")
+
+    @staticmethod
     def beam_choices(method: str, options: dict[str, Any], n: int) -> dict[str, Any]:
         """Beam search's options returning its ``n`` best hypotheses (``num_return_sequences``),
         checked against ``num_beams``."""
@@ -417,6 +454,8 @@ class Service:
                "queued_seconds": s.queued_seconds, "seed": s.seed, "stop_reason": s.stop_reason,
                "tokens_from_store": int(s.drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
                "exactness": s.exactness, "runner": s.runner}
+        if s.error:  # it ended alone on an error of its own after some output (stop_reason "error")
+            ext["error"] = s.error
         if s.grammar_seconds is not None:  # what the grammar cost and gave
             ext["grammar_seconds"] = s.grammar_seconds
             ext["forced_tokens"] = s.accepted_by_origin.get(FORCED, 0)
@@ -449,6 +488,8 @@ class Service:
         elif kind == "cancelled":
             status, answer = 503, error(503, "the request was cancelled: the server is shutting down",
                                         "server_overloaded")
+        elif isinstance(value, TriedecError):  # the request's own (its grammar admits no continuation, ...)
+            status, answer = 400, error(400, f"generation failed: {value}", code="generation_failed")
         else:
             status, answer = 500, error(500, f"generation failed: {type(value).__name__}", "server_error")
         self.metrics.requests.labels(shape.endpoint, prepared.method, str(status)).inc()
@@ -554,13 +595,16 @@ class Service:
         score = sum(e.logprob for e in own)
         calls: list[dict[str, Any]] | None = None
         if prepared.tools is not None:  # the reply, read back as text or calls
-            stream = CallStream(prepared.tools)
+            stream = CallStream(prepared.tools, prepared.calls_required)
             stream.add(body)
             stream.finish()
             if stream.calls:
                 calls = [c.as_openai() for c in stream.calls]
                 reason = "tool_calls" if reason != "length" else reason
-        choices = [_Choice(echoed + body, reason, tokens, ext, shown, scored, score, calls)]
+        content: str | None = echoed + body
+        if prepared.tools is not None and stream.kind == "calls" and not calls:  # cut inside its first call
+            content = None
+        choices = [_Choice(content, reason, tokens, ext, shown, scored, score, calls)]
         for hypothesis in outcome.sequences[1:]:  # beam search's other hypotheses, best first
             ids = list(hypothesis.token_ids)
             done = "stop" if len(ids) < prepared.limit else "length"
@@ -587,7 +631,7 @@ class Service:
         echoed, shown, scored, offsets = self.prompt_parts(prepared, scores, shape)
         if prepared.echo or scored is not None:
             yield chunk(echoed, None, index, logprobs=shown, prompt_logprobs=scored)
-        calls = None if prepared.tools is None else CallStream(prepared.tools)
+        calls = None if prepared.tools is None else CallStream(prepared.tools, prepared.calls_required)
 
         def split(delta: str, last: bool = False) -> tuple[str, list[dict[str, Any]] | None]:
             """``delta`` as the text to show and the calls it completed (a reply read back as text or
@@ -624,9 +668,10 @@ class Service:
             elif kind == "done":
                 self.metrics.finished(shape.endpoint, prepared.method, value, request=index == 0)
                 tail, found = split(text.finish())
-                if calls is not None:  # what the reply held back: text (a call cut short before it completed)
-                    more, _ = split("", last=True)
+                if calls is not None:  # what the reply held back: text, or the call a cut reply was writing
+                    more, cut = split("", last=True)
                     tail += more
+                    found = [*(found or []), *(cut or [])] or None
                 if tail and not prepared.score_only:
                     yield chunk(tail, None, index)
                 if found:
@@ -734,7 +779,8 @@ class Service:
 class _Choice:
     """One finished choice, ready for the response."""
 
-    text: str
+    text: str | None
+    """its text (None: a chat reply that is calls, cut before any completed)"""
     reason: str
     tokens: int
     """tokens generated for it (what usage counts)"""

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from triedec.api.lm import LM
+from triedec.api.prompts import PromptTooLong
 from triedec.core.errors import TriedecError
 from triedec.server.schemas import Body, ChatMessage, error
 
@@ -71,16 +72,19 @@ def add_routes(app: FastAPI, lm: LM, model_name: str, split_special: bool) -> No
 
         def run() -> list[int]:
             if req.prompt is not None:
-                return lm.prompts.tokenize(req.prompt, req.add_special_tokens)
+                return lm.prompts.tokenize(req.prompt, req.add_special_tokens, most=context)
             if not source:
                 raise TriedecError("messages must not be empty")
             if not req.add_generation_prompt:
                 raise TriedecError("add_generation_prompt: false is not supported (the chat template's prompt "
                                    "is what a chat request sends)")
-            return lm.encode(source, chat=True, split_special=split_special)
+            return lm.encode(source, chat=True, split_special=split_special, most=context)
 
         try:
             ids = await run_in_threadpool(run)
+        except PromptTooLong as exc:  # past the context: found in bounded pieces, never returned whole
+            return error(400, f"{exc}: past the model's context of {context} tokens",
+                         param="prompt" if req.prompt is not None else "messages")
         except TriedecError as exc:
             return error(400, str(exc), param="messages")
         return {"count": len(ids), "max_model_len": context, "tokens": ids,
