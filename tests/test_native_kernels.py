@@ -500,3 +500,28 @@ def test_every_installed_build_gives_the_same_bits():
     first, *others = outputs.values()
     for other in others:
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+# ---- the machine's limits, measured (scripts/roofline.py) ------------------------------------------
+
+
+def test_the_probes_count_what_they_did_and_refuse_bad_input():
+    """dot_peak's count is iterations x 12 chains x the build's multiply-adds an instruction x the
+    threads, whatever the machine's speed; stream_read reads every byte (a changed byte changes its
+    checksum) and refuses anything but contiguous uint8."""
+    width = {"avx512vnni": 64, "avxvnni": 32, "avxvnni_evex": 32, "avx2": 32, "portable": 4}
+    threads = torch.get_num_threads()  # one share per intra-op thread (run inline without OpenMP)
+    done = KERNEL.dot_peak(100)
+    assert KERNEL.dot_peak(0) == 0 and KERNEL.dot_peak(200) == 2 * done
+    if KERNEL.isa() in width:
+        assert done == 100 * 12 * width[KERNEL.isa()] * threads
+    zeros = torch.zeros(3 << 20, dtype=torch.uint8)
+    assert KERNEL.stream_read(zeros) == 0
+    for at in (0, 1 << 20, (3 << 20) - 1):
+        one = zeros.clone()
+        one[at] = 7
+        assert KERNEL.stream_read(one) != 0
+    with pytest.raises(RuntimeError, match="uint8"):
+        KERNEL.stream_read(torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="iterations"):
+        KERNEL.dot_peak(-1)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
 KERNEL_SOURCES = ("tree_attention.cpp", "rms_norm.cpp", "rotary.cpp", "a8_linears.cpp", "f32_linears.cpp",
-                  "elementwise.cpp",
+                  "elementwise.cpp", "probes.cpp",
                   "table.cpp")
 """A kernel library's translation units, in ``csrc/``: the kernels (``kernels.h``: plain pointers,
 no torch headers, quick to compile once per ISA) and the table of them it exports

@@ -52,6 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("f32_linear", &f32_linear, "a float32 linear, each output summed over the input features in order",
         release());
+  m.def("dot_peak", &dot_peak,
+        "the multiply-adds of `iterations` rounds of this build's 8-bit dot product on each thread (a probe of the peak)",
+        release());
+  m.def("stream_read", &stream_read, "a checksum of a uint8 tensor's bytes, read once over the threads (a probe of "
+        "the memory's rate)", release());
   m.def("aten_rms_norm", &triedec::aten_rms_norm,
         "transformers' float32 RMS norm in its own torch ops, as the native forward runs it (decoder.h)");
   using triedec::NativeDecoder, triedec::NativeLayer, triedec::NativeLinear;

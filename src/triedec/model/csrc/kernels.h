@@ -70,4 +70,11 @@ void mul_bf16_rows(const c10::BFloat16* a, int64_t a_ld, const c10::BFloat16* b,
                    int64_t R, int64_t n);
 void add_bias_bf16(c10::BFloat16* out, const c10::BFloat16* bias, int64_t R, int64_t N);
 
+// probes.cpp: the machine's limits, measured (scripts/roofline.py). dot_peak runs `iterations`
+// rounds of 12 chains of this build's 8-bit dot product on each of torch's threads and returns
+// the multiply-adds done; stream_read reads bytes [0, n) once over the threads and returns a
+// checksum.
+int64_t dot_peak(int64_t iterations);
+int64_t stream_read(const uint8_t* bytes, int64_t n);
+
 }  // namespace triedec

@@ -302,3 +302,14 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
                                      out.data_ptr<float>());
   return out;
 }
+
+int64_t dot_peak(int64_t iterations) {
+  TORCH_CHECK(iterations >= 0, "iterations must not be negative");
+  return triedec::kernels().dot_peak(iterations);
+}
+
+int64_t stream_read(torch::Tensor bytes) {
+  TORCH_CHECK(bytes.device().is_cpu() && bytes.scalar_type() == at::kByte && bytes.is_contiguous(),
+              "bytes must be a contiguous uint8 CPU tensor");
+  return triedec::kernels().stream_read(bytes.data_ptr<uint8_t>(), bytes.numel());
+}

@@ -28,3 +28,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 // x [R, K] float32, the weight packed as f32_linears.cpp says: each output summed in input order.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+// The probes of probes.cpp: multiply-adds done by `iterations` rounds on each thread; a checksum of
+// a contiguous uint8 tensor's bytes, read once.
+int64_t dot_peak(int64_t iterations);
+int64_t stream_read(torch::Tensor bytes);

@@ -1,0 +1,136 @@
+// The machine's limits, measured with the kernels' own instructions (scripts/roofline.py): the
+// peak rate of the 8-bit dot products the linears issue, and the rate at which a kernel streams
+// bytes from memory. Each runs on torch's intra-op threads, one share per thread, and returns a
+// count the caller divides by the time it took; the results feed no computation.
+//
+// dot_peak: each thread runs `iterations` rounds of 12 independent accumulator chains (enough to
+// cover the instruction's latency on two ports) of this build's 8-bit dot product: AVX512-VNNI's
+// vpdpbusd on 512 bits (64 multiply-adds), AVX-VNNI's on 256 (32), AVX2's vpmaddubsw + vpmaddwd
+// pair (32, counted as one step of 32), or a scalar loop. Returns the multiply-adds done in all.
+// stream_read: the bytes [0, n) read once, split over the threads, with the widest loads this
+// build has; returns a checksum (so that the loads are not optimized away).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(TRIEDEC_VNNI256_EVEX)
+#include <immintrin.h>
+#define TRIEDEC_PROBE_VNNI512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define TRIEDEC_PROBE_AVX2 1
+#if defined(__AVXVNNI__) || (defined(TRIEDEC_VNNI256_EVEX) && defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define TRIEDEC_PROBE_VNNI256 1
+#endif
+#endif
+
+namespace {
+
+constexpr int kChains = 12;
+
+int64_t dot_rounds(int64_t iterations) {
+#if defined(TRIEDEC_PROBE_VNNI512)
+  __m512i acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
+  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1);
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
+    __asm__ volatile("" : "+v"(w));  // a new w each round: the rounds cannot be folded
+  }
+  __m512i s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm512_add_epi32(s, acc[i]);
+  return _mm512_reduce_add_epi32(s) == 1 ? 0 : iterations * kChains * 64;
+#elif defined(TRIEDEC_PROBE_AVX2)
+  __m256i acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_epi32(i);
+  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(1);
+#ifndef TRIEDEC_PROBE_VNNI256
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < kChains; ++i) {
+#if defined(__AVXVNNI__)
+      acc[i] = _mm256_dpbusd_avx_epi32(acc[i], w, x);
+#elif defined(TRIEDEC_PROBE_VNNI256)
+      acc[i] = _mm256_dpbusd_epi32(acc[i], w, x);
+#else
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+#endif
+    }
+    __asm__ volatile("" : "+v"(w));
+  }
+  __m256i s = acc[0];
+  for (int i = 1; i < kChains; ++i) s = _mm256_add_epi32(s, acc[i]);
+  return _mm256_extract_epi32(s, 0) == 1 ? 0 : iterations * kChains * 32;
+#else
+  int32_t acc[kChains * 4];
+  for (int i = 0; i < kChains * 4; ++i) acc[i] = i;
+  volatile uint8_t w_source = 3;
+  uint8_t w = w_source;
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < kChains * 4; ++i) acc[i] += static_cast<int32_t>(w) * static_cast<int8_t>(1 + (i & 1));
+    __asm__ volatile("" : "+r"(w));
+  }
+  int32_t s = 0;
+  for (int i = 0; i < kChains * 4; ++i) s += acc[i];
+  return s == 1 ? 0 : iterations * kChains * 4;
+#endif
+}
+
+}  // namespace
+
+namespace triedec {
+
+int64_t dot_peak(int64_t iterations) {
+  std::atomic<int64_t> done{0};
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) done += dot_rounds(iterations);
+  });
+  return done.load();
+}
+
+int64_t stream_read(const uint8_t* bytes, int64_t n) {
+  std::atomic<int64_t> total{0};
+  constexpr int64_t kPiece = 1 << 20;
+  at::parallel_for(0, (n + kPiece - 1) / kPiece, 1, [&](int64_t begin, int64_t end) {
+    const int64_t lo = begin * kPiece, hi = std::min(n, end * kPiece);
+    int64_t i = lo;
+#if defined(TRIEDEC_PROBE_VNNI512)
+    __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+    for (; i + 256 <= hi; i += 256) {
+      a = _mm512_xor_si512(a, _mm512_loadu_si512(bytes + i));
+      b = _mm512_xor_si512(b, _mm512_loadu_si512(bytes + i + 64));
+      c = _mm512_xor_si512(c, _mm512_loadu_si512(bytes + i + 128));
+      d = _mm512_xor_si512(d, _mm512_loadu_si512(bytes + i + 192));
+    }
+    int64_t sum = _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
+#elif defined(TRIEDEC_PROBE_AVX2)
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (; i + 128 <= hi; i += 128) {
+      a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i)));
+      b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32)));
+      c = _mm256_xor_si256(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 64)));
+      d = _mm256_xor_si256(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 96)));
+    }
+    const __m256i e = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    int64_t sum = _mm256_extract_epi64(e, 0) ^ _mm256_extract_epi64(e, 3);
+#else
+    int64_t sum = 0;
+#endif
+    for (; i + 8 <= hi; i += 8) {
+      int64_t word;
+      std::memcpy(&word, bytes + i, 8);
+      sum ^= word;
+    }
+    for (; i < hi; ++i) sum ^= bytes[i];
+    total += sum;
+  });
+  return total.load();
+}
+
+}  // namespace triedec
