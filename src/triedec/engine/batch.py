@@ -18,8 +18,13 @@ frozen :class:`StepPlan`, as vLLM v1's ``SchedulerOutput``), :meth:`~Batch.verif
 4. **verify**: one forward (:meth:`~triedec.model.adapter.ModelAdapter.forward_batch`) carries every
    request's tree and up to ``max_prefill_tokens`` of prompt chunks of requests still prefilling;
 5. **accept** and **commit**, per request (:class:`~triedec.engine.request.Request`);
-6. runs with a loop of their own (beam search, :class:`~triedec.engine.runs.SoloRun`) advance one step each, beside;
+6. runs with a loop of their own (beam search, :class:`~triedec.engine.runs.SoloRun`) advance one step each,
+   beside; while another group has work, a group's only while their rows fit its share of the forward;
 7. finished runs leave at once: their session ends, their KV is freed.
+
+A run that raises in its own part of a step (starting, proposing, accepting, its grammar, its
+stop rule) ends alone, closed with stop reason ``error`` (:attr:`StepReport.failed`), and the step
+goes on for the others.
 
 Single-request decoding is the same step with one request (:func:`run_alone`), so ``generate``,
 ``stream``, the CLI, ``custom_generate`` and the server share one code path.
