@@ -53,7 +53,9 @@ def test_streamed_n_choices_join_to_the_unstreamed_ones(base, lm):
         assert reasons[i] == choice["finish_reason"]
         want = lm.generate(CHAT, "auto", chat=True, max_new_tokens=10, temperature=0.9, seed=11 + i)
         assert texts[i] == want.text
-    assert usage == whole["usage"]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert {k: usage[k] for k in counts} == {k: whole["usage"][k] for k in counts}
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt again: from the prefix trie
 
 
 @pytest.mark.parametrize("as_ids", [False, True], ids=["texts", "token-ids"])

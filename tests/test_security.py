@@ -296,7 +296,7 @@ def test_a_request_past_its_time_ends_with_length_or_408_and_its_kv_is_freed(lm)
                              json={"prompt": "Once upon a time", "max_tokens": 8, "stream": stream})
             assert got.status_code == 408, got.text
             assert got.json()["error"]["code"] == "timeout"
-        assert httpx.get(f"{url}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+        assert httpx.get(f"{url}/health").json().items() >= {"status": "ok", "running": 0, "waiting": 0}.items()
         assert scheduler.batch.idle  # every expired request left the batch (its KV freed)
 
 

@@ -308,7 +308,7 @@ def test_load_48_requests_12_at_a_time_with_a_client_leaving_mid_stream(base, lm
     deadline = time.time() + 10  # the leaver's request was freed, nothing is left running
     while httpx.get(f"{base}/health").json()["running"] and time.time() < deadline:
         time.sleep(0.1)
-    assert httpx.get(f"{base}/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+    assert httpx.get(f"{base}/health").json().items() >= {"status": "ok", "running": 0, "waiting": 0}.items()
 
 
 OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"),

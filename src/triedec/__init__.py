@@ -28,6 +28,7 @@ _EXPORTS = {
     "LM": "api.lm", "GenerationResult": "api.lm", "load": "api.loading",
     "Method": "engine.methods", "method": "engine.methods", "methods": "engine.methods",
     "Outcome": "engine.outcome", "Stats": "engine.outcome",
+    "PrefixTrie": "core.prefixtrie",
     "Request": "engine.request", "StopRule": "engine.request",
     "Sampling": "core.sampling",
     "TokenTree": "core.tree",
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from triedec.core.costmodel import CostModel
     from triedec.core.errors import TriedecError
     from triedec.core.grammar import Grammar
+    from triedec.core.prefixtrie import PrefixTrie
     from triedec.core.sampling import Sampling
     from triedec.core.tree import TokenTree
     from triedec.drafters import BaseDrafter, BaseSession, Drafter, DrafterSession, ModelInfo, Verified, register
@@ -84,6 +86,7 @@ __all__ = [
     "Method",
     "ModelInfo",
     "Outcome",
+    "PrefixTrie",
     "Request",
     "Sampling",
     "Stats",

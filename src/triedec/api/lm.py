@@ -23,6 +23,7 @@ from triedec.core.costmodel import CostModel
 from triedec.core.errors import TriedecError
 from triedec.core.logprobs import TokenLogprob
 from triedec.core.paths import cache_root
+from triedec.core.prefixtrie import PrefixTrie
 from triedec.drafters import ModelInfo
 from triedec.drafters.learned import Learned
 from triedec.drafters.registry import NEEDS_COST, keyword_names, reserve_option_names
@@ -100,6 +101,12 @@ class LM:
         self.prompts = Prompts(tokenizer, self.adapter.vocab_size)
         self.grammars = Grammars(tokenizer, self.adapter.vocab_size, self.eos_token_ids)
         """the requests' grammars, compiled once each (:mod:`triedec.api.grammar`)"""
+        self.prefix_cache: PrefixTrie | None = None
+        """KV kept across this LM's requests (:class:`~triedec.core.prefixtrie.PrefixTrie`; None,
+        the default: none): set one, e.g. ``lm.prefix_cache = PrefixTrie(256 << 20)``, and
+        :meth:`generate`, :meth:`stream` and :meth:`generate_batch` start each request from the
+        longest cached prefix of its prompt and leave its KV there (the same bits as without;
+        ``triedec serve`` keeps its own, ``--prefix-cache-mib``)"""
 
     @property
     def has_chat_template(self) -> bool:
@@ -252,7 +259,7 @@ class LM:
         request runs alone in an engine batch of its own: the same step as the server's.
         """
         run = self.start(_request(prompt, method, kwargs))
-        return run_alone(self.adapter, run, self.cost_model(), self.limits)
+        return run_alone(self.adapter, run, self.cost_model(), self.limits, self.prefix_cache)
 
     def generate(self, prompt: Prompt | GenerationRequest, method: str = DEFAULT_METHOD, *,
                  on_tokens: Callable[[list[int]], None] | None = None, **kwargs: Any) -> GenerationResult:
@@ -287,7 +294,7 @@ class LM:
         """
         request = _request(prompt, method, kwargs)
         run = self.start(request)
-        steps = run_alone(self.adapter, run, self.cost_model(), self.limits)
+        steps = run_alone(self.adapter, run, self.cost_model(), self.limits, self.prefix_cache)
         tokens: list[int] = []
         logprobs: list[TokenLogprob] = []
         while True:
@@ -321,7 +328,7 @@ class LM:
         requests = [_request(p, method, kwargs) for p in prompts]
         runs = [self.start(r) for r in requests]
         limits = self.limits if max_running is None else dataclasses.replace(self.limits, max_running=max_running)
-        batch = Batch(self.adapter, self.cost_model(), limits)
+        batch = Batch(self.adapter, self.cost_model(), limits, prefix=self.prefix_cache)
         tokens: list[list[int]] = [[] for _ in runs]
         logprobs: list[list[TokenLogprob]] = [[] for _ in runs]
         bar = None

@@ -50,7 +50,7 @@ def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: in
     """One streamed completion of token ids, greedy unless ``extra`` (more body fields) says
     otherwise: its text, token count, times (``sent``, ``first`` and ``last`` token, and every
     chunk's arrival in ``chunk_times``; perf_counter seconds), finish reason, llama-server's
-    ``timings`` and triedec's ``triedec`` extension (None where absent)."""
+    ``timings``, triedec's ``triedec`` extension and the ``usage`` (None where absent)."""
     body = {"prompt": list(ids), "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     text, chunks, usage, timings, ext, finish = [], 0, None, None, None, None
@@ -85,7 +85,8 @@ def complete(client: httpx.Client, base: str, ids: Sequence[int], max_tokens: in
     else:
         tokens = chunks
     return {"text": "".join(text), "tokens": tokens, "sent": sent, "first": first, "last": last,
-            "chunk_times": chunk_times, "finish_reason": finish, "server_timings": timings, "triedec": ext}
+            "chunk_times": chunk_times, "finish_reason": finish, "server_timings": timings, "triedec": ext,
+            "usage": usage}
 
 
 def run_phase(base: str, prompts: Mapping[str, Sequence[int]], concurrency: int, max_tokens: int,

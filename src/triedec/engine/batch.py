@@ -5,7 +5,9 @@ A :class:`Batch` owns the loop (mini-sglang's scheduler that owns it; vLLM's eng
 frozen :class:`StepPlan`, as vLLM v1's ``SchedulerOutput``), :meth:`~Batch.verify` (4-6) and
 :meth:`~Batch.retire_finished` (7):
 
-1. **admits** waiting runs at the step boundary, oldest first, within :class:`BatchLimits`
+1. **admits** waiting runs at the step boundary (each starts from the longest prefix of its prompt
+   a prefix trie holds, and requests of one group with one prompt share its prefill:
+   :meth:`Batch.share_prompts`), oldest first, within :class:`BatchLimits`
    (running requests, KV memory) and each group's running cap (a server tenant's share); a
    ``fair`` batch (the server's) admits the group with the fewest running first, and pauses a run
    of a group holding more than its share of slots while another group waits;
@@ -51,6 +53,7 @@ from triedec.core.allocate import DraftGate, DraftPayoff, Pace, allocate
 from triedec.core.costmodel import CostModel, ForwardCost, ObservedCost
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.limits import BatchLimits
+from triedec.core.prefixtrie import PrefixTrie
 from triedec.drafters.base import MAX_TREE_NODES, Drafter
 from triedec.engine.outcome import Outcome, Stats
 from triedec.engine.request import Request, StopRule
@@ -162,7 +165,7 @@ class Batch:
     def __init__(self, adapter: ModelAdapter, cost: CostModel | None = None,
                  limits: BatchLimits | None = None, group_running: int | None = None,
                  learn_cost: bool = False, gate_drafts: bool = False, fair: bool = False,
-                 measure_drafting: bool = False) -> None:
+                 measure_drafting: bool = False, prefix: PrefixTrie | None = None) -> None:
         if group_running is not None:
             positive_int("group_running", group_running)
         self.adapter, self.cost = adapter, cost
@@ -191,6 +194,10 @@ class Batch:
         self._finished_since_persist = 0
         self._failed: list[tuple[str, BaseException]] = []  # runs that failed alone in the step under way
         self._steps_done = 0
+        self.prefix = prefix if prefix is not None and adapter.exactness == "bit-exact" else None
+        """the KV kept across requests (:class:`~triedec.core.prefixtrie.PrefixTrie`): a request
+        starts from the longest cached prefix of its prompt and leaves its own rows there; only
+        where the kernels are bit-exact (a hit is then the bits of a miss), else None"""
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -293,7 +300,16 @@ class Batch:
         run, group = self.runs[rid], self._group[rid]
         self.waiting.remove(rid)
         try:
+            cached = self.prefix is not None and isinstance(run, Request)
+            if cached:  # what followed this very prompt before (a regenerated answer): a document to draft from
+                after = self.prefix.continuation(run.cache_scope, run.prompt)  # type: ignore[union-attr]
+                if after:
+                    run.documents = [*run.documents, after]
             run.start(self.adapter)
+            if cached:
+                hit = self.prefix.restore(run.cache_scope, run.prompt, run.shareable_prefix, run.cache)  # type: ignore
+                if hit:
+                    run.adopt_cached(hit)
         except Exception as exc:  # it never ran: it leaves the batch alone, closed, and the step goes on
             del self._group[rid], self.runs[rid]
             run.close("error")
@@ -355,8 +371,9 @@ class Batch:
         started = time.perf_counter()
         self._failed = []
         self._admit()
+        held = self.share_prompts()
         scheduled = time.perf_counter()
-        plan = self.schedule()
+        plan = self.schedule(held)
         forward_seconds = self.verify(plan)
         work_seconds = time.perf_counter() - scheduled
         finished = self.retire_finished()
@@ -389,12 +406,15 @@ class Batch:
             run.outcome.stats.error = str(exc) if isinstance(exc, TriedecError) else f"{type(exc).__name__}: {exc}"
         self._failed.append((rid, exc))
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, held: set[int] | frozenset[int] = frozenset()) -> StepPlan:
         """Propose and allocate: which requests put a prompt chunk in this step's forward, which
-        verify a tree and how many of their draft's nodes it holds (module doc, 2-3)."""
+        verify a tree and how many of their draft's nodes it holds (module doc, 2-3); ``held``:
+        the ``id()`` of requests whose prompt a peer is computing for them (:meth:`share_prompts`,
+        part of admission), which put no chunk in this step. It only plans: nothing changes until
+        :meth:`verify`."""
         running = tuple(self.runs[i] for i in self.running)
         requests: list[Request] = [r for r in running if r.shares_forward]  # type: ignore[misc]
-        waiting = self.share_prompts()
+        waiting = held
         chunks, budget = [], self.limits.max_prefill_tokens
         for r in requests:
             if r.prefilling and id(r) not in waiting and (not chunks or r.chunk_tokens <= budget):
@@ -424,11 +444,13 @@ class Batch:
                         drafting=drafting)
 
     def share_prompts(self) -> set[int]:
-        """Prompt KV computed once for requests of one group with the same prompt (a request's
-        ``n`` choices or ``best_of`` candidates): a running request that has prefilled nothing
-        copies what a peer already prefilled (:meth:`Request.adopt_prompt`), or waits while a
-        peer that is not waiting prefills it. Only within a group, so one tenant's timing never
-        shows what another sent. Returns the ``id()`` of the requests that wait this step."""
+        """Admission's last part: prompt KV computed once for requests of one group with the same
+        prompt (a request's ``n`` choices or ``best_of`` candidates): a running request that has
+        prefilled nothing copies what a peer already prefilled (:meth:`Request.adopt_prompt`), or
+        waits while a peer that is not waiting prefills it. Only within a group, so one tenant's
+        timing never shows what another sent. (Across requests and steps, the prefix trie does
+        the like as a request starts: :meth:`_start`.) Returns the ``id()`` of the requests that
+        wait this step."""
         waiting: set[int] = set()
         running = [(rid, self.runs[rid]) for rid in self.running if self.runs[rid].shares_forward]
         order = {id(r): i for i, (_, r) in enumerate(running)}
@@ -554,6 +576,8 @@ class Batch:
         self._running_in[group] -= int(counted)
         if self._running_in[group] <= 0:
             del self._running_in[group]
+        if self.prefix is not None and isinstance(run, Request) and run.cache is not None and reason != "error":
+            self.prefix.insert(run.cache_scope, run.committed_tokens, run.cache)
         run.close(reason or "cancelled")
         drafter = getattr(run, "drafter", None)
         if drafter is not None:
@@ -574,13 +598,14 @@ class Batch:
 
 
 def run_alone(adapter: ModelAdapter, run: Run, cost: CostModel | None = None,
-              limits: BatchLimits | None = None) -> Generator[list[int], None, Outcome]:
+              limits: BatchLimits | None = None, prefix: PrefixTrie | None = None
+              ) -> Generator[list[int], None, Outcome]:
     """Decode one run in a batch of its own: yields its tokens as they are committed (non-empty
     lists), returns its :class:`~triedec.engine.outcome.Outcome`. A run that fails in its own part
     of a step (its grammar admits no continuation, ...) raises what it raised, after the tokens it
     committed. Closing the generator early ends the run (its session ends; its learned state is
-    written)."""
-    batch = Batch(adapter, cost, limits)
+    written). ``prefix``: a prefix trie it starts from and leaves its KV in."""
+    batch = Batch(adapter, cost, limits, prefix=prefix)
     batch.submit(run)
     try:
         while not run.done:

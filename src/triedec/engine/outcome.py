@@ -25,7 +25,8 @@ class Stats:
     * ``seconds``: wall clock from the start of its prefill to its last token, as the request
       lived it: when it shares forwards with other requests, each forward's whole duration counts;
       ``tokens_per_s`` = new tokens / seconds; ``queued_seconds``: waiting before that;
-    * ``prompt_tokens``, ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
+    * ``prompt_tokens``, ``cached_tokens`` (of them, those whose K/V came from a prefix trie, not
+      computed), ``prefill_seconds`` (to the first token), ``stop_reason`` (``eos``,
       ``stop_string``, ``length``, ``grammar`` (the request's grammar is complete), ``cancelled``,
       ``time_limit``, ``error``: the run raised in its own part of a step, e.g. a grammar that
       admits no continuation, and ended alone); ``error``: what it raised (``stop_reason`` ``error``);
@@ -68,6 +69,7 @@ class Stats:
     seconds: float = 0.0
     tokens_per_s: float = 0.0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     prefill_seconds: float = 0.0
     queued_seconds: float = 0.0
     stop_reason: str = ""

@@ -24,7 +24,7 @@ else runs beside it (see :mod:`triedec.model.adapter` on batch invariance).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +148,10 @@ class Request:
         self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
         self._trace: list[StepTrace] | None = None
         self._pruned = 0  # the drafter's nodes the grammar cut from this step's draft
+        self.cache_scope: Hashable = None
+        """whose prefix trie its prompt is looked up in and its KV kept in (a batch with a
+        :class:`~triedec.core.prefixtrie.PrefixTrie`): the server's tenant and the client's
+        ``cache_salt``; None: the one scope of a library's batches"""
         self._closed = False
         self.gate: DraftGate | None = None
         """set by a batch that gates drafting (:class:`~triedec.core.allocate.DraftGate`); None: always drafts"""
@@ -194,6 +198,23 @@ class Request:
                                "prefilled nothing, from one with the same prompt that has prefilled it")
         self.cache.copy_prefix(source.cache, share)
         self._prefilled = share
+
+    def adopt_cached(self, length: int) -> None:
+        """Its cache, started and empty, now holds its prompt's first ``length`` tokens (restored
+        from a prefix trie: the same bits its own prefill would compute, a token's K/V depending on
+        its prefix only); it prefills the rest. At most :attr:`shareable_prefix`."""
+        if self.cache is None or self._prefilled or self.cache.length != length or length > self.shareable_prefix:
+            raise TriedecError("internal error: cached rows go only into a started request's empty cache, at most "
+                               "its shareable prefix")
+        self._prefilled = length
+        self.stats.cached_tokens = length
+
+    @property
+    def committed_tokens(self) -> list[int]:
+        """The tokens whose K/V its cache holds, in slot order (its prompt, then what it generated)."""
+        if self.cache is None:
+            return []
+        return [*self.prompt, *self.generated][: self.cache.length]
 
     @property
     def context_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -156,6 +157,8 @@ def create_app(lm: LM, config: ServerConfig | None = None) -> FastAPI:
         found = {"status": "ok", "running": running, "waiting": waiting}
         if service.sharing is not None:
             found["sharing"] = service.sharing.status()
+        if service.prefix is not None:
+            found["prefix_cache"] = dataclasses.asdict(service.prefix.stats)
         return found
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -22,7 +22,7 @@ from triedec.api.decoders import DecoderLimits
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.limits import BatchLimits
 from triedec.core.params import DEFAULT_METHOD, MAX_NEW_TOKENS
-from triedec.core.settings import setting
+from triedec.core.settings import MIB, setting
 
 if TYPE_CHECKING:
     from triedec.server.auth import ApiKeys
@@ -167,6 +167,13 @@ class ServerConfig:
                                  help="Host header values a server without API keys answers besides loopback ones "
                                       "(localhost, 127.0.0.0/8, [::1]), comma-separated; '*' answers any (a web page "
                                       "could then reach this server by DNS rebinding)")
+    prefix_cache_bytes: int = setting(1 << 30, flag="--prefix-cache-mib", scale=MIB, unit="MiB",
+                                      help="KV of earlier requests kept for later ones that start with the same "
+                                           "tokens (the prefix trie: a conversation's next turn, a document's next "
+                                           "question prefill only their new tokens), least recently used dropped "
+                                           "first; 0: none")
+    prefix_cache: bool = setting(True, help="keep KV across requests in the prefix trie (--no-prefix-cache: "
+                                            "none, as --prefix-cache-mib 0)")
     special_tokens_in_text: bool = setting(False, group="security",
                                            help="tokenize special tokens' text inside messages and text prompts as "
                                                 "the control tokens themselves (off: as plain text, so only the "
@@ -185,6 +192,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "default_max_tokens", "max_tokens_limit", "send_buffer_bytes"):
             positive_int(name, getattr(self, name))
+        if isinstance(self.prefix_cache_bytes, bool) or not isinstance(self.prefix_cache_bytes, int) \
+                or self.prefix_cache_bytes < 0:
+            raise TriedecError(f"prefix_cache_bytes must be an integer >= 0, got {self.prefix_cache_bytes!r}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise TriedecError(f"the default max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
                                f"({self.max_tokens_limit})")
@@ -226,6 +236,10 @@ class ServerConfig:
     def tenancy(self) -> Tenancy:
         learning = self.learning or ("tenant" if self.api_keys is not None else "shared")
         return Tenancy(learning, self.max_tenants)
+
+    def prefix_capacity(self) -> int:
+        """The bytes of KV the prefix trie may hold (0: no trie)."""
+        return self.prefix_cache_bytes if self.prefix_cache else 0
 
     def tenant_limits(self) -> TenantLimits:
         return TenantLimits(self.tenant_max_running, self.tenant_max_queued, self.max_request_seconds)

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from triedec.core.allocate import DraftPayoff, load_level
+from triedec.core.prefixtrie import PrefixStats
 from triedec.engine.batch import StepReport
 from triedec.engine.outcome import Outcome
 
@@ -91,9 +92,34 @@ class Metrics:
         if s.mean_accepted:
             self.accepted.labels(method).observe(s.mean_accepted)
 
+    def prefix(self, stats: Callable[[], PrefixStats]) -> None:
+        """Also export the prefix trie's counts (:mod:`triedec.core.prefixtrie`), read at each scrape."""
+        self.registry.register(_PrefixCollector(stats))
+
     def sharing(self, status: Callable[[], dict[str, Any]]) -> None:
         """Also export the learned-state exchange's ``status()`` (:mod:`triedec.server.sharing`)."""
         self.registry.register(_SharingCollector(status))
+
+
+class _PrefixCollector:
+    """The prefix trie's counts, read from its ``stats`` at each scrape."""
+
+    def __init__(self, stats: Callable[[], PrefixStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield CounterMetricFamily("triedec_prefix_cache_lookups", "requests looked up in the prefix trie",
+                                  value=s.lookups)
+        yield CounterMetricFamily("triedec_prefix_cache_hits", "lookups that found a cached prefix", value=s.hits)
+        yield CounterMetricFamily("triedec_prefix_cache_cached_tokens", "prompt tokens whose KV came from the "
+                                  "prefix trie instead of a prefill", value=s.cached_tokens)
+        yield CounterMetricFamily("triedec_prefix_cache_evictions", "nodes dropped from the prefix trie for room",
+                                  value=s.evictions)
+        yield GaugeMetricFamily("triedec_prefix_cache_bytes", "bytes of KV the prefix trie holds", value=s.bytes)
+        yield GaugeMetricFamily("triedec_prefix_cache_tokens", "tokens whose KV the prefix trie holds", value=s.tokens)
+        yield GaugeMetricFamily("triedec_prefix_cache_capacity_bytes", "the most bytes the prefix trie may hold",
+                                value=s.capacity_bytes)
 
 
 class _SharingCollector:

@@ -38,6 +38,7 @@ from typing import Any
 from triedec.api.lm import LM
 from triedec.core.errors import TriedecError
 from triedec.core.limits import BatchLimits
+from triedec.core.prefixtrie import PrefixTrie
 from triedec.engine.batch import Batch, StepReport
 from triedec.model.memory import release_memory
 from triedec.server.config import TenantLimits
@@ -68,7 +69,7 @@ class Scheduler:
     def __init__(self, lm: LM, limits: BatchLimits, max_queue: int,
                  on_step: Callable[[StepReport], None] | None = None,
                  tenants: TenantLimits | None = None, remeasure_after: float | None = None,
-                 stall_seconds: float | None = None) -> None:
+                 stall_seconds: float | None = None, prefix: PrefixTrie | None = None) -> None:
         if remeasure_after is not None and not 0 < remeasure_after < float("inf"):
             raise TriedecError(f"remeasure_after must be a positive number of seconds or None, got {remeasure_after!r}")
         self.lm = lm
@@ -82,7 +83,7 @@ class Scheduler:
         """a running job whose tokens have waited this long for its handler (a client that stopped
         reading) is paused, its slot free for others, until the handler takes them (None: never)"""
         self.batch = Batch(lm.adapter, lm.cost_model(), limits, group_running=self.tenants.max_running,
-                           learn_cost=True, gate_drafts=True, fair=True, measure_drafting=True)
+                           learn_cost=True, gate_drafts=True, fair=True, measure_drafting=True, prefix=prefix)
         self.on_step = on_step
         self._cond = threading.Condition()
         self._incoming: deque[Job] = deque()

@@ -130,6 +130,8 @@ class Generation(Body):
     trace: bool = Field(default=False, description="return each decoding step: its tokens, each token's origin "
                         "(the model, or the draft source it was accepted from) and the verified tree, in the "
                         "triedec extension (docs/playground.md)")
+    cache_salt: str | None = Field(default=None, description="vLLM's: the prefix trie's scope within the "
+                                   "tenant's: a request finds cached KV only of requests with the same salt")
     logprobs: bool | int | None = None
     top_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None

@@ -29,6 +29,7 @@ from triedec.api.tools import CallStream, ToolFormat, tool_format
 from triedec.core.errors import StateFileError, TriedecError
 from triedec.core.grammar import FORCED
 from triedec.core.logprobs import Logprobs, TokenLogprob
+from triedec.core.prefixtrie import PrefixTrie
 from triedec.core.sampling import MAX_SEED, SAMPLING_FIELDS, Sampling
 from triedec.core.trace import StepTrace
 from triedec.drafters.base import FROM_STORE
@@ -36,6 +37,7 @@ from triedec.engine.batch import StepReport
 from triedec.engine.methods import method as find_method
 from triedec.engine.methods import methods
 from triedec.engine.outcome import Outcome
+from triedec.engine.request import Request as EngineRequest
 from triedec.engine.runs import Run
 from triedec.server.config import ServerConfig
 from triedec.server.jobs import Job
@@ -111,11 +113,17 @@ class Service:
         self.known = set(methods())
         self._tool_format: ToolFormat | str | None = None
         self.metrics: Metrics | None = None
+        capacity = config.prefix_capacity()
         self.scheduler = Scheduler(lm, config.limits, config.max_queue, on_step=self._on_step,
                                    tenants=config.tenant_limits(), remeasure_after=config.remeasure_after or None,
-                                   stall_seconds=config.stall_seconds)
+                                   stall_seconds=config.stall_seconds,
+                                   prefix=PrefixTrie(capacity) if capacity else None)
+        self.prefix = self.scheduler.batch.prefix
+        """the KV kept across requests (None: off, or the kernels are not bit-exact here)"""
         self.scopes = Scopes(config.tenancy(), lm.forget)
         self.metrics = Metrics(lambda: self.scheduler.depth, config.limits.max_tokens_per_forward)
+        if self.prefix is not None:
+            self.metrics.prefix(lambda: self.prefix.stats)  # type: ignore[union-attr]
         sharing = config.sharing()
         self.sharing = None if sharing is None else Sharing(lm, self.scheduler, sharing)
         if self.sharing is not None:
@@ -163,7 +171,7 @@ class Service:
         return n, k
 
     def prepare(self, req: Generation, prompts: Sequence[Any], chat: bool, method: str, options: dict[str, Any],
-                scope: Hashable, runs: tuple[int, int]) -> list[_Prepared]:
+                scope: Hashable, runs: tuple[int, int], cache_scope: Hashable = None) -> list[_Prepared]:
         """Validate everything and make the request's runs, for each prompt one per choice (or
         per ``best_of`` candidate; ``runs``: :meth:`runs`'s ``(n, runs per prompt)``; in a worker
         thread; the method is already built, on the engine thread). Sampled, a prompt's choice i
@@ -244,6 +252,8 @@ class Service:
                                             sampling=dataclasses.replace(sampling, seed=seed), logprobs=logprobs,
                                             ignore_eos=req.ignore_eos, grammar=grammar)
                 run = lm.start(request, scope=scope)
+                if isinstance(run, EngineRequest):
+                    run.cache_scope = cache_scope
                 if req.trace:
                     run.record_steps()
                 out.append(_Prepared(run, method, shown_options(method, options), tuple(ids), index, request.stop,
@@ -378,8 +388,10 @@ class Service:
                 # built on the engine thread (torch ops; see the scheduler); nothing is measured on a request's path:
                 # create_app loaded the whole calibration
                 await asyncio.wrap_future(self.scheduler.call(lambda: self.lm.decoder(method, scope=scope, **options)))
+            # the prefix trie's scope: the key's tenant with keys (one scope without), and the client's salt
+            cache_scope = (tenant if self.config.api_keys is not None else None, req.cache_salt)
             prepared = await run_in_threadpool(self.prepare, req, prompts, shape.chat, method, options, scope,
-                                           (n, k))
+                                               (n, k), cache_scope)
             seconds = self.config.max_request_seconds
             deadline = None if seconds is None else time.perf_counter() + seconds
             rid = f"{shape.id_prefix}-{uuid.uuid4().hex}"
@@ -453,7 +465,8 @@ class Service:
                "steps": s.steps, "computed_tokens": s.computed_tokens, "seconds": s.seconds,
                "queued_seconds": s.queued_seconds, "seed": s.seed, "stop_reason": s.stop_reason,
                "tokens_from_store": int(s.drafter.get(FROM_STORE, 0)), "learning": self.scopes.tenancy.learning,
-               "exactness": s.exactness, "runner": s.runner}
+               "exactness": s.exactness, "runner": s.runner, "prompt_tokens": s.prompt_tokens,
+               "cached_tokens": s.cached_tokens}
         if s.error:  # it ended alone on an error of its own after some output (stop_reason "error")
             ext["error"] = s.error
         if s.grammar_seconds is not None:  # what the grammar cost and gave
@@ -471,13 +484,17 @@ class Service:
         prompt counted once, every generated token counted (discarded ``best_of`` candidates'
         too; a prompt scoring's one token is not)."""
         prompts: dict[int, int] = {}
+        cached: dict[int, int] = {}
         generated = 0
         for prepared, tokens in finished:
             prompts[prepared.index] = prepared.prompt_tokens
+            if prepared.run.done:
+                cached[prepared.index] = max(cached.get(prepared.index, 0), prepared.run.outcome.stats.cached_tokens)
             generated += 0 if prepared.score_only else tokens
         prompt_tokens = sum(prompts.values())
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                "total_tokens": prompt_tokens + generated}
+                "total_tokens": prompt_tokens + generated,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     def failure(self, kind: str, value: Any, prepared: _Prepared, shape: Shape) -> JSONResponse:
         """The answer to a request that ended without output (``kind``: its final event)."""

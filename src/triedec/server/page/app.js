@@ -336,6 +336,9 @@ function liveFigures(answer) {
   const tps = answer.final ? answer.final.tokens_per_s : answer.tokens.length / answer.seconds;
   $("tps").textContent = tps.toFixed(1);
   $("steps").textContent = String(steps.length);
+  // the prompt's tokens whose KV came from the prefix trie (an earlier turn's, a document's) of all of them
+  $("cached").textContent = answer.final && answer.final.cached_tokens !== undefined ?
+    answer.final.cached_tokens + " of " + (answer.final.prompt_tokens ?? "?") : "–";
   const counts = {};
   for (const s of answer.steps) for (const o of s.origins) counts[o] = (counts[o] || 0) + 1;
   const list = $("origin-counts");
