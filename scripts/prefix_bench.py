@@ -39,13 +39,13 @@ import random
 import statistics
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
+from triedec.bench.datasets import prefix_workloads
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.bench.servers import add_common_arguments, check_llamacpp, complete, free_port, start_servers
 from triedec.bench.stats import bootstrap_interval, geometric_mean
@@ -55,17 +55,19 @@ LLAMA = "llama-server"
 SYSTEM = "Answer from the passage, briefly."
 
 
-def workloads() -> dict[str, Any]:
-    return json.loads(resources.files("triedec.bench").joinpath("data/prefix_workloads.json").read_text())
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_arguments(parser, max_tokens=48)
     parser.add_argument("--weights", default="int4-a8", help="triedec's precision mode")
     parser.add_argument("--no-llamacpp", action="store_true", help="leave llama-server out")
+    parser.add_argument("--llamacpp-args", default="",
+                        help="more arguments for llama-server, e.g. '-nr' where its AMX path fails (an AMX CPU in "
+                             "a VM that does not grant the tile state: SIGILL)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--passages", type=int, default=8)
+    parser.add_argument("--lm-eval", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run lm-eval's multiple choice (evals/lm_eval: triedec_mc, triedec_mc_long) against "
+                             "each triedec server")
     args = parser.parse_args()
     gguf = (args.model or default_model_path()).resolve()
     if not args.no_llamacpp:
@@ -75,7 +77,7 @@ def main() -> int:
     from triedec.api.loading import load
 
     lm = load(gguf, weights=args.weights)
-    data = workloads()
+    data = prefix_workloads()
     conversations = data["conversations"][: args.conversations]
     passages = data["passages"][: args.passages]
 
@@ -92,10 +94,12 @@ def main() -> int:
                        "--port", str(ports[name])] for name in systems if name != LLAMA}
     if not args.no_llamacpp:  # as shipped: prompt cache on, one slot
         commands[LLAMA] = [str(args.llamacpp / "llama-server"), "-m", str(gguf), "-t", str(args.threads), "-tb",
-                           str(args.threads), "-np", "1", "-c", "8192", "--port", str(ports[LLAMA])]
+                           str(args.threads), "-np", "1", "-c", "8192", *args.llamacpp_args.split(),
+                           "--port", str(ports[LLAMA])]
     order = random.Random(args.seed)
     records: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
     startup: dict[str, list[str]] = {}
     for repeat in range(args.repeats):
         with contextlib.ExitStack() as stack:
@@ -136,12 +140,48 @@ def main() -> int:
                     for name in names:
                         send(name, ids, "documents", passage["id"], q)
             memory.append({"repeat": repeat, "after": "documents", **_trie_bytes(client, bases)})
+            if args.lm_eval:  # lm-eval's multiple choice through local-completions: each choice a request
+                for task in LM_EVAL_TASKS:
+                    names = [n for n in systems if n != LLAMA]
+                    order.shuffle(names)
+                    for name in names:
+                        seconds, items = lm_eval_run(bases[name], task)
+                        evals.append({"repeat": repeat, "task": task, "system": name, "seconds": seconds,
+                                      "loglikelihoods": items})
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "gguf": str(gguf), "systems": systems,
-              "startup": startup, "records": records, "memory": memory, "machine": machine_info(torch.device("cpu")),
+              "startup": startup, "records": records, "memory": memory, "lm_eval": evals,
+              "machine": machine_info(torch.device("cpu")),
               "versions": versions(), "commit": source_commit()}
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     print(write_report(args.out, result))
     return 0
+
+
+LM_EVAL_TASKS = ("triedec_mc", "triedec_mc_long")
+TASKS = Path(__file__).resolve().parents[1] / "evals" / "lm_eval"
+
+
+def lm_eval_run(base: str, task: str) -> tuple[float, list[Any]]:
+    """lm-eval's ``task`` through ``local-completions`` against ``base`` (offline): its wall
+    seconds and each item's loglikelihoods, in item order."""
+    import os
+    import time
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[name] = "1"
+    tasks = TaskManager(include_path=str(TASKS), include_defaults=False)
+    served = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+    started = time.perf_counter()
+    out = lm_eval.simple_evaluate(model="local-completions", tasks=[task], log_samples=True, task_manager=tasks,
+                                  model_args={"base_url": f"{base}/v1/completions", "model": served,
+                                              "tokenizer_backend": "remote", "max_retries": 1},
+                                  random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    seconds = time.perf_counter() - started
+    samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+    return seconds, [[r[0][0] for r in s["resps"]] for s in samples]
 
 
 def _trie_bytes(client: httpx.Client, bases: dict[str, str]) -> dict[str, Any]:
@@ -196,6 +236,25 @@ def write_report(out: Path, result: dict[str, Any]) -> str:
         f"pass {m['repeat']} after {m['after']}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in m.items()
                                                             if k not in ("repeat", "after"))
         for m in result["memory"]))
+    if result.get("lm_eval"):
+        lines += ["", "## lm-eval multiple choice (local-completions, every choice a request)", "",
+                  "| task | system | wall s (mean over passes) | vs the same method without the trie | loglikelihoods "
+                  "equal to without the trie |", "|---|---|---|---|---|"]
+        runs = result["lm_eval"]
+        for task in dict.fromkeys(r["task"] for r in runs):
+            for name in dict.fromkeys(r["system"] for r in runs):
+                mine = [r for r in runs if r["task"] == task and r["system"] == name]
+                if not mine:
+                    continue
+                wall = statistics.fmean(r["seconds"] for r in mine)
+                without = [r for r in runs if r["task"] == task and r["system"] == f"{name} no-trie"]
+                ratio = equal = ""
+                if without:
+                    ratio = f"{statistics.fmean(r['seconds'] for r in without) / wall:.2f}x faster"
+                    same = sum(a["loglikelihoods"] == b["loglikelihoods"] for a in mine for b in without
+                               if a["repeat"] == b["repeat"])
+                    equal = f"{same} of {len(mine)} passes"
+                lines.append(f"| {task} | {name} | {wall:.1f} | {ratio} | {equal} |")
     report = "\n".join(lines) + "\n"
     (out / "results.md").write_text(report)
     return report

@@ -321,3 +321,24 @@ def test_a_payoff_runs_the_slower_arm_on_at_most_its_exploration_share_once_both
         payoff.observe(requests, drafted, draft_seconds if drafted else plain_seconds, 4)
     for level, count in decided.items():
         assert slower[level] <= count // 8 + 1
+
+
+def test_a_payoff_explores_less_once_a_levels_verdict_is_clear():
+    """With ``settle``, a level with ``settle_pairs`` pairs whose slower arm is clearly slower
+    explores it one step in ``explore x settle``; a close call keeps exploring one in ``explore``."""
+    from triedec.core.allocate import DraftPayoff
+
+    for factor, period in ((2.0, 64), (1.05, 16)):  # drafting 2x slower: settled; 5% slower: not
+        payoff = DraftPayoff(explore=16, warmup=2, min_pairs=4, settle=4, settle_pairs=16)
+        explored = []
+        for step in range(2000):
+            drafted = payoff.drafts(20)
+            payoff.observe(20, drafted, factor if drafted else 1.0, 4)
+            if step >= 400:
+                explored.append(drafted)
+        assert payoff.settled(16) is (factor > 1.5)
+        assert abs(sum(explored) - len(explored) / period) <= 2, (factor, sum(explored))
+    with pytest.raises(TriedecError):
+        DraftPayoff(settle=0)
+    with pytest.raises(TriedecError):
+        DraftPayoff(settle_margin=1.5)

@@ -53,11 +53,11 @@ def test_a_prefix_is_restored_as_it_was_computed_and_shared_where_sequences_agre
     for tokens, most, want in [([1, 2, 3, 4, 5, 6, 7], 99, 6), ([1, 2, 3, 9, 9, 1], 4, 4), ([1, 2, 7], 99, 2),
                                ([8, 1], 99, 0)]:
         cache = KVCache(64)
-        assert trie.restore("s", tokens, most, cache) == want
+        assert trie.restore("s", tokens, most, cache) == (want, [])
         assert cache.length == want
         if want:
             assert _same_rows(cache, _cache(tokens[:want]), want)
-    assert trie.restore("another scope", first, 99, KVCache(64)) == 0
+    assert trie.restore("another scope", first, 99, KVCache(64)) == (0, [])
     assert trie.continuation("s", [1, 2, 3, 4]) == [5, 6]
     assert trie.continuation("s", [1, 2, 3, 9, 9]) == []
     stats = trie.stats
@@ -71,8 +71,8 @@ def test_the_least_recently_used_leaves_go_first_and_the_cap_is_never_passed():
     trie.restore("s", [1, 2, 3, 4], 4, KVCache(8))  # [1..4] is now the more recently used
     trie.insert("s", [9, 9, 9, 9], _cache([9, 9, 9, 9]))  # room for it: [5..8] goes
     assert trie.stats.bytes <= 10 * PER_TOKEN and trie.stats.evictions == 1
-    assert trie.restore("s", [5, 6, 7, 8], 4, KVCache(8)) == 0
-    assert trie.restore("s", [1, 2, 3, 4], 4, KVCache(8)) == 4
+    assert trie.restore("s", [5, 6, 7, 8], 4, KVCache(8))[0] == 0
+    assert trie.restore("s", [1, 2, 3, 4], 4, KVCache(8))[0] == 4
     assert trie.insert("s", list(range(20, 40)), _cache(list(range(20, 40)))) == 0  # larger than the cap: not kept
     rng = random.Random(0)
     for _ in range(50):  # a flood of distinct sequences
@@ -141,13 +141,13 @@ def test_a_hit_is_the_bits_of_a_miss_over_random_conversations_with_cancels(lm, 
     assert (hits > 0 and trie.stats.hits > 0) is (method != "recycling")
 
 
-@pytest.mark.parametrize("weights", ["int4-a8", "int8"])
-def test_a_hit_is_the_bits_of_a_miss_in_the_quantized_modes(tiny_model_dir, weights):
+@pytest.mark.parametrize("mode", ["int4-a8", "int8", "int4", "bfloat16"])
+def test_a_hit_is_the_bits_of_a_miss_in_the_other_precision_modes(tiny_model_dir, mode):
     import triedec
 
-    lm = triedec.load(tiny_model_dir, weights=weights)
+    lm = triedec.load(tiny_model_dir, **({"dtype": mode} if mode == "bfloat16" else {"weights": mode}))
     if lm.adapter.exactness != "bit-exact":
-        pytest.skip(f"{weights} is not bit-exact here: no trie")
+        pytest.skip(f"{mode} is not bit-exact here: no trie")
     prompt = "Tell me a story about the sea and the ships and the city. " * 4
     requests = [GenerationRequest.of(prompt + q, "auto", max_new_tokens=10, logprobs=3) for q in ("A?", "B?", "A?")]
     trie = PrefixTrie(8 << 20)
@@ -173,12 +173,31 @@ def test_a_request_asked_again_drafts_what_was_answered(lm):
     assert run.outcome.stats.steps < len(first[0]) - 1  # drafted from the cached answer
 
 
-def test_prompt_scoring_requests_and_other_scopes_never_hit(lm):
+def test_a_scoring_request_takes_rows_only_with_the_scores_it_asks_for(lm):
+    """A request that scores its prompt (``prompt_logprobs``, lm-eval's answer choices) takes rows
+    from the trie only where an earlier request left scores of the same kind beside them, up to one
+    token before its prompt leaves theirs: a question's context is then computed once for all its
+    choices, and every choice's scores are the bits they are without the trie."""
+    trie = PrefixTrie(8 << 20)
+    context = "Question: which of these is the sea and which the city? Answer:"
+    plain = _decode(lm, [GenerationRequest.of(context + " the sea", "ar", max_new_tokens=1)], trie)[0]
+    assert plain[2] == 0
+    choices = [context + answer for answer in (" the sea", " the city", " both of them")]
+    requests = [GenerationRequest.of(c, "ar", max_new_tokens=1, logprobs=2, prompt_logprobs=True) for c in choices]
+    want = [_decode(lm, [r])[0] for r in requests]
+    got = [_decode(lm, [r], trie)[0] for r in requests]
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert got[0][2] == 0  # the plain request left rows but no scores
+    context_tokens = len(lm.encode(context))
+    assert all(context_tokens - 2 <= g[2] < len(lm.encode(c)) for g, c in zip(got[1:], choices[1:], strict=True))
+    other_kind = GenerationRequest.of(choices[1], "ar", max_new_tokens=1, logprobs=5, prompt_logprobs=True)
+    assert _decode(lm, [other_kind], trie)[0][2] == 0  # scores of another kind: no rows
+
+
+def test_other_scopes_never_hit(lm):
     trie = PrefixTrie(8 << 20)
     prompt = "Tell me a story about the sea and the city."
     _decode(lm, [GenerationRequest.of(prompt, "ar", max_new_tokens=4)], trie)
-    scored = _decode(lm, [GenerationRequest.of(prompt, "ar", max_new_tokens=4, prompt_logprobs=True)], trie)[0]
-    assert scored[2] == 0  # every prompt row's logits are needed: nothing is taken from the trie
     run = lm.start(GenerationRequest.of(prompt, "ar", max_new_tokens=4))
     run.cache_scope = ("bob", None)
     batch = Batch(lm.adapter, lm.cost_model(), lm.limits, prefix=trie)
@@ -186,3 +205,26 @@ def test_prompt_scoring_requests_and_other_scopes_never_hit(lm):
     while not batch.idle:
         batch.step()
     assert run.outcome.stats.cached_tokens == 0
+
+
+def test_a_list_of_prompts_that_share_a_context_computes_it_once(lm, monkeypatch):
+    """One question's answer choices in one batch, each scored (what lm-eval sends as a list): the
+    first computes the context, the others copy its rows and scores and compute only their own
+    tokens; every choice's scores are the bits they are alone."""
+    context = "Question: which of these is the sea and which the city, and why would anyone ask? Answer:"
+    choices = [context + answer for answer in (" the sea", " the city", " both of them", " neither")]
+    requests = [GenerationRequest.of(c, "ar", max_new_tokens=1, logprobs=2, prompt_logprobs=True) for c in choices]
+    alone = [_decode(lm, [r])[0] for r in requests]
+    rows = []
+    forward = lm.adapter.forward_batch
+
+    def counting(items):
+        rows.append(sum(i.size for i in items))
+        return forward(items)
+
+    monkeypatch.setattr(lm.adapter, "forward_batch", counting)
+    together = _decode(lm, requests)
+    assert [t[:2] for t in together] == [a[:2] for a in alone]
+    prompts = [len(lm.encode(c)) for c in choices]
+    shared = len(lm.encode(context)) - 2
+    assert sum(rows) <= sum(prompts) - 3 * shared + 4  # the context once, then each choice's own tokens

@@ -69,6 +69,10 @@ def test_the_affinity_key_is_the_tenant_then_user_then_the_conversations_start()
     assert key.startswith("conversation:")
     assert affinity_key(json.dumps(turn2).encode(), None, "shared") == key  # a later turn: the same key
     assert affinity_key(json.dumps(other).encode(), None, "shared") != key
+    passage = "A long passage that questions are asked about. " * 12
+    questions = [{"messages": [{"role": "user", "content": f"{passage}\n\nQuestion: {q}"}]} for q in ("Who?", "Why?")]
+    keys = {affinity_key(json.dumps(q).encode(), None, "shared") for q in questions}
+    assert len(keys) == 1  # one passage's questions: one replica, whose prefix trie holds the passage
     with_user = json.dumps({**turn1, "user": "u7"}).encode()
     assert affinity_key(with_user, None, "shared") == "user:u7"
     assert affinity_key(with_user, "acme", "tenant") == "tenant:acme"  # the tenant's state is its own

@@ -22,3 +22,7 @@ def multiple_choice(**_: Any) -> dict[str, datasets.Dataset]:
 
 def generation(**_: Any) -> dict[str, datasets.Dataset]:
     return {"test": datasets.Dataset.from_list(_rows("triedec_gen.jsonl"))}
+
+
+def multiple_choice_long(**_: Any) -> dict[str, datasets.Dataset]:
+    return {"test": datasets.Dataset.from_list(_rows("triedec_mc_long.jsonl"))}

@@ -274,3 +274,13 @@ def extraction_tasks(part: str = "evaluation") -> list[ExtractionTask]:
     rows = _read_jsonl(data_path(EXTRACTION_FILE))
     return [ExtractionTask(r["id"], r["split"], r["prompt"], r["schema"]) for r in rows
             if part == "all" or r["split"] == part]
+
+
+PREFIX_WORKLOADS_FILE = "prefix_workloads.json"
+
+
+def prefix_workloads() -> dict[str, Any]:
+    """The prefix-trie benchmarks' workloads (``data/prefix_workloads.json``): ``conversations``
+    (lists of user turns), ``passages`` (``id``, ``source``, ``text``) and the ``questions`` asked
+    of each passage. Written for those benchmarks; never used to tune anything."""
+    return json.loads(data_path(PREFIX_WORKLOADS_FILE).read_text())

@@ -237,17 +237,23 @@ class DraftPayoff:
     model's choice) is the prior.
 
     So drafting runs only where it measurably pays, and where it does not the loss is bounded by
-    the exploration share: ``1/explore`` of the steps run the slower arm. Which arm a step runs
+    the exploration share: ``1/explore`` of the steps run the slower arm, and ``1/(explore x
+    settle)`` once the level has ``settle_pairs`` pairs and the slower arm's rate is below
+    ``settle_margin`` of the faster's (a clear verdict: explored less as the evidence grows). Which arm a step runs
     changes when its tokens come, never which tokens (every method's tokens are ``ar``'s whatever
     it verifies). The batch observes only steps without prompt chunks (a chunk's time is not the
     decode rate). Deterministic (a counter per level, no randomness); one engine thread uses it."""
 
-    def __init__(self, explore: int = 16, warmup: int = 2, min_pairs: int = 4, window: int = 32) -> None:
+    def __init__(self, explore: int = 16, warmup: int = 2, min_pairs: int = 4, window: int = 32, settle: int = 1,
+                 settle_pairs: int = 16, settle_margin: float = 0.9) -> None:
         for name, value, least in (("explore", explore, 2), ("warmup", warmup, 2), ("min_pairs", min_pairs, 1),
-                                   ("window", window, 1)):
+                                   ("window", window, 1), ("settle", settle, 1), ("settle_pairs", settle_pairs, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise TriedecError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not 0 < settle_margin <= 1:
+            raise TriedecError(f"settle_margin must lie in (0, 1], got {settle_margin!r}")
         self.explore, self.warmup, self.min_pairs = explore, warmup, min_pairs
+        self.settle, self.settle_pairs, self.settle_margin = settle, settle_pairs, settle_margin
         self.decay = 1.0 - 1.0 / window
         self._arms: dict[tuple[int, bool], _Arm] = {}
         self._pairs: dict[int, int] = {}
@@ -279,8 +285,17 @@ class DraftPayoff:
         count = self._decisions.get(level, 0) + 1
         self._decisions[level] = count
         best = self.prefers_drafting(level)
-        period = self.warmup if self.pairs(level) < self.min_pairs else self.explore
+        period = self.warmup if self.pairs(level) < self.min_pairs else self.explore * (
+            self.settle if self.settled(level) else 1)
         return (not best) if count % period == 0 else best
+
+    def settled(self, level: int) -> bool:
+        """Whether ``level``'s verdict is clear: ``settle_pairs`` pairs or more, and the slower
+        arm's rate below ``settle_margin`` of the faster's."""
+        if self.pairs(level) < self.settle_pairs:
+            return False
+        rates = sorted((self.arm(level, True).rate(), self.arm(level, False).rate()))
+        return rates[1] > 0 and rates[0] < self.settle_margin * rates[1]
 
     def observe(self, requests: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A step of ``requests`` decoding requests (``drafted``: whether it drafted) took ``seconds``

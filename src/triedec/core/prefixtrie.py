@@ -13,6 +13,13 @@ bit-identical to a miss (``tests/test_prefix_trie.py``).
   cache into a new node, splitting a node where the sequence leaves it.
 * :meth:`PrefixTrie.restore` copies the longest cached prefix of a new request's prompt (at most
   ``most`` tokens: the rows whose logits the request needs are computed) into its empty cache.
+* Scores too: a request that scores its prompt (``echo`` with ``logprobs``, ``prompt_logprobs``:
+  what lm-evaluation-harness sends for each answer choice) needs every prompt token's score, and a
+  token's score is a function of its prefix as its K/V are; so such a request leaves its scores
+  beside its rows, and a later one that scores the same way (alternatives, ranks, the raw
+  distribution) takes both for the prefix they share, less one token (the row before its own
+  first token must be computed to score that token): a question's context is computed once for
+  all its choices.
 * Copy, not paging: the native forward attends over each request's contiguous cache, and a copy
   of a 1,000-token prefix of the default model (23 KB a token) is ~23 MB, a few milliseconds,
   against ~1 s to compute it. So no node is ever in use by a running request (nothing to pin),
@@ -33,31 +40,46 @@ import itertools
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from triedec.core.kvcache import KVCache
 
+SCORE_BYTES = 128
+"""What a kept score costs in memory, about, besides 16 bytes an alternative (a token's logprob, its
+alternatives, its rank: Python objects)."""
+
+
+def _score_bytes(scores: Sequence[Any] | None) -> int:
+    if not scores:
+        return 0
+    return sum(SCORE_BYTES + 16 * len(getattr(s, "top", ()) or ()) for s in scores if s is not None)
+
 
 class _Node:
     """An edge of the trie: its ``tokens`` and their rows, ``keys`` and ``values`` (one tensor per
-    layer, ``[kv_heads, n, head_dim]``) and ``positions`` (``[n]``)."""
+    layer, ``[kv_heads, n, head_dim]``) and ``positions`` (``[n]``); and, where a request that
+    scored its prompt left them, each token's score (``scores``, None where unknown) of ``spec``."""
 
-    __slots__ = ("bytes", "children", "keys", "parent", "positions", "tokens", "used", "values")
+    __slots__ = ("bytes", "children", "keys", "parent", "positions", "scores", "spec", "tokens", "used", "values")
 
     def __init__(self, tokens: tuple[int, ...], keys: list[torch.Tensor], values: list[torch.Tensor],
-                 positions: torch.Tensor, parent: _Node | None, used: int) -> None:
+                 positions: torch.Tensor, parent: _Node | None, used: int, scores: list[Any] | None = None,
+                 spec: Hashable = None) -> None:
         self.tokens, self.keys, self.values, self.positions = tokens, keys, values, positions
         self.parent = parent
         self.children: dict[int, _Node] = {}
         self.used = used
-        self.bytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        self.scores, self.spec = scores, spec
+        self.bytes = sum(t.numel() * t.element_size() for t in (*keys, *values)) + _score_bytes(scores)
 
     def split(self, at: int, used: int) -> _Node:
         """Cut this edge after its first ``at`` tokens: this node keeps them, a new child the rest
         (with this node's children). Returns the child."""
         child = _Node(self.tokens[at:], [k[:, at:].clone() for k in self.keys],
-                      [v[:, at:].clone() for v in self.values], self.positions[at:].clone(), self, self.used)
+                      [v[:, at:].clone() for v in self.values], self.positions[at:].clone(), self, self.used,
+                      None if self.scores is None else self.scores[at:], self.spec)
         child.children = self.children
         for grandchild in child.children.values():
             grandchild.parent = child
@@ -65,6 +87,7 @@ class _Node:
         self.keys = [k[:, :at].clone() for k in self.keys]
         self.values = [v[:, :at].clone() for v in self.values]
         self.positions = self.positions[:at].clone()
+        self.scores = None if self.scores is None else self.scores[:at]
         self.children = {child.tokens[0]: child}
         self.bytes -= child.bytes
         self.used = used
@@ -122,19 +145,39 @@ class PrefixTrie:
             node = child
         return path
 
-    def restore(self, scope: Hashable, tokens: Sequence[int], most: int, cache: KVCache) -> int:
+    def restore(self, scope: Hashable, tokens: Sequence[int], most: int, cache: KVCache,
+                spec: Hashable = None) -> tuple[int, list[Any]]:
         """Copy the rows of the longest cached prefix of ``tokens`` in ``scope``, at most ``most``
         tokens, into the empty ``cache`` (allocating its buffers as the rows' shapes say); returns
-        how many tokens it holds now (0: a miss, the cache untouched)."""
+        how many tokens it holds now (0: a miss, the cache untouched) and, with ``spec`` (a request
+        that scores its prompt so), the scores of tokens 1 .. that many: then the prefix stops where
+        the trie has no score of ``spec``, and one token short of where ``tokens`` leave the cached
+        sequence (the row before a token of its own must be computed to score it)."""
         with self._lock:
             self._lookups += 1
             root = self._roots.get(scope)
             if root is None or most <= 0 or cache.length or cache.pending:
-                return 0
+                return 0, []
             path = self._walk(root, tokens)
-            length = min(most, sum(n for _, n in path), cache.capacity)
+            matched = sum(n for _, n in path)
+            length = min(most, matched if spec is None else matched - 1, cache.capacity)
+            scores: list[Any] = []
+            if spec is not None and length > 0:  # the scores of tokens 1 .. length, while the trie has them
+                at = 0
+                for node, n in path:
+                    for i in range(n):
+                        if 1 <= at <= length:
+                            score = node.scores[i] if node.scores is not None and node.spec == spec else None
+                            if score is None:
+                                length = at - 1
+                                break
+                            scores.append(score)
+                        at += 1
+                    if len(scores) >= length:
+                        break
+                scores = scores[:length]
             if length <= 0:
-                return 0
+                return 0, []
             now = next(self._clock)
             first = path[0][0]
             layers = len(first.keys)
@@ -159,7 +202,7 @@ class PrefixTrie:
             cache.peak = max(cache.peak, length)
             self._hits += 1
             self._cached += length
-            return length
+            return length, scores
 
     def continuation(self, scope: Hashable, tokens: Sequence[int], most: int = 256) -> list[int]:
         """What followed ``tokens`` in ``scope`` the last time it was seen whole (the most recently
@@ -181,14 +224,18 @@ class PrefixTrie:
 
     # ---- inserting ----------------------------------------------------------------------------
 
-    def insert(self, scope: Hashable, tokens: Sequence[int], cache: KVCache) -> int:
+    def insert(self, scope: Hashable, tokens: Sequence[int], cache: KVCache, scores: Sequence[Any] | None = None,
+               spec: Hashable = None) -> int:
         """Keep the rows of ``cache``'s committed slots, slot i holding ``tokens[i]``, under
         ``scope``: what the trie holds already is shared, the rest copied into a new node (after
-        evicting least recently used leaves for room). Returns the tokens added."""
+        evicting least recently used leaves for room); with ``scores`` (slot i's token's score, of
+        ``spec``, or None), those too, also on shared nodes that had none. Returns the tokens
+        added."""
         count = min(len(tokens), cache.length)
         if count <= 0 or not cache.keys:
             return 0
         tokens = [int(t) for t in tokens[:count]]
+        scores = None if scores is None else [*scores[:count], *[None] * (count - len(scores))]
         with self._lock:
             now = next(self._clock)
             root = self._roots.get(scope)
@@ -201,11 +248,17 @@ class PrefixTrie:
                 child.used = now
                 if n < len(child.tokens):
                     child.split(n, now)
+                if scores is not None and child.scores is None:  # the scores this request computed, kept
+                    child.scores, child.spec = scores[at : at + n], spec
+                    added = _score_bytes(child.scores)
+                    child.bytes += added
+                    self._bytes += added
                 node, at = child, at + n
             if at >= count:
                 return 0
             per_token = sum(b[:, :, :1].numel() * b.element_size() for b in (*cache.keys, *cache.values))
-            needed = per_token * (count - at)
+            kept_scores = None if scores is None else scores[at:count]
+            needed = per_token * (count - at) + _score_bytes(kept_scores)
             if needed > self.capacity_bytes:
                 return 0
             keep = {id(n) for n, _ in path} | {id(root)}
@@ -216,7 +269,8 @@ class PrefixTrie:
             with torch.inference_mode():
                 keys = [b[0, :, at:count].clone() for b in cache.keys]
                 values = [b[0, :, at:count].clone() for b in cache.values]
-            leaf = _Node(tuple(tokens[at:count]), keys, values, cache._positions[at:count].clone(), node, now)
+            leaf = _Node(tuple(tokens[at:count]), keys, values, cache._positions[at:count].clone(), node, now,
+                         kept_scores, spec if kept_scores is not None else None)
             node.children[leaf.tokens[0]] = leaf
             self._bytes += leaf.bytes
             self._tokens += count - at

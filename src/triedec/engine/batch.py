@@ -62,6 +62,11 @@ from triedec.model.adapter import ForwardItem, ModelAdapter
 
 _T = TypeVar("_T")
 
+SETTLE = 4
+"""How much less a batch that measures drafting explores the slower arm at a load level once its
+verdict is clear (:class:`~triedec.core.allocate.DraftPayoff`'s ``settle``: one step in 64 rather
+than 16)."""
+
 __all__ = ["MAX_TREE_NODES", "Batch", "BatchLimits", "Outcome", "Request", "Run", "Stats", "StepPlan", "StepReport",
            "StopRule", "run_alone", "speculative_decode"]
 
@@ -144,7 +149,8 @@ class Batch:
     growing pause (:class:`~triedec.core.allocate.DraftGate`);
     tokens never change. ``measure_drafting``: whether a step drafts at all is decided by what
     drafting measurably bought at this load, steps that draft against steps that do not, with one
-    step in 16 running the other arm, each such step compared with its neighbour at the same load
+    step in 16 running the other arm (one in 64 once a level's verdict is clear), each such step
+    compared with its neighbour at the same load
     (:class:`~triedec.core.allocate.DraftPayoff`), so speculation runs only where it pays, and
     where it does not it costs at most that exploration share. The
     server turns all three on; a single ``generate`` keeps the calibrated sizes and drafts every
@@ -174,7 +180,7 @@ class Batch:
         self.learn_cost, self.gate_drafts, self.fair = learn_cost, gate_drafts, fair
         self._observed: ObservedCost | None = None
         self._pace = Pace()  # what a committed token costs now, for the gates (``gate_drafts``)
-        self.payoff: DraftPayoff | None = DraftPayoff() if measure_drafting else None
+        self.payoff: DraftPayoff | None = DraftPayoff(settle=SETTLE) if measure_drafting else None
         """what drafting measurably buys at each load, and whether a step drafts (``measure_drafting``)"""
         self.host_seconds = 0.0
         """moving average of a step's seconds outside its forward (``learn_cost`` only)"""
@@ -307,9 +313,13 @@ class Batch:
                     run.documents = [*run.documents, after]
             run.start(self.adapter)
             if cached:
-                hit = self.prefix.restore(run.cache_scope, run.prompt, run.shareable_prefix, run.cache)  # type: ignore
-                if hit:
-                    run.adopt_cached(hit)
+                scores = run.scores_prompt and run.score_spec is not None
+                if not run.scores_prompt or scores:
+                    hit, entries = self.prefix.restore(run.cache_scope, run.prompt,  # type: ignore[union-attr]
+                                                       run.cacheable_prefix, run.cache,
+                                                       run.score_spec if scores else None)
+                    if hit:
+                        run.adopt_cached(hit, entries)
         except Exception as exc:  # it never ran: it leaves the batch alone, closed, and the step goes on
             del self._group[rid], self.runs[rid]
             run.close("error")
@@ -376,6 +386,7 @@ class Batch:
         plan = self.schedule(held)
         forward_seconds = self.verify(plan)
         work_seconds = time.perf_counter() - scheduled
+        self.share_prompts()  # requests that waited for a prefix copy it now, before its computer retires
         finished = self.retire_finished()
         seconds = time.perf_counter() - started
         self._learn(plan, seconds, forward_seconds, work_seconds)
@@ -443,27 +454,39 @@ class Batch:
                         proposed_nodes=sum(d.size - 1 for d in drafts), draft_nodes=sum(counts) - len(counts),
                         drafting=drafting)
 
+    SHARE_AT_LEAST = 32
+    """the fewest prompt tokens a request waits for a peer to compute for it (:meth:`share_prompts`)"""
+
     def share_prompts(self) -> set[int]:
-        """Admission's last part: prompt KV computed once for requests of one group with the same
-        prompt (a request's ``n`` choices or ``best_of`` candidates): a running request that has
-        prefilled nothing copies what a peer already prefilled (:meth:`Request.adopt_prompt`), or
-        waits while a peer that is not waiting prefills it. Only within a group, so one tenant's
-        timing never shows what another sent. (Across requests and steps, the prefix trie does
-        the like as a request starts: :meth:`_start`.) Returns the ``id()`` of the requests that
-        wait this step."""
+        """Admission's last part: prompt KV computed once for requests of one group whose prompts
+        start alike (a request's ``n`` choices or ``best_of`` candidates; a list of prompts that
+        share a context, such as one question's answer choices, each scored): a running request
+        that has prefilled nothing copies the prefix it shares with a peer that has prefilled it
+        (:meth:`Request.adopt_prompt`; with its scores when it scores its prompt), or waits while a
+        peer ahead of it computes that prefix (at least :data:`SHARE_AT_LEAST` tokens). Only within
+        a group, so one tenant's timing never shows what another sent. (Across requests and steps,
+        the prefix trie does the like as a request starts: :meth:`_start`.) Returns the ``id()`` of
+        the requests that wait this step."""
         waiting: set[int] = set()
         running = [(rid, self.runs[rid]) for rid in self.running if self.runs[rid].shares_forward]
         order = {id(r): i for i, (_, r) in enumerate(running)}
         for rid, r in running:
-            if not (r.prefilling and r.prefilled_tokens == 0 and r.shareable_prefix > 0):  # type: ignore[attr-defined]
+            if not (r.prefilling and r.prefilled_tokens == 0 and r.cacheable_prefix > 0):  # type: ignore[attr-defined]
                 continue
-            peers = [p for i, p in running if p is not r and id(p) not in waiting and self._group[i] == self._group[rid]
-                     and p.prompt == r.prompt]  # type: ignore[attr-defined]
-            ready = next((p for p in peers if p.prefilled_tokens >= r.shareable_prefix), None)  # type: ignore[attr-defined]
+            peers = [(p, r.shared_with(p)) for i, p in running  # type: ignore[attr-defined]
+                     if p is not r and id(p) not in waiting and self._group[i] == self._group[rid]]
+            # the peers that have computed the prefix shared, or are ahead computing it (the first of
+            # them prefills, the rest wait)
+            peers = [(p, n) for p, n in peers if n >= min(self.SHARE_AT_LEAST, r.cacheable_prefix)  # type: ignore
+                     and (p.prefilled_tokens >= n  # type: ignore[attr-defined]
+                          or (p.prefilling and (p.prefilled_tokens or order[id(p)] < order[id(r)])))]  # type: ignore
+            if not peers:
+                continue
+            most = max(n for _, n in peers)
+            ready = next((p for p, n in peers if n == most and p.prefilled_tokens >= n), None)  # type: ignore
             if ready is not None:
-                r.adopt_prompt(ready)  # type: ignore[attr-defined]
-            elif any(p.prefilling and (p.prefilled_tokens or order[id(p)] < order[id(r)])  # type: ignore[attr-defined]
-                     for p in peers):  # a peer ahead computes it: the first of them prefills, the rest wait
+                r.adopt_prompt(ready, most)  # type: ignore[attr-defined]
+            else:
                 waiting.add(id(r))
         return waiting
 
@@ -577,7 +600,9 @@ class Batch:
         if self._running_in[group] <= 0:
             del self._running_in[group]
         if self.prefix is not None and isinstance(run, Request) and run.cache is not None and reason != "error":
-            self.prefix.insert(run.cache_scope, run.committed_tokens, run.cache)
+            spec = run.score_spec
+            self.prefix.insert(run.cache_scope, run.committed_tokens, run.cache,
+                               run.cached_scores() if spec is not None else None, spec)
         run.close(reason or "cancelled")
         drafter = getattr(run, "drafter", None)
         if drafter is not None:

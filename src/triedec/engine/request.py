@@ -148,6 +148,9 @@ class Request:
         self._accepted_at: list[int] = []  # _accepted_at[d]: steps that accepted >= d drafts
         self._trace: list[StepTrace] | None = None
         self._pruned = 0  # the drafter's nodes the grammar cut from this step's draft
+        self.prompt_entries: list[TokenLogprob] = []
+        """its prompt's scores so far, when it scores its prompt (``logprobs.prompt``): entry j is
+        prompt token j + 1's, from the row before it (what a prefix trie keeps beside the rows)"""
         self.cache_scope: Hashable = None
         """whose prefix trie its prompt is looked up in and its KV kept in (a batch with a
         :class:`~triedec.core.prefixtrie.PrefixTrie`): the server's tenant and the client's
@@ -186,28 +189,84 @@ class Request:
         """Prompt tokens already in its cache."""
         return self._prefilled
 
-    def adopt_prompt(self, source: Request) -> None:
-        """Take the first :attr:`shareable_prefix` prompt slots of ``source`` (a started request
-        with the same prompt that has prefilled at least that much) as its own prefill: a copy
-        of K/V that are the same bits as its own prefill would compute (a token's K/V depend on
-        its prefix only, whatever chunk or batch carried them); it prefills the rest itself."""
-        share = self.shareable_prefix
-        if self.cache is None or source.cache is None or self._prefilled or source.prompt != self.prompt \
-                or source._prefilled < share:
+    def shared_with(self, source: Request) -> int:
+        """How much of its prompt it may take from ``source``, another started request (its K/V,
+        and its scores when it scores its prompt: then only from one that scores the same way):
+        their common prefix, less one token when it scores (the row before a token of its own must
+        be computed to score it), at most :attr:`cacheable_prefix`. 0: nothing."""
+        common = 0
+        for a, b in zip(self.prompt, source.prompt, strict=False):
+            if a != b:
+                break
+            common += 1
+        if self.scores_prompt:
+            if self.score_spec is None or source.score_spec != self.score_spec:
+                return 0
+            common -= 1
+        return max(0, min(common, self.cacheable_prefix))
+
+    def adopt_prompt(self, source: Request, length: int | None = None) -> None:
+        """Take the first ``length`` (default :meth:`shared_with`) prompt slots of ``source`` (a
+        started request whose prompt starts as this one's and that has prefilled at least that
+        much) as its own prefill: a copy of K/V that are the same bits as its own prefill would
+        compute (a token's K/V depend on its prefix only, whatever chunk or batch carried them),
+        with their scores when it scores its prompt; it prefills the rest itself."""
+        share = self.shared_with(source) if length is None else length
+        if self.cache is None or source.cache is None or self._prefilled or share > self.shared_with(source) \
+                or source._prefilled < share or (self.scores_prompt and len(source.prompt_entries) < share):
             raise TriedecError("internal error: a prompt can be adopted only by a started request that has "
-                               "prefilled nothing, from one with the same prompt that has prefilled it")
+                               "prefilled nothing, from one that has prefilled the prefix they share")
         self.cache.copy_prefix(source.cache, share)
         self._prefilled = share
+        if self.scores_prompt and share:
+            scores = source.prompt_entries[:share]
+            self.prompt_entries += scores
+            self._fresh_logprobs += scores
 
-    def adopt_cached(self, length: int) -> None:
+    @property
+    def cacheable_prefix(self) -> int:
+        """How much of its prompt it may take from a prefix trie: all but the rows whose logits it
+        needs itself (the last, and those its drafter observes); a request that scores its prompt
+        takes the scores of the tokens it takes too (:attr:`score_spec`)."""
+        return max(0, len(self.prompt) - max(1, self.drafter.prefill_logits))
+
+    @property
+    def score_spec(self) -> tuple[int, bool, str] | None:
+        """What its prompt's scores are (alternatives, ranks, distribution) when it scores its
+        prompt under the raw distribution: a prefix trie gives it cached rows only with scores of
+        this spec (None: it scores no prompt, or in the processed distribution, which depends on
+        its sampling; then it takes rows only if it scores nothing)."""
+        ask = self.logprobs
+        if ask is None or not ask.prompt:
+            return None
+        return (ask.prompt_alternatives, ask.prompt_ranks, ask.mode) if ask.mode == "raw" else None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.logprobs is not None and self.logprobs.prompt
+
+    def adopt_cached(self, length: int, scores: Sequence[TokenLogprob] = ()) -> None:
         """Its cache, started and empty, now holds its prompt's first ``length`` tokens (restored
         from a prefix trie: the same bits its own prefill would compute, a token's K/V depending on
-        its prefix only); it prefills the rest. At most :attr:`shareable_prefix`."""
-        if self.cache is None or self._prefilled or self.cache.length != length or length > self.shareable_prefix:
+        its prefix only); it prefills the rest. At most :attr:`cacheable_prefix`. A request that
+        scores its prompt gets the scores of prompt tokens 1 .. ``length`` with them (``scores``,
+        from the rows before them: the same bits its own rows give), and scores the rest itself."""
+        if self.cache is None or self._prefilled or self.cache.length != length or length > self.cacheable_prefix \
+                or (self.scores_prompt and len(scores) != length) or (not self.scores_prompt and scores):
             raise TriedecError("internal error: cached rows go only into a started request's empty cache, at most "
-                               "its shareable prefix")
+                               "its cacheable prefix, with the scores it asks for")
         self._prefilled = length
         self.stats.cached_tokens = length
+        if scores:
+            self.prompt_entries += scores
+            self._fresh_logprobs += scores
+
+    def cached_scores(self) -> list[TokenLogprob | None]:
+        """Per slot of its committed tokens, the score of its token (the first prompt token's, and
+        the generated ones', None): what a prefix trie keeps beside the rows."""
+        count = 0 if self.cache is None else self.cache.length
+        scores: list[TokenLogprob | None] = [None, *self.prompt_entries][:count]
+        return scores + [None] * (count - len(scores))
 
     @property
     def committed_tokens(self) -> list[int]:
@@ -317,7 +376,10 @@ class Request:
                 processed.append(self.rule.processed(row, seen, position))
             rows = torch.stack(processed)
         top, ranks = (ask.top, False) if output else (ask.prompt_alternatives, ask.prompt_ranks)
-        self._fresh_logprobs += token_logprobs(rows, new, top, ranks)
+        entries = token_logprobs(rows, new, top, ranks)
+        if not output:
+            self.prompt_entries += entries
+        self._fresh_logprobs += entries
 
     def _emit(self, new: Sequence[int], reason: str | None, origins: Sequence[str], tree: TokenTree | None = None,
               sources: tuple[tuple[str, ...], ...] = (), path: tuple[int, ...] = (), pruned: int = 0) -> None:

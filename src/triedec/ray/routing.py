@@ -18,9 +18,10 @@ from ray.serve.request_router import RequestRouter
 def affinity_key(body: bytes, tenant: str | None, learning: str) -> str:
     """What keeps a request on one replica: its tenant (under ``tenant`` learning, where its
     learned state is its own), else the body's ``user``, else a digest of the conversation's start
-    (chat: the messages up to the first user message; completions: the prompt's first 256
-    characters), which every later turn repeats. ``""`` (no affinity) for a body that is not a
-    JSON object."""
+    (chat: the messages up to the first user message, of which the first 256 characters;
+    completions: the prompt's first 256 characters), which every later turn repeats, and so do
+    the questions that follow one passage: what the replica's prefix trie and drafting state
+    reuse. ``""`` (no affinity) for a body that is not a JSON object."""
     if learning == "tenant" and tenant:
         return "tenant:" + tenant
     try:
@@ -36,9 +37,11 @@ def affinity_key(body: bytes, tenant: str | None, learning: str) -> str:
     if isinstance(messages, list):
         start = []
         for message in messages:
-            start.append(message)
             if isinstance(message, dict) and message.get("role") == "user":
+                content = message.get("content")
+                start.append({**message, "content": content[:256] if isinstance(content, str) else content})
                 break
+            start.append(message)
         seed = json.dumps(start, sort_keys=True, default=str)
     else:
         prompt = request.get("prompt")
