@@ -101,7 +101,9 @@ def main() -> int:
                                 {"role": "user", "content": f"{passage['text']}\n\nQuestion: {question}"}]
                     got = ask(client, base, messages, args.max_tokens, user())
                     records.append({"phase": phase, "workload": "documents", "unit": p, "index": q, **got})
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+        ray = Path(sys.executable).parent / "ray"  # the cluster the server started, stopped for the next phase
+        if ray.is_file():
+            subprocess.run([str(ray), "stop", "--force"], capture_output=True, check=False)
     lines = ["Through `triedec serve --ray`, `ar`, one client, chat messages, streamed, "
              f"{args.max_tokens} greedy tokens; commit {source_commit()}", "",
              "| phase | workload | repeated prompt tokens from a trie | vs 1 replica | TTFT of repeated requests, "
