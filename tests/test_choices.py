@@ -195,7 +195,7 @@ def test_runs_of_one_group_with_one_prompt_compute_its_kv_once(lm, method):
     while not batch.idle:
         prefilled += batch.step().plan.prefill_tokens
     batch.close()
-    own = [len(ids) - r.shareable_prefix for r in runs[1:4]]
+    own = [len(ids) - r.cacheable_prefix for r in runs[1:4]]
     assert prefilled == 2 * len(ids) + sum(own)
     assert all(o < len(ids) for o in own) == (method != "recycling")
     for request, run in zip(requests, runs, strict=True):

@@ -39,6 +39,35 @@ def _tiny_qwen2(seed: int = 0) -> Qwen2ForCausalLM:
     return model
 
 
+def _tiny_qwen3(seed: int = 0):
+    """A tiny Qwen3: Llama's layers with each head's q and k normed (random norm weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                      attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(1, 0.5)
+    return model
+
+
+def _tiny_mistral(seed: int = 0, window: int | None = 5):
+    """A tiny Mistral: Llama's layers, every one under a sliding window of ``window`` tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        sliding_window=window, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                        attn_implementation="sdpa")
+    return MistralForCausalLM(cfg).eval()
+
+
 def _mqa_llama(seed: int = 0):
     model = tiny_llama(seed=seed)
     cfg = copy.deepcopy(model.config)
@@ -119,12 +148,19 @@ MODELS = {
     "gemma3-float32": lambda: _tiny_gemma3(seed=13),
     "gemma3-softcap-bfloat16": lambda: _in_mode(_tiny_gemma3(seed=14, softcap=3.0), "bfloat16"),
     "gemma3-int4-a8": lambda: _in_mode(_tiny_gemma3(seed=15), weights="int4-a8"),
+    "qwen3-float32": lambda: _tiny_qwen3(seed=21),
+    "qwen3-int4-a8": lambda: _in_mode(_tiny_qwen3(seed=22), weights="int4-a8"),
+    "qwen3-int8": lambda: _in_mode(_tiny_qwen3(seed=23), weights="int8"),
+    "mistral-window-float32": lambda: _tiny_mistral(seed=24),
+    "mistral-window-int4-a8": lambda: _in_mode(_tiny_mistral(seed=25), weights="int4-a8"),
+    "mistral-int4": lambda: _in_mode(_tiny_mistral(seed=26, window=None), weights="int4"),
     # a head of 50 outputs: triedec's float32 linear pads it to 64, so the Python walk runs
     "llama-padded-head-float32": lambda: tiny_llama(seed=20, vocab=50),
 }
 NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8",
           "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4",
-          "llama-gqa-float32", "qwen2-bias-tied-float32", "gemma3-float32"}
+          "llama-gqa-float32", "qwen2-bias-tied-float32", "gemma3-float32", "qwen3-float32", "qwen3-int4-a8",
+          "qwen3-int8", "mistral-window-float32", "mistral-window-int4-a8", "mistral-int4"}
 """The models whose forward is one native call (bf16 activations, every linear on triedec's
 8-bit-activation kernels, the int8 / int4 modes' torch ops or bf16 oneDNN, triedec's norms; or
 float32 activations, triedec's float32 linears, transformers' own norms; no soft-capping)."""
@@ -207,16 +243,17 @@ def test_kernels_auto_runs_triedecs_runner_and_plain_transformers_forward():
 
 
 def test_an_architecture_the_runner_does_not_run_keeps_transformers_forward():
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import OlmoConfig, OlmoForCausalLM
 
     torch.manual_seed(1)
-    mistral = MistralForCausalLM(MistralConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               attn_implementation="sdpa")).eval()
-    adapter = ModelAdapter(copy.deepcopy(mistral), "auto")
+    olmo = OlmoForCausalLM(OlmoConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      attn_implementation="sdpa")).eval()
+    adapter = ModelAdapter(copy.deepcopy(olmo), "auto")
     assert adapter.runner == TRANSFORMERS and adapter.exactness == BIT_EXACT
-    with pytest.raises(TriedecError, match=r"does not run MistralForCausalLM \(it runs Llama, Qwen2, Gemma3\)"):
-        ModelAdapter(mistral, "auto", runner=RUNNER)
+    with pytest.raises(TriedecError, match=r"does not run OlmoForCausalLM \(it runs Llama, Qwen2, Mistral, Qwen3, "
+                                           r"Gemma3\)"):
+        ModelAdapter(olmo, "auto", runner=RUNNER)
     with pytest.raises(TriedecError, match="runner must be one of"):
         ModelAdapter(tiny_llama(seed=1), "auto", runner="vllm")
 

@@ -175,16 +175,6 @@ class Request:
         return self._prefilled < len(self.prompt)
 
     @property
-    def shareable_prefix(self) -> int:
-        """How much of its prompt's KV it may take from another request with the same prompt
-        instead of computing it (:meth:`adopt_prompt`): all but the rows whose logits it needs
-        itself (the last, which chooses the first token, and those its drafter observes); none
-        when it scores its prompt (every row's logits are needed then)."""
-        if self.logprobs is not None and self.logprobs.prompt:
-            return 0
-        return max(0, len(self.prompt) - max(1, self.drafter.prefill_logits))
-
-    @property
     def prefilled_tokens(self) -> int:
         """Prompt tokens already in its cache."""
         return self._prefilled

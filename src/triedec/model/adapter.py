@@ -1,6 +1,6 @@
 """The only module that knows transformers internals, with :mod:`triedec.model.dispatch` (how one
 forward over many items passes through the model), which it drives, and :mod:`triedec.model.runner`
-(triedec's own walk of a Llama or Qwen2 model's layers, which it runs instead of the model's
+(triedec's own walk of a Llama-family, Qwen3 or Gemma 3 model's layers, which it runs instead of the model's
 ``forward`` with ``kernels="auto"``).
 
 :class:`ModelAdapter` runs **one forward over many requests**: each :class:`ForwardItem` is one

@@ -1,6 +1,8 @@
 """triedec's own forward for the decoder architectures it ships: Llama (the default SmolLM2),
-Qwen2 (Llama's layers with q/k/v biases) and Gemma 3 (q/k norms, a norm after attention and after
-the MLP, GeGLU, scaled embeddings, sliding-window layers with their own rotary base).
+Qwen2 (Llama's layers with q/k/v biases), Mistral (Llama's layers, a sliding window over every
+layer where its config sets one), Qwen3 (Llama's layers with each head's q and k normed before
+rotary) and Gemma 3 (q/k norms, a norm after attention and after the MLP, GeGLU, scaled
+embeddings, sliding-window layers with their own rotary base).
 
 :class:`ModelAdapter` runs a forward through transformers' modeling code (the model's ``forward``,
 its decorators, mask builders and cache objects, and the attention dispatcher of
@@ -69,7 +71,9 @@ class _Architecture:
 _LLAMA = _Architecture("input_layernorm", None, "post_attention_layernorm", None, False, False)
 _GEMMA3 = _Architecture("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                         "post_feedforward_layernorm", True, True)
-_ARCHITECTURES = {"LlamaForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3}
+_QWEN3 = _Architecture("input_layernorm", None, "post_attention_layernorm", None, True, False)
+_ARCHITECTURES = {"LlamaForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA,
+                  "Qwen3ForCausalLM": _QWEN3, "Gemma3ForCausalLM": _GEMMA3}
 ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") for name in _ARCHITECTURES)
 """The architectures the runner runs, as users name them."""
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
