@@ -36,6 +36,7 @@ from triedec.bench.report import machine_info, source_commit, versions
 from triedec.core.tree import TokenTree
 from triedec.model.adapter import ForwardItem
 from triedec.model.native import load_kernel
+from triedec.model.opcheck import int8_peak, memory_rate
 from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear
 
 FLOAT_STEPS = {"int4": (8, 4), "int8": (8, 3)}
@@ -51,20 +52,10 @@ def best_of(trials: int, measure) -> tuple[float, float]:
 def dot_rate(kernel, threads: int, seconds: float) -> float:
     """Multiply-adds a second of the kernel build's dot-product loop on ``threads`` threads."""
     torch.set_num_threads(threads)
-    iterations = 1000
-    while True:
-        start = time.perf_counter()
-        done = kernel.dot_peak(iterations)
-        took = time.perf_counter() - start
-        if took >= seconds:
-            return done / took
-        iterations = int(iterations * max(2.0, seconds / max(took, 1e-6) * 1.2))
+    return int8_peak(kernel, seconds)
 
 
-def stream_rate(kernel, buffer: torch.Tensor) -> float:
-    start = time.perf_counter()
-    kernel.stream_read(buffer)
-    return buffer.numel() / (time.perf_counter() - start)
+stream_rate = memory_rate
 
 
 def linear_costs(model: torch.nn.Module) -> tuple[int, int, float]:

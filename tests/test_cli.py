@@ -413,6 +413,30 @@ def test_serve_logs_the_models_precision_runner_and_kernels_at_startup(capsys, c
     assert line.endswith("+triedec-runner+native-forward (bit-exact)")
 
 
+def test_serve_says_in_words_why_a_model_runs_on_transformers_forward(capsys, caplog, monkeypatch, tmp_path):
+    """A family triedec's runner does not know (OLMo 1) still serves, on transformers' forward, and
+    the startup line says so and why."""
+    import logging
+
+    from helpers import tiny_tokenizer
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    import triedec.server
+
+    tokenizer = tiny_tokenizer()
+    OlmoForCausalLM(OlmoConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(triedec.server, "serve", lambda lm, config, host, port: None)
+    with caplog.at_level(logging.INFO, logger="triedec.server"):
+        code, _, _ = run_cli(capsys, "serve", "--model", str(tmp_path), "--port", "8972")
+    assert code == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model: "))
+    assert "runner: transformers (triedec's runner does not know OlmoForCausalLM (it runs Llama, " in line
+    assert "its steps run transformers' forward, ~2,000 small operations a step, slower (docs/models.md))" in line
+
+
 def test_threads_come_from_the_flag_then_the_environment_then_the_default(monkeypatch):
     """``--threads`` wins; without it ``TRIEDEC_THREADS`` (what the suite's workers set, so the
     processes they start share their calibration); without either, 2. A bad value is named."""

@@ -525,3 +525,38 @@ def test_the_probes_count_what_they_did_and_refuse_bad_input():
         KERNEL.stream_read(torch.zeros(8, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="iterations"):
         KERNEL.dot_peak(-1)
+
+
+# ---- the op-level harness (triedec.model.opcheck, scripts/ops.py) ---------------------------------
+
+
+def test_every_op_of_the_harness_is_within_its_bound_and_the_same_bits_on_every_library():
+    """ggml's test-backend-ops for triedec: each op of the table on each of its shapes, against
+    its float64 reference within its bound, on every installed library this CPU runs, with the
+    first library's bits; and the bound bites (a perturbed output fails it)."""
+    from triedec.model.opcheck import OPS, check
+
+    results = check()
+    assert {r.op for r in results} == {op.name for op in OPS}
+    assert len({r.isa for r in results}) == max(1, len(switchable_libraries()))
+    bad = [r for r in results if not r.ok]
+    assert not bad, bad
+    op = OPS[0]
+    inputs = op.build(op.check_shapes[1], torch.Generator().manual_seed(0))
+    expected = op.reference(inputs)
+    allowed = op.bound(inputs, expected)
+    with torch.inference_mode():
+        got = op.run(KERNEL, inputs).double()
+    assert ((got - expected).abs() <= allowed).all()
+    assert not ((got * (1 + 2**-6) - expected).abs() <= allowed).all()
+
+
+def test_the_harness_times_each_op_with_its_shares():
+    """--perf's numbers have their shape (no speed is asserted: benchmarks measure speed)."""
+    from triedec.model.opcheck import OPS, perf
+
+    peak, rate, timed = perf(repeats=2, trials=1, stream_mib=8, ops=OPS[:1] + OPS[-1:])
+    assert peak > 0 and rate > 0
+    assert [t.op for t in timed] == [OPS[0].name] * len(OPS[0].perf_shapes) + [OPS[-1].name] * len(OPS[-1].perf_shapes)
+    assert all(t.seconds > 0 and t.memory_share > 0 for t in timed)
+    assert all((t.peak_share is not None) == (t.op == OPS[0].name) for t in timed)

@@ -1,14 +1,17 @@
 """triedec's own runner (:mod:`triedec.model.runner`) against transformers' forward of the same
 model in the same precision mode and kernels: the same logits, bit for bit (``torch.equal``), for
 random trees on chunked prompts batched beside other requests (Llama with grouped and multi-query
-attention, tied and untied heads; Qwen2 with q/k/v biases; Gemma 3 with sliding-window and full
-layers, q/k norms and soft-capped logits), and the architectures it does not run keep
-transformers' forward."""
+attention, tied and untied heads; Qwen2 with q/k/v biases; Qwen3's q/k norms; Mistral's window;
+Phi-3's fused projections; SmolLM3's layers without rotary; Granite's multipliers; OLMo 2's output
+norms and whole-projection q/k norms; Gemma 2's soft-capped scores and logits; Gemma 3 with
+sliding-window and full layers, q/k norms and soft-capped logits), and the architectures it does
+not run keep transformers' forward."""
 
 from __future__ import annotations
 
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -66,6 +69,80 @@ def _tiny_mistral(seed: int = 0, window: int | None = 5):
                         sliding_window=window, eos_token_id=2, bos_token_id=1, pad_token_id=0,
                         attn_implementation="sdpa")
     return MistralForCausalLM(cfg).eval()
+
+
+def _tiny_phi3(seed: int = 0, partial: float = 1.0):
+    """A tiny Phi-3: Llama's layers with q/k/v in one linear and gate/up in one; ``partial`` < 1:
+    Phi-4-mini's rotary over the first part of each head."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Phi3Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     original_max_position_embeddings=512, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                     partial_rotary_factor=partial, attn_implementation="sdpa")
+    return Phi3ForCausalLM(cfg).eval()
+
+
+def _random_norms(model, suffixes: tuple[str, ...] = ("norm.weight", "layernorm.weight")):
+    """``model`` with its RMS norms' weights random (transformers initialises them to one or zero)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(suffixes):
+                param.normal_(float(param.mean()), 0.5)
+    return model
+
+
+def _tiny_smollm3(seed: int = 0):
+    """A tiny SmolLM3: Llama's layers, the second without rotary."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = SmolLM3Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        no_rope_layers=[1, 0], eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                        attn_implementation="sdpa")
+    return SmolLM3ForCausalLM(cfg).eval()
+
+
+def _tiny_granite(seed: int = 0):
+    """A tiny Granite: Llama's layers with embedding, residual, attention and logit multipliers."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = GraniteConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        embedding_multiplier=3.0, residual_multiplier=0.22, attention_multiplier=0.07,
+                        logits_scaling=4.0, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                        attn_implementation="sdpa")
+    return GraniteForCausalLM(cfg).eval()
+
+
+def _tiny_olmo2(seed: int = 0):
+    """A tiny OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over the whole
+    projections (random norm weights)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Olmo2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1, pad_token_id=0, attn_implementation="sdpa")
+    return _random_norms(Olmo2ForCausalLM(cfg).eval())
+
+
+def _tiny_gemma2(seed: int = 0):
+    """A tiny Gemma 2: Gemma 3's four norms a layer without q/k norms, sliding-window and full layers,
+    soft-capped attention scores and logits (caps small enough to bite)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                       max_position_embeddings=512, sliding_window=6,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                       eos_token_id=2, bos_token_id=1, pad_token_id=0, attn_implementation="eager")
+    return _random_norms(Gemma2ForCausalLM(cfg).eval())
 
 
 def _mqa_llama(seed: int = 0):
@@ -154,19 +231,37 @@ MODELS = {
     "mistral-window-float32": lambda: _tiny_mistral(seed=24),
     "mistral-window-int4-a8": lambda: _in_mode(_tiny_mistral(seed=25), weights="int4-a8"),
     "mistral-int4": lambda: _in_mode(_tiny_mistral(seed=26, window=None), weights="int4"),
+    "phi3-float32": lambda: _tiny_phi3(seed=27),
+    "phi3-int4-a8": lambda: _in_mode(_tiny_phi3(seed=28), weights="int4-a8"),
+    "phi3-int8": lambda: _in_mode(_tiny_phi3(seed=29), weights="int8"),
+    "phi4-partial-float32": lambda: _tiny_phi3(seed=42, partial=0.75),
+    "phi4-partial-int4-a8": lambda: _in_mode(_tiny_phi3(seed=43, partial=0.75), weights="int4-a8"),
+    "smollm3-float32": lambda: _tiny_smollm3(seed=30),
+    "smollm3-int4-a8": lambda: _in_mode(_tiny_smollm3(seed=31), weights="int4-a8"),
+    "granite-float32": lambda: _tiny_granite(seed=32),
+    "granite-int4-a8": lambda: _in_mode(_tiny_granite(seed=33), weights="int4-a8"),
+    "granite-int8": lambda: _in_mode(_tiny_granite(seed=34), weights="int8"),
+    "olmo2-float32": lambda: _tiny_olmo2(seed=35),
+    "olmo2-int4-a8": lambda: _in_mode(_tiny_olmo2(seed=36), weights="int4-a8"),
+    "gemma2-float32": lambda: _tiny_gemma2(seed=37),
+    "gemma2-int4-a8": lambda: _in_mode(_tiny_gemma2(seed=38), weights="int4-a8"),
+    "gemma2-int4": lambda: _in_mode(_tiny_gemma2(seed=39), weights="int4"),
     # a head of 50 outputs: triedec's float32 linear pads it to 64, so the Python walk runs
     "llama-padded-head-float32": lambda: tiny_llama(seed=20, vocab=50),
 }
 NATIVE = {"llama-int4-a8", "qwen2-bias-int4-a8", "llama-int8-parts-int4-a8", "gemma3-int4-a8",
           "llama-int8", "llama-int4", "qwen2-bias-int8", "gemma3-int4",
           "llama-gqa-float32", "qwen2-bias-tied-float32", "gemma3-float32", "qwen3-float32", "qwen3-int4-a8",
-          "qwen3-int8", "mistral-window-float32", "mistral-window-int4-a8", "mistral-int4"}
+          "qwen3-int8", "mistral-window-float32", "mistral-window-int4-a8", "mistral-int4", "phi3-float32",
+          "phi3-int4-a8", "phi3-int8", "smollm3-float32", "smollm3-int4-a8", "granite-float32", "granite-int4-a8",
+          "granite-int8", "olmo2-float32", "olmo2-int4-a8", "gemma2-float32", "gemma2-int4-a8", "gemma2-int4",
+          "phi4-partial-float32", "phi4-partial-int4-a8"}
 """The models whose forward is one native call (bf16 activations, every linear on triedec's
 8-bit-activation kernels, the int8 / int4 modes' torch ops or bf16 oneDNN, triedec's norms; or
-float32 activations, triedec's float32 linears, transformers' own norms; no soft-capping)."""
+float32 activations, triedec's float32 linears, transformers' own norms)."""
 if packing_available(torch.device("cpu"), torch.bfloat16):  # oneDNN has bf16 kernels for this CPU
     MODELS["llama-split-bfloat16"] = lambda: _split_bfloat16(seed=19)
-    NATIVE |= {"llama-mqa-bfloat16", "qwen2-bias-bfloat16", "llama-split-bfloat16"}
+    NATIVE |= {"llama-mqa-bfloat16", "qwen2-bias-bfloat16", "llama-split-bfloat16", "gemma3-softcap-bfloat16"}
 
 
 @pytest.fixture(scope="module")
@@ -251,11 +346,41 @@ def test_an_architecture_the_runner_does_not_run_keeps_transformers_forward():
                                       attn_implementation="sdpa")).eval()
     adapter = ModelAdapter(copy.deepcopy(olmo), "auto")
     assert adapter.runner == TRANSFORMERS and adapter.exactness == BIT_EXACT
-    with pytest.raises(TriedecError, match=r"does not run OlmoForCausalLM \(it runs Llama, Qwen2, Mistral, Qwen3, "
-                                           r"Gemma3\)"):
+    runs = r"\(it runs Llama, Qwen2, Mistral, Qwen3, Phi3, SmolLM3, Granite, Olmo2, Gemma2, Gemma3\)"
+    assert re.match(rf"triedec's runner does not know OlmoForCausalLM {runs}: its steps run transformers' forward",
+                    adapter.runner_note), adapter.runner_note
+    with pytest.raises(TriedecError, match=rf"does not know OlmoForCausalLM {runs}; use runner='transformers'"):
         ModelAdapter(olmo, "auto", runner=RUNNER)
     with pytest.raises(TriedecError, match="runner must be one of"):
         ModelAdapter(tiny_llama(seed=1), "auto", runner="vllm")
+    assert ModelAdapter(tiny_llama(seed=1), "auto").runner_note == ""
+    assert ModelAdapter(tiny_llama(seed=1), "plain").runner_note == "kernels='plain'"
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3.5", "granite-hybrid"])
+def test_a_model_with_recurrent_layers_gets_an_error_naming_them(family):
+    """Tree verification keeps K/V per node, not a recurrent state per node: such a model is refused
+    with the layers named, not run to wrong tokens."""
+    import transformers as tf
+
+    small = {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}
+    if family == "lfm2":
+        model = tf.Lfm2ForCausalLM(tf.Lfm2Config(**small, layer_types=["conv", "full_attention"]))
+        named = "short-convolution"
+    elif family == "qwen3.5":
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(
+            **small, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=2,
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16))
+        named = "Gated DeltaNet"
+    else:
+        model = tf.GraniteMoeHybridForCausalLM(tf.GraniteMoeHybridConfig(
+            **small, layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16,
+            num_local_experts=0, shared_intermediate_size=128))
+        named = "Mamba"
+    with pytest.raises(TriedecError, match=rf"{type(model).__name__} has .*{named}.* layers, whose state runs "
+                                           r"through the tokens in order"):
+        ModelAdapter(model.eval(), "auto")
 
 
 def test_float32_greedy_through_the_runner_equals_transformers_generate():
@@ -379,3 +504,96 @@ def test_the_native_forward_gives_the_same_bits_on_every_installed_kernel_librar
     for other in others:
         assert len(other) == len(first)
         assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+FAMILIES = {"phi3": _tiny_phi3, "phi4-partial": lambda seed: _tiny_phi3(seed=seed, partial=0.75),
+            "smollm3": _tiny_smollm3, "granite": _tiny_granite, "olmo2": _tiny_olmo2, "gemma2": _tiny_gemma2,
+            "qwen3": _tiny_qwen3, "mistral": _tiny_mistral}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_method_on_the_runner_gives_stock_transformers_greedy_tokens(family):
+    """Each family the runner added, in float32 on its native forward: every method's tokens are
+    stock transformers' greedy tokens (an unmodified copy decoding with its own forward)."""
+    from helpers import EOS, alone, fake_cost, hf_greedy, random_prompts, tiny_info
+
+    from triedec.engine.methods import method
+    from triedec.engine.request import StopRule
+
+    stock, fast = FAMILIES[family](seed=40), FAMILIES[family](seed=40)
+    adapter = ModelAdapter(fast, "auto")
+    assert adapter.runner == RUNNER and adapter.native_forward
+    info = tiny_info(cost=fake_cost())
+    settings = {"ar": {}, "pld": {"min_expected": 0.0}, "recycling": {"nodes": 80}, "ngram-trie": {"sized": False},
+                "lookahead": {}, "auto": {}}
+    decoders = {n: method(n).build(method(n).make_options(o), info) for n, o in settings.items()}
+    rule = StopRule(20, frozenset([EOS]))
+    for i, prompt in enumerate(random_prompts(seed=300 + list(FAMILIES).index(family), count=4)):
+        truth = hf_greedy(stock, prompt, 20)
+        for n, decoder in decoders.items():
+            tokens, _ = alone(adapter, decoder, prompt, rule)
+            assert tokens == truth, f"{n} differs on prompt {i}"
+
+
+def _gguf_family(family: str, vocab: int, tokenizer):
+    """A tiny random model of ``family`` sized for K-quant blocks (rows of 256 features), with
+    ``tokenizer``'s special ids."""
+    import transformers as tf
+
+    torch.manual_seed(41)
+    common = {"vocab_size": vocab, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+              "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id,
+              "pad_token_id": tokenizer.pad_token_id, "attn_implementation": "sdpa"}
+    window = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+    configs = {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=None)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=128)),  # the loader assumes 128
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**common, original_max_position_embeddings=512)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**{**common, "attn_implementation": "eager"},
+                                                               head_dim=64, **window)),
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, head_dim=64, **window)),
+    }
+    return _random_norms(configs[family]().eval())
+
+
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+"""The families transformers' GGUF loader reads (Mistral's files are ``llama`` ones: gguf-py has no
+``mistral`` architecture)."""
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits(tmp_path, family, kind):
+    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q6_K
+    and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's runner in
+    one native call, its logits ``torch.equal`` to transformers' own loading of the same file in
+    the same precision mode on transformers' forward, and every method ``ar``'s tokens."""
+    from gguf_writer import write_gguf
+    from helpers import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    import triedec
+    from triedec.model.source import quantize
+
+    tokenizer = tiny_tokenizer()
+    path = write_gguf(_gguf_family(family, len(tokenizer), tokenizer), tokenizer, tmp_path / f"{family}.gguf",
+                      family, kind)
+    lm = triedec.load(path, cache_dir=tmp_path / "cache")
+    adapter = lm.adapter
+    assert adapter.runner == RUNNER and adapter.native_forward, adapter.runner_note
+    assert adapter.precision.weights == ("int4-a8" if kind == "Q4_K_M" else "float")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    assert type(reference) is type(lm.model)
+    if adapter.precision.weights != "float":
+        quantize(reference, adapter.precision, from_gguf=True)
+    theirs = ModelAdapter(reference, "auto", runner=TRANSFORMERS)
+    got, expected = _forward_both((adapter, theirs), random.Random(7))
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
+    prompt = "one two three four five six seven eight nine ten. Repeat: one two three"
+    ar = lm.generate(prompt, "ar", max_new_tokens=16).token_ids
+    for name in ("pld", "lookahead", "auto"):
+        assert lm.generate(prompt, name, max_new_tokens=16).token_ids == ar, name

@@ -217,9 +217,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     lm = load_model(args)
     adapter = lm.adapter
+    runner = adapter.runner + (f" ({adapter.runner_note})" if adapter.runner_note else "")  # why, in words
     logging.getLogger("triedec.server").info(
         "model: precision %s%s; runner: %s; kernels: %s (%s)", adapter.precision.name,
-        " (--weights auto)" if args.weights == AUTO_WEIGHTS else "", adapter.runner, adapter.kernels,
+        " (--weights auto)" if args.weights == AUTO_WEIGHTS else "", runner, adapter.kernels,
         adapter.exactness)
     serve(lm, config, host=args.host, port=args.port)
     return 0

@@ -86,7 +86,7 @@ from triedec.model.linears import F32Linear, PackedLinear, pack_linears, packing
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
 from triedec.model.rmsnorm import FusedRMSNorm, fuse_norms
-from triedec.model.runner import ARCHITECTURES, RUNNER, RUNNERS, TRANSFORMERS, runner_for
+from triedec.model.runner import RUNNER, RUNNERS, TRANSFORMERS, runner_for, why_not_runner
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
@@ -102,6 +102,44 @@ def check_attention(attn: str) -> None:
 KERNELS = ("auto", "plain")
 FIXED_ORDER_ATTENTION = "fixed-order-attention"
 """How :func:`describe_kernels` names triedec's own tree attention (:mod:`triedec.model.attention`)."""
+
+
+_RECURRENT_KINDS = {"linear_attention": "linear-attention", "conv": "short-convolution", "mamba": "Mamba",
+                    "recurrent": "recurrent", "ssm": "state-space"}
+"""``layer_types`` entries of layers with a state carried across tokens, and how an error names them."""
+_RECURRENT_MODULES = {"GatedDeltaNet": "Gated DeltaNet", "ShortConv": "short-convolution", "Mamba": "Mamba",
+                      "RecurrentBlock": "recurrent", "Rwkv": "RWKV", "Lru": "recurrent"}
+"""Parts of module class names that mark such layers (transformers' names), and how an error names them."""
+
+
+def recurrent_layers(model: torch.nn.Module) -> list[str]:
+    """The kinds of layer ``model`` has that carry a recurrent state from token to token (Qwen3.5's
+    Gated DeltaNet, LFM2's convolutions, Granite 4's and Falcon-H1's Mamba, RWKV), by its config's
+    ``layer_types`` and its modules' class names; empty for an attention-only decoder."""
+    found: dict[str, None] = {}
+    text = model.config.get_text_config() if hasattr(model, "config") else None
+    for kind in getattr(text, "layer_types", None) or ():
+        if str(kind) in _RECURRENT_KINDS:
+            found[_RECURRENT_KINDS[str(kind)]] = None
+    for module in model.modules():
+        name = type(module).__name__
+        for key, kind in _RECURRENT_MODULES.items():
+            if key in name:
+                found[kind] = None
+    return list(found)
+
+
+def check_attention_only(model: torch.nn.Module) -> None:
+    """Raise :class:`TriedecError` naming what is missing when ``model`` has recurrent layers:
+    triedec verifies a tree of drafts in one forward, each node attending to its own ancestors; a
+    layer whose state runs through the tokens in order has one state per node there, which triedec
+    does not keep (nor does any engine for model-free trees)."""
+    kinds = recurrent_layers(model)
+    if kinds:
+        raise TriedecError(
+            f"{type(model).__name__} has {', '.join(kinds)} layers, whose state runs through the tokens in order; "
+            "triedec verifies a tree of drafts in one forward and keeps attention's K/V per node, not a recurrent "
+            "state per node, so it cannot run this model (attention-only decoders only; docs/models.md)")
 
 
 def cache_keyword(model: PreTrainedModel) -> str:
@@ -195,6 +233,7 @@ class ModelAdapter:
             check_attention(attn)
         if getattr(config, "is_encoder_decoder", False):
             raise TriedecError(f"{type(model).__name__} is an encoder-decoder model, not a causal LM")
+        check_attention_only(model)
         self.model = model
         self.config = config
         text = config.get_text_config()
@@ -210,15 +249,24 @@ class ModelAdapter:
         apply_kernels(model, kernels)
         self.exact_attention = exact_attention_applies(model, kernels)
         """Whether triedec's forwards run its fixed-order tree attention (else the model's own)."""
-        self._runner = runner_for(model) if runner == RUNNER or (runner is None and kernels == "auto") else None
+        wanted = runner == RUNNER or (runner is None and kernels == "auto")
+        self._runner = runner_for(model) if wanted else None
         if runner == RUNNER and self._runner is None:
-            raise TriedecError(f"triedec's runner does not run {type(model).__name__} "
-                               f"(it runs {', '.join(ARCHITECTURES)}); use runner='{TRANSFORMERS}'")
+            raise TriedecError(f"{why_not_runner(model)}; use runner='{TRANSFORMERS}'")
         place_weights(model)  # a no-op for what the runner placed
         self.runner = TRANSFORMERS if self._runner is None else RUNNER
         """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by
         default with ``kernels="auto"`` on the architectures it runs) or ``transformers`` (the model's
         own forward: ``kernels="plain"``, or any other architecture). ``runner=`` picks one."""
+        if self._runner is not None:
+            note = ""
+        elif wanted:
+            note = (f"{why_not_runner(model)}: its steps run transformers' forward, ~2,000 small operations a "
+                    "step, slower (docs/models.md)")
+        else:
+            note = "runner='transformers' was asked for" if runner == TRANSFORMERS else "kernels='plain'"
+        self.runner_note = note
+        """Why the runner is ``transformers``, in a user's words (empty when it is ``triedec``)."""
         self.native_forward = self._runner is not None and self._runner.native and self.exact_attention
         """Whether a forward is one native call (:func:`triedec.model.runner.native_decoder`)."""
         self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention,

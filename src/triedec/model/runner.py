@@ -1,8 +1,13 @@
 """triedec's own forward for the decoder architectures it ships: Llama (the default SmolLM2),
 Qwen2 (Llama's layers with q/k/v biases), Mistral (Llama's layers, a sliding window over every
 layer where its config sets one), Qwen3 (Llama's layers with each head's q and k normed before
-rotary) and Gemma 3 (q/k norms, a norm after attention and after the MLP, GeGLU, scaled
-embeddings, sliding-window layers with their own rotary base).
+rotary), Phi-3 (Llama's layers with q/k/v and gate/up each one linear, run as a joined group; its
+rotary over the whole head only), SmolLM3 (Llama's layers, some without rotary), Granite (Llama's
+layers with embedding, residual, attention and logit multipliers), OLMo 2 (norms on the
+sublayers' outputs only, q/k norms over the whole projection, a rotary rounded once from float32
+tables), Gemma 2 (Gemma's four norms a layer, soft-capped attention scores and logits) and Gemma
+3 (q/k norms, a norm after attention and after the MLP, GeGLU, scaled embeddings, sliding-window
+layers with their own rotary base). docs/models.md has the table.
 
 :class:`ModelAdapter` runs a forward through transformers' modeling code (the model's ``forward``,
 its decorators, mask builders and cache objects, and the attention dispatcher of
@@ -14,7 +19,8 @@ each item's K/V written into its own cache, attention through the same :class:`I
 output projection, the residual adds and the MLP, each module called on the same tensors in the
 same order as transformers' modeling file calls it. So its logits are the same bits as the model's
 own forward in every precision mode (``tests/test_runner.py`` checks ``torch.equal`` on tiny random
-models of the three architectures and on the default model); what it saves is the plumbing.
+models of each architecture, on GGUF files of each the tests write, and on the default model);
+what it saves is the plumbing.
 
 Where the model runs on bfloat16 activations with triedec's fused RMS norms, SiLU or tanh-gelu and
 triedec's fixed-order attention, and every linear is one the native code calls (the ``int4-a8``
@@ -22,19 +28,23 @@ mode's 8-bit-activation kernels, the torch ops the ``int8`` and ``int4`` modes' 
 bfloat16's oneDNN-packed linears), or on float32 activations with triedec's float32 linears and
 transformers' own norms (which the native code calls as the same torch ops), the whole walk is one
 native call instead (:func:`native_decoder`, ``csrc/decoder.cpp``): the same kernels and ops in the
-same order, with no Python between layers, so again the same bits. Elsewhere (soft-capped logits,
-a float32 layer whose outputs were padded, any other linear or norm) the walk is Python calls of
-the same modules.
+same order, with no Python between layers, so again the same bits (the embedding's and the
+logits' own scalings and the final soft-cap stay torch ops around that call). Elsewhere (a float32
+layer whose outputs were padded, any other linear or norm) the walk is Python calls of the same
+modules.
 
-Anything else (another architecture, a module that is not of the expected shape) keeps
-transformers' forward: :func:`runner_for` returns None, and :attr:`ModelAdapter.runner` names which
-one ran.
+Anything else (another architecture, a module that is not of the expected shape, Phi-4-mini's
+partial rotary) keeps transformers' forward: :func:`runner_for` returns None,
+:func:`why_not_runner` says why in a user's words, and :attr:`ModelAdapter.runner` and
+``runner_note`` name which one ran and why.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,24 +70,42 @@ class _Architecture:
     """Where a modeling file puts a decoder layer's parts: its norms by role (None: it has none
     there) and the attention's q/k norms."""
 
-    attention_norm: str
+    attention_norm: str | None  # None: the layer norms its sublayers' outputs only (OLMo 2)
     attention_out_norm: str | None  # on the attention's output, before the residual add (Gemma 3)
-    mlp_norm: str
+    mlp_norm: str | None
     mlp_out_norm: str | None  # on the MLP's output, before the residual add (Gemma 3)
     qk_norms: bool
     rotary_by_kind: bool  # the rotary module takes the layer type (Gemma 3: local and global bases)
+    fused: bool = False  # q/k/v in one ``qkv_proj``, gate and up in one ``gate_up_proj`` (Phi-3)
+    act: str = "act_fn"  # the MLP's activation module
+    qk_whole: bool = False  # the q/k norms take the whole projection, before it is split in heads (OLMo 2)
+    multipliers: bool = False  # the config's embedding, residual and logit multipliers (Granite)
+    wide_rotary: bool = False  # float32 rotary tables, each rotated element rounded once (OLMo 2)
+    partial_rotary: bool = False  # its modeling file rotates the first part of a head where set (Phi-4-mini)
 
 
 _LLAMA = _Architecture("input_layernorm", None, "post_attention_layernorm", None, False, False)
 _GEMMA3 = _Architecture("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                         "post_feedforward_layernorm", True, True)
 _QWEN3 = _Architecture("input_layernorm", None, "post_attention_layernorm", None, True, False)
+_PHI3 = _Architecture("input_layernorm", None, "post_attention_layernorm", None, False, False, True, "activation_fn",
+                      partial_rotary=True)
+_GEMMA2 = _Architecture("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm", False, False)
+_OLMO2 = _Architecture(None, "post_attention_layernorm", None, "post_feedforward_layernorm", True, False,
+                       qk_whole=True, wide_rotary=True)
+# SmolLM3 and Granite are Llama's layers: SmolLM3's layers without rotary are each attention's
+# ``use_rope``, Granite's multipliers its config's (read by DecoderRunner)
 _ARCHITECTURES = {"LlamaForCausalLM": _LLAMA, "Qwen2ForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA,
-                  "Qwen3ForCausalLM": _QWEN3, "Gemma3ForCausalLM": _GEMMA3}
+                  "Qwen3ForCausalLM": _QWEN3, "Phi3ForCausalLM": _PHI3, "SmolLM3ForCausalLM": _LLAMA,
+                  "GraniteForCausalLM": replace(_LLAMA, multipliers=True), "Olmo2ForCausalLM": _OLMO2,
+                  "Gemma2ForCausalLM": _GEMMA2, "Gemma3ForCausalLM": _GEMMA3}
 ARCHITECTURES = tuple(name.removesuffix("ForCausalLM") for name in _ARCHITECTURES)
 """The architectures the runner runs, as users name them."""
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_MLP_PARTS = ("gate_proj", "up_proj", "down_proj")
+_FUSED_ATTENTION_PARTS = ("qkv_proj", "o_proj")
+_FUSED_MLP_PARTS = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -85,16 +113,19 @@ class Layer:
     """One decoder layer's modules as the runner calls them, with its q/k/v and gate/up joined
     where :func:`join` could (None: the parts run)."""
 
-    attention_norm: nn.Module
+    attention_norm: nn.Module | None  # None: OLMo 2's layers norm their sublayers' outputs only
     attn: nn.Module
     attention_out_norm: nn.Module | None
-    mlp_norm: nn.Module
+    mlp_norm: nn.Module | None
     mlp: nn.Module
     mlp_out_norm: nn.Module | None
-    qk_norms: tuple[nn.Module, nn.Module] | None  # each head's q and k norms (Gemma 3)
+    qk_norms: tuple[nn.Module, nn.Module] | None  # each head's q and k norms (Qwen3, Gemma 3; OLMo 2: whole)
     qkv: tuple[LinearStandIn, list[int]] | None
     gate_up: tuple[LinearStandIn, list[int]] | None
     kind: str
+    act: nn.Module  # the MLP's activation
+    rope: bool = True  # False: q and k stay unrotated (SmolLM3's layers without rotary)
+    qk_whole: bool = False  # the q/k norms over the whole projection (OLMo 2)
 
 
 def layer_kinds(layers: list[Layer]) -> list[str]:
@@ -103,28 +134,56 @@ def layer_kinds(layers: list[Layer]) -> list[str]:
     return sorted({layer.kind for layer in layers})
 
 
-def runner_for(model: nn.Module) -> DecoderRunner | None:
-    """triedec's runner for ``model`` when its architecture is one the runner reproduces exactly
-    (:data:`ARCHITECTURES`, with every module where that modeling file puts it), else None."""
-    arch = _ARCHITECTURES.get(type(model).__name__)
+def why_not_runner(model: nn.Module) -> str | None:
+    """Why triedec's runner does not run ``model``, in a user's words; None when it does: its
+    architecture is one of :data:`ARCHITECTURES`, with every module where that modeling file puts it
+    and no feature the runner leaves to transformers."""
+    name = type(model).__name__
+    arch = _ARCHITECTURES.get(name)
     if arch is None:
-        return None
+        return f"triedec's runner does not know {name} (it runs {', '.join(ARCHITECTURES)})"
     base = getattr(model, "model", None)
+    moved = f"{name}'s modules are not where transformers' {name} puts them"
     if base is None or not all(hasattr(base, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return None
+        return moved
     norms = [n for n in (arch.attention_norm, arch.attention_out_norm, arch.mlp_norm, arch.mlp_out_norm) if n]
-    attention_parts = _ATTENTION_PARTS + (("q_norm", "k_norm") if arch.qk_norms else ())
+    attention_parts = (_FUSED_ATTENTION_PARTS if arch.fused else _ATTENTION_PARTS) + (
+        ("q_norm", "k_norm") if arch.qk_norms else ())
+    mlp_parts = (*(_FUSED_MLP_PARTS if arch.fused else _MLP_PARTS), arch.act)
     for layer in base.layers:
         if not all(hasattr(layer, name) for name in (*norms, "self_attn", "mlp")) \
                 or not all(hasattr(layer.self_attn, name) for name in attention_parts) \
-                or not all(hasattr(layer.mlp, name) for name in _MLP_PARTS):
-            return None
+                or not all(hasattr(layer.mlp, name) for name in mlp_parts):
+            return moved
     config = model.config
-    if getattr(config, "pretraining_tp", 1) != 1:  # transformers' slicing of the head
-        return None
+    partial = _partial_rotary(config)
+    if partial != 1.0 and not arch.partial_rotary:
+        return f"{name} rotates {partial:g} of each head (partial_rotary_factor): its modeling file does not"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return f"{name} slices its linears (pretraining_tp {config.pretraining_tp}): transformers' own forward does"
     if getattr(config, "use_bidirectional_attention", False):  # Gemma 3's encoder-like variant
+        return f"{name} attends both ways (use_bidirectional_attention): not a causal decoder's attention"
+    return None
+
+
+def _partial_rotary(config: Any) -> float:
+    """The share of each head the rotary embedding turns (``partial_rotary_factor``; 1: all)."""
+    rope = getattr(config, "rope_parameters", None)
+    nested = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return float(getattr(config, "partial_rotary_factor", None) or nested or 1.0)
+
+
+def rotary_dim(config: Any, head_dim: int) -> int:
+    """The features of a head the rotary embedding turns, the first ones (Phi-4-mini: 3/4 of them)."""
+    return int(head_dim * _partial_rotary(config))
+
+
+def runner_for(model: nn.Module) -> DecoderRunner | None:
+    """triedec's runner for ``model`` when its architecture is one the runner reproduces exactly
+    (:func:`why_not_runner` says None), else None."""
+    if why_not_runner(model) is not None:
         return None
-    return DecoderRunner(model, arch)
+    return DecoderRunner(model, _ARCHITECTURES[type(model).__name__])
 
 
 def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list[int]] | None:
@@ -208,9 +267,20 @@ def _norm_variant(norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | No
     return torch_ops_variant(norm)
 
 
-def _parts(layers: list[nn.Module], joined: tuple[LinearStandIn, list[int]] | None) -> list[nn.Module]:
-    """The linears a joined group runs: the joined one, or the parts themselves."""
-    return [joined[0]] if joined is not None else layers
+def _parts(layers: Callable[[], list[nn.Module]], joined: tuple[nn.Module, list[int]] | None) -> list[nn.Module]:
+    """The linears a joined (or fused) group runs: the joined one, or the parts themselves."""
+    return [joined[0]] if joined is not None else layers()
+
+
+def _fused(layer: nn.Module, ends: list[int]) -> tuple[nn.Module, list[int]]:
+    """A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) as a joined group whose parts end
+    at ``ends``: its outputs are the parts' side by side already."""
+    return layer, ends
+
+
+def _rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x [n, in]`` through a linear: a stand-in's rows, or a plain module's forward."""
+    return layer.rows(x) if isinstance(layer, LinearStandIn) else layer(x)
 
 
 def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
@@ -221,30 +291,31 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     oneDNN-packed linear, alone or split, every norm triedec's RMS norm; or float32 activations,
     every linear and the head triedec's float32 linear, every norm transformers' own
     (:func:`_runs_natively`, :func:`_norm_variant`); every norm (Gemma 3's q/k and output norms
-    too) of one variant and one epsilon, SiLU or tanh-gelu, one attention scale, no soft-capping.
+    too) of one variant and one epsilon, SiLU or tanh-gelu, one attention scale and soft-cap. The
+    embedding's and the logits' scalings and the final soft-cap stay the runner's torch ops.
     Else None (the Python walk runs)."""
     config = model.config
     base = model.model
     dtype = base.embed_tokens.weight.dtype
     if next(model.parameters()).device.type != "cpu" or not kernel_available() \
-            or dtype not in (torch.bfloat16, torch.float32) \
-            or getattr(config, "final_logit_softcapping", None) is not None \
-            or getattr(config, "attn_logit_softcapping", None) is not None:
+            or dtype not in (torch.bfloat16, torch.float32):
         return None
     kernel = load_kernel()
+    inputs = [n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)]
     optional = [n for layer in layers for n in (layer.attention_out_norm, layer.mlp_out_norm)]
     qk = [n for layer in layers for n in layer.qk_norms or ()]
-    norms = [base.norm, *(n for layer in layers for n in (layer.attention_norm, layer.mlp_norm)), *qk,
-             *(n for n in optional if n is not None)]
+    norms = [base.norm, *(n for n in inputs + optional if n is not None), *qk]
     variants = [_norm_variant(n, dtype) for n in norms]
-    if None in variants or len(set(variants)) != 1 \
-            or len({n is None for n in optional}) > 1 or len(qk) not in (0, 2 * len(layers)):
+    softcaps = {getattr(layer.attn, "attn_logit_softcapping", None) for layer in layers}
+    if None in variants or len(set(variants)) != 1 or len(softcaps) != 1 \
+            or len({n is None for n in inputs}) > 1 or len({n is None for n in optional}) > 1 \
+            or len(qk) not in (0, 2 * len(layers)):
         return None
     variant, eps = variants[0]
     heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
     head_dim = layers[0].attn.head_dim
     scales = {float(layer.attn.scaling) for layer in layers}
-    activations = {_activation(layer.mlp.act_fn) for layer in layers}
+    activations = {_activation(layer.act) for layer in layers}
     if len(scales) != 1 or any(layer.attn.head_dim != head_dim for layer in layers) \
             or len(activations) != 1 or None in activations:
         return None
@@ -252,20 +323,34 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     built = []
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
-        groups = (_parts([attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
-                  _parts([mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
+        groups = (_parts(lambda attn=attn: [attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
+                  _parts(lambda mlp=mlp: [mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
         if not all(_runs_natively(m, dtype) for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
-        extra = (layer.attention_out_norm, layer.mlp_out_norm, *(layer.qk_norms or (None, None)))
-        built.append(kernel.NativeLayer(
-            layer.attention_norm.weight, layer.mlp_norm.weight, q, o[0], gu, down[0],
-            *(None if norm is None else norm.weight for norm in extra), kinds.index(layer.kind)))
+        norms = [None if norm is None else norm.weight
+                 for norm in (layer.attention_norm, layer.mlp_norm, layer.attention_out_norm, layer.mlp_out_norm,
+                              *(layer.qk_norms or (None, None)))]
+        built.append(kernel.NativeLayer(norms[0], norms[1], q, o[0], gu, down[0], *norms[2:],
+                                        kinds.index(layer.kind), layer.rope))
     if not _runs_natively(model.lm_head, dtype):
         return None
+    softcap = softcaps.pop()
     return kernel.NativeDecoder(built, base.norm.weight, _native_linear(kernel, model.lm_head), heads, kv_heads,
                                 head_dim, eps, scales.pop(), variant == "one-plus-weight",
-                                activations.pop() == "gelu-tanh")
+                                activations.pop() == "gelu-tanh", float(softcap or 0.0),
+                                float(_multipliers(model)[1] or 1.0),
+                                _ARCHITECTURES[type(model).__name__].wide_rotary and dtype == torch.bfloat16,
+                                rotary_dim(config, head_dim))
+
+
+def _multipliers(model: nn.Module) -> tuple[float | None, float | None, float | None]:
+    """Granite's ``(embedding, residual, logits)`` multipliers (its config's; the logits are divided
+    by the last), or Nones for a model without them."""
+    if not _ARCHITECTURES[type(model).__name__].multipliers:
+        return None, None, None
+    config = model.config
+    return (float(config.embedding_multiplier), float(config.residual_multiplier), float(config.logits_scaling))
 
 
 class DecoderRunner:
@@ -284,23 +369,39 @@ class DecoderRunner:
         if next(model.parameters()).device.type == "cpu" and kernel_available():
             kernel = load_kernel()
             self._rotate = lambda q, k, cos, sin: (kernel.rotary(q, cos, sin), kernel.rotary(k, cos, sin))
+        head_dim = base.layers[0].self_attn.head_dim
+        if arch.wide_rotary or rotary_dim(model.config, head_dim) != head_dim:
+            # the modeling file's own function: OLMo 2's on float32 tables, Phi-4-mini's on part of a head
+            self._rotate = sys.modules[type(model).__module__].apply_rotary_pos_emb
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self._rotary_by_kind = arch.rotary_by_kind
         self.norm = base.norm
         self.head = model.lm_head
         self.softcap = getattr(model.config, "final_logit_softcapping", None)
+        self._embedding_scale, self._residual_scale, self._logits_scale = _multipliers(model)
         kinds = getattr(model.config, "layer_types", None) or ()
         self.layers: list[Layer] = []
-        for index, layer in enumerate(base.layers[: model.config.num_hidden_layers]):
+        config = model.config
+        heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
+        for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
+            if arch.fused:  # Phi-3: q | k | v and gate | up are one linear each already
+                head_dim = layer.self_attn.head_dim
+                qkv = _fused(layer.self_attn.qkv_proj, [heads * head_dim, (heads + kv_heads) * head_dim,
+                                                       (heads + 2 * kv_heads) * head_dim])
+                inter = layer.mlp.gate_up_proj.out_features // 2
+                gate_up = _fused(layer.mlp.gate_up_proj, [inter, 2 * inter])
+            else:
+                qkv = join(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+                gate_up = join(layer.mlp, ("gate_proj", "up_proj"))
             self.layers.append(Layer(
-                getattr(layer, arch.attention_norm), layer.self_attn,
+                getattr(layer, arch.attention_norm) if arch.attention_norm else None, layer.self_attn,
                 getattr(layer, arch.attention_out_norm) if arch.attention_out_norm else None,
-                getattr(layer, arch.mlp_norm), layer.mlp,
+                getattr(layer, arch.mlp_norm) if arch.mlp_norm else None, layer.mlp,
                 getattr(layer, arch.mlp_out_norm) if arch.mlp_out_norm else None,
                 (layer.self_attn.q_norm, layer.self_attn.k_norm) if arch.qk_norms else None,
-                join(layer.self_attn, ("q_proj", "k_proj", "v_proj")), join(layer.mlp, ("gate_proj", "up_proj")),
-                kinds[index] if index < len(kinds) else "full_attention"))
+                qkv, gate_up, kinds[index] if index < len(kinds) else "full_attention", getattr(layer.mlp, arch.act),
+                bool(getattr(layer.self_attn, "use_rope", True)), arch.qk_whole))
         self._kinds = layer_kinds(self.layers)
         place_weights(model)  # the joined layers' too, before the native forward takes them
         self._native = native_decoder(model, self.layers)
@@ -321,7 +422,7 @@ class DecoderRunner:
 
     def _native_forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch,
                         keep: torch.Tensor | None) -> torch.Tensor:
-        hidden = self.embed(tokens)
+        hidden = self._embedded(tokens)
         tables = self._rotary_tables(hidden, positions)
         kinds = self._kinds
         caches: list[KVCache] = [item.cache for item in batch.items]
@@ -335,7 +436,19 @@ class DecoderRunner:
             [cache.length for cache in caches], [cache.keys for cache in caches], [cache.values for cache in caches],
             [[None if s is None else s[0] for s in lists] for lists in seen],
             [[None if s is None else s[1] for s in lists] for lists in seen], keep)
-        return logits[None]
+        return self._scaled_logits(logits[None])
+
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        return hidden if self._embedding_scale is None else hidden * self._embedding_scale  # Granite
+
+    def _scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits through the model's own last steps: Granite's division, Gemma's soft-cap."""
+        if self._logits_scale is not None:
+            logits = logits / self._logits_scale
+        if self.softcap is not None:  # Gemma 2's and 3's final soft-capping, as their modeling files do it
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: ItemBatch, keep: torch.Tensor | None,
                 base: Any) -> torch.Tensor:
@@ -344,47 +457,51 @@ class DecoderRunner:
         attention function the dispatcher would call for a layer (:data:`~triedec.model.dispatch.BASES`)."""
         if self._native is not None and batch.exact:
             return self._native_forward(tokens, positions, batch, keep)
-        hidden = self.embed(tokens[None])
+        hidden = self._embedded(tokens[None])
         rotary = self._rotary_tables(hidden, positions)
         n = tokens.shape[0]
         for index, layer in enumerate(self.layers):
             attn, mlp = layer.attn, layer.mlp
             residual = hidden
-            x = layer.attention_norm(hidden)
+            x = hidden if layer.attention_norm is None else layer.attention_norm(hidden)
             shape = (1, n, -1, attn.head_dim)
             if layer.qkv is None:
-                query = attn.q_proj(x).view(shape).transpose(1, 2)
-                key = attn.k_proj(x).view(shape).transpose(1, 2)
-                value = attn.v_proj(x).view(shape).transpose(1, 2)
+                query, key, value = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
             else:
                 joined, (q_end, k_end, _) = layer.qkv
-                out = joined.rows(x.reshape(n, -1))
-                query = out[:, :q_end].view(shape).transpose(1, 2)
-                key = out[:, q_end:k_end].view(shape).transpose(1, 2)
-                value = out[:, k_end:].view(shape).transpose(1, 2)
-            if layer.qk_norms is not None:
+                out = _rows(joined, x.reshape(n, -1))
+                query, key, value = (part[None] for part in (out[:, :q_end], out[:, q_end:k_end], out[:, k_end:]))
+            if layer.qk_whole:  # OLMo 2: over the whole projection, before the heads are split
+                query, key = layer.qk_norms[0](query.contiguous()), layer.qk_norms[1](key.contiguous())
+            query, key, value = (t.view(shape).transpose(1, 2) for t in (query, key, value))
+            if layer.qk_norms is not None and not layer.qk_whole:
                 query, key = layer.qk_norms[0](query), layer.qk_norms[1](key)
-            query, key = self._rotate(query, key, *rotary[layer.kind])
+            if layer.rope:
+                query, key = self._rotate(query, key, *rotary[layer.kind])
             batch.write(index, key, value)
-            kwargs = {"dropout": 0.0, "scaling": attn.scaling, "sliding_window": getattr(attn, "sliding_window", None)}
+            kwargs = {"dropout": 0.0, "scaling": attn.scaling, "sliding_window": getattr(attn, "sliding_window", None),
+                      "softcap": getattr(attn, "attn_logit_softcapping", None)}
             out, _ = batch.attend(attn, query, base(attn), kwargs)
             out = attn.o_proj(out.reshape(1, n, -1).contiguous())
-            hidden = residual + (out if layer.attention_out_norm is None else layer.attention_out_norm(out))
+            hidden = residual + self._residual(out, layer.attention_out_norm)
             residual = hidden
-            x = layer.mlp_norm(hidden)
+            x = hidden if layer.mlp_norm is None else layer.mlp_norm(hidden)
             if layer.gate_up is None:
                 gate, up = mlp.gate_proj(x), mlp.up_proj(x)
             else:
                 joined, (gate_end, _) = layer.gate_up
-                out = joined.rows(x.reshape(n, -1))
+                out = _rows(joined, x.reshape(n, -1))
                 gate = out[:, :gate_end].contiguous().view(1, n, -1)  # the activation on a dense tensor, as unjoined
                 up = out[:, gate_end:].view(1, n, -1)
-            out = mlp.down_proj(mlp.act_fn(gate) * up)
-            hidden = residual + (out if layer.mlp_out_norm is None else layer.mlp_out_norm(out))
+            out = mlp.down_proj(layer.act(gate) * up)  # Phi-3 writes up * act(gate): the same product
+            hidden = residual + self._residual(out, layer.mlp_out_norm)
         hidden = self.norm(hidden)
         if keep is not None:
             hidden = hidden[:, keep]
-        logits = self.head(hidden)
-        if self.softcap is not None:  # Gemma 2's and 3's final soft-capping, as their modeling files do it
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self._scaled_logits(self.head(hidden))
+
+    def _residual(self, out: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+        """What a sublayer adds to the residual: its output, through its output norm (Gemma, OLMo 2),
+        times Granite's residual multiplier."""
+        out = out if norm is None else norm(out)
+        return out if self._residual_scale is None else out * self._residual_scale

@@ -209,9 +209,7 @@ class ModelSource:
         load_dtype = torch.float32 if precision.quantized else precision.dtype
         try:
             with quiet_transformers():
-                hf_model = AutoModelForCausalLM.from_pretrained(
-                    str(source), dtype=load_dtype, attn_implementation=self.attn_implementation, local_files_only=True
-                )
+                hf_model = self._from_pretrained(AutoModelForCausalLM, source, load_dtype)
                 tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise TriedecError(f"cannot load {where}: {exc}") from exc
@@ -223,6 +221,19 @@ class ModelSource:
         hf_model.to(self.device)
         hf_model.eval()
         return hf_model, tokenizer
+
+
+    def _from_pretrained(self, auto: Any, source: Path, dtype: torch.dtype) -> Any:
+        """The model at ``source``; with the default ``sdpa`` attention, a class without it (Gemma 2:
+        its soft-capped scores) is loaded with its eager attention instead, and the log says so."""
+        try:
+            return auto.from_pretrained(str(source), dtype=dtype, attn_implementation=self.attn_implementation,
+                                        local_files_only=True)
+        except ValueError as exc:
+            if self.attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+                raise
+        logging.getLogger(__name__).info("%s has no sdpa attention: loading it with its eager attention", source)
+        return auto.from_pretrained(str(source), dtype=dtype, attn_implementation="eager", local_files_only=True)
 
 
 def quantize(model: Any, precision: Precision, from_gguf: bool = False) -> None:

@@ -68,14 +68,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, bool, c10::optional<torch::Tensor>,
                           int64_t>());
   pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local(), "one decoder layer's weights (decoder.h)")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, std::vector<NativeLinear>, NativeLinear,
-                          std::vector<NativeLinear>, NativeLinear, c10::optional<torch::Tensor>,
+      .def(pybind11::init<c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, std::vector<NativeLinear>,
+                          NativeLinear, std::vector<NativeLinear>, NativeLinear, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                          int64_t>());
+                          int64_t, bool>());
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local(),
                                   "a Llama-family or Gemma 3 decoder's forward in one call (decoder.h)")
       .def(pybind11::init<std::vector<NativeLayer>, torch::Tensor, NativeLinear, int64_t, int64_t, int64_t, double,
-                          double, bool, bool>())
+                          double, bool, bool, double, double, bool, int64_t>())
       .def("forward", &NativeDecoder::forward, release())
       .def_property_readonly("layers", &NativeDecoder::layers);
 }

@@ -1,14 +1,19 @@
-// triedec's native forward of a Llama-family or Gemma 3 decoder (decoder.h). Per layer, in the
-// order transformers' LlamaDecoderLayer / Gemma3DecoderLayer runs it and triedec/model/runner.py's
-// Python walk calls it:
-//   x = rms_norm(h); q | k | v = x Wqkv (+ b); [Gemma: q, k = q_norm(q), k_norm(k) per head];
-//   q, k = rotary(q), rotary(k) (the layer kind's table); K/V into each item's cache;
-//   a = tree_attention(q, cache) (the layer kind's key lists); y = a Wo; [Gemma: y = rms_norm(y)];
-//   h = h + y; x = rms_norm(h); g | u = x Wgu; y = (act(g) * u) Wd; [Gemma: y = rms_norm(y)]; h = h + y
+// triedec's native forward of a Llama-family, Gemma 2/3, OLMo 2 or Granite decoder (decoder.h). Per
+// layer, in the order transformers' LlamaDecoderLayer / Gemma3DecoderLayer runs it and
+// triedec/model/runner.py's Python walk calls it:
+//   x = rms_norm(h) [OLMo 2: x = h]; q | k | v = x Wqkv (+ b); [Qwen3, Gemma 3: q, k = q_norm(q),
+//   k_norm(k) per head; OLMo 2: over the whole projection];
+//   q, k = rotary(q), rotary(k) (the layer kind's table; SmolLM3: not on its layers without rotary);
+//   K/V into each item's cache; a = tree_attention(q, cache) (the layer kind's key lists; Gemma 2:
+//   its scores soft-capped); y = a Wo; [Gemma, OLMo 2: y = rms_norm(y)]; [Granite: y = y * s];
+//   h = h + y; x = rms_norm(h) [OLMo 2: x = h]; g | u = x Wgu; y = (act(g) * u) Wd;
+//   [Gemma, OLMo 2: y = rms_norm(y)]; [Granite: y = y * s]; h = h + y
 // then the final norm and the LM head on the kept rows. act is torch's silu or tanh-gelu. Every step
-// is the kernel or the one IEEE operation per element that the Python walk runs (the residual adds
-// and the product act(g) * u are one float32 operation rounded to bfloat16, as torch's bfloat16 ops
-// are; the activation is torch's own op), so the logits are the same bits (tests/test_runner.py).
+// is the kernel or the one IEEE operation per element that the Python walk runs (the residual adds,
+// Granite's scaling and the product act(g) * u are one float32 operation rounded to bfloat16, as
+// torch's bfloat16 ops are; the activation is torch's own op), so the logits are the same bits
+// (tests/test_runner.py). The embedding's and the logits' own scalings (Gemma, Granite) and the final
+// soft-cap are the Python side's torch ops, before and after this call.
 // On float32 activations (the float mode: triedec's float32 linears) the norms are transformers'
 // own torch ops (aten_rms_norm), the adds and the product plain float32 operations.
 // Rows depend on their own inputs only: every kernel computes a row alone, and attention reads the
@@ -131,6 +136,47 @@ void mul_rows(const float* a, int64_t a_ld, const float* b, int64_t b_ld, float*
     for (int64_t i = 0; i < n; ++i) out[r * n + i] = a[r * a_ld + i] * b[r * b_ld + i];
 }
 void add_rows(bf16* h, const bf16* y, int64_t n) { kernels().add_bf16(h, y, n); }
+// The rotary kinds the kernel table's rotary does not do, as the modeling files compute them: x
+// [H, N, D] at strides x_st (head, row) into out [H, N, D], rotated on its first `rot` features
+// (Phi-4-mini: a part of each head; else rot = D), the rest copied:
+//   out_d = round(round(x_d * cos_d) + round(-x_{d + rot/2} * sin_d))      d < rot/2 (the other half
+//   with +x_{d - rot/2}), each product rounded to T as transformers' Llama rotary does on T tables;
+// or, on float32 tables (OLMo 2's rotary, Table = float and T = bf16): the products and their sum
+// in float32 and one rounding to T.
+template <typename T, typename Table>
+void own_rotary(const T* x, const int64_t* x_st, const Table* c, const Table* s, T* out, int64_t H, int64_t N,
+                int64_t D, int64_t rot) {
+  const int64_t half = rot / 2;
+  const auto round = [](float v) {
+    if constexpr (std::is_same_v<Table, T>) return static_cast<float>(static_cast<T>(v));
+    else return v;
+  };
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t r = 0; r < N; ++r) {
+      const T* xr = x + h * x_st[1] + r * x_st[2];
+      const Table *cr = c + r * rot, *sr = s + r * rot;
+      T* o = out + (h * N + r) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const float kept = round(static_cast<float>(xr[d]) * static_cast<float>(cr[d]));
+        const float turned = round(-static_cast<float>(xr[d + half]) * static_cast<float>(sr[d]));
+        o[d] = static_cast<T>(kept + turned);
+      }
+      for (int64_t d = half; d < rot; ++d) {
+        const float kept = round(static_cast<float>(xr[d]) * static_cast<float>(cr[d]));
+        const float turned = round(static_cast<float>(xr[d - half]) * static_cast<float>(sr[d]));
+        o[d] = static_cast<T>(kept + turned);
+      }
+      for (int64_t d = rot; d < D; ++d) o[d] = xr[d];
+    }
+}
+
+// y = round(y * s), as torch's product of a tensor and a Python float (the scalar as a float32)
+void scale_rows(float* y, float s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] *= s;
+}
+void scale_rows(bf16* y, float s, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16(static_cast<float>(y[i]) * s);
+}
 void mul_rows(const bf16* a, int64_t a_ld, const bf16* b, int64_t b_ld, bf16* out, int64_t R, int64_t n) {
   kernels().mul_bf16_rows(a, a_ld, b, b_ld, out, R, n);
 }
@@ -223,21 +269,24 @@ NativeLinear::NativeLinear(std::vector<at::Tensor> pieces_, std::vector<int64_t>
   }
 }
 
-NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vector<NativeLinear> qkv_,
-                         NativeLinear o_, std::vector<NativeLinear> gate_up_, NativeLinear down_,
-                         c10::optional<at::Tensor> attn_out_norm_, c10::optional<at::Tensor> mlp_out_norm_,
-                         c10::optional<at::Tensor> q_norm_, c10::optional<at::Tensor> k_norm_, int64_t kind_)
-    : input_norm(std::move(input_norm_)), post_norm(std::move(post_norm_)), qkv(std::move(qkv_)), o(std::move(o_)),
-      gate_up(std::move(gate_up_)), down(std::move(down_)), attn_out_norm(attn_out_norm_.value_or(at::Tensor())),
-      mlp_out_norm(mlp_out_norm_.value_or(at::Tensor())), q_norm(q_norm_.value_or(at::Tensor())),
-      k_norm(k_norm_.value_or(at::Tensor())), kind(kind_) {
-  check_act(input_norm, "input_norm");
-  check_act(post_norm, "post_norm");
-  for (const at::Tensor* t : {&attn_out_norm, &mlp_out_norm, &q_norm, &k_norm}) {
-    if (t->defined()) check_act(*t, "a norm weight");
-    TORCH_CHECK(!t->defined() || t->scalar_type() == input_norm.scalar_type(), "a layer's norms share one dtype");
+NativeLayer::NativeLayer(c10::optional<at::Tensor> input_norm_, c10::optional<at::Tensor> post_norm_,
+                         std::vector<NativeLinear> qkv_, NativeLinear o_, std::vector<NativeLinear> gate_up_,
+                         NativeLinear down_, c10::optional<at::Tensor> attn_out_norm_,
+                         c10::optional<at::Tensor> mlp_out_norm_, c10::optional<at::Tensor> q_norm_,
+                         c10::optional<at::Tensor> k_norm_, int64_t kind_, bool rope_)
+    : input_norm(input_norm_.value_or(at::Tensor())), post_norm(post_norm_.value_or(at::Tensor())),
+      qkv(std::move(qkv_)), o(std::move(o_)), gate_up(std::move(gate_up_)), down(std::move(down_)),
+      attn_out_norm(attn_out_norm_.value_or(at::Tensor())), mlp_out_norm(mlp_out_norm_.value_or(at::Tensor())),
+      q_norm(q_norm_.value_or(at::Tensor())), k_norm(k_norm_.value_or(at::Tensor())), kind(kind_), rope(rope_) {
+  const at::Tensor* first = nullptr;
+  for (const at::Tensor* t : {&input_norm, &post_norm, &attn_out_norm, &mlp_out_norm, &q_norm, &k_norm}) {
+    if (!t->defined()) continue;
+    check_act(*t, "a norm weight");
+    if (first == nullptr) first = t;
+    TORCH_CHECK(t->scalar_type() == first->scalar_type(), "a layer's norms share one dtype");
   }
-  TORCH_CHECK(post_norm.scalar_type() == input_norm.scalar_type(), "a layer's norms share one dtype");
+  TORCH_CHECK(input_norm.defined() == post_norm.defined(), "the input norms come together");
+  TORCH_CHECK(input_norm.defined() || attn_out_norm.defined(), "a layer norms its inputs, its outputs or both");
   TORCH_CHECK(attn_out_norm.defined() == mlp_out_norm.defined(), "the output norms come together");
   TORCH_CHECK(q_norm.defined() == k_norm.defined(), "the q and k norms come together");
   TORCH_CHECK(kind >= 0, "a layer's kind is an index");
@@ -245,9 +294,13 @@ NativeLayer::NativeLayer(at::Tensor input_norm_, at::Tensor post_norm_, std::vec
 }
 
 NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
-                             int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu)
+                             int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu,
+                             double attn_softcap, double residual_scale, bool wide_rope, int64_t rotary_dim)
     : layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)), H_(heads), KVH_(kv_heads),
-      hd_(head_dim), eps_(eps), scale_(static_cast<float>(scale)), one_plus_(one_plus), gelu_(gelu) {
+      hd_(head_dim), rot_(rotary_dim), eps_(eps), scale_(static_cast<float>(scale)), softcap_(static_cast<float>(attn_softcap)),
+      residual_scale_(static_cast<float>(residual_scale)), one_plus_(one_plus), gelu_(gelu), wide_rope_(wide_rope) {
+  TORCH_CHECK(rot_ > 0 && rot_ <= hd_ && rot_ % 2 == 0, "the rotary dimension must be even, in (0, head_dim]");
+  TORCH_CHECK(softcap_ >= 0.0f && residual_scale_ > 0.0f, "the soft-cap is >= 0 (0: none), the residual scale > 0");
   TORCH_CHECK(!layers_.empty(), "a decoder needs layers");
   TORCH_CHECK(H_ > 0 && KVH_ > 0 && H_ % KVH_ == 0 && hd_ > 0 && hd_ % 2 == 0,
               "heads must be a multiple of kv_heads, head_dim even");
@@ -259,10 +312,14 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
   qkv_width_ = (H_ + 2 * KVH_) * hd_;
   I_ = total_out(layers_[0].gate_up) / 2;
   qk_norms_ = layers_[0].q_norm.defined();
+  qk_whole_ = qk_norms_ && layers_[0].q_norm.numel() == H_ * hd_ && hd_ != H_ * hd_;
   kinds_ = 0;
   for (const NativeLayer& l : layers_) {
-    TORCH_CHECK(l.input_norm.numel() == D_ && l.post_norm.numel() == D_, "norm weights must be [D]");
-    TORCH_CHECK(l.input_norm.scalar_type() == norm_.scalar_type(), "every norm shares the final norm's dtype");
+    TORCH_CHECK(l.input_norm.defined() == layers_[0].input_norm.defined(), "every layer has input norms or none does");
+    TORCH_CHECK(!l.input_norm.defined() || (l.input_norm.numel() == D_ && l.post_norm.numel() == D_),
+                "norm weights must be [D]");
+    const at::Tensor& some_norm = l.input_norm.defined() ? l.input_norm : l.attn_out_norm;
+    TORCH_CHECK(some_norm.scalar_type() == norm_.scalar_type(), "every norm shares the final norm's dtype");
     bool all_fit = fits(l.o) && fits(l.down);
     for (const NativeLinear& p : l.qkv) all_fit = all_fit && fits(p);
     for (const NativeLinear& p : l.gate_up) all_fit = all_fit && fits(p);
@@ -272,7 +329,9 @@ NativeDecoder::NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, N
     TORCH_CHECK(l.q_norm.defined() == qk_norms_, "every layer has q/k norms or none does");
     TORCH_CHECK(l.attn_out_norm.defined() == layers_[0].attn_out_norm.defined(),
                 "every layer has output norms or none does");
-    TORCH_CHECK(!qk_norms_ || (l.q_norm.numel() == hd_ && l.k_norm.numel() == hd_), "q/k norm weights must be [head_dim]");
+    TORCH_CHECK(!qk_norms_ || (qk_whole_ ? l.q_norm.numel() == H_ * hd_ && l.k_norm.numel() == KVH_ * hd_
+                                         : l.q_norm.numel() == hd_ && l.k_norm.numel() == hd_),
+                "q/k norm weights must be [head_dim] (per head) or [heads * head_dim] / [kv_heads * head_dim] (whole)");
     TORCH_CHECK(total_out(l.qkv) == qkv_width_, "q | k | v must give (heads + 2 kv_heads) * head_dim outputs");
     TORCH_CHECK(total_out(l.gate_up) == 2 * I_, "every layer's gate | up must be 2 * intermediate");
     for (const NativeLinear& p : l.qkv) TORCH_CHECK(p.K == D_, "q/k/v take the hidden size");
@@ -330,10 +389,16 @@ at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Te
                   static_cast<int64_t>(offsets.size()) == kinds_ && static_cast<int64_t>(indices.size()) == kinds_,
               "one rotary table and one set of key lists per kind of layer");
   for (int64_t j = 0; j < kinds_; ++j) {
-    check(cos[j], "cos");
-    check(sin[j], "sin");
-    TORCH_CHECK(cos[j].dim() == 2 && cos[j].size(0) == N && cos[j].size(1) == hd_ && sin[j].sizes() == cos[j].sizes(),
-                "cos and sin must be [N, head_dim]");
+    if (wide_rope_) {  // OLMo 2's float32 tables
+      TORCH_CHECK(cos[j].device().is_cpu() && cos[j].scalar_type() == at::kFloat && cos[j].is_contiguous() &&
+                      sin[j].device().is_cpu() && sin[j].scalar_type() == at::kFloat && sin[j].is_contiguous(),
+                  "a wide rotary's cos and sin must be contiguous float32 CPU tensors");
+    } else {
+      check(cos[j], "cos");
+      check(sin[j], "sin");
+    }
+    TORCH_CHECK(cos[j].dim() == 2 && cos[j].size(0) == N && cos[j].size(1) == rot_ && sin[j].sizes() == cos[j].sizes(),
+                "cos and sin must be [N, rotary_dim]");
   }
   const size_t items = lengths.size();
   TORCH_CHECK(items > 0 && bounds.size() == items + 1 && keys.size() == items && values.size() == items,
@@ -405,12 +470,19 @@ at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Te
   // h += y, a sublayer's output in y, through the layer's norm on that output first where it has
   // one (Gemma 3's post-attention and post-feedforward norms)
   const auto add_output = [&](const at::Tensor& norm) {
-    if (!norm.defined()) {
-      add_rows(hp, yp, N * D_);
-      return;
+    T* out = yp;
+    if (norm.defined()) {
+      norm_rows<T>(yp, norm, y2p, N, D_);
+      out = y2p;
     }
-    norm_rows<T>(yp, norm, y2p, N, D_);
-    add_rows(hp, y2p, N * D_);
+    if (residual_scale_ != 1.0f) scale_rows(out, residual_scale_, N * D_);
+    add_rows(hp, out, N * D_);
+  };
+  // a sublayer's input: the norm of h, or h itself where the layer norms outputs only (OLMo 2)
+  const auto sublayer_input = [&](const at::Tensor& norm) -> T* {
+    if (!norm.defined()) return hp;
+    norm_rows<T>(hp, norm, xp, N, D_);
+    return xp;
   };
   const int64_t W = qkv_width_, q_end = H_ * hd_, k_end = (H_ + KVH_) * hd_;
   const int64_t q_strides[3] = {0, hd_, W}, rope_strides[2] = {0, hd_};
@@ -418,21 +490,47 @@ at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Te
 
   for (int64_t l = 0; l < L; ++l) {
     const NativeLayer& layer = layers_[l];
-    const T *cp = cos[layer.kind].data_ptr<T>(), *sp = sin[layer.kind].data_ptr<T>();
-    norm_rows<T>(hp, layer.input_norm, xp, N, D_);
-    run_parts(layer.qkv, xp, N, qkvp, W);
+    const at::Tensor &ct = cos[layer.kind], &st = sin[layer.kind];
+    run_parts(layer.qkv, sublayer_input(layer.input_norm), N, qkvp, W);
+    // q [heads, N, head_dim] and k [kv_heads, N, head_dim] from (qs, ks) at strides (q_st, k_st):
+    // rotated, or copied as they are on a layer without rotary
+    const auto place = [&](const T* qs, const int64_t* q_st, const T* ks, const int64_t* k_st) {
+      if (layer.rope && wide_rope_) {
+        own_rotary(qs, q_st, ct.data_ptr<float>(), st.data_ptr<float>(), qp, H_, N, hd_, rot_);
+        own_rotary(ks, k_st, ct.data_ptr<float>(), st.data_ptr<float>(), kp, KVH_, N, hd_, rot_);
+        return;
+      }
+      if (layer.rope && rot_ != hd_) {
+        own_rotary(qs, q_st, ct.data_ptr<T>(), st.data_ptr<T>(), qp, H_, N, hd_, rot_);
+        own_rotary(ks, k_st, ct.data_ptr<T>(), st.data_ptr<T>(), kp, KVH_, N, hd_, rot_);
+        return;
+      }
+      if (layer.rope) {
+        const T *cp = ct.data_ptr<T>(), *sp = st.data_ptr<T>();
+        kern.of<T>().rotary(qs, q_st, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
+        kern.of<T>().rotary(ks, k_st, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+        return;
+      }
+      for (int64_t h = 0; h < H_; ++h)
+        for (int64_t r = 0; r < N; ++r)
+          std::memcpy(qp + (h * N + r) * hd_, qs + h * q_st[1] + r * q_st[2], hd_ * sizeof(T));
+      for (int64_t h = 0; h < KVH_; ++h)
+        for (int64_t r = 0; r < N; ++r)
+          std::memcpy(kp + (h * N + r) * hd_, ks + h * k_st[1] + r * k_st[2], hd_ * sizeof(T));
+    };
     if (qk_norms_) {
+      // per head: [N * heads, head_dim] rows; whole (OLMo 2): [N, heads * head_dim] rows, the same memory
+      const int64_t qrows = qk_whole_ ? N : N * H_, qwidth = qk_whole_ ? H_ * hd_ : hd_;
+      const int64_t krows = qk_whole_ ? N : N * KVH_, kwidth = qk_whole_ ? KVH_ * hd_ : hd_;
       T* gp = gathered.data_ptr<T>();
       for (int64_t r = 0; r < N; ++r) std::memcpy(gp + r * q_end, qkvp + r * W, q_end * sizeof(T));
-      norm_rows<T>(gp, layer.q_norm, qn.data_ptr<T>(), N * H_, hd_);
+      norm_rows<T>(gp, layer.q_norm, qn.data_ptr<T>(), qrows, qwidth);
       for (int64_t r = 0; r < N; ++r)
         std::memcpy(gp + r * KVH_ * hd_, qkvp + r * W + q_end, KVH_ * hd_ * sizeof(T));
-      norm_rows<T>(gp, layer.k_norm, kn.data_ptr<T>(), N * KVH_, hd_);
-      kern.of<T>().rotary(qn.data_ptr<T>(), qn_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      kern.of<T>().rotary(kn.data_ptr<T>(), kn_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+      norm_rows<T>(gp, layer.k_norm, kn.data_ptr<T>(), krows, kwidth);
+      place(qn.data_ptr<T>(), qn_strides, kn.data_ptr<T>(), kn_strides);
     } else {
-      kern.of<T>().rotary(qkvp, q_strides, cp, rope_strides, sp, rope_strides, qp, 1, H_, N, hd_);
-      kern.of<T>().rotary(qkvp + q_end, q_strides, cp, rope_strides, sp, rope_strides, kp, 1, KVH_, N, hd_);
+      place(qkvp, q_strides, qkvp + q_end, q_strides);
     }
     std::vector<AttentionProblem<T>> problems;
     const std::vector<at::Tensor>&koff = off[layer.kind], &kidx = idx[layer.kind];
@@ -449,13 +547,12 @@ at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Te
       problems.push_back(AttentionProblem<T>{
           qp + start * hd_, N * hd_, hd_, kb, cap * hd_, hd_, vb, cap * hd_, hd_, ap + start * H_ * hd_, count, H_,
           H_ / KVH_, hd_, listed ? koff[k].data_ptr<int64_t>() : nullptr,
-          listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + count, scale_, 0.0f});
+          listed ? kidx[k].data_ptr<int32_t>() : nullptr, len + count, scale_, softcap_});
     }
     kern.of<T>().tree_attention(problems);
     run_linear(layer.o, ap, N, yp);
     add_output(layer.attn_out_norm);
-    norm_rows<T>(hp, layer.post_norm, xp, N, D_);
-    run_parts(layer.gate_up, xp, N, gup, 2 * I_);
+    run_parts(layer.gate_up, sublayer_input(layer.post_norm), N, gup, 2 * I_);
     const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
     const at::Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
     const T* actp = act.data_ptr<T>();

@@ -45,20 +45,22 @@ struct NativeLinear {
 // attention, before the MLP), the
 // linears whose outputs side by side are q | k | v and gate | up (one joined linear each, or the
 // parts), the output and down linears; Gemma 3's norms where it has them (undefined elsewhere): on
-// the attention's and the MLP's outputs ([D]) and on each head's q and k ([head_dim]); kind: which
+// the attention's and the MLP's outputs ([D]) and on each head's q and k ([head_dim]; OLMo 2's
+// over the whole projection: [heads * head_dim] and [kv_heads * head_dim]); kind: which
 // rotary table and key lists its attention uses (Gemma 3's sliding-window and full layers).
 struct NativeLayer {
-  NativeLayer(at::Tensor input_norm, at::Tensor post_norm, std::vector<NativeLinear> qkv, NativeLinear o,
-              std::vector<NativeLinear> gate_up, NativeLinear down, c10::optional<at::Tensor> attn_out_norm,
-              c10::optional<at::Tensor> mlp_out_norm, c10::optional<at::Tensor> q_norm,
-              c10::optional<at::Tensor> k_norm, int64_t kind);
-  at::Tensor input_norm, post_norm;
+  NativeLayer(c10::optional<at::Tensor> input_norm, c10::optional<at::Tensor> post_norm,
+              std::vector<NativeLinear> qkv, NativeLinear o, std::vector<NativeLinear> gate_up, NativeLinear down,
+              c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm,
+              c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm, int64_t kind, bool rope);
+  at::Tensor input_norm, post_norm;  // undefined: none (OLMo 2 norms the sublayers' outputs only)
   std::vector<NativeLinear> qkv;
   NativeLinear o;
   std::vector<NativeLinear> gate_up;
   NativeLinear down;
   at::Tensor attn_out_norm, mlp_out_norm, q_norm, k_norm;
   int64_t kind;
+  bool rope;  // false: q and k go to attention unrotated (SmolLM3's layers without rotary)
 };
 
 class NativeDecoder {
@@ -69,8 +71,15 @@ class NativeDecoder {
   // norm: the final norm's weight; head: the LM head. The norms' dtype is the activations': bfloat16
   // (every linear of a bf16 kind, the norms triedec's kernel) or float32 (every linear "f32", the
   // norms transformers' own ops, aten_rms_norm).
+  // attn_softcap: scores become c * tanh(score / c) (Gemma 2; 0: none); residual_scale: a sublayer's
+  // output is scaled, one rounded product per element, before the residual add (Granite's
+  // residual multiplier; 1: none); wide_rope: the rotary tables are float32 and each rotated
+  // element is rounded once from float32 (OLMo 2's rotary), else the tables are in the activations'
+  // dtype and each product is rounded (transformers' Llama rotary); rotary_dim: the features of a
+  // head rotated, the first ones (Phi-4-mini's partial rotary; head_dim: all), the rest kept.
   NativeDecoder(std::vector<NativeLayer> layers, at::Tensor norm, NativeLinear head, int64_t heads,
-                int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu);
+                int64_t kv_heads, int64_t head_dim, double eps, double scale, bool one_plus, bool gelu,
+                double attn_softcap, double residual_scale, bool wide_rope, int64_t rotary_dim);
 
   // hidden [N, D] in the activations' dtype (as cos, sin, the caches and the logits): the embedded tokens of every item, item k's rows bounds[k] .. bounds[k+1);
   // cos[j] / sin[j] [N, head_dim] bf16: the rotary embedding of layers of kind j at each row's
@@ -103,10 +112,10 @@ class NativeDecoder {
   std::vector<NativeLayer> layers_;
   at::Tensor norm_;
   NativeLinear head_;
-  int64_t H_, KVH_, hd_, D_, I_, qkv_width_, kinds_;
+  int64_t H_, KVH_, hd_, D_, I_, qkv_width_, kinds_, rot_;
   double eps_;
-  float scale_;
-  bool one_plus_, gelu_, qk_norms_, f32_;
+  float scale_, softcap_, residual_scale_;
+  bool one_plus_, gelu_, wide_rope_, qk_norms_, qk_whole_, f32_;
 };
 
 }  // namespace triedec
