@@ -9,7 +9,8 @@ step), a 16-token verify tree (the root and 4 chains of 3 and 4 drafts under it)
 row's (as prefill runs it, and as ``llama-bench``'s ``pp`` test does). Each runner's forwards of
 a shape run in rounds, the runners in a shuffled order per round; the median and the quartiles
 are over the rounds' own medians. Also checks that the runners' logits are ``torch.equal`` on
-each shape, and says if not.
+each shape, and says if not; and prints the bytes a token reads for the weights as held against
+the GGUF file's own bytes for the same layers.
 
     .venv/bin/python scripts/forward_timings.py --weights int4-a8 --out benchmarks/native-forward-cpu
 """
@@ -31,7 +32,9 @@ from triedec.bench.report import machine_info, source_commit, versions
 from triedec.core.tree import TokenTree
 from triedec.model.adapter import ForwardItem, ModelAdapter
 from triedec.model.native import load_kernel, switchable_libraries
+from triedec.model.precision import linear_weight_bytes
 from triedec.model.runner import RUNNER, TRANSFORMERS
+from triedec.model.source import default_model_path, gguf_linear_bytes
 
 
 def draft_tree(size: int, root: int, gen: torch.Generator) -> TokenTree:
@@ -122,9 +125,14 @@ def main() -> int:
         for name, values in medians.items():
             q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
             results[label][name] = {"median_ms": statistics.median(values), "q1_ms": q[0], "q3_ms": q[2]}
+    held = linear_weight_bytes(lm.model)
+    path = Path(args.model) if args.model is not None else default_model_path()
+    in_file = gguf_linear_bytes(path) if path.suffix == ".gguf" else None
+    weights = (f"weights a token reads (the linears and the head as held): {held / 1e6:.1f} MB"
+               + ("" if in_file is None else f", the file's {in_file / 1e6:.1f} MB ({held / in_file:.2f}x)"))
     lines = [f"{lm.adapter.precision.name} ({lm.adapter.kernels}; kernel build {load_kernel().isa()}), "
              f"{args.threads} threads, "
-             f"{args.context}-token cache; median ms [quartiles] over {args.rounds} rounds", ""]
+             f"{args.context}-token cache; median ms [quartiles] over {args.rounds} rounds; {weights}", ""]
     lines.append("| shape | " + " | ".join(runners) + " | logits equal |")
     lines.append("|---|" + "---|" * (len(runners) + 1))
     for label, row in results.items():
@@ -136,7 +144,8 @@ def main() -> int:
         (args.out / "results.json").write_text(json.dumps({
             "args": {k: str(v) for k, v in vars(args).items()}, "kernels": lm.adapter.kernels,
             "isa": load_kernel().isa(),
-            "results": results, "logits_equal": equal, "machine": machine_info(torch.device("cpu")),
+            "results": results, "logits_equal": equal, "weight_bytes": held, "file_weight_bytes": in_file,
+            "machine": machine_info(torch.device("cpu")),
             "versions": versions(),
             "commit": source_commit()}, indent=2))
         (args.out / "results.md").write_text("\n".join(lines) + "\n")

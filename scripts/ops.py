@@ -38,8 +38,9 @@ def main() -> int:
         lines.append(f"| {c.op} | {c.shape} | {c.isa} | {c.worst:.3f} | {'yes' if c.same_bits else 'NO'} |")
     failed = [c for c in checked if not c.ok]
     lines.append(f"\n{len(checked) - len(failed)} of {len(checked)} passed")
-    record: dict = {"checked": [vars(c) for c in checked], "machine": machine_info(torch.device("cpu")), "versions": versions(),
-                    "commit": source_commit(), "isa": load_kernel().isa(), "threads": args.threads}
+    record: dict = {"checked": [vars(c) for c in checked], "machine": machine_info(torch.device("cpu")),
+                    "versions": versions(), "commit": source_commit(), "isa": load_kernel().isa(),
+                    "threads": args.threads}
     if args.perf:
         peak, rate, timed = perf(repeats=args.repeats)
         lines += ["", f"int8 peak {peak / 1e9:.0f} G multiply-adds/s, memory {rate / 1e9:.1f} GB/s "

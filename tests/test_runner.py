@@ -576,7 +576,8 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     from transformers import AutoModelForCausalLM
 
     import triedec
-    from triedec.model.source import quantize
+    from triedec.model.precision import linear_weight_bytes
+    from triedec.model.source import gguf_linear_bytes, quantize
 
     tokenizer = tiny_tokenizer()
     path = write_gguf(_gguf_family(family, len(tokenizer), tokenizer), tokenizer, tmp_path / f"{family}.gguf",
@@ -593,6 +594,9 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     got, expected = _forward_both((adapter, theirs), random.Random(7))
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
+    if kind == "Q4_K_M":  # what a token reads against the file: Q4_K's 4.5 bits held at 5, Q6_K's 6.56 at 8.5
+        ratio = linear_weight_bytes(lm.model) / gguf_linear_bytes(path)
+        assert 1.1 < ratio < 1.3, ratio
     prompt = "one two three four five six seven eight nine ten. Repeat: one two three"
     ar = lm.generate(prompt, "ar", max_new_tokens=16).token_ids
     for name in ("pld", "lookahead", "auto"):

@@ -554,3 +554,22 @@ def precision_of(model: nn.Module) -> Precision:
     weights = "int4-a8" if kinds & {Int4A8Linear, Int8A8Linear} else "int4" if Int4Linear in kinds \
         else "int8" if Int8Linear in kinds else "float"
     return Precision(dtype, weights)
+
+
+def linear_weight_bytes(model: nn.Module) -> int:
+    """The bytes a one-token forward reads for ``model``'s linears and head as they are held (each
+    storage counted once: a joined group's parts share theirs; biases left out): the packed codes
+    and scales of triedec's linears, a plain linear's weight."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, JoinedPart):
+            continue
+        if isinstance(module, LinearStandIn):
+            tensors = [t for name, t in module._buffers.items() if t is not None and name != "bias"]
+        elif isinstance(module, nn.Linear):
+            tensors = [module.weight]
+        else:
+            continue
+        for t in tensors:  # by address: the weights may share one mapping (model/hugepages.py)
+            storages[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(storages.values())
