@@ -10,9 +10,10 @@ Llama's q/k row permutation, Gemma's ``norm - 1``), the byte-level BPE tokenizer
 
 * ``"Q8_0"`` (also ``"Q4_0"``, ``"Q5_0"``, ...): the weights quantized by ``gguf.quants.quantize``;
 * ``"Q4_K_M"``: a Q4_K_M-like mix, the K-quant blocks made directly (``gguf`` has no K-quant
-  quantizer): random codes and sub-block scales under a fixed small super-block scale, so the
-  file's weights are whatever its blocks decode to (the model's own are not kept); Q4_K for the
-  linears, Q6_K for the attention's v, the MLP's down and the head, Q8_0 for the embedding.
+  quantizer): random codes and sub-block scales under a fixed small super-block scale, so those
+  layers' weights are whatever their blocks decode to (the model's own are not kept); Q5_0 (by
+  ``gguf.quants``) for the attention's q, k and output, Q4_K for the MLP's gate and up, Q6_K for
+  the attention's v, the MLP's down and the head, Q8_0 for the embedding.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def _block_type(gguf_name: str, kind: str) -> GGMLQuantizationType:
         return GGMLQuantizationType[kind]
     if gguf_name.startswith("token_embd"):
         return GGMLQuantizationType.Q8_0
+    if any(part in gguf_name for part in ("attn_q", "attn_k", "attn_output")):
+        return GGMLQuantizationType.Q5_0  # as Qwen2.5-Coder's and Gemma 3's Q4_K_M files store them
     if any(part in gguf_name for part in ("attn_v", "ffn_down", "output")):
         return GGMLQuantizationType.Q6_K
     return GGMLQuantizationType.Q4_K

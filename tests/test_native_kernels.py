@@ -26,17 +26,20 @@ from triedec.model.native import OPENMP, load_kernel, switchable_libraries
 from triedec.model.precision import (
     GROUP_SIZE,
     Int4A8Linear,
+    Int5A8Linear,
     Int8A8Linear,
     Int8Linear,
     Precision,
     dequantize_int4,
     pack_int4,
+    pack_int5,
     pack_int8,
     pack_int8_scales,
     pack_scales_zeros,
     quantize_int4,
     quantize_int8_groups,
     unpack_int4,
+    unpack_int5,
     unpack_int8,
     unpack_int8_scales,
     unpack_scales_zeros,
@@ -560,3 +563,82 @@ def test_the_harness_times_each_op_with_its_shares():
     assert [t.op for t in timed] == [OPS[0].name] * len(OPS[0].perf_shapes) + [OPS[-1].name] * len(OPS[-1].perf_shapes)
     assert all(t.seconds > 0 and t.memory_share > 0 for t in timed)
     assert all((t.peak_share is not None) == (t.op == OPS[0].name) for t in timed)
+
+
+# ---- 5-bit weights (a GGUF Q5_0 layer at its own bits) ----------------------------------------------
+
+
+def _q5_0_linear(vectors: int, groups: int, seed: int) -> nn.Linear:
+    """A linear whose weights are a Q5_0 file's as transformers dequantizes them: per group of 32,
+    ``d * c`` with an fp16 ``d`` of either sign and codes ``c`` in -16..15, -16 in every group."""
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 16 * vectors, GROUP_SIZE * groups
+    codes = torch.randint(-16, 16, (n, k), generator=gen)
+    codes.view(n, groups, GROUP_SIZE)[:, :, 0] = -16
+    d = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3) * torch.where(torch.rand(n, groups, generator=gen) < 0.5,
+                                                                           -1.0, 1.0)
+    d = d.to(torch.float16).float()
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(codes.float() * d.repeat_interleave(GROUP_SIZE, dim=1))
+    return linear
+
+
+@settings(max_examples=20, deadline=None)
+@given(vectors=st.integers(1, 9), groups=st.integers(1, 5), rows=st.integers(1, 19), seed=st.integers(0, 10**6))
+def test_the_int5_kernel_gives_the_int8_kernels_bits_on_a_q5_0_layers_codes(vectors, groups, rows, seed):
+    """A Q5_0 layer held at 5 bits (:class:`Int5A8Linear`) multiplies to the same bits as the same
+    codes and scales held in int8 (:class:`Int8A8Linear`), on the vector path and the portable one,
+    alone and in any call; its packing round-trips; and it holds 5.5 bits a weight."""
+    linear = _q5_0_linear(vectors, groups, seed)
+    five, eight = Int5A8Linear(linear), Int8A8Linear(linear)
+    assert torch.equal(five.dequantized(), eight.dequantized())
+    codes, _ = five.codes_and_scales()
+    assert int(codes.min()) >= -16 and int(codes.max()) <= 15
+    assert torch.equal(unpack_int5(*pack_int5(codes)), codes)
+    held = sum(t.numel() * t.element_size() for t in (five.packed, five.highs, five.scales))
+    assert held * 8 == linear.in_features * linear.out_features * 5.5
+    x = (torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = five(x)
+        assert torch.equal(got, eight(x))
+        assert torch.equal(got, KERNEL.int5_linear(x, five.packed, five.highs, five.scales, True))
+        assert torch.equal(got, torch.cat([five(x[i : i + 1]) for i in range(rows)]))
+        other = Int5A8Linear(_q5_0_linear(1, groups, seed + 1))
+        joined = Int5A8Linear.joined([five, other])  # as the runner joins q, k and v
+        assert type(joined) is Int5A8Linear
+        assert torch.equal(joined(x), torch.cat([got, other(x)], dim=1))
+
+
+def test_the_int5_kernel_gives_the_same_bits_on_every_installed_build():
+    libraries = switchable_libraries()
+    if len(libraries) < 2:
+        pytest.skip("fewer than two installed builds run on this CPU")
+    five = Int5A8Linear(_q5_0_linear(13, 3, 5))
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    fastest, outs = KERNEL.isa(), []
+    try:
+        with torch.inference_mode():
+            for path in libraries.values():
+                KERNEL.use_kernels(str(path))
+                outs.append(KERNEL.int5_linear(x, five.packed, five.highs, five.scales, False))
+    finally:
+        KERNEL.use_kernels(str(libraries[fastest]))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_only_codes_a_q5_0_block_holds_go_to_5_bits():
+    """int4-a8 holds a layer in 5 bits only where every group's codes fit (-16..15, or -15..16 for a
+    negative ``d``); a Q8_0-like layer stays int8, and Int5A8Linear refuses it."""
+    from triedec.model.precision import _a8_linear, fits_int5
+
+    assert type(_a8_linear(_q5_0_linear(2, 2, 1))) is Int5A8Linear
+    plain = nn.Linear(64, 32)
+    assert type(_a8_linear(plain)) is Int8A8Linear
+    assert not fits_int5(quantize_int8_groups(plain.weight.detach())[0])
+    with pytest.raises(TriedecError, match=r"-16\.\.15"):
+        Int5A8Linear(plain)
+    with pytest.raises(RuntimeError, match="highs must be"):
+        five = Int5A8Linear(_q5_0_linear(2, 2, 1))
+        KERNEL.int5_linear(torch.zeros(1, 64, dtype=torch.bfloat16), five.packed, five.highs[:, :1].contiguous(),
+                           five.scales, False)

@@ -566,17 +566,20 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M"])
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
-def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits(tmp_path, family, kind):
-    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q6_K
-    and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's runner in
+def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits(tmp_path, monkeypatch, family,
+                                                                                 kind):
+    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q5_0,
+    Q6_K and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's runner in
     one native call, its logits ``torch.equal`` to transformers' own loading of the same file in
-    the same precision mode on transformers' forward, and every method ``ar``'s tokens."""
+    the same precision mode on transformers' forward, and every method ``ar``'s tokens. The Q5_0
+    layers are held at their 5 bits and give the bits of the same codes held in int8."""
     from gguf_writer import write_gguf
     from helpers import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     import triedec
-    from triedec.model.precision import linear_weight_bytes
+    from triedec.model import precision
+    from triedec.model.precision import Int5A8Linear, linear_weight_bytes
     from triedec.model.source import gguf_linear_bytes, quantize
 
     tokenizer = tiny_tokenizer()
@@ -594,9 +597,19 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     got, expected = _forward_both((adapter, theirs), random.Random(7))
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
-    if kind == "Q4_K_M":  # what a token reads against the file: Q4_K's 4.5 bits held at 5, Q6_K's 6.56 at 8.5
+    if kind == "Q4_K_M":  # a token reads Q5_0 as stored, Q4_K's 4.5 bits at 5, Q6_K's 6.56 at 8.5
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        q5_0 = sum(t.tensor_type == GGMLQuantizationType.Q5_0 for t in GGUFReader(str(path)).tensors)
+        assert q5_0 and sum(type(m) is Int5A8Linear for m in lm.model.modules()) == q5_0  # each at its bits
         ratio = linear_weight_bytes(lm.model) / gguf_linear_bytes(path)
-        assert 1.1 < ratio < 1.3, ratio
+        assert 1.05 < ratio < 1.25, ratio
+        widened = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        monkeypatch.setattr(precision, "_a8_linear", precision.Int8A8Linear)  # the Q5_0 codes in int8
+        quantize(widened, adapter.precision, from_gguf=True)
+        assert not any(type(m) is Int5A8Linear for m in widened.modules())
+        got, expected = _forward_both((adapter, ModelAdapter(widened, "auto")), random.Random(8))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     prompt = "one two three four five six seven eight nine ten. Repeat: one two three"
     ar = lm.generate(prompt, "ar", max_new_tokens=16).token_ids
     for name in ("pld", "lookahead", "auto"):

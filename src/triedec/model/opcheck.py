@@ -1,5 +1,6 @@
 """An op-level harness for triedec's compiled kernels, as ggml's ``test-backend-ops``: one table
-of ops (:data:`OPS`: the linear of each weight layout, tree attention, the RMS norms, rotary),
+of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int8 on 8-bit activations;
+float32), tree attention, the RMS norms, rotary),
 each with its shape generator, a float64 reference and an error bound, run on every installed
 kernel library this CPU runs (:func:`check`: within the bound of the reference, and the same bits
 on every library), and timed (:func:`perf`: each op's time, multiply-adds a second and bytes a
@@ -29,7 +30,7 @@ from torch import nn
 
 from triedec.model.linears import F32Linear
 from triedec.model.native import load_kernel, switchable_libraries
-from triedec.model.precision import GROUP_SIZE, Int4A8Linear, Int8A8Linear, dequantize_int4
+from triedec.model.precision import GROUP_SIZE, Int4A8Linear, Int5A8Linear, Int8A8Linear, dequantize_int4
 
 Inputs = dict[str, Any]
 EPS32 = 2.0**-24
@@ -64,13 +65,26 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (top.double() / 127)).reshape(x.shape)
 
 
+def _q5_0_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Weights as a Q5_0 block holds them: per group of 32, an fp16 ``d`` of either sign times codes
+    in -16..15, -16 among them."""
+    codes = torch.randint(-16, 16, (n, k), generator=gen)
+    codes.view(n, -1, GROUP_SIZE)[:, :, 0] = -16
+    d = torch.rand(n, k // GROUP_SIZE, generator=gen) * 0.004 + 1e-3
+    d = (d * torch.where(torch.rand(d.shape, generator=gen) < 0.5, -1.0, 1.0)).to(torch.float16).float()
+    return codes.float() * d.repeat_interleave(GROUP_SIZE, dim=1)
+
+
 def _a8_linear(kind: str) -> Op:
-    layer_class = Int4A8Linear if kind == "int4" else Int8A8Linear
+    layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int8": Int8A8Linear}[kind]
 
     def build(shape: dict[str, int], gen: torch.Generator) -> Inputs:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
         with torch.no_grad():
-            linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.05)
+            if kind == "int5":
+                linear.weight.copy_(_q5_0_weights(shape["N"], shape["K"], gen))
+            else:
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.05)
         layer = layer_class(linear)
         x = (torch.randn(shape["R"], shape["K"], generator=gen) * 2).to(torch.bfloat16)
         weight = dequantize_int4(layer.codes(), *layer.scale_and_zero()) if kind == "int4" else layer.dequantized()
@@ -80,6 +94,8 @@ def _a8_linear(kind: str) -> Op:
         layer = inp["layer"]
         if kind == "int4":
             return kernel.int4_linear(inp["x"], layer.packed, layer.scales_zeros, False)
+        if kind == "int5":
+            return kernel.int5_linear(inp["x"], layer.packed, layer.highs, layer.scales, False)
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
     def reference(inp: Inputs) -> torch.Tensor:
@@ -90,7 +106,7 @@ def _a8_linear(kind: str) -> Op:
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
-    bits = 4.5 if kind == "int4" else 8.5
+    bits = {"int4": 4.5, "int5": 5.5, "int8": 8.5}[kind]
     return Op(f"linear {kind}-a8",
               ({"R": 1, "K": 64, "N": 48}, {"R": 7, "K": 96, "N": 208}, {"R": 19, "K": 160, "N": 80}),
               ({"R": 1, "K": 576, "N": 1536}, {"R": 16, "K": 576, "N": 1536}, {"R": 256, "K": 576, "N": 1536}),
@@ -184,8 +200,8 @@ def _tree_attention() -> Op:
               lambda s: 4 * (2 * s["H"] * s["L"] * s["d"] + 2 * s["H"] * s["N"] * s["d"]))
 
 
-OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int8"), _f32_linear(), _rms_norm(False), _rms_norm(True),
-                       _rotary(), _tree_attention())
+OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int8"), _f32_linear(), _rms_norm(False),
+                       _rms_norm(True), _rotary(), _tree_attention())
 """The table: every op of triedec's kernel libraries a forward calls, by name."""
 
 

@@ -42,7 +42,7 @@ from torch import nn
 
 from triedec.core.errors import TriedecError
 from triedec.core.params import GROUP_SIZE, WEIGHTS
-from triedec.model.linears import JoinedPart, LinearStandIn, blocked, empty_join, joined_bias, unblocked
+from triedec.model.linears import VECTOR, JoinedPart, LinearStandIn, blocked, empty_join, joined_bias, unblocked
 from triedec.model.native import load_kernel
 
 QUANTIZED_DTYPE = torch.bfloat16
@@ -258,6 +258,98 @@ class Int8A8Linear(LinearStandIn):
         return f", group_size={GROUP_SIZE}, activations=int8"
 
 
+class Int5A8Linear(Int8A8Linear):
+    """:class:`Int8A8Linear` whose codes all lie in -16..15 (a GGUF Q5_0 file's layers, as
+    :func:`quantize_int8_groups` keeps them), held in 5 bits a weight plus the fp16 scale per group
+    (5.5 bits, the file's) instead of 8.5: the low 4 bits of ``u = q + 16`` in int4's order
+    (``packed``) and a plane of the fifth bits (``highs``), ``csrc/a8_linears.cpp``. Its kernel
+    sums the same integers with the same float steps as the int8 one, so it gives the same bits
+    as :class:`Int8A8Linear` on the same weights (tests/test_native_kernels.py)."""
+
+    def __init__(self, linear: nn.Linear, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        LinearStandIn.__init__(self, linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"the int5 kernel on 8-bit activations needs output rows divisible by 16 and input "
+                               f"features by {GROUP_SIZE}, got {self.out_features}x{self.in_features}")
+        load_kernel()
+        codes, scale = int5_codes(linear.weight.detach(), quantized)
+        self._pack(codes, scale)
+        self.bias = _bias(linear)
+
+    def _pack(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        packed, highs = pack_int5(codes)
+        self.register_buffer("packed", packed)
+        self.register_buffer("highs", highs)
+        self.register_buffer("scales", pack_int8_scales(scale))
+
+    def codes_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return unpack_int5(self.packed, self.highs), unpack_int8_scales(self.scales)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        return _plus_bias(load_kernel().int5_linear(x, buffers["packed"], buffers["highs"], buffers["scales"], False),
+                          self.bias)
+
+    @classmethod
+    def joined(cls, layers: Sequence[Int8A8Linear]) -> Int5A8Linear:
+        joined = empty_join(cls, layers)
+        codes, scales = zip(*(m.codes_and_scales() for m in layers), strict=True)
+        joined._pack(torch.cat(codes), torch.cat(scales))
+        joined.bias = joined_bias(layers)
+        return joined
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}, bits=5, activations=int8"
+
+
+def fits_int5(codes: torch.Tensor) -> bool:
+    """Whether each group of :data:`GROUP_SIZE` int8 ``codes [N, K]`` lies in -16..15 or in -15..16
+    (a Q5_0 block's codes, ``d`` of either sign): :class:`Int5A8Linear` holds them."""
+    groups = codes.reshape(codes.shape[0], -1, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    return bool(codes.numel()) and bool((((low >= -16) & (high <= 15)) | ((low >= -15) & (high <= 16))).all())
+
+
+def int5_codes(weight: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8_groups`'s codes and scales of ``weight``, each group whose codes reach
+    16 negated with its scale (so every code is in -16..15): ``a D s`` with both signs flipped is the
+    same float, bit for bit (``fma(-(a D), -s, y) = fma(a D, s, y)``). Raises when a group does not
+    fit (:func:`fits_int5`). ``quantized``: that function's result, when the caller has it."""
+    codes, scale = quantize_int8_groups(weight) if quantized is None else quantized
+    if not fits_int5(codes):
+        raise TriedecError("an int5 layer's codes must lie in -16..15 or -15..16 per group (a Q5_0 block's)")
+    groups = codes.reshape(codes.shape[0], -1, GROUP_SIZE)
+    flip = groups.amax(-1) > 15
+    codes = torch.where(flip[..., None], -groups, groups).reshape(codes.shape)
+    return codes, torch.where(flip, -scale, scale)
+
+
+def pack_int5(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K]`` in -16..15 as :class:`Int5A8Linear` holds them: ``u = codes + 16``'s low
+    4 bits in :func:`pack_int4`'s order ``[N, K / 2]``, and its fifth bits ``[N, K / 8]``: per
+    block, group, step of 8 features and 16 outputs, two 64-bit masks (little-endian), the first's
+    bit ``4i + j`` the fifth bit of output ``i``'s feature ``j`` of the step (byte ``4i + j``'s low
+    nibble), the second's of its feature ``4 + j`` (that byte's high nibble)."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 16).to(torch.uint8)
+    high = (u >> 4).to(torch.int64).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
+    per_output = (high << torch.arange(4)).sum(-1)  # n, g, m, half: 4 bits of output n
+    flat = blocked(per_output.reshape(n, k // GROUP_SIZE, 4, 2).to(torch.int64)).reshape(-1, VECTOR, 2)
+    masks = (flat << (4 * torch.arange(VECTOR))[None, :, None]).sum(1)  # [steps, 2]: bits 4i + j
+    return pack_int4(u & 0x0F), masks.contiguous().view(torch.uint8).reshape(n, k // 8).contiguous()
+
+
+def unpack_int5(packed: torch.Tensor, highs: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` (int8) that :func:`pack_int5` packed."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    masks = highs.reshape(-1).view(torch.int64).reshape(-1, 1, 2)
+    bits = (masks >> (4 * torch.arange(VECTOR))[None, :, None]) & 0x0F  # steps, i, half
+    per_output = unblocked(bits.reshape(-1), n, k // GROUP_SIZE, 4, 2)  # n, g, m, half
+    high = (per_output[..., None] >> torch.arange(4)) & 1  # n, g, m, half, j
+    return (unpack_int4(packed) + 16 * high.reshape(n, k).to(torch.int32) - 16).to(torch.int8)
+
+
 GGUF_INT8_LEVELS = (127, 16)
 """The largest ``|code|`` of a GGUF block that :func:`quantize_int8_groups` keeps as it is: Q8_0's
 (``d = max |w| / 127``, codes -127..127) and Q5_0's (``d = max / -16``, codes -16..15 times the
@@ -269,7 +361,7 @@ number (a smaller one would lose bits to subnormal rounding; the group's codes t
 -127..127)."""
 
 
-NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear)
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear)
 """The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
 
 
@@ -506,7 +598,7 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
             if not as_int8 and id(child) in stored_finer:
                 as_int8, finer = True, finer + 1
             if as_int8 and weights == "int4-a8" and int4_fits(child):
-                setattr(parent, name, Int8A8Linear(child))
+                setattr(parent, name, _a8_linear(child))
             elif as_int8:
                 setattr(parent, name, Int8Linear(child))
             else:
@@ -514,6 +606,13 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
                 setattr(parent, name, stand_in(child, steps.pop(id(child), None)))
             layers += 1
     return Quantized(layers, kept, finer)
+
+
+def _a8_linear(linear: nn.Linear) -> Int8A8Linear:
+    """An 8-bit-activation linear of ``linear``'s int8 codes: :class:`Int5A8Linear` where they all
+    fit 5 bits (a Q5_0 file's layer: the file's bytes, the same bits), else :class:`Int8A8Linear`."""
+    quantized = quantize_int8_groups(linear.weight.detach())
+    return Int5A8Linear(linear, quantized) if fits_int5(quantized[0]) else Int8A8Linear(linear)
 
 
 def _grid_steps(model: nn.Module, head: nn.Module | None) -> dict[int, torch.Tensor]:
@@ -532,7 +631,8 @@ def stored_in_4bit(model: nn.Module, head: nn.Module | None = None) -> bool:
 
 def layer_mix(model: nn.Module) -> str:
     """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
-    in int8 per group (:class:`Int8A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
+    in int8 per group (:class:`Int8A8Linear`), and in 5 bits per group where there are any
+    (:class:`Int5A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
     unquantized for their shape, follow from the architecture; layers the runner joined count as the
     layers they join). Loads of the same file in the same mode have the same mix; which layers go
     to int8 (:data:`FINER_THAN_4BIT`, the head) changes it, and with it the cost of a forward, so
@@ -543,7 +643,8 @@ def layer_mix(model: nn.Module) -> str:
     int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
     int8 = sum(kind is Int8Linear for kind in kinds)
     grouped = sum(kind is Int8A8Linear for kind in kinds)
-    return f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}"
+    five = sum(kind is Int5A8Linear for kind in kinds)  # named only where there are any (older keys stay)
+    return f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}" + (f"-int5g{GROUP_SIZE}x{five}" if five else "")
 
 
 def precision_of(model: nn.Module) -> Precision:

@@ -1,13 +1,14 @@
 """triedec's own forward for the decoder architectures it ships: Llama (the default SmolLM2),
 Qwen2 (Llama's layers with q/k/v biases), Mistral (Llama's layers, a sliding window over every
 layer where its config sets one), Qwen3 (Llama's layers with each head's q and k normed before
-rotary), Phi-3 (Llama's layers with q/k/v and gate/up each one linear, run as a joined group; its
-rotary over the whole head only), SmolLM3 (Llama's layers, some without rotary), Granite (Llama's
-layers with embedding, residual, attention and logit multipliers), OLMo 2 (norms on the
-sublayers' outputs only, q/k norms over the whole projection, a rotary rounded once from float32
-tables), Gemma 2 (Gemma's four norms a layer, soft-capped attention scores and logits) and Gemma
-3 (q/k norms, a norm after attention and after the MLP, GeGLU, scaled embeddings, sliding-window
-layers with their own rotary base). docs/models.md has the table.
+rotary), Phi-3 and Phi-4-mini (Llama's layers with q/k/v and gate/up each one linear, run as a
+joined group; Phi-4-mini's rotary over the first part of each head), SmolLM3 (Llama's layers,
+some without rotary), Granite (Llama's layers with embedding, residual, attention and logit
+multipliers), OLMo 2 (norms on the sublayers' outputs only, q/k norms over the whole projection,
+a rotary rounded once from float32 tables), Gemma 2 (Gemma's four norms a layer, soft-capped
+attention scores and logits) and Gemma 3 (q/k norms, a norm after attention and after the MLP,
+GeGLU, scaled embeddings, sliding-window layers with their own rotary base). docs/models.md has
+the table.
 
 :class:`ModelAdapter` runs a forward through transformers' modeling code (the model's ``forward``,
 its decorators, mask builders and cache objects, and the attention dispatcher of
@@ -33,8 +34,8 @@ logits' own scalings and the final soft-cap stay torch ops around that call). El
 layer whose outputs were padded, any other linear or norm) the walk is Python calls of the same
 modules.
 
-Anything else (another architecture, a module that is not of the expected shape, Phi-4-mini's
-partial rotary) keeps transformers' forward: :func:`runner_for` returns None,
+Anything else (another architecture, a module that is not of the expected shape, a partial
+rotary where the modeling file has none) keeps transformers' forward: :func:`runner_for` returns None,
 :func:`why_not_runner` says why in a user's words, and :attr:`ModelAdapter.runner` and
 ``runner_note`` name which one ran and why.
 """
@@ -55,7 +56,7 @@ from triedec.model.dispatch import ItemBatch
 from triedec.model.hugepages import place_weights
 from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear, joinable
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int8A8Linear, Int8Linear
+from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int5A8Linear, Int8A8Linear, Int8Linear
 from triedec.model.rmsnorm import FusedRMSNorm, torch_ops_variant
 
 RUNNER = "triedec"
@@ -222,7 +223,8 @@ def _activation(module: nn.Module) -> str | None:
 
 
 _DECODER_LINEARS = {Int4A8Linear: ("a8-int4", "packed", "scales_zeros"), Int8A8Linear: ("a8-int8", "packed", "scales"),
-                    Int8Linear: ("int8", "codes", "scale"), Int4Linear: ("int4", "packed", "scales_and_zeros")}
+                    Int5A8Linear: ("a8-int5", "packed", "scales"), Int8Linear: ("int8", "codes", "scale"),
+                    Int4Linear: ("int4", "packed", "scales_and_zeros")}
 """The linears the native forward runs (``csrc/decoder.h``'s ``NativeLinear``): its kind for each
 stand-in, and the stand-in's buffers it takes (codes, scales). triedec's 8-bit-activation kernels
 (int4-a8) or the torch op the int8 and int4 modes' stand-ins call."""
@@ -244,7 +246,7 @@ def _runs_natively(layer: nn.Module, dtype: torch.dtype = torch.bfloat16) -> boo
 
 def _native_linear(kernel: Any, layer: nn.Module) -> Any:
     if type(layer) is F32Linear:
-        return kernel.NativeLinear("f32", layer.packed, None, layer.bias, layer.in_features)
+        return kernel.NativeLinear("f32", layer.packed, None, layer.bias, layer.in_features, None)
     if type(layer) is PackedLinear:
         return kernel.NativeLinear([layer.packed], [0, layer.in_features], False, layer.bias, layer.out_features)
     if type(layer) is SplitLinear:
@@ -252,7 +254,8 @@ def _native_linear(kernel: Any, layer: nn.Module) -> Any:
         return kernel.NativeLinear([p.packed for p in layer.parts], bounds, True, layer.bias, layer.out_features)
     kind, codes, scales = _DECODER_LINEARS[type(layer)]
     buffers = layer._buffers
-    return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features)
+    return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features,
+                               buffers.get("highs"))
 
 
 def _norm_variant(norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | None:

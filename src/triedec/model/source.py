@@ -222,7 +222,6 @@ class ModelSource:
         hf_model.eval()
         return hf_model, tokenizer
 
-
     def _from_pretrained(self, auto: Any, source: Path, dtype: torch.dtype) -> Any:
         """The model at ``source``; with the default ``sdpa`` attention, a class without it (Gemma 2:
         its soft-capped scores) is loaded with its eager attention instead, and the log says so."""
@@ -259,4 +258,3 @@ def gguf_linear_bytes(path: str | os.PathLike[str]) -> int:
     tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
     embedding = tensors.pop("token_embd.weight", 0)
     return sum(tensors.values()) + (embedding if "output.weight" not in tensors else 0)
-

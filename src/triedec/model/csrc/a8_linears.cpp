@@ -19,6 +19,10 @@
 // int8_linear: w = q * s, q in -127..127, with an fp16 scale s per output and group of 32 (a GGUF
 // Q8_0 block's layout: the int8 layers of int4-a8 mode). For row r and output n, over the groups in
 // order: D = sum_k x'_k q_k (int32, exact), y = fma(a * D, s, y).
+// int5_linear: int8_linear's arithmetic on codes q in -16..15 held in 5 bits (a GGUF Q5_0 block's
+// codes and fp16 scale, at the file's 5.5 bits a weight): u = q + 16 in 0..31, D = sum_k x'_k u_k
+// - 16 Q = sum_k x'_k q_k, the same integer, then the same float steps, so the same bits as
+// int8_linear on the same codes and scales.
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
@@ -35,6 +39,11 @@
 //         vector v of the block: 64 bytes at b * 4 * K * 16 + ((g * 8 + m) * nvb + v) * 64, whose
 //         byte 4i + j holds q[16(4b + v) + i, 32g + 4m + j] + 128 (vpdpbusd multiplies unsigned by
 //         signed bytes; the 128 * Q it adds is taken off).
+//   int5: int4's layout of u & 15 (uint8, N * K / 2 bytes), beside a plane of the high bits u >> 4
+//         (uint8, N * K / 8 bytes): per block, group, step m and vector as int4's 64 bytes, 16
+//         bytes at b * 4 * K * 2 + ((g * 4 + m) * nvb + v) * 16: two 64-bit masks, the first's bit
+//         4i + j the high bit of the feature in byte 4i + j's low nibble (32g + 8m + j of output i),
+//         the second's of the one in its high nibble (32g + 8m + 4 + j). Its scales are int8's.
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
 // zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
@@ -228,6 +237,40 @@ void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
   });
 }
 
+void int5_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                   const c10::Half* scales, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, i = n % kCols;
+      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t D = 0;
+          for (int m = 0; m < kSteps; ++m) {
+            const int64_t step = (g * kSteps + m) * nvb + vb;
+            const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
+            const uint8_t* high = highs + block * kBlock * (K / 8) * 16 + step * 16;
+            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
+            for (int j = 0; j < 4; ++j) {
+              const int bit = 4 * static_cast<int>(i) + j;
+              const int lo = (bytes[j] & 0x0F) | (((high[bit / 8] >> (bit % 8)) & 1) << 4);
+              const int hi = (bytes[j] >> 4) | (((high[8 + bit / 8] >> (bit % 8)) & 1) << 4);
+              D += lo * xq[j] + hi * xq[4 + j];
+            }
+          }
+          D -= 16 * xs.sum[r * G + g];
+          const float s = static_cast<float>(scales[block * kBlock * G * kCols + (g * nvb + vb) * kCols + i]);
+          const float aD = xs.a[r * G + g] * static_cast<float>(D);
+          y = std::fma(aD, s, y);
+        }
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
+      }
+    }
+  });
+}
+
 #ifdef TRIEDEC_A8_VECTOR
 constexpr int kRows = 3;   // most rows per register tile (3 rows x 4 vectors: 12 sums and 12 accumulators)
 
@@ -316,6 +359,55 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(x.xq[r][g * kQuads + m]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m512 scale = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
+        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+}
+
+// int5_linear's tile: tile4's unpacking with each code's fifth bit from the high-bit plane (a
+// masked byte of 16), tile8's sums from -16 Q and its float steps.
+template <int R, int V>
+inline void tile5(const uint8_t* codes, const uint8_t* highs, const c10::Half* scales, int64_t nvb, int64_t K,
+                  const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+  __m512 y[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[R][V];  // from -16 Q: it ends at D = sum_k x'_k (q_k + 16) - 16 Q
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = _mm512_set1_epi32(-16 * x.sum[r][g]);
+      for (int v = 0; v < V; ++v) acc[r][v] = offset;
+    }
+    for (int m = 0; m < kSteps; ++m) {
+      __m512i lo[V], hi[V];
+      for (int v = 0; v < V; ++v) {
+        const int64_t step = (g * kSteps + m) * nvb + v;
+        const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
+        uint64_t masks[2];
+        std::memcpy(masks, highs + step * 16, 16);
+        lo[v] = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_maskz_mov_epi8(masks[0], fifth));
+        hi[v] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low),
+                                _mm512_maskz_mov_epi8(masks[1], fifth));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+        const __m512i x1 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
+        for (int v = 0; v < V; ++v) {
+          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], lo[v], x0);
+          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], hi[v], x1);
+        }
       }
     }
     for (int v = 0; v < V; ++v) {
@@ -458,6 +550,69 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
     }
   }
 }
+// 32 bits of a mask as 32 bytes: 0x10 where the bit is set (byte k: bit k).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// int5_linear's tile on AVX2: tile4_avx2's unpacking with the fifth bits (fifth_bits), sums from
+// -16 Q, tile8_avx2's float steps. Without AVX-VNNI each step's pairs (at most 2 * 31 * 127 =
+// 7874) are widened to int32 before the next.
+template <int R, int V>
+inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Half* scales, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#ifndef TRIEDEC_DPBUSD256
+  const __m256i ones = _mm256_set1_epi16(1);
+#endif
+  for (int i = 0; i < R * V * kCols; ++i) y_out[i] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-16 * x.sum[r][g]);
+      for (int m = 0; m < kSteps; ++m) {
+        const int64_t step = (g * kSteps + m) * nvb + v;
+        const uint8_t* at = codes + step * 64;
+        uint32_t masks[4];  // low nibbles' bits of outputs 0-7, 8-15, then the high nibbles'
+        std::memcpy(masks, highs + step * 16, 16);
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+          lo[h] = _mm256_or_si256(_mm256_and_si256(bytes, low), fifth_bits(masks[h]));
+          hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), fifth_bits(masks[2 + h]));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+          const __m256i x1 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
+          for (int h = 0; h < 2; ++h) {
+#ifdef TRIEDEC_DPBUSD256
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], lo[h], x0);
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], hi[h], x1);
+#else
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], x0), ones));
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], x1), ones));
+#endif
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_cvtph_ps(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
+        for (int r = 0; r < R; ++r) {
+          float* y = y_out + (r * V + v) * kCols + 8 * h;
+          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
+          _mm256_storeu_ps(y, _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y)));
+        }
+      }
+    }
+  }
+}
 #endif  // TRIEDEC_A8_AVX2
 
 #ifdef TRIEDEC_A8_VECTOR
@@ -496,9 +651,11 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 
 #ifdef TRIEDEC_VNNI
 #define TRIEDEC_TILE4 tile4
+#define TRIEDEC_TILE5 tile5
 #define TRIEDEC_TILE8 tile8
 #else
 #define TRIEDEC_TILE4 tile4_avx2
+#define TRIEDEC_TILE5 tile5_avx2
 #define TRIEDEC_TILE8 tile8_avx2
 #endif
 
@@ -522,8 +679,20 @@ void int8_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, co
                                                                    scales + b * kBlock * G * kCols, nvb, K, x, y);
   });
 }
+
+void int5_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                 const c10::Half* scales, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                      float* y) {
+    TRIEDEC_TILE5<decltype(rows)::value, decltype(vectors)::value>(
+        packed + b * kBlock * (K / 8) * 64, highs + b * kBlock * (K / 8) * 16, scales + b * kBlock * G * kCols, nvb,
+        K, x, y);
+  });
+}
 #else
 constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false
+constexpr auto& int5_vector = int5_portable;
 constexpr auto& int8_vector = int8_portable;
 #endif
 
@@ -551,6 +720,16 @@ void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
     int8_vector(xs, R, K, packed, scales, N, out);
   else
     int8_portable(xs, R, K, packed, scales, N, out);
+}
+
+void int5_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                      const c10::Half* scales, int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
+  if (kVector && !portable)
+    int5_vector(xs, R, K, packed, highs, scales, N, out);
+  else
+    int5_portable(xs, R, K, packed, highs, scales, N, out);
 }
 
 }  // namespace triedec

@@ -98,6 +98,9 @@ void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
     kern.int4_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<bf16>(), l.N, out, false);
   } else if (l.kind == NativeLinear::kA8Int8) {
     kern.int8_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.scales.data_ptr<c10::Half>(), l.N, out, false);
+  } else if (l.kind == NativeLinear::kA8Int5) {
+    kern.int5_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.highs.data_ptr<uint8_t>(),
+                          l.scales.data_ptr<c10::Half>(), l.N, out, false);
   } else {
     const at::Tensor y = torch_linear(l, at::from_blob(const_cast<bf16*>(x), {R, l.K},
                                                        at::TensorOptions().dtype(at::kBFloat16)));
@@ -191,8 +194,9 @@ NativeLinear::Kind linear_kind(const std::string& kind) {
   if (kind == "f32") return NativeLinear::kF32;
   if (kind == "a8-int4") return NativeLinear::kA8Int4;
   if (kind == "a8-int8") return NativeLinear::kA8Int8;
+  if (kind == "a8-int5") return NativeLinear::kA8Int5;
   if (kind == "int8") return NativeLinear::kInt8;
-  TORCH_CHECK(kind == "int4", "a linear's kind is f32, a8-int4, a8-int8, int8 or int4, not ", kind);
+  TORCH_CHECK(kind == "int4", "a linear's kind is f32, a8-int4, a8-int8, a8-int5, int8 or int4, not ", kind);
   return NativeLinear::kInt4;
 }
 
@@ -204,9 +208,10 @@ at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 }
 
 NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::optional<at::Tensor> scales_,
-                           c10::optional<at::Tensor> bias_, int64_t in_features)
+                           c10::optional<at::Tensor> bias_, int64_t in_features, c10::optional<at::Tensor> highs_)
     : kind(linear_kind(kind_)), packed(std::move(packed_)), scales(scales_.value_or(at::Tensor())),
-      bias(bias_.value_or(at::Tensor())), K(in_features) {
+      bias(bias_.value_or(at::Tensor())), highs(highs_.value_or(at::Tensor())), K(in_features) {
+  TORCH_CHECK(highs.defined() == (kind == kA8Int5), "an a8-int5 linear, and only it, takes a plane of fifth bits");
   if (kind == kF32) {
     TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.dim() == 2 &&
                     packed.scalar_type() == at::kFloat && packed.size(1) == K && packed.size(0) % 16 == 0,
@@ -222,7 +227,8 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
               "packed codes must be a contiguous 2-D CPU tensor (int8 for int8, else uint8)");
   N = packed.size(0);
   TORCH_CHECK(K > 0 && K % kA8Group == 0, "input features must be a multiple of 32");
-  TORCH_CHECK(packed.size(1) == ((kind == kA8Int4 || kind == kInt4) ? K / 2 : K), "packed codes must be [N, K] (4-bit: [N, K / 2])");
+  TORCH_CHECK(packed.size(1) == ((kind == kA8Int4 || kind == kInt4 || kind == kA8Int5) ? K / 2 : K),
+              "packed codes must be [N, K] (4- and 5-bit: [N, K / 2])");
   TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous(), "scales must be contiguous");
   switch (kind) {
     case kA8Int4:
@@ -230,6 +236,11 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
       TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
                       scales.size(1) == 2 && scales.size(2) == N, "scales_zeros must be bf16 [K / 32, 2, N]");
       break;
+    case kA8Int5:
+      TORCH_CHECK(highs.device().is_cpu() && highs.is_contiguous() && highs.scalar_type() == at::kByte &&
+                      highs.dim() == 2 && highs.size(0) == N && highs.size(1) == K / 8,
+                  "an a8-int5 linear's fifth bits must be contiguous uint8 [N, K / 8]");
+      [[fallthrough]];
     case kA8Int8:
       TORCH_CHECK(N % kA8Cols == 0, "output features must be a multiple of 16");
       TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 2 && scales.size(0) == K / kA8Group &&

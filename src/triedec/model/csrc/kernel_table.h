@@ -20,7 +20,7 @@
 
 namespace triedec {
 
-constexpr int kKernelTableVersion = 3;  // raised whenever KernelTable's layout changes
+constexpr int kKernelTableVersion = 4;  // raised whenever KernelTable's layout changes
 
 // One float type's kernels.
 template <typename T>
@@ -48,6 +48,8 @@ struct KernelTable {
   void (*mul_bf16_rows)(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t,
                         int64_t);
   void (*add_bias_bf16)(c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t);
+  void (*int5_linear_rows)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const uint8_t*, const c10::Half*,
+                           int64_t, c10::BFloat16*, bool);
   int64_t (*dot_peak)(int64_t);
   int64_t (*stream_read)(const uint8_t*, int64_t);
 

@@ -54,6 +54,9 @@ void int4_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
                       const c10::BFloat16* scales_zeros, int64_t N, c10::BFloat16* out, bool portable);
 void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales,
                       int64_t N, c10::BFloat16* out, bool portable);
+// int5: int4's layout of the low 4 bits and a plane of the fifth bits (a8_linears.cpp), int8's scales
+void int5_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                      const c10::Half* scales, int64_t N, c10::BFloat16* out, bool portable);
 
 // f32_linears.cpp: x [R, K] float32 contiguous, packed [N, K] float32 in that file's block order (N
 // a multiple of 16), bias [N] or null, out [R, N] float32 contiguous; each output summed over the

@@ -277,6 +277,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   });
 }
 
+// x [R, K] bf16; packed uint8 [N, K / 2] (the low 4 bits, int4's order), highs uint8 [N, K / 8] (the
+// fifth bits' masks) and scales fp16 [K / 32, N] as int8's. Returns [R, N] bf16.
+torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales,
+                          bool portable) {
+  using triedec::kA8Cols, triedec::kA8Group;
+  check_input(x, {&packed, &highs, &scales});
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % kA8Group == 0,
+              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
+  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
+                  8 * highs.size(1) == K,
+              "highs must be contiguous uint8 [N, K / 8]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == K / kA8Group && scales.size(1) == N,
+              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
+  return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
+    triedec::kernels().int5_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), highs.data_ptr<uint8_t>(),
+                                        scales.data_ptr<c10::Half>(), N, out, portable);
+  });
+}
+
 // x [R, K] float32; packed float32 [N, K] as a shape only (its values in f32_linears.cpp's block
 // order), bias float32 [N] or none. Returns [R, N] float32.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
