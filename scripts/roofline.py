@@ -37,7 +37,7 @@ from triedec.core.tree import TokenTree
 from triedec.model.adapter import ForwardItem
 from triedec.model.native import load_kernel
 from triedec.model.opcheck import int8_peak, memory_rate
-from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear
+from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, linear_weight_bytes
 
 FLOAT_STEPS = {"int4": (8, 4), "int8": (8, 3)}
 """Vector instructions per row, 16 outputs and group of 32 features: (dot products, float steps)."""
@@ -59,20 +59,16 @@ stream_rate = memory_rate
 
 
 def linear_costs(model: torch.nn.Module) -> tuple[int, int, float]:
-    """(multiply-adds a row, weight bytes a forward reads, vector instructions a row at the exact
-    arithmetic, in units of one dot-product instruction's 64 multiply-adds) of ``model``'s packed
-    linears on 8-bit activations."""
+    """(multiply-adds a row, weight bytes a forward reads (``linear_weight_bytes``), vector
+    instructions a row at the exact arithmetic, in units of one dot-product instruction's 64
+    multiply-adds) of ``model``'s packed linears on 8-bit activations."""
     layers = {id(m): m for m in model.modules() if isinstance(m, NATIVE_LINEARS)}
     macs = sum(m.in_features * m.out_features for m in layers.values())
-    storages: dict[int, int] = {}
     steps = 0.0
     for m in layers.values():
-        for t in m._buffers.values():
-            if t is not None:
-                storages[t.data_ptr()] = t.numel() * t.element_size()
         dots, floats = FLOAT_STEPS["int4" if isinstance(m, Int4A8Linear) else "int8"]
         steps += m.in_features * m.out_features / (32 * 16) * (dots + floats) / dots * 8
-    return macs, sum(storages.values()), steps
+    return macs, linear_weight_bytes(model), steps
 
 
 def verify_tree(size: int, root: int, generator: torch.Generator) -> TokenTree:

@@ -18,6 +18,7 @@ Llama's q/k row permutation, Gemma's ``norm - 1``), the byte-level BPE tokenizer
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,7 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, arch: str, kind: str = "Q
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if token in special else 1 for token in tokens])  # control or normal
-    merges = tokenizer.backend_tokenizer.model.__getstate__()
-    import json
-
-    merged = json.loads(merges)["merges"]
+    merged = json.loads(tokenizer.backend_tokenizer.model.__getstate__())["merges"]
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merged])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)

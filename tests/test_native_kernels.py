@@ -569,18 +569,14 @@ def test_the_harness_times_each_op_with_its_shares():
 
 
 def _q5_0_linear(vectors: int, groups: int, seed: int) -> nn.Linear:
-    """A linear whose weights are a Q5_0 file's as transformers dequantizes them: per group of 32,
-    ``d * c`` with an fp16 ``d`` of either sign and codes ``c`` in -16..15, -16 in every group."""
-    gen = torch.Generator().manual_seed(seed)
-    n, k = 16 * vectors, GROUP_SIZE * groups
-    codes = torch.randint(-16, 16, (n, k), generator=gen)
-    codes.view(n, groups, GROUP_SIZE)[:, :, 0] = -16
-    d = (torch.rand(n, groups, generator=gen) * 0.02 + 1e-3) * torch.where(torch.rand(n, groups, generator=gen) < 0.5,
-                                                                           -1.0, 1.0)
-    d = d.to(torch.float16).float()
-    linear = nn.Linear(k, n, bias=False)
+    """A linear whose weights are a Q5_0 file's as transformers dequantizes them
+    (:func:`triedec.model.opcheck.q5_0_weights`: codes in -16..15, -16 in every group, an fp16 ``d``
+    of either sign per group)."""
+    from triedec.model.opcheck import q5_0_weights
+
+    linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=False)
     with torch.no_grad():
-        linear.weight.copy_(codes.float() * d.repeat_interleave(GROUP_SIZE, dim=1))
+        linear.weight.copy_(q5_0_weights(16 * vectors, GROUP_SIZE * groups, torch.Generator().manual_seed(seed)))
     return linear
 
 

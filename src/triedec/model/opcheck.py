@@ -65,7 +65,7 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (top.double() / 127)).reshape(x.shape)
 
 
-def _q5_0_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+def q5_0_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Weights as a Q5_0 block holds them: per group of 32, an fp16 ``d`` of either sign times codes
     in -16..15, -16 among them."""
     codes = torch.randint(-16, 16, (n, k), generator=gen)
@@ -82,7 +82,7 @@ def _a8_linear(kind: str) -> Op:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
         with torch.no_grad():
             if kind == "int5":
-                linear.weight.copy_(_q5_0_weights(shape["N"], shape["K"], gen))
+                linear.weight.copy_(q5_0_weights(shape["N"], shape["K"], gen))
             else:
                 linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.05)
         layer = layer_class(linear)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -121,8 +120,8 @@ class Layer:
     mlp: nn.Module
     mlp_out_norm: nn.Module | None
     qk_norms: tuple[nn.Module, nn.Module] | None  # each head's q and k norms (Qwen3, Gemma 3; OLMo 2: whole)
-    qkv: tuple[LinearStandIn, list[int]] | None
-    gate_up: tuple[LinearStandIn, list[int]] | None
+    qkv: tuple[nn.Module, list[int]] | None  # joined (or fused, Phi-3) q | k | v and where each part ends
+    gate_up: tuple[nn.Module, list[int]] | None
     kind: str
     act: nn.Module  # the MLP's activation
     rope: bool = True  # False: q and k stay unrotated (SmolLM3's layers without rotary)
@@ -270,17 +269,6 @@ def _norm_variant(norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | No
     return torch_ops_variant(norm)
 
 
-def _parts(layers: Callable[[], list[nn.Module]], joined: tuple[nn.Module, list[int]] | None) -> list[nn.Module]:
-    """The linears a joined (or fused) group runs: the joined one, or the parts themselves."""
-    return [joined[0]] if joined is not None else layers()
-
-
-def _fused(layer: nn.Module, ends: list[int]) -> tuple[nn.Module, list[int]]:
-    """A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) as a joined group whose parts end
-    at ``ends``: its outputs are the parts' side by side already."""
-    return layer, ends
-
-
 def _rows(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x [n, in]`` through a linear: a stand-in's rows, or a plain module's forward."""
     return layer.rows(x) if isinstance(layer, LinearStandIn) else layer(x)
@@ -326,8 +314,9 @@ def native_decoder(model: nn.Module, layers: list[Layer]) -> Any:
     built = []
     for layer in layers:
         attn, mlp = layer.attn, layer.mlp
-        groups = (_parts(lambda attn=attn: [attn.q_proj, attn.k_proj, attn.v_proj], layer.qkv), [attn.o_proj],
-                  _parts(lambda mlp=mlp: [mlp.gate_proj, mlp.up_proj], layer.gate_up), [mlp.down_proj])
+        # a joined (or fused) group runs its one linear, else its parts
+        groups = ([layer.qkv[0]] if layer.qkv else [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj],
+                  [layer.gate_up[0]] if layer.gate_up else [mlp.gate_proj, mlp.up_proj], [mlp.down_proj])
         if not all(_runs_natively(m, dtype) for group in groups for m in group):
             return None
         q, o, gu, down = ([_native_linear(kernel, m) for m in group] for group in groups)
@@ -388,12 +377,12 @@ class DecoderRunner:
         config = model.config
         heads, kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads or config.num_attention_heads)
         for index, layer in enumerate(base.layers[: config.num_hidden_layers]):
-            if arch.fused:  # Phi-3: q | k | v and gate | up are one linear each already
+            if arch.fused:  # Phi-3: q | k | v and gate | up are one linear each already, a joined group
                 head_dim = layer.self_attn.head_dim
-                qkv = _fused(layer.self_attn.qkv_proj, [heads * head_dim, (heads + kv_heads) * head_dim,
-                                                       (heads + 2 * kv_heads) * head_dim])
+                qkv = (layer.self_attn.qkv_proj, [heads * head_dim, (heads + kv_heads) * head_dim,
+                                                  (heads + 2 * kv_heads) * head_dim])
                 inter = layer.mlp.gate_up_proj.out_features // 2
-                gate_up = _fused(layer.mlp.gate_up_proj, [inter, 2 * inter])
+                gate_up = (layer.mlp.gate_up_proj, [inter, 2 * inter])
             else:
                 qkv = join(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
                 gate_up = join(layer.mlp, ("gate_proj", "up_proj"))

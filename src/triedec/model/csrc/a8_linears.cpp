@@ -290,6 +290,21 @@ inline __m512 bf16_to_float(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+// int8_linear's float steps for group g of a tile (int5_linear's too): y = fma(a D, s, y), s the
+// group's fp16 scales of each vector.
+template <int R, int V>
+inline void int8_steps(const __m512i (&acc)[R][V], const c10::Half* scales, int64_t g, int64_t nvb,
+                       const RowTile& x, __m512 (&y)[R][V]) {
+  for (int v = 0; v < V; ++v) {
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
+    for (int r = 0; r < R; ++r) {
+      const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
+      y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
+    }
+  }
+}
+
 // int4_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the
 // packed weight as they are used; activations as signed bytes), then y = fma(a D, s, y);
@@ -361,14 +376,7 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
       }
     }
-    for (int v = 0; v < V; ++v) {
-      const __m512 scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
-        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
-      }
-    }
+    int8_steps<R, V>(acc, scales, g, nvb, x, y);
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
@@ -410,14 +418,7 @@ inline void tile5(const uint8_t* codes, const uint8_t* highs, const c10::Half* s
         }
       }
     }
-    for (int v = 0; v < V; ++v) {
-      const __m512 scale = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
-      for (int r = 0; r < R; ++r) {
-        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
-        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
-      }
-    }
+    int8_steps<R, V>(acc, scales, g, nvb, x, y);
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
@@ -438,6 +439,22 @@ inline void tile5(const uint8_t* codes, const uint8_t* highs, const c10::Half* s
 inline __m256 bf16_to_float8(const c10::BFloat16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// int8_linear's float steps on AVX2 for group g and vector v of a tile (int5_linear's too): y in
+// y_out = fma(a D, s, y), per half of 8 outputs.
+template <int R, int V>
+inline void int8_steps_avx2(const __m256i (&acc)[R][2], const c10::Half* scales, int64_t g, int64_t nvb, int v,
+                            const RowTile& x, float* y_out) {
+  for (int h = 0; h < 2; ++h) {
+    const __m256 scale = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
+    for (int r = 0; r < R; ++r) {
+      float* y = y_out + (r * V + v) * kCols + 8 * h;
+      const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
+      _mm256_storeu_ps(y, _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y)));
+    }
+  }
 }
 
 // int4_linear's tile on AVX2: rows r < R and vectors 0..V - 1 of a block (V = nvb); per group, per
@@ -538,15 +555,7 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
         }
       }
 #endif
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
-        for (int r = 0; r < R; ++r) {
-          float* y = y_out + (r * V + v) * kCols + 8 * h;
-          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
-          _mm256_storeu_ps(y, _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y)));
-        }
-      }
+      int8_steps_avx2<R, V>(acc, scales, g, nvb, v, x, y_out);
     }
   }
 }
@@ -601,15 +610,7 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_cvtph_ps(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
-        for (int r = 0; r < R; ++r) {
-          float* y = y_out + (r * V + v) * kCols + 8 * h;
-          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
-          _mm256_storeu_ps(y, _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y)));
-        }
-      }
+      int8_steps_avx2<R, V>(acc, scales, g, nvb, v, x, y_out);
     }
   }
 }
