@@ -638,3 +638,103 @@ def test_only_codes_a_q5_0_block_holds_go_to_5_bits():
         five = Int5A8Linear(_q5_0_linear(2, 2, 1))
         KERNEL.int5_linear(torch.zeros(1, 64, dtype=torch.bfloat16), five.packed, five.highs[:, :1].contiguous(),
                            five.scales, False)
+
+
+# ---- 6-bit weights (a GGUF Q6_K layer at its own bits) ----------------------------------------------
+
+
+def _q6_k_blocks(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random Q6_K blocks (any codes, int8 scales over -128..127, an fp16 ``d`` of either sign and
+    of magnitudes 1e-5..1) dequantized by the ``gguf`` package, as transformers loads a file."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., 192:208] = rng.integers(-128, 128, size=(rows, cols // 256, 16)).astype(np.int8).view(np.uint8)
+    d = np.exp(rng.uniform(np.log(1e-5), 0.0, size=(rows, cols // 256))) * rng.choice([-1.0, 1.0], (rows, cols // 256))
+    blocks[..., 208:210] = d.astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 2)
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks.reshape(rows, -1), GGMLQuantizationType.Q6_K)))
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+@settings(max_examples=15, deadline=None)
+@given(vectors=st.integers(1, 9), blocks=st.integers(1, 3), rows=st.integers(1, 19), seed=st.integers(0, 10**6))
+def test_a_q6_k_layer_is_held_at_its_bits_with_its_values_and_one_rows_bits_in_any_call(vectors, blocks, rows,
+                                                                                        seed):
+    """Q6_K blocks as transformers loads them (``gguf``'s dequantize) are found again exactly
+    (:func:`q6_codes`: codes in -32..31, an int8 scale per 16, a float32 one per 256), held at 6.6
+    bits a weight (:class:`Int6A8Linear`; the packing round-trips) and multiplied within the op
+    harness's bound of a float64 reference, with the same bits on the vector path and the portable
+    one, alone and in any call, and joined as the runner joins q, k and v."""
+    from triedec.model.opcheck import OPS
+    from triedec.model.precision import Int6A8Linear, pack_int6, q6_codes, unpack_int6
+
+    weight = _q6_k_blocks(16 * vectors, 256 * blocks, seed)
+    found = q6_codes(weight)
+    assert found is not None
+    codes = found[0]
+    assert int(codes.min()) >= -32 and int(codes.max()) <= 31
+    assert torch.equal(unpack_int6(*pack_int6(codes)), codes)
+    six = Int6A8Linear(_linear_of(weight))
+    assert torch.equal(six.dequantized(), weight)  # the file's values, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(six.parts(), found, strict=True))
+    held = sum(t.numel() * t.element_size() for t in (six.packed, six.highs, six.scales, six.supers))
+    assert held * 8 == weight.numel() * 6.625
+    x = (torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    op = next(o for o in OPS if o.name == "linear int6-a8")
+    inputs = {"layer": six, "x": x, "weight": weight.double()}
+    with torch.inference_mode():
+        got = six(x)
+        expected = op.reference(inputs)
+        assert ((got.double() - expected).abs() <= op.bound(inputs, expected)).all()
+        assert torch.equal(got, KERNEL.int6_linear(x, six.packed, six.highs, six.scales, six.supers, True))
+        assert torch.equal(got, torch.cat([six(x[i : i + 1]) for i in range(rows)]))
+        other = Int6A8Linear(_linear_of(_q6_k_blocks(16, 256 * blocks, seed + 1)))
+        joined = Int6A8Linear.joined([six, other])
+        assert torch.equal(joined(x), torch.cat([got, other(x)], dim=1))
+
+
+def test_the_int6_kernel_gives_the_same_bits_on_every_installed_build():
+    libraries = switchable_libraries()
+    if len(libraries) < 2:
+        pytest.skip("fewer than two installed builds run on this CPU")
+    from triedec.model.precision import Int6A8Linear
+
+    six = Int6A8Linear(_linear_of(_q6_k_blocks(13 * 16, 512, 5)))
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    fastest, outs = KERNEL.isa(), []
+    try:
+        with torch.inference_mode():
+            for path in libraries.values():
+                KERNEL.use_kernels(str(path))
+                outs.append(KERNEL.int6_linear(x, six.packed, six.highs, six.scales, six.supers, False))
+    finally:
+        KERNEL.use_kernels(str(libraries[fastest]))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_only_a_q6_k_layers_values_go_to_6_bits():
+    """int4-a8 holds a layer as Q6_K only where its values are a Q6_K block's and its input
+    features whole super-blocks; a Q5_0 layer keeps its 5 bits, others stay int8, and
+    Int6A8Linear refuses them; the kernel checks its buffers' shapes."""
+    from triedec.model.precision import Int6A8Linear, _a8_linear, q6_codes
+
+    assert type(_a8_linear(_linear_of(_q6_k_blocks(32, 512, 1)))) is Int6A8Linear
+    assert type(_a8_linear(_q5_0_linear(2, 8, 1))) is Int5A8Linear  # fewer bits first
+    plain = nn.Linear(512, 32)
+    assert q6_codes(plain.weight.detach()) is None
+    assert type(_a8_linear(plain)) is Int8A8Linear
+    assert q6_codes(_q6_k_blocks(16, 512, 2)[:, :384]) is None  # not whole super-blocks
+    with pytest.raises(TriedecError, match="Q6_K"):
+        Int6A8Linear(plain)
+    six = Int6A8Linear(_linear_of(_q6_k_blocks(16, 256, 1)))
+    with pytest.raises(RuntimeError, match="supers must be"):
+        KERNEL.int6_linear(torch.zeros(1, 256, dtype=torch.bfloat16), six.packed, six.highs, six.scales,
+                           six.supers.double(), False)

@@ -142,14 +142,16 @@ def test_quantized_layers_compute_x_times_their_dequantized_weight(bias):
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_each_kernel_gives_a_row_the_same_bits_in_any_call(kind):
     """The linears each mode runs: bf16's is what the bf16 mode swaps in (oneDNN's pre-packed
-    linear, split where the probe finds its rows change with the batch: stock bf16 ``nn.Linear``
-    is not row-invariant at 64 rows on a Xeon whose oneDNN takes its AMX path), int8's and int4's
+    linear where oneDNN has bf16 kernels for this CPU, else torch's bf16 ``nn.Linear``, split
+    where the probe finds its rows change with the batch: stock bf16 ``nn.Linear`` is not
+    row-invariant at 64 rows on a Xeon whose oneDNN takes its AMX path), int8's and int4's
     torch's weight-only kernels."""
-    from triedec.model.linears import PackedLinear, invariant_linear
+    from triedec.model.linears import PackedLinear, invariant_linear, packing_available
 
     torch.manual_seed(1)
     linear = nn.Linear(576, 192)
-    layer = {"bf16": lambda: invariant_linear(nn.Linear(576, 192).to(torch.bfloat16), PackedLinear),
+    bf16 = PackedLinear if packing_available(torch.device("cpu"), torch.bfloat16) else (lambda part: part)
+    layer = {"bf16": lambda: invariant_linear(nn.Linear(576, 192).to(torch.bfloat16), bf16),
              "int8": lambda: Int8Linear(linear), "int4": lambda: Int4Linear(linear)}[kind]()
     x = torch.randn(64, 576).to(torch.bfloat16)
     with torch.inference_mode():
@@ -634,6 +636,32 @@ def test_a_ggufs_q8_0_and_q5_0_blocks_are_kept_bit_for_bit_in_int4_a8s_int8(path
             assert torch.equal(codes, torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1))
     assert seen["Q8_0"] >= 1  # every file here stores its embedding or head as Q8_0 ...
     assert seen["Q5_0"] >= 1 or path.name.endswith("Q4_1.gguf")  # ... the Q4_K_M ones their attention as Q5_0
+
+
+@pytest.mark.default_model
+@pytest.mark.parametrize("path", _gguf_files()[1:] or [None], ids=lambda p: p.name if p else "none")
+def test_a_ggufs_q6_k_blocks_are_found_again_bit_for_bit(path):
+    """The Q6_K tensors of a Q4_K_M file (``scripts/get-models.sh``; the default file has none),
+    dequantized as transformers loads them: :func:`q6_codes` finds each one's codes, int8 scales
+    and float32 super-block scales, whose product is the file's values bit for bit (the codes are
+    the file's up to a sign, or a factor a half-block's codes all share, moved into its scale)."""
+    if path is None:
+        pytest.skip("no Q4_K_M file here (scripts/get-models.sh puts them in models/)")
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    from triedec.model.precision import _q6_values, q6_codes
+
+    seen = 0
+    for tensor in GGUFReader(path).tensors:
+        if tensor.tensor_type.name != "Q6_K" or tensor.n_elements > 40_000_000:
+            continue
+        seen += 1
+        values = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)))
+        found = q6_codes(values)
+        assert found is not None, tensor.name
+        assert torch.equal(_q6_values(*found).float(), values), tensor.name
+    assert seen >= 1
 
 
 @pytest.mark.default_model

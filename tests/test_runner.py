@@ -572,14 +572,15 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     Q6_K and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's runner in
     one native call, its logits ``torch.equal`` to transformers' own loading of the same file in
     the same precision mode on transformers' forward, and every method ``ar``'s tokens. The Q5_0
-    layers are held at their 5 bits and give the bits of the same codes held in int8."""
+    layers are held at their 5 bits and give the bits of the same codes held in int8; the Q6_K
+    layers at their own 6.6 bits, the file's values."""
     from gguf_writer import write_gguf
     from helpers import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     import triedec
     from triedec.model import precision
-    from triedec.model.precision import Int5A8Linear, linear_weight_bytes
+    from triedec.model.precision import Int5A8Linear, Int6A8Linear, linear_weight_bytes
     from triedec.model.source import gguf_linear_bytes, quantize
 
     tokenizer = tiny_tokenizer()
@@ -597,15 +598,20 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     got, expected = _forward_both((adapter, theirs), random.Random(7))
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
-    if kind == "Q4_K_M":  # a token reads Q5_0 as stored, Q4_K's 4.5 bits at 5, Q6_K's 6.56 at 8.5
+    if kind == "Q4_K_M":  # a token reads Q5_0 and Q6_K near their bits (6.625 for 6.56), Q4_K's 4.5 at 5
         from gguf import GGMLQuantizationType, GGUFReader
 
-        q5_0 = sum(t.tensor_type == GGMLQuantizationType.Q5_0 for t in GGUFReader(str(path)).tensors)
-        assert q5_0 and sum(type(m) is Int5A8Linear for m in lm.model.modules()) == q5_0  # each at its bits
+        stored = [t.tensor_type for t in GGUFReader(str(path)).tensors]
+        held = [type(m) for m in lm.model.modules()]
+        q5_0, q6_k = stored.count(GGMLQuantizationType.Q5_0), stored.count(GGMLQuantizationType.Q6_K)
+        assert q5_0 and held.count(Int5A8Linear) == q5_0  # each at its bits
+        assert q6_k and held.count(Int6A8Linear) == q6_k
         ratio = linear_weight_bytes(lm.model) / gguf_linear_bytes(path)
-        assert 1.05 < ratio < 1.25, ratio
+        assert 1.0 < ratio < 1.1, ratio
         widened = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
-        monkeypatch.setattr(precision, "_a8_linear", precision.Int8A8Linear)  # the Q5_0 codes in int8
+        chosen = precision._a8_linear
+        monkeypatch.setattr(precision, "_a8_linear", lambda linear: precision.Int8A8Linear(linear) if type(
+            chosen(linear)) is Int5A8Linear else chosen(linear))  # the Q5_0 codes in int8, the rest as they were
         quantize(widened, adapter.precision, from_gguf=True)
         assert not any(type(m) is Int5A8Linear for m in widened.modules())
         got, expected = _forward_both((adapter, ModelAdapter(widened, "auto")), random.Random(8))

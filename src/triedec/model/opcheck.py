@@ -1,5 +1,5 @@
 """An op-level harness for triedec's compiled kernels, as ggml's ``test-backend-ops``: one table
-of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int8 on 8-bit activations;
+of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int6 (Q6_K), int8 on 8-bit activations;
 float32), tree attention, the RMS norms, rotary),
 each with its shape generator, a float64 reference and an error bound, run on every installed
 kernel library this CPU runs (:func:`check`: within the bound of the reference, and the same bits
@@ -30,7 +30,16 @@ from torch import nn
 
 from triedec.model.linears import F32Linear
 from triedec.model.native import load_kernel, switchable_libraries
-from triedec.model.precision import GROUP_SIZE, Int4A8Linear, Int5A8Linear, Int8A8Linear, dequantize_int4
+from triedec.model.precision import (
+    GROUP_SIZE,
+    HALF_GROUP,
+    SUPER_BLOCK,
+    Int4A8Linear,
+    Int5A8Linear,
+    Int6A8Linear,
+    Int8A8Linear,
+    dequantize_int4,
+)
 
 Inputs = dict[str, Any]
 EPS32 = 2.0**-24
@@ -75,14 +84,28 @@ def q5_0_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return codes.float() * d.repeat_interleave(GROUP_SIZE, dim=1)
 
 
+def q6_k_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Weights as a Q6_K block holds them, computed as the ``gguf`` package dequantizes one (float32
+    ``(d * S) * q``): per super-block of 256 an fp16 ``d`` of either sign, per 16 an int8 ``S`` in
+    -128..127 and codes ``q`` in -32..31."""
+    codes = torch.randint(-32, 32, (n, k), generator=gen)
+    subs = torch.randint(-128, 128, (n, k // HALF_GROUP), generator=gen)
+    d = torch.rand(n, k // SUPER_BLOCK, generator=gen) * 4e-5 + 1e-5
+    d = (d * torch.where(torch.rand(d.shape, generator=gen) < 0.5, -1.0, 1.0)).to(torch.float16).float()
+    scale = d.repeat_interleave(SUPER_BLOCK // HALF_GROUP, dim=1) * subs.float()
+    return scale.repeat_interleave(HALF_GROUP, dim=1) * codes.float()
+
+
 def _a8_linear(kind: str) -> Op:
-    layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int8": Int8A8Linear}[kind]
+    layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int6": Int6A8Linear, "int8": Int8A8Linear}[kind]
 
     def build(shape: dict[str, int], gen: torch.Generator) -> Inputs:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
         with torch.no_grad():
             if kind == "int5":
                 linear.weight.copy_(q5_0_weights(shape["N"], shape["K"], gen))
+            elif kind == "int6":
+                linear.weight.copy_(q6_k_weights(shape["N"], shape["K"], gen))
             else:
                 linear.weight.copy_(torch.randn(linear.weight.shape, generator=gen) * 0.05)
         layer = layer_class(linear)
@@ -96,6 +119,8 @@ def _a8_linear(kind: str) -> Op:
             return kernel.int4_linear(inp["x"], layer.packed, layer.scales_zeros, False)
         if kind == "int5":
             return kernel.int5_linear(inp["x"], layer.packed, layer.highs, layer.scales, False)
+        if kind == "int6":
+            return kernel.int6_linear(inp["x"], layer.packed, layer.highs, layer.scales, layer.supers, False)
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
     def reference(inp: Inputs) -> torch.Tensor:
@@ -106,10 +131,14 @@ def _a8_linear(kind: str) -> Op:
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
-    bits = {"int4": 4.5, "int5": 5.5, "int8": 8.5}[kind]
-    return Op(f"linear {kind}-a8",
-              ({"R": 1, "K": 64, "N": 48}, {"R": 7, "K": 96, "N": 208}, {"R": 19, "K": 160, "N": 80}),
-              ({"R": 1, "K": 576, "N": 1536}, {"R": 16, "K": 576, "N": 1536}, {"R": 256, "K": 576, "N": 1536}),
+    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5}[kind]
+    if kind == "int6":  # K-quants take rows of whole super-blocks: a Q4_K_M file's Q6_K ffn_down (Qwen2.5 0.5B's)
+        checks = ({"R": 1, "K": 256, "N": 48}, {"R": 7, "K": 512, "N": 208}, {"R": 19, "K": 768, "N": 80})
+        perfs = ({"R": 1, "K": 4864, "N": 896}, {"R": 16, "K": 4864, "N": 896}, {"R": 256, "K": 4864, "N": 896})
+    else:
+        checks = ({"R": 1, "K": 64, "N": 48}, {"R": 7, "K": 96, "N": 208}, {"R": 19, "K": 160, "N": 80})
+        perfs = ({"R": 1, "K": 576, "N": 1536}, {"R": 16, "K": 576, "N": 1536}, {"R": 256, "K": 576, "N": 1536})
+    return Op(f"linear {kind}-a8", checks, perfs,
               build, run, reference, bound, lambda s: s["R"] * s["K"] * s["N"],
               lambda s: s["K"] * s["N"] * bits / 8 + s["R"] * s["K"] * 2, int8=True)
 
@@ -200,8 +229,8 @@ def _tree_attention() -> Op:
               lambda s: 4 * (2 * s["H"] * s["L"] * s["d"] + 2 * s["H"] * s["N"] * s["d"]))
 
 
-OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int8"), _f32_linear(), _rms_norm(False),
-                       _rms_norm(True), _rotary(), _tree_attention())
+OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int6"), _a8_linear("int8"),
+                       _f32_linear(), _rms_norm(False), _rms_norm(True), _rotary(), _tree_attention())
 """The table: every op of triedec's kernel libraries a forward calls, by name."""
 
 

@@ -17,7 +17,9 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
   runs a Q4 file: triedec's own kernel (``csrc/a8_linears.cpp``; AVX512-VNNI where the CPU has it,
   else AVX2, else a portable path, all giving the same bits); the LM head, and the layers a 4-bit GGUF stored
   with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
-  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit). What
+  layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit; Q5_0
+  layers held at their 5.5 bits, :class:`Int5A8Linear`, and Q6_K layers, whose scale changes every
+  16 weights, at their 6.6 bits with their values, :class:`Int6A8Linear`). What
   ``weights="auto"`` gives a GGUF file stored in 4 bits on a CPU with AVX2 or AVX512-VNNI.
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
@@ -34,6 +36,7 @@ Pure torch (nothing here knows transformers).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -333,21 +336,221 @@ def pack_int5(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nibble), the second's of its feature ``4 + j`` (that byte's high nibble)."""
     n, k = codes.shape
     u = (codes.to(torch.int16) + 16).to(torch.uint8)
-    high = (u >> 4).to(torch.int64).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
-    per_output = (high << torch.arange(4)).sum(-1)  # n, g, m, half: 4 bits of output n
-    flat = blocked(per_output.reshape(n, k // GROUP_SIZE, 4, 2).to(torch.int64)).reshape(-1, VECTOR, 2)
-    masks = (flat << (4 * torch.arange(VECTOR))[None, :, None]).sum(1)  # [steps, 2]: bits 4i + j
+    masks = _plane_masks(u >> 4)
     return pack_int4(u & 0x0F), masks.contiguous().view(torch.uint8).reshape(n, k // 8).contiguous()
 
 
 def unpack_int5(packed: torch.Tensor, highs: torch.Tensor) -> torch.Tensor:
     """The codes ``[N, K]`` (int8) that :func:`pack_int5` packed."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    masks = highs.reshape(-1).view(torch.int64).reshape(-1, 1, 2)
-    bits = (masks >> (4 * torch.arange(VECTOR))[None, :, None]) & 0x0F  # steps, i, half
+    high = _plane_bits(highs.reshape(-1).view(torch.int64).reshape(-1, 2), n, k)
+    return (unpack_int4(packed) + 16 * high - 16).to(torch.int8)
+
+
+def _plane_masks(bits: torch.Tensor) -> torch.Tensor:
+    """A plane of one bit per weight, ``bits [N, K]`` (0 or 1), as int5's masks: per block, group,
+    step of 8 features and 16 outputs, two int64 (bit ``4i + j``: output ``i``'s feature ``j`` of the
+    step, then its feature ``4 + j``). Shape ``[steps, 2]``."""
+    n, k = bits.shape
+    high = bits.to(torch.int64).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, half, j
+    per_output = (high << torch.arange(4)).sum(-1)  # n, g, m, half: 4 bits of output n
+    flat = blocked(per_output).reshape(-1, VECTOR, 2)
+    return (flat << (4 * torch.arange(VECTOR))[None, :, None]).sum(1)  # [steps, 2]: bits 4i + j
+
+
+def _plane_bits(masks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The plane ``[n, k]`` (int32, 0 or 1) that :func:`_plane_masks` gave as ``masks [steps, 2]``."""
+    bits = (masks.reshape(-1, 1, 2) >> (4 * torch.arange(VECTOR))[None, :, None]) & 0x0F  # steps, i, half
     per_output = unblocked(bits.reshape(-1), n, k // GROUP_SIZE, 4, 2)  # n, g, m, half
-    high = (per_output[..., None] >> torch.arange(4)) & 1  # n, g, m, half, j
-    return (unpack_int4(packed) + 16 * high.reshape(n, k).to(torch.int32) - 16).to(torch.int8)
+    return ((per_output[..., None] >> torch.arange(4)) & 1).reshape(n, k).to(torch.int32)  # n, g, m, half, j
+
+
+SUPER_BLOCK = 256
+"""Input features per super-block of a GGUF K-quant (Q6_K's float scale ``d``)."""
+HALF_GROUP = GROUP_SIZE // 2
+"""Input features per Q6_K sub-block (its int8 scale)."""
+
+
+class Int6A8Linear(LinearStandIn):
+    """``y = x w^T + b`` with ``w = q * S * d``: a GGUF Q6_K layer at its own 6.6 bits a weight
+    (the file's 6.56), codes ``q`` in -32..31, an int8 ``S`` per output and :data:`HALF_GROUP`
+    input features and a float32 ``d`` per output and :data:`SUPER_BLOCK` (:func:`q6_codes` finds
+    them in the file's dequantized values, bit for bit), computed by triedec's kernel on ``x``
+    quantized to int8 per row and group of :data:`GROUP_SIZE` features (``csrc/a8_linears.cpp``:
+    per group the two half sums times their ``S`` in int32, then one float step as int8's on the
+    super-block's ``d``): ``u = q + 32``'s low 4 bits in int4's order (``packed``), its top two
+    bits beside them (``highs``, :func:`pack_int6`), ``scales`` int8 ``[K / 16, N]`` and ``supers``
+    float32 ``[K / 256, N]`` in the kernel's block order. Output rows a multiple of 16, input
+    features of :data:`SUPER_BLOCK`. Inference only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear,
+                 quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__(linear)
+        if linear.out_features % 16 or linear.in_features % SUPER_BLOCK:
+            raise TriedecError(f"the int6 kernel needs output rows divisible by 16 and input features by "
+                               f"{SUPER_BLOCK}, got {self.out_features}x{self.in_features}")
+        load_kernel()
+        found = q6_codes(linear.weight.detach()) if quantized is None else quantized
+        if found is None:
+            raise TriedecError("an int6 layer's weights must be a Q6_K block's: q * S * d, q in -32..31, an int8 S "
+                               f"per {HALF_GROUP} and one d per {SUPER_BLOCK} input features")
+        self._pack(*found)
+        self.bias = _bias(linear)
+
+    def _pack(self, codes: torch.Tensor, subs: torch.Tensor, supers: torch.Tensor) -> None:
+        packed, highs = pack_int6(codes)
+        self.register_buffer("packed", packed)
+        self.register_buffer("highs", highs)
+        self.register_buffer("scales", blocked(subs[..., None, None]).reshape(subs.shape[1], -1).contiguous())
+        self.register_buffer("supers", blocked(supers.float()[..., None, None]).reshape(supers.shape[1], -1)
+                             .contiguous())
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes ``[out, in]`` (int8), the scales ``S [out, in / 16]`` (int8) and ``d [out, in /
+        256]`` (float32)."""
+        n = self.out_features
+        subs = unblocked(self.scales.reshape(-1), n, self.scales.shape[0], 1, 1)[..., 0, 0]
+        supers = unblocked(self.supers.reshape(-1), n, self.supers.shape[0], 1, 1)[..., 0, 0]
+        return unpack_int6(self.packed, self.highs), subs, supers
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (exact: a Q6_K block's values)."""
+        codes, subs, supers = self.parts()
+        return _q6_values(codes, subs, supers).float()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        out = load_kernel().int6_linear(x, buffers["packed"], buffers["highs"], buffers["scales"], buffers["supers"],
+                                        False)
+        return _plus_bias(out, self.bias)
+
+    @classmethod
+    def joined(cls, layers: Sequence[Int6A8Linear]) -> Int6A8Linear:
+        """As :meth:`Int4A8Linear.joined`: the outputs of ``layers`` side by side, each with its own bits."""
+        joined = empty_join(cls, layers)
+        codes, subs, supers = zip(*(m.parts() for m in layers), strict=True)
+        joined._pack(torch.cat(codes), torch.cat(subs), torch.cat(supers))
+        joined.bias = joined_bias(layers)
+        return joined
+
+    def repr_extra(self) -> str:
+        return f", super_block={SUPER_BLOCK}, bits=6, activations=int8"
+
+
+def pack_int6(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[N, K]`` in -32..31 as :class:`Int6A8Linear` holds them: ``u = codes + 32``'s low 4
+    bits in :func:`pack_int4`'s order ``[N, K / 2]``, and its top two bits ``u >> 4`` ``[N, K /
+    4]``: per block, group, step of 8 features and 16 outputs (64 bytes of :func:`pack_int4`), 32
+    bytes, byte ``k`` holding in bits 0-1 the top bits of the code in the low nibble of the step's
+    byte ``k``, in bits 2-3 of byte ``32 + k``'s low nibble, in bits 4-5 of byte ``k``'s high
+    nibble and in bits 6-7 of byte ``32 + k``'s high nibble."""
+    n, k = codes.shape
+    u = (codes.to(torch.int16) + 32).to(torch.uint8)
+    tops = (u >> 4).reshape(n, k // GROUP_SIZE, 4, 2, 4)  # n, g, m, nibble, j
+    low, high = (blocked(tops[..., half, :]).reshape(-1, 2, 32) for half in (0, 1))  # [steps, byte // 32, byte % 32]
+    packed_tops = low[:, 0] | (low[:, 1] << 2) | (high[:, 0] << 4) | (high[:, 1] << 6)
+    return pack_int4(u & 0x0F), packed_tops.reshape(n, k // 4).contiguous()
+
+
+def unpack_int6(packed: torch.Tensor, highs: torch.Tensor) -> torch.Tensor:
+    """The codes ``[N, K]`` (int8) that :func:`pack_int6` packed."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    tops = highs.reshape(-1, 1, 32).to(torch.int32)
+    low = torch.cat([tops & 3, (tops >> 2) & 3], dim=1).reshape(-1)  # the step's 64 bytes in order
+    high = torch.cat([(tops >> 4) & 3, (tops >> 6) & 3], dim=1).reshape(-1)
+    per_byte = [unblocked(t, n, k // GROUP_SIZE, 4, 4) for t in (low, high)]  # n, g, m, j
+    top = torch.stack(per_byte, dim=3).reshape(n, k)
+    return (unpack_int4(packed) + 16 * top - 32).to(torch.int8)
+
+
+def _q6_values(codes: torch.Tensor, subs: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+    """``codes * S * d`` in float64 (exact), ``[N, K]``."""
+    scale = subs.double().repeat_interleave(HALF_GROUP, dim=1) * supers.double().repeat_interleave(SUPER_BLOCK, dim=1)
+    return codes.double() * scale
+
+
+def _gcd_last(values: torch.Tensor) -> torch.Tensor:
+    """The greatest common divisor (non-negative) over the last dimension of int64 ``values``, whose
+    length is a power of two."""
+    while values.shape[-1] > 1:
+        values = torch.gcd(values[..., 0::2], values[..., 1::2])
+    return values[..., 0].abs()
+
+
+def _q6_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`q6_codes` of some rows."""
+    n, k = weight.shape
+    w = weight.double().reshape(n, k // SUPER_BLOCK, SUPER_BLOCK)
+    if not torch.isfinite(w).all():
+        return None
+    _, exponent = torch.frexp(w.float())  # w = m 2^e, |m| in [0.5, 1): w / 2^(e - 24) is a whole number
+    lowest = torch.where(w != 0, exponent.double() - 24, torch.full_like(w, 1e9))
+    # the lowest set bit of each value: 2^(e - 24) times the largest power of two dividing w / 2^(e - 24)
+    whole = (w / torch.exp2(lowest.clamp(max=1000))).abs().round()
+    twos = torch.where(w != 0, torch.log2((whole.to(torch.int64) & -whole.to(torch.int64)).double()), 0.0)
+    base = torch.where(w != 0, lowest + twos, torch.full_like(w, 1e9)).amin(dim=-1, keepdim=True)  # [n, T, 1]
+    base = torch.where(base > 1e8, torch.zeros_like(base), base)  # an all-zero super-block
+    ints = w / torch.exp2(base)  # whole numbers, exactly
+    if ints.abs().max() >= 2.0**31:
+        return None
+    ints = ints.to(torch.int64)
+    common = _gcd_last(ints)  # [n, T]
+    ints = ints // common.clamp_min(1)[..., None]
+    halves = ints.reshape(n, k // SUPER_BLOCK, SUPER_BLOCK // HALF_GROUP, HALF_GROUP)
+    sub = _gcd_last(halves)  # [n, T, 16]: the largest S; q the smallest codes
+    codes = halves // sub.clamp_min(1)[..., None]
+    for factor in range(2, 33):  # a half whose codes share a factor: S over it, where S > 128
+        big = sub > 128
+        if not big.any():
+            break
+        fits = big & (sub % factor == 0) & (sub // factor <= 128)
+        sub = torch.where(fits, sub // factor, sub)
+        codes = torch.where(fits[..., None], codes * factor, codes)
+    # S and q may each change sign, and so may the super-block's d (all its codes then flip): S must
+    # fit int8, -128..127, and q -32..31 (S = 128 only as -128; a code 32 only as -32)
+    def fits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        low, high = codes.amin(-1), codes.amax(-1)
+        keep = (sub <= 127) & (low >= -32) & (high <= 31)
+        return keep, ~keep & (sub <= 128) & (low >= -31) & (high <= 32)  # else -S, -q
+
+    keep, flip = fits(codes)
+    negate = ~(keep | flip).all(-1)  # [n, T]: this d does not fit; try -d
+    if bool(negate.any()):
+        codes = torch.where(negate[..., None, None], -codes, codes)
+        keep, flip = fits(codes)
+    if not bool((keep | flip).all()):
+        return None
+    sub = torch.where(flip, -sub, sub)
+    codes = torch.where(flip[..., None], -codes, codes)
+    supers = torch.where(negate, -1.0, 1.0) * common.double() * torch.exp2(base[..., 0])
+    if not torch.equal(supers.float().double(), supers):
+        return None
+    found = codes.reshape(n, k).to(torch.int8), sub.reshape(n, -1).to(torch.int8), supers.float()
+    return found if torch.equal(_q6_values(*found), weight.double()) else None
+
+
+def q6_codes(weight: torch.Tensor, rows_at_once: int = 1024
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(codes [out, in] int8 in -32..31, S [out, in / 16] int8, d [out, in / 256] float32)``
+    with ``weight == codes * S * d`` exactly, where ``weight``'s values are a GGUF Q6_K block's
+    (``d * S * (q - 32)``, as the ``gguf`` package and transformers dequantize it: exact in
+    float32), else None. Per super-block ``d`` is the largest common step of its 256 values (the
+    file's ``d`` times a power of two or a common factor of all its ``S * q``), per 16 ``S`` the
+    largest common factor left (its sign, and a shared factor of the codes, moved so that ``S``
+    fits int8 and the codes -32..31): the same values, one representation of them. Checked on the
+    first rows before the rest (a layer of other values fails there), ``rows_at_once`` at a time."""
+    n, k = weight.shape
+    if n == 0 or k % SUPER_BLOCK:
+        return None
+    starts = [0, *range(min(n, 16), n, rows_at_once), n]  # 16 rows first, then rows_at_once at a time
+    parts = []
+    for start, end in itertools.pairwise(starts):
+        found = _q6_rows(weight[start:end])
+        if found is None:
+            return None
+        parts.append(found)
+    codes, subs, supers = (torch.cat(p) for p in zip(*parts, strict=True))
+    return codes, subs, supers
 
 
 GGUF_INT8_LEVELS = (127, 16)
@@ -361,7 +564,7 @@ number (a smaller one would lose bits to subnormal rounding; the group's codes t
 -127..127)."""
 
 
-NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear)
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear, Int6A8Linear)
 """The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
 
 
@@ -529,7 +732,8 @@ def on_4bit_grid(weight: torch.Tensor) -> float:
 FINER_THAN_4BIT = 0.5
 """In a GGUF file with 4-bit layers (``quantize_linears(..., from_gguf=True)``), a layer with
 fewer of its groups on a 4-bit grid than this was stored with more bits (Q5_K, Q6_K, Q8_0, F16:
-a Q4_K_M file keeps some layers at 6 bits) and is quantized to int8, not to int4. In a 4-bit
+a Q4_K_M file keeps some layers at 6 bits) and is quantized to int8, not to int4 (in int4-a8 its
+own blocks where a kernel holds them: :func:`_a8_linear`). In a 4-bit
 layer every group is on a grid; in a 6-bit one almost none is."""
 
 
@@ -608,11 +812,16 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     return Quantized(layers, kept, finer)
 
 
-def _a8_linear(linear: nn.Linear) -> Int8A8Linear:
-    """An 8-bit-activation linear of ``linear``'s int8 codes: :class:`Int5A8Linear` where they all
-    fit 5 bits (a Q5_0 file's layer: the file's bytes, the same bits), else :class:`Int8A8Linear`."""
+def _a8_linear(linear: nn.Linear) -> Int8A8Linear | Int6A8Linear:
+    """An 8-bit-activation linear of ``linear``'s weights: :class:`Int5A8Linear` where their int8
+    codes all fit 5 bits (a Q5_0 file's layer: the file's bytes, the same bits), else
+    :class:`Int6A8Linear` where they are a Q6_K layer's values (:func:`q6_codes`: the file's values
+    at its bits), else :class:`Int8A8Linear`."""
     quantized = quantize_int8_groups(linear.weight.detach())
-    return Int5A8Linear(linear, quantized) if fits_int5(quantized[0]) else Int8A8Linear(linear)
+    if fits_int5(quantized[0]):
+        return Int5A8Linear(linear, quantized)
+    six = q6_codes(linear.weight.detach()) if linear.out_features % 16 == 0 else None
+    return Int6A8Linear(linear, six) if six is not None else Int8A8Linear(linear)
 
 
 def _grid_steps(model: nn.Module, head: nn.Module | None) -> dict[int, torch.Tensor]:
@@ -631,8 +840,9 @@ def stored_in_4bit(model: nn.Module, head: nn.Module | None = None) -> bool:
 
 def layer_mix(model: nn.Module) -> str:
     """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
-    in int8 per group (:class:`Int8A8Linear`), and in 5 bits per group where there are any
-    (:class:`Int5A8Linear`): ``int4x27-int8x0-int8g32x100`` (the rest, left
+    in int8 per group (:class:`Int8A8Linear`), and in 5 bits per group and in Q6_K's 6 bits where
+    there are any (:class:`Int5A8Linear`, :class:`Int6A8Linear`): ``int4x27-int8x0-int8g32x100``
+    (the rest, left
     unquantized for their shape, follow from the architecture; layers the runner joined count as the
     layers they join). Loads of the same file in the same mode have the same mix; which layers go
     to int8 (:data:`FINER_THAN_4BIT`, the head) changes it, and with it the cost of a forward, so
@@ -644,7 +854,9 @@ def layer_mix(model: nn.Module) -> str:
     int8 = sum(kind is Int8Linear for kind in kinds)
     grouped = sum(kind is Int8A8Linear for kind in kinds)
     five = sum(kind is Int5A8Linear for kind in kinds)  # named only where there are any (older keys stay)
-    return f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}" + (f"-int5g{GROUP_SIZE}x{five}" if five else "")
+    six = sum(kind is Int6A8Linear for kind in kinds)
+    return (f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}" + (f"-int5g{GROUP_SIZE}x{five}" if five else "")
+            + (f"-q6kx{six}" if six else ""))
 
 
 def precision_of(model: nn.Module) -> Precision:
@@ -652,7 +864,7 @@ def precision_of(model: nn.Module) -> Precision:
     linears' weights (``int4-a8``, ``int4`` or ``int8`` when it holds such layers)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     kinds = {type(m) for m in model.modules()}
-    weights = "int4-a8" if kinds & {Int4A8Linear, Int8A8Linear} else "int4" if Int4Linear in kinds \
+    weights = "int4-a8" if kinds & set(NATIVE_LINEARS) else "int4" if Int4Linear in kinds \
         else "int8" if Int8Linear in kinds else "float"
     return Precision(dtype, weights)
 

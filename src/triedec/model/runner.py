@@ -55,7 +55,15 @@ from triedec.model.dispatch import ItemBatch
 from triedec.model.hugepages import place_weights
 from triedec.model.linears import F32Linear, JoinedPart, LinearStandIn, PackedLinear, SplitLinear, joinable
 from triedec.model.native import kernel_available, load_kernel
-from triedec.model.precision import NATIVE_LINEARS, Int4A8Linear, Int4Linear, Int5A8Linear, Int8A8Linear, Int8Linear
+from triedec.model.precision import (
+    NATIVE_LINEARS,
+    Int4A8Linear,
+    Int4Linear,
+    Int5A8Linear,
+    Int6A8Linear,
+    Int8A8Linear,
+    Int8Linear,
+)
 from triedec.model.rmsnorm import FusedRMSNorm, torch_ops_variant
 
 RUNNER = "triedec"
@@ -222,7 +230,8 @@ def _activation(module: nn.Module) -> str | None:
 
 
 _DECODER_LINEARS = {Int4A8Linear: ("a8-int4", "packed", "scales_zeros"), Int8A8Linear: ("a8-int8", "packed", "scales"),
-                    Int5A8Linear: ("a8-int5", "packed", "scales"), Int8Linear: ("int8", "codes", "scale"),
+                    Int5A8Linear: ("a8-int5", "packed", "scales"), Int6A8Linear: ("a8-int6", "packed", "scales"),
+                    Int8Linear: ("int8", "codes", "scale"),
                     Int4Linear: ("int4", "packed", "scales_and_zeros")}
 """The linears the native forward runs (``csrc/decoder.h``'s ``NativeLinear``): its kind for each
 stand-in, and the stand-in's buffers it takes (codes, scales). triedec's 8-bit-activation kernels
@@ -245,7 +254,7 @@ def _runs_natively(layer: nn.Module, dtype: torch.dtype = torch.bfloat16) -> boo
 
 def _native_linear(kernel: Any, layer: nn.Module) -> Any:
     if type(layer) is F32Linear:
-        return kernel.NativeLinear("f32", layer.packed, None, layer.bias, layer.in_features, None)
+        return kernel.NativeLinear("f32", layer.packed, None, layer.bias, layer.in_features, None, None)
     if type(layer) is PackedLinear:
         return kernel.NativeLinear([layer.packed], [0, layer.in_features], False, layer.bias, layer.out_features)
     if type(layer) is SplitLinear:
@@ -254,7 +263,7 @@ def _native_linear(kernel: Any, layer: nn.Module) -> Any:
     kind, codes, scales = _DECODER_LINEARS[type(layer)]
     buffers = layer._buffers
     return kernel.NativeLinear(kind, buffers[codes], buffers[scales], layer.bias, layer.in_features,
-                               buffers.get("highs"))
+                               buffers.get("highs"), buffers.get("supers"))
 
 
 def _norm_variant(norm: nn.Module, dtype: torch.dtype) -> tuple[str, float] | None:

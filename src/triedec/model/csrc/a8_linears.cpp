@@ -23,6 +23,12 @@
 // codes and fp16 scale, at the file's 5.5 bits a weight): u = q + 16 in 0..31, D = sum_k x'_k u_k
 // - 16 Q = sum_k x'_k q_k, the same integer, then the same float steps, so the same bits as
 // int8_linear on the same codes and scales.
+// int6_linear: a GGUF Q6_K block's weights at their own 6.6 bits: w = q * S * d, q in -32..31, an
+// int8 S per output and half group (16 features) and a float32 d per output and super-block of 256
+// features (K a multiple of 256). u = q + 32 in 0..63; for row r and output n, over the groups in
+// order: D_h = sum_k x'_k u_k - 32 Q_h over each half h of the group (Q_h: the half's sum of x'),
+// I = S_0 D_0 + S_1 D_1 (int32, exact: |I| < 2^24), y = fma(a * I, d, y), d the group's
+// super-block's.
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
@@ -44,6 +50,15 @@
 //         bytes at b * 4 * K * 2 + ((g * 4 + m) * nvb + v) * 16: two 64-bit masks, the first's bit
 //         4i + j the high bit of the feature in byte 4i + j's low nibble (32g + 8m + j of output i),
 //         the second's of the one in its high nibble (32g + 8m + 4 + j). Its scales are int8's.
+//   int6: int4's layout of u & 15 (uint8, N * K / 2 bytes), beside the top two bits u >> 4 (uint8,
+//         N * K / 4 bytes): per block, group, step m and vector, 32 bytes at b * 4 * K * 4 +
+//         ((g * 4 + m) * nvb + v) * 32, whose byte k holds in bits 0-1 those of the code in the low
+//         nibble of int4's byte k, in bits 2-3 of the low nibble of byte 32 + k, in bits 4-5 of the
+//         high nibble of byte k, in bits 6-7 of the high nibble of byte 32 + k (so one 32-byte load
+//         and a shift and a mask give a register of them). Its half-group scales S: int8, per block b and half group h (features
+//         16h .. 16h + 15), the block's nvb * 16 at b * 4 * (K / 16) * 16 + h * nvb * 16; its
+//         super-block scales d: float32, per block b and super-block t, the block's nvb * 16 at
+//         b * 4 * (K / 256) * 16 + t * nvb * 16.
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
 // zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
@@ -99,13 +114,14 @@ struct Rows {        // the activations, quantized per row and group
   std::vector<float> a;      // [R, G]: the scale of each group
   std::vector<float> aq;     // [R, G]: a * Q
   std::vector<int32_t> sum;  // [R, G]: Q
+  std::vector<int32_t> half; // [R, 2G]: Q of each half of the group (features 0-15, 16-31)
 };
 
 // Row r, group g: a = top / 127 and x' = nearbyint(x * (127 / top)) clamped to -127..127 (as a
 // float, before the conversion), top = max |x| over the group (a = 0, x' = 0 when top is below
 // kTiny). The vector path performs the same IEEE operations (a maximum is exact in any order; the
 // conversion rounds to nearest even).
-void quantize_group_portable(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
+void quantize_group_portable(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum, int32_t* half) {
   float x[kGroup];
   float top = 0.0f;
   for (int k = 0; k < kGroup; ++k) {
@@ -113,21 +129,22 @@ void quantize_group_portable(const c10::BFloat16* xg, int8_t* q, float* a, float
     top = std::max(top, std::fabs(x[k]));
   }
   if (!(top > kTiny)) top = 0.0f;
-  int32_t total = 0;
   const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+  half[0] = half[1] = 0;
   for (int k = 0; k < kGroup; ++k) {
     const float clamped = std::fmin(std::fmax(x[k] * inv, -127.0f), 127.0f);  // fmax(NaN, -127) = -127
     const int32_t v = top > 0.0f ? static_cast<int32_t>(std::nearbyint(clamped)) : 0;
     q[k] = static_cast<int8_t>(v);
-    total += q[k];
+    half[k / (kGroup / 2)] += q[k];
   }
+  const int32_t total = half[0] + half[1];
   *a = top / 127.0f;
   *aq = *a * static_cast<float>(total);
   *sum = total;
 }
 
 #ifdef TRIEDEC_VNNI
-void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum) {
+void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum, int32_t* half) {
   const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg))), 16));
   const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -137,7 +154,7 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
     std::memset(q, 0, kGroup);
     *a = 0.0f;
     *aq = 0.0f;
-    *sum = 0;
+    *sum = half[0] = half[1] = 0;
     return;
   }
   const __m512 inv = _mm512_set1_ps(127.0f / top);
@@ -147,7 +164,9 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   const __m512i qhi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(hi, inv), floor), limit));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
-  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  half[0] = _mm512_reduce_add_epi32(qlo);
+  half[1] = _mm512_reduce_add_epi32(qhi);
+  const int32_t total = half[0] + half[1];
   *a = top / 127.0f;
   *aq = *a * static_cast<float>(total);
   *sum = total;
@@ -167,10 +186,11 @@ const Rows& quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool por
   out.a.resize(R * G);
   out.aq.resize(R * G);
   out.sum.resize(R * G);
+  out.half.resize(R * 2 * G);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       quantize_group(x + r * K + g * kGroup, out.q.data() + r * K + g * kGroup, &out.a[r * G + g], &out.aq[r * G + g],
-                     &out.sum[r * G + g]);
+                     &out.sum[r * G + g], &out.half[(r * G + g) * 2]);
   return out;
 }
 
@@ -271,6 +291,47 @@ void int5_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
   });
 }
 
+// Bits 4 and 5 of u (as 0x10 and 0x20) for the code in byte b's low (upper = 0) or high (upper = 1)
+// nibble of a step of int6's layout: its 32 bytes of top bits at `tops`.
+inline int int6_high_bits(const uint8_t* tops, int b, int upper) {
+  return ((tops[b % 32] >> (4 * upper + 2 * (b / 32))) & 3) << 4;
+}
+
+void int6_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                   const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, i = n % kCols;
+      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          int32_t I = 0;
+          for (int h = 0; h < 2; ++h) {
+            int32_t D = -32 * xs.half[(r * G + g) * 2 + h];
+            for (int m = 2 * h; m < 2 * h + 2; ++m) {
+              const int64_t step = (g * kSteps + m) * nvb + vb;
+              const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
+              const uint8_t* tops = highs + block * kBlock * (K / 8) * 32 + step * 32;
+              const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
+              for (int j = 0; j < 4; ++j) {
+                const int b = 4 * static_cast<int>(i) + j;
+                D += ((bytes[j] & 0x0F) | int6_high_bits(tops, b, 0)) * xq[j];
+                D += ((bytes[j] >> 4) | int6_high_bits(tops, b, 1)) * xq[4 + j];
+              }
+            }
+            I += static_cast<int32_t>(subs[block * kBlock * (K / 16) * kCols + ((2 * g + h) * nvb + vb) * kCols + i]) * D;
+          }
+          const float d = supers[block * kBlock * (K / 256) * kCols + ((g / 8) * nvb + vb) * kCols + i];
+          y = std::fma(xs.a[r * G + g] * static_cast<float>(I), d, y);
+        }
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
+      }
+    }
+  });
+}
+
 #ifdef TRIEDEC_A8_VECTOR
 constexpr int kRows = 3;   // most rows per register tile (3 rows x 4 vectors: 12 sums and 12 accumulators)
 
@@ -281,6 +342,7 @@ struct RowTile {
   const float* a[kRows];
   const float* aq[kRows];
   const int32_t* sum[kRows];
+  const int32_t* half[kRows];  // Q of each half group: [2G]
 };
 #endif
 
@@ -292,11 +354,12 @@ inline __m512 bf16_to_float(const c10::BFloat16* p) {
 
 // int8_linear's float steps for group g of a tile (int5_linear's too): y = fma(a D, s, y), s the
 // group's fp16 scales of each vector.
+// (int6_linear's with its float32 super-block scales in place of s: scales_f32.)
 template <int R, int V>
 inline void int8_steps(const __m512i (&acc)[R][V], const c10::Half* scales, int64_t g, int64_t nvb,
-                       const RowTile& x, __m512 (&y)[R][V]) {
+                       const RowTile& x, __m512 (&y)[R][V], const float* scales_f32 = nullptr) {
   for (int v = 0; v < V; ++v) {
-    const __m512 scale = _mm512_cvtph_ps(
+    const __m512 scale = scales_f32 ? _mm512_loadu_ps(scales_f32 + v * kCols) : _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (g * nvb + v) * kCols)));
     for (int r = 0; r < R; ++r) {
       const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
@@ -424,6 +487,62 @@ inline void tile5(const uint8_t* codes, const uint8_t* highs, const c10::Half* s
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
+// int6_linear's tile: tile4's unpacking with bits 4 and 5 from the step's 32 bytes of top bits
+// (broadcast to both halves, each half shifted to its two bits by a 64-bit lane shift), each half group's sum
+// from -32 Q_h times its S (vpmulld), the two added, then int8's float steps on the super-block's d.
+template <int R, int V>
+inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
+                  int64_t K, const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  // bytes 0-31 of a register take bits 0-1 (low nibbles) or 4-5 (high) of the top bytes, bytes 32-63
+  // bits 2-3 or 6-7: shifted to bits 4-5 (a bit shifted in from a neighbouring byte is masked off)
+  const __m512i lo_shift = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4), hi_shift = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  __m512 y[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i total[R][V];
+    for (int h = 0; h < 2; ++h) {
+      __m512i acc[R][V];  // from -32 Q_h: it ends at D_h = sum_k x'_k (q_k + 32) - 32 Q_h
+      for (int r = 0; r < R; ++r) {
+        const __m512i offset = _mm512_set1_epi32(-32 * x.half[r][2 * g + h]);
+        for (int v = 0; v < V; ++v) acc[r][v] = offset;
+      }
+      for (int m = 2 * h; m < 2 * h + 2; ++m) {
+        __m512i lo[V], hi[V];
+        for (int v = 0; v < V; ++v) {
+          const int64_t step = (g * kSteps + m) * nvb + v;
+          const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
+          const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + step * 32)));
+          lo[v] = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_sllv_epi64(tops, lo_shift), top));
+          hi[v] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low),
+                                  _mm512_and_si512(_mm512_srlv_epi64(tops, hi_shift), top));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x0 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+          const __m512i x1 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
+          for (int v = 0; v < V; ++v) {
+            acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], lo[v], x0);
+            acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], hi[v], x1);
+          }
+        }
+      }
+      for (int v = 0; v < V; ++v) {
+        const __m512i scale = _mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(subs + ((2 * g + h) * nvb + v) * kCols)));
+        for (int r = 0; r < R; ++r) {
+          const __m512i part = _mm512_mullo_epi32(acc[r][v], scale);
+          total[r][v] = h == 0 ? part : _mm512_add_epi32(total[r][v], part);
+        }
+      }
+    }
+    int8_steps<R, V>(total, nullptr, g, nvb, x, y, supers + (g / 8) * nvb * kCols);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+}
+
 #endif  // TRIEDEC_VNNI
 
 #ifdef TRIEDEC_A8_AVX2
@@ -443,11 +562,12 @@ inline __m256 bf16_to_float8(const c10::BFloat16* p) {
 
 // int8_linear's float steps on AVX2 for group g and vector v of a tile (int5_linear's too): y in
 // y_out = fma(a D, s, y), per half of 8 outputs.
+// (int6_linear's with its float32 super-block scales of the vector in place of s: scales_f32.)
 template <int R, int V>
 inline void int8_steps_avx2(const __m256i (&acc)[R][2], const c10::Half* scales, int64_t g, int64_t nvb, int v,
-                            const RowTile& x, float* y_out) {
+                            const RowTile& x, float* y_out, const float* scales_f32 = nullptr) {
   for (int h = 0; h < 2; ++h) {
-    const __m256 scale = _mm256_cvtph_ps(
+    const __m256 scale = scales_f32 ? _mm256_loadu_ps(scales_f32 + 8 * h) : _mm256_cvtph_ps(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + (g * nvb + v) * kCols + 8 * h)));
     for (int r = 0; r < R; ++r) {
       float* y = y_out + (r * V + v) * kCols + 8 * h;
@@ -614,6 +734,92 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
     }
   }
 }
+// int6_linear's tile on AVX2: tile4_avx2's unpacking with bits 4 and 5 from the step's 32 bytes of
+// top bits (one shift and mask for each of its four registers of codes), then tile8_avx2's float
+// steps on the super-block's d. Without AVX-VNNI, S is folded into vpmaddwd: each 32-bit lane of
+// vpmaddubsw's output holds output i's two pairs (at most 2 * 63 * 127 = 16002 each, no
+// saturation), and vpmaddwd by (S, S) in that lane gives S (p0 + p1) in int32 (at most 4.1e6), so
+// the sum starts from -32 (S_0 Q_0 + S_1 Q_1) (vpmaddwd of (S_0, S_1) by (Q_0, Q_1), |Q_h| <= 2032)
+// and adds each step's S_h-weighted sums: I, the same integer. With AVX-VNNI, vpdpbusd sums into
+// int32 directly: each half's sum from -32 Q_h, times S_h (vpmulld), the two added.
+template <int R, int V>
+inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
+                       int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
+  const int64_t G = K / kGroup;
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+#ifndef TRIEDEC_DPBUSD256
+  const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+#endif
+  for (int i = 0; i < R * V * kCols; ++i) y_out[i] = 0.0f;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int v = 0; v < V; ++v) {
+      __m256i scale[2][2];  // [half group][half of the outputs]: S as int32
+      for (int half = 0; half < 2; ++half)
+        for (int h = 0; h < 2; ++h)
+          scale[half][h] = _mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subs + ((2 * g + half) * nvb + v) * kCols + 8 * h)));
+      __m256i total[R][2], acc[R][2];
+#ifndef TRIEDEC_DPBUSD256
+      __m256i pair[2][2];  // (S_h, S_h) in each lane's two int16
+      for (int half = 0; half < 2; ++half)
+        for (int h = 0; h < 2; ++h)
+          pair[half][h] = _mm256_or_si256(_mm256_and_si256(scale[half][h], low16), _mm256_slli_epi32(scale[half][h], 16));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i both = _mm256_or_si256(_mm256_and_si256(scale[0][h], low16), _mm256_slli_epi32(scale[1][h], 16));
+        for (int r = 0; r < R; ++r) {
+          const int32_t q01 = (x.half[r][2 * g] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(x.half[r][2 * g + 1]) << 16);
+          const __m256i corr = _mm256_madd_epi16(both, _mm256_set1_epi32(q01));  // S_0 Q_0 + S_1 Q_1
+          acc[r][h] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(corr, 5));
+        }
+      }
+#endif
+      for (int m = 0; m < kSteps; ++m) {
+        const int half = m / 2;
+#ifdef TRIEDEC_DPBUSD256
+        if (m % 2 == 0)
+          for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-32 * x.half[r][2 * g + half]);
+#endif
+        const int64_t step = (g * kSteps + m) * nvb + v;
+        const uint8_t* at = codes + step * 64;
+        const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + step * 32));
+        const __m256i top_lo[2] = {_mm256_and_si256(_mm256_slli_epi16(tops, 4), top),
+                                   _mm256_and_si256(_mm256_slli_epi16(tops, 2), top)};
+        const __m256i top_hi[2] = {_mm256_and_si256(tops, top), _mm256_and_si256(_mm256_srli_epi16(tops, 2), top)};
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
+          lo[h] = _mm256_or_si256(_mm256_and_si256(bytes, low), top_lo[h]);
+          hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), top_hi[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
+          const __m256i x1 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
+          for (int h = 0; h < 2; ++h) {
+#ifdef TRIEDEC_DPBUSD256
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], lo[h], x0);
+            acc[r][h] = TRIEDEC_DPBUSD256(acc[r][h], hi[h], x1);
+#else
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], x0), pair[half][h]));
+            acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], x1), pair[half][h]));
+#endif
+          }
+        }
+#ifdef TRIEDEC_DPBUSD256
+        if (m % 2 == 1)
+          for (int r = 0; r < R; ++r)
+            for (int h = 0; h < 2; ++h) {
+              const __m256i part = _mm256_mullo_epi32(acc[r][h], scale[half][h]);
+              total[r][h] = half == 0 ? part : _mm256_add_epi32(total[r][h], part);
+            }
+#endif
+      }
+#ifndef TRIEDEC_DPBUSD256
+      for (int r = 0; r < R; ++r) total[r][0] = acc[r][0], total[r][1] = acc[r][1];
+#endif
+      int8_steps_avx2<R, V>(total, nullptr, g, nvb, v, x, y_out, supers + ((g / 8) * nvb + v) * kCols);
+    }
+  }
+}
 #endif  // TRIEDEC_A8_AVX2
 
 #ifdef TRIEDEC_A8_VECTOR
@@ -642,6 +848,7 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
       x.a[r] = xs.a.data() + (r0 + r) * G;
       x.aq[r] = xs.aq.data() + (r0 + r) * G;
       x.sum[r] = xs.sum.data() + (r0 + r) * G;
+      x.half[r] = xs.half.data() + (r0 + r) * 2 * G;
     }
     triedec::dispatch_tile<kRows>(rows, static_cast<int>(nvb), [&](auto tr, auto tv) { fill(tr, tv, b, nvb, x, y); });
     for (int r = 0; r < rows; ++r)
@@ -653,10 +860,12 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 #ifdef TRIEDEC_VNNI
 #define TRIEDEC_TILE4 tile4
 #define TRIEDEC_TILE5 tile5
+#define TRIEDEC_TILE6 tile6
 #define TRIEDEC_TILE8 tile8
 #else
 #define TRIEDEC_TILE4 tile4_avx2
 #define TRIEDEC_TILE5 tile5_avx2
+#define TRIEDEC_TILE6 tile6_avx2
 #define TRIEDEC_TILE8 tile8_avx2
 #endif
 
@@ -691,9 +900,20 @@ void int5_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, co
         K, x, y);
   });
 }
+
+void int6_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                 const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out) {
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                      float* y) {
+    TRIEDEC_TILE6<decltype(rows)::value, decltype(vectors)::value>(
+        packed + b * kBlock * (K / 8) * 64, highs + b * kBlock * (K / 8) * 32, subs + b * kBlock * (K / 16) * kCols,
+        supers + b * kBlock * (K / 256) * kCols, nvb, K, x, y);
+  });
+}
 #else
 constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false
 constexpr auto& int5_vector = int5_portable;
+constexpr auto& int6_vector = int6_portable;
 constexpr auto& int8_vector = int8_portable;
 #endif
 
@@ -731,6 +951,16 @@ void int5_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
     int5_vector(xs, R, K, packed, highs, scales, N, out);
   else
     int5_portable(xs, R, K, packed, highs, scales, N, out);
+}
+
+void int6_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                      const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
+  if (kVector && !portable)
+    int6_vector(xs, R, K, packed, highs, subs, supers, N, out);
+  else
+    int6_portable(xs, R, K, packed, highs, subs, supers, N, out);
 }
 
 }  // namespace triedec

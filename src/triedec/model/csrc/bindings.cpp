@@ -52,6 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("int5_linear", &int5_linear,
         "a linear with 5-bit weights (a Q5_0 block's codes) and 8-bit activations in its dot products", release());
+  m.def("int6_linear", &int6_linear,
+        "a linear with 6-bit weights (a Q6_K block's codes and scales) and 8-bit activations in its dot products",
+        release());
   m.def("f32_linear", &f32_linear, "a float32 linear, each output summed over the input features in order",
         release());
   m.def("dot_peak", &dot_peak,
@@ -66,7 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<NativeLinear>(m, "NativeLinear", pybind11::module_local(),
                                  "one linear: kind, packed codes, scales, bias, input features (decoder.h)")
       .def(pybind11::init<std::string, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                          int64_t, c10::optional<torch::Tensor>>())
+                          int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>())
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, bool, c10::optional<torch::Tensor>,
                           int64_t>());
   pybind11::class_<NativeLayer>(m, "NativeLayer", pybind11::module_local(), "one decoder layer's weights (decoder.h)")

@@ -57,6 +57,10 @@ void int8_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
 // int5: int4's layout of the low 4 bits and a plane of the fifth bits (a8_linears.cpp), int8's scales
 void int5_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                       const c10::Half* scales, int64_t N, c10::BFloat16* out, bool portable);
+// int6 (a Q6_K block's codes): int4's layout of the low 4 bits, two planes of bits 4 and 5, int8
+// scales per half group of 16 (subs) and float32 ones per super-block of 256 (supers); K % 256 == 0
+void int6_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                      const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out, bool portable);
 
 // f32_linears.cpp: x [R, K] float32 contiguous, packed [N, K] float32 in that file's block order (N
 // a multiple of 16), bias [N] or null, out [R, N] float32 contiguous; each output summed over the

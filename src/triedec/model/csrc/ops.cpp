@@ -300,6 +300,33 @@ torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor h
   });
 }
 
+// x [R, K] bf16; packed uint8 [N, K / 2] (the low 4 bits, int4's order), highs uint8 [N, K / 4] (bits
+// 4 and 5's masks), subs int8 [K / 16, N] and supers float32 [K / 256, N] (K a multiple of 256), all
+// in a8_linears.cpp's block order. Returns [R, N] bf16.
+torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor subs,
+                          torch::Tensor supers, bool portable) {
+  using triedec::kA8Cols;
+  check_input(x, {&packed, &highs, &subs, &supers});
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % 256 == 0,
+              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 256)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
+  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
+                  4 * highs.size(1) == K,
+              "highs must be contiguous uint8 [N, K / 4]");
+  TORCH_CHECK(subs.scalar_type() == at::kChar && subs.is_contiguous() && subs.dim() == 2 && subs.size(0) == K / 16 &&
+                  subs.size(1) == N,
+              "subs must be contiguous int8 [K / 16, N] (in the kernel's block order)");
+  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 2 &&
+                  supers.size(0) == K / 256 && supers.size(1) == N,
+              "supers must be contiguous float32 [K / 256, N] (in the kernel's block order)");
+  return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
+    triedec::kernels().int6_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), highs.data_ptr<uint8_t>(),
+                                        subs.data_ptr<int8_t>(), supers.data_ptr<float>(), N, out, portable);
+  });
+}
+
 // x [R, K] float32; packed float32 [N, K] as a shape only (its values in f32_linears.cpp's block
 // order), bias float32 [N] or none. Returns [R, N] float32.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {

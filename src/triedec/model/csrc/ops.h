@@ -27,6 +27,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable);
 torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales,
                           bool portable);
+torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor subs,
+                          torch::Tensor supers, bool portable);
 
 // x [R, K] float32, the weight packed as f32_linears.cpp says: each output summed in input order.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);

@@ -1,8 +1,12 @@
-"""A Q4_K_M file's Q5_0 layers held at their own 5 bits (``Int5A8Linear``) against the same codes
-held in int8 (``Int8A8Linear``, what triedec did before): one process, the two models' forwards
-alternated in rounds, the bytes a token reads, and the logits compared (the same bits expected).
+"""A Q4_K_M file's Q5_0 or Q6_K layers held at their own bits (``Int5A8Linear``, 5.5 bits a weight;
+``Int6A8Linear``, 6.625) against the same layers in int8 (``Int8A8Linear``, 8.5 bits, what triedec
+did before): one process, the two models' forwards alternated in rounds, the bytes a token reads,
+and the logits compared (Q5_0: the same bits expected, its codes fit int8 exactly; Q6_K: int8
+re-quantizes its values, so the logits differ, and the table gives by how much and whether the
+top token agrees).
 
-    .venv/bin/python scripts/q5_0_ab.py models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --out benchmarks/q5_0-cpu
+    .venv/bin/python scripts/own_bits_ab.py models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --block Q5_0 \
+        --out benchmarks/q5_0-qwen-cpu
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from triedec.model.source import gguf_linear_bytes
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path)
+    parser.add_argument("--block", choices=("Q5_0", "Q6_K"), default="Q5_0",
+                        help="which layers the second model widens to int8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=9)
@@ -35,16 +41,23 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    five = triedec.load(args.model)
+    own_class = {"Q5_0": precision.Int5A8Linear, "Q6_K": precision.Int6A8Linear}[args.block]
+    own = triedec.load(args.model)
     chosen = precision._a8_linear
-    precision._a8_linear = precision.Int8A8Linear  # the same codes in int8
+
+    def widened(linear: torch.nn.Module) -> torch.nn.Module:
+        layer = chosen(linear)
+        return precision.Int8A8Linear(linear) if type(layer) is own_class else layer
+
+    precision._a8_linear = widened  # those layers in int8, the others as they were
     try:
         eight = triedec.load(args.model)
     finally:
         precision._a8_linear = chosen
-    models = {"int5": five, "int8": eight}
+    own_name = {"Q5_0": "int5", "Q6_K": "int6"}[args.block]
+    models = {own_name: own, "int8": eight}
     gen = torch.Generator().manual_seed(0)
-    context = torch.randint(100, five.adapter.vocab_size - 100, (args.context,), generator=gen)
+    context = torch.randint(100, own.adapter.vocab_size - 100, (args.context,), generator=gen)
     caches = {}
     for name, lm in models.items():
         cache = lm.adapter.new_cache(args.context + 64)
@@ -52,7 +65,7 @@ def main() -> int:
         cache.commit(list(range(args.context)))
         caches[name] = cache
     shapes = {"one token": 1, "16 tokens": 16}
-    results, equal = {}, {}
+    results, equal, apart = {}, {}, {}
     order = random.Random(0)
     for label, n in shapes.items():
         tokens = torch.randint(100, 4000, (n,), generator=gen)
@@ -63,7 +76,10 @@ def main() -> int:
             caches[name].commit([])
             return out
 
-        equal[label] = torch.equal(forward("int5"), forward("int8"))
+        a, b = forward(own_name).float(), forward("int8").float()
+        equal[label] = torch.equal(a, b)
+        apart[label] = {"max_abs": float((a - b).abs().max()), "top1_agree": float((a.argmax(-1) == b.argmax(-1))
+                                                                                   .float().mean())}
         medians: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(args.rounds):
             names = list(models)
@@ -80,23 +96,28 @@ def main() -> int:
                                  "q3_ms": statistics.quantiles(v, n=4)[2]} for name, v in medians.items()}
     held = {name: precision.linear_weight_bytes(lm.model) for name, lm in models.items()}
     in_file = gguf_linear_bytes(args.model)
+    own_label = {"Q5_0": "int5 (Q5_0 at 5.5 bits)", "Q6_K": "int6 (Q6_K at 6.625 bits)"}[args.block]
     lines = [f"{args.model.name}, {args.threads} threads, kernel build {load_kernel().isa()}, {args.context}-token "
-             f"cache; median ms [quartiles] over {args.rounds} rounds of {args.per_round}", "",
-             "| | int5 (Q5_0 at 5.5 bits) | int8 (the same codes at 8.5) | logits equal |", "|---|---|---|---|"]
+             f"cache; median ms [quartiles] over {args.rounds} rounds of {args.per_round}; "
+             f"{precision.layer_mix(own.model)} against {precision.layer_mix(eight.model)}", "",
+             f"| | {own_label} | int8 (those layers at 8.5) | logits equal |", "|---|---|---|---|"]
     for label, row in results.items():
         cells = [f"{r['median_ms']:.2f} [{r['q1_ms']:.2f}, {r['q3_ms']:.2f}]" for r in row.values()]
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {'yes' if equal[label] else 'NO'} |")
-    lines.append(f"| weights a token reads | {held['int5'] / 1e6:.1f} MB ({held['int5'] / in_file:.2f}x the "
+        same = "yes" if equal[label] else (f"no: up to {apart[label]['max_abs']:.3g} apart, top token the same at "
+                                           f"{100 * apart[label]['top1_agree']:.0f}% of rows")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {same} |")
+    lines.append(f"| weights a token reads | {held[own_name] / 1e6:.1f} MB ({held[own_name] / in_file:.2f}x the "
                  f"file's {in_file / 1e6:.1f}) | {held['int8'] / 1e6:.1f} MB ({held['int8'] / in_file:.2f}x) | |")
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.json").write_text(json.dumps({
             "args": {k: str(v) for k, v in vars(args).items()}, "results": results, "logits_equal": equal,
+            "logits_apart": apart,
             "weight_bytes": held, "file_weight_bytes": in_file, "machine": machine_info(torch.device("cpu")),
             "versions": versions(), "commit": source_commit()}, indent=2))
         (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    return 0 if all(equal.values()) else 1
+    return 0 if all(equal.values()) or args.block == "Q6_K" else 1
 
 
 if __name__ == "__main__":
