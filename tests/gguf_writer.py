@@ -11,9 +11,10 @@ Llama's q/k row permutation, Gemma's ``norm - 1``), the byte-level BPE tokenizer
 * ``"Q8_0"`` (also ``"Q4_0"``, ``"Q5_0"``, ...): the weights quantized by ``gguf.quants.quantize``;
 * ``"Q4_K_M"``: a Q4_K_M-like mix, the K-quant blocks made directly (``gguf`` has no K-quant
   quantizer): random codes and sub-block scales under a fixed small super-block scale, so those
-  layers' weights are whatever their blocks decode to (the model's own are not kept); Q5_0 (by
-  ``gguf.quants``) for the attention's q, k and output, Q4_K for the MLP's gate and up, Q6_K for
-  the attention's v, the MLP's down and the head, Q8_0 for the embedding.
+  layers' weights are whatever their blocks decode to (the model's own are not kept); Q5_K for
+  the attention's q (Phi-3's fused q/k/v), Q5_0 (by ``gguf.quants``) for its k and output, Q4_K
+  for the MLP's gate and up, Q6_K for the attention's v, the MLP's down and the head, Q8_0 for the
+  embedding.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ ARCHS = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2,
          "qwen3": MODEL_ARCH.QWEN3, "phi3": MODEL_ARCH.PHI3, "gemma2": MODEL_ARCH.GEMMA2,
          "gemma3": MODEL_ARCH.GEMMA3}
 """The GGUF architectures written, by ``general.architecture``."""
-_K_BLOCK = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q6_K: 210}
+_K_BLOCK = {GGMLQuantizationType.Q4_K: 144, GGMLQuantizationType.Q5_K: 176, GGMLQuantizationType.Q6_K: 210}
 _HALF_SCALE = np.array([0.004], dtype=np.float16).view(np.uint8)  # every K-quant super-block's d (and dmin)
 
 
@@ -45,7 +46,8 @@ def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
 def _k_blocks(rows: int, cols: int, kind: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """``[rows, cols / 256 * block bytes]`` of random K-quant blocks under a small fixed scale."""
     blocks = rng.integers(0, 256, size=(rows, cols // 256, _K_BLOCK[kind]), dtype=np.uint8)
-    if kind == GGMLQuantizationType.Q4_K:  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of codes
+    if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        # d, dmin (fp16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of fifth bits,) 128 of codes
         blocks[..., 0:2] = _HALF_SCALE
         blocks[..., 2:4] = _HALF_SCALE
     else:  # Q6_K: 128 bytes low bits, 64 high bits, 16 int8 scales, d (fp16)
@@ -59,7 +61,9 @@ def _block_type(gguf_name: str, kind: str) -> GGMLQuantizationType:
         return GGMLQuantizationType[kind]
     if gguf_name.startswith("token_embd"):
         return GGMLQuantizationType.Q8_0
-    if any(part in gguf_name for part in ("attn_q", "attn_k", "attn_output")):
+    if "attn_q" in gguf_name:  # also Phi-3's attn_qkv
+        return GGMLQuantizationType.Q5_K
+    if any(part in gguf_name for part in ("attn_k", "attn_output")):
         return GGMLQuantizationType.Q5_0  # as Qwen2.5-Coder's and Gemma 3's Q4_K_M files store them
     if any(part in gguf_name for part in ("attn_v", "ffn_down", "output")):
         return GGMLQuantizationType.Q6_K

@@ -738,3 +738,141 @@ def test_only_a_q6_k_layers_values_go_to_6_bits():
     with pytest.raises(RuntimeError, match="supers must be"):
         KERNEL.int6_linear(torch.zeros(1, 256, dtype=torch.bfloat16), six.packed, six.highs, six.scales,
                            six.supers.double(), False)
+
+
+# ---- a GGUF Q4_K or Q5_K layer's own blocks (codes, scales and mins) ----------------------------------
+
+
+def _kquant_raw(kind: str, rows: int, cols: int, seed: int):
+    """Random Q4_K or Q5_K blocks ``[rows, cols / 256 * bytes]`` (uint8: any codes, scales and mins, an
+    fp16 ``d`` and ``dmin`` of either sign and of magnitudes 1e-5..1) and their values as the ``gguf``
+    package dequantizes them, as transformers loads a file."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    size = {"Q4_K": 144, "Q5_K": 176}[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    shape = (rows, cols // 256, 2)
+    halves = np.exp(rng.uniform(np.log(1e-5), 0.0, size=shape)) * rng.choice([-1.0, 1.0], shape)
+    blocks[..., 0:4] = halves.astype(np.float16).view(np.uint8).reshape(rows, cols // 256, 4)
+    raw = blocks.reshape(rows, -1)
+    return raw, torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[kind])))
+
+
+@settings(max_examples=15, deadline=None)
+@given(kind=st.sampled_from(["Q4_K", "Q5_K"]), vectors=st.integers(1, 9), blocks=st.integers(1, 3),
+       rows=st.integers(1, 19), seed=st.integers(0, 10**6))
+def test_a_k_quant_layer_is_held_as_its_files_blocks_with_their_values_and_one_rows_bits_in_any_call(
+        kind, vectors, blocks, rows, seed):
+    """A Q4_K or Q5_K tensor's blocks, as the file stores them, are read (:func:`parse_kquant`) into
+    parts whose values are the ``gguf`` package's dequantized ones bit for bit, held at 4.75 or 5.75
+    bits a weight (:class:`KQuantA8Linear`; the packing round-trips) and multiplied within the op
+    harness's bound of a float64 reference, with the same bits on the vector path and the portable
+    one, alone and in any call, and joined as the runner joins q, k and v."""
+    from triedec.model.gguf_blocks import parse_kquant
+    from triedec.model.opcheck import OPS
+    from triedec.model.precision import KQuantA8Linear
+
+    raw, weight = _kquant_raw(kind, 16 * vectors, 256 * blocks, seed)
+    parts = parse_kquant(raw, kind)
+    assert torch.equal(parts.values(), weight)  # the file's values, bit for bit
+    layer = KQuantA8Linear(_linear_of(weight), parts)
+    assert torch.equal(layer.dequantized(), weight)
+    back = layer.parts()
+    assert all(torch.equal(getattr(back, f), getattr(parts, f)) for f in ("codes", "scales", "mins", "d", "dmin"))
+    held = sum(t.numel() * t.element_size() for t in (layer.packed, layer.highs, layer.scales_mins, layer.supers))
+    assert held * 8 == weight.numel() * (4.75 if kind == "Q4_K" else 5.75)
+    x = (torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    op = next(o for o in OPS if o.name == f"linear {kind.lower()}-a8")
+    step = parts.d.repeat_interleave(8, dim=1) * parts.scales.float()
+    size = (step.repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
+            + (parts.dmin.abs().repeat_interleave(8, dim=1) * parts.mins.float()).repeat_interleave(GROUP_SIZE, dim=1))
+    inputs = {"layer": layer, "x": x, "weight": weight.double(), "magnitude": size.double()}
+    with torch.inference_mode():
+        got = layer(x)
+        expected = op.reference(inputs)
+        assert ((got.double() - expected).abs() <= op.bound(inputs, expected)).all()
+        assert torch.equal(got, KERNEL.kquant_linear(x, layer.packed, layer.highs, layer.scales_mins, layer.supers,
+                                                     True))
+        assert torch.equal(got, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+        raw2, weight2 = _kquant_raw(kind, 16, 256 * blocks, seed + 1)
+        other = KQuantA8Linear(_linear_of(weight2), parse_kquant(raw2, kind))
+        joined = KQuantA8Linear.joined([layer, other])
+        assert torch.equal(joined(x), torch.cat([got, other(x)], dim=1))
+
+
+def test_the_k_quant_kernel_gives_the_same_bits_on_every_installed_build():
+    libraries = switchable_libraries()
+    if len(libraries) < 2:
+        pytest.skip("fewer than two installed builds run on this CPU")
+    from triedec.model.gguf_blocks import parse_kquant
+    from triedec.model.precision import KQuantA8Linear
+
+    layers = [KQuantA8Linear(_linear_of(w), parse_kquant(raw, kind))
+              for kind in ("Q4_K", "Q5_K") for raw, w in [_kquant_raw(kind, 13 * 16, 512, 5)]]
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    fastest, outs = KERNEL.isa(), []
+    try:
+        with torch.inference_mode():
+            for path in libraries.values():
+                KERNEL.use_kernels(str(path))
+                outs.append([KERNEL.kquant_linear(x, m.packed, m.highs, m.scales_mins, m.supers, False)
+                             for m in layers])
+    finally:
+        KERNEL.use_kernels(str(libraries[fastest]))
+    assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
+
+
+def test_k_quant_layers_refuse_what_they_cannot_hold():
+    """KQuantA8Linear refuses a shape its kernel cannot take and blocks of another shape; layers of
+    Q4_K and Q5_K do not join; the kernel checks its buffers' shapes."""
+    from triedec.model.gguf_blocks import parse_kquant
+    from triedec.model.precision import KQuantA8Linear
+
+    raw, weight = _kquant_raw("Q4_K", 16, 256, 1)
+    parts = parse_kquant(raw, "Q4_K")
+    with pytest.raises(TriedecError, match="input features by 256"):
+        KQuantA8Linear(nn.Linear(384, 16), parts)
+    with pytest.raises(TriedecError, match="blocks must be"):
+        KQuantA8Linear(nn.Linear(512, 16), parts)
+    four = KQuantA8Linear(_linear_of(weight), parts)
+    raw5, weight5 = _kquant_raw("Q5_K", 16, 256, 2)
+    five = KQuantA8Linear(_linear_of(weight5), parse_kquant(raw5, "Q5_K"))
+    with pytest.raises(TriedecError, match="one block type"):
+        KQuantA8Linear.joined([four, five])
+    with pytest.raises(RuntimeError, match="supers must be"):
+        KERNEL.kquant_linear(torch.zeros(1, 256, dtype=torch.bfloat16), four.packed, four.highs, four.scales_mins,
+                             four.supers.double(), False)
+    with pytest.raises(RuntimeError, match="highs must be"):
+        KERNEL.kquant_linear(torch.zeros(1, 256, dtype=torch.bfloat16), four.packed, five.highs[:, :3],
+                             four.scales_mins, four.supers, False)
+
+
+def test_a_files_k_quant_tensors_are_found_for_the_linears_they_became(tmp_path):
+    """:func:`file_kquant_layers` reads a file's Q4_K and Q5_K tensors and gives each to the linear
+    whose weight is its values, also with the rows in another order (transformers' q/k unpermuting),
+    in that linear's row order; a linear of other values, or of a tensor of another block type, gets
+    none."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from triedec.model.gguf_blocks import file_kquant_layers
+
+    raw4, w4 = _kquant_raw("Q4_K", 32, 512, 3)
+    raw5, w5 = _kquant_raw("Q5_K", 48, 256, 4)
+    writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("a.weight", raw4, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("b.weight", raw5, raw_dtype=GGMLQuantizationType.Q5_K)
+    writer.add_tensor("c.weight", np.ones((16, 256), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    order = torch.randperm(48, generator=torch.Generator().manual_seed(0))
+    same, shuffled = _linear_of(w4), _linear_of(w5[order])
+    other, plain = _linear_of(w4 + 1), _linear_of(torch.ones(16, 256))
+    found = file_kquant_layers(tmp_path / "k.gguf", [other, same, shuffled, plain])
+    assert set(found) == {id(same), id(shuffled)}
+    assert found[id(same)].bits == 4 and torch.equal(found[id(same)].values(), w4)
+    assert found[id(shuffled)].bits == 5 and torch.equal(found[id(shuffled)].values(), w5[order])

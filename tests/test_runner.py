@@ -568,19 +568,20 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits(tmp_path, monkeypatch, family,
                                                                                  kind):
-    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q5_0,
-    Q6_K and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's runner in
-    one native call, its logits ``torch.equal`` to transformers' own loading of the same file in
-    the same precision mode on transformers' forward, and every method ``ar``'s tokens. The Q5_0
-    layers are held at their 5 bits and give the bits of the same codes held in int8; the Q6_K
-    layers at their own 6.6 bits, the file's values."""
+    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q5_K,
+    Q5_0, Q6_K and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's
+    runner in one native call, its logits ``torch.equal`` to transformers' own loading of the same
+    file in the same precision mode on transformers' forward, and every method ``ar``'s tokens. The
+    Q5_0 layers are held at their 5 bits and give the bits of the same codes held in int8; the Q6_K
+    layers at their own 6.6 bits, the file's values; the Q4_K and Q5_K layers as the file's own
+    blocks (read from it, Llama's q rows in transformers' order), their values bit for bit."""
     from gguf_writer import write_gguf
     from helpers import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     import triedec
     from triedec.model import precision
-    from triedec.model.precision import Int5A8Linear, Int6A8Linear, linear_weight_bytes
+    from triedec.model.precision import Int5A8Linear, Int6A8Linear, KQuantA8Linear, linear_weight_bytes
     from triedec.model.source import gguf_linear_bytes, quantize
 
     tokenizer = tiny_tokenizer()
@@ -592,13 +593,14 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     assert adapter.precision.weights == ("int4-a8" if kind == "Q4_K_M" else "float")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     assert type(reference) is type(lm.model)
+    plain = {name: m.weight.detach().clone() for name, m in reference.named_modules() if type(m) is torch.nn.Linear}
     if adapter.precision.weights != "float":
-        quantize(reference, adapter.precision, from_gguf=True)
+        quantize(reference, adapter.precision, from_gguf=True, gguf_file=path)
     theirs = ModelAdapter(reference, "auto", runner=TRANSFORMERS)
     got, expected = _forward_both((adapter, theirs), random.Random(7))
     for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
-    if kind == "Q4_K_M":  # a token reads Q5_0 and Q6_K near their bits (6.625 for 6.56), Q4_K's 4.5 at 5
+    if kind == "Q4_K_M":  # a token reads each block near its bits (Q6_K 6.625 for 6.56, Q4_K and Q5_K +0.25)
         from gguf import GGMLQuantizationType, GGUFReader
 
         stored = [t.tensor_type for t in GGUFReader(str(path)).tensors]
@@ -606,13 +608,17 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
         q5_0, q6_k = stored.count(GGMLQuantizationType.Q5_0), stored.count(GGMLQuantizationType.Q6_K)
         assert q5_0 and held.count(Int5A8Linear) == q5_0  # each at its bits
         assert q6_k and held.count(Int6A8Linear) == q6_k
+        kquants = {name: m for name, m in reference.named_modules() if type(m) is KQuantA8Linear}
+        assert [m.bits for m in kquants.values()].count(4) == stored.count(GGMLQuantizationType.Q4_K)
+        assert [m.bits for m in kquants.values()].count(5) == stored.count(GGMLQuantizationType.Q5_K) > 0
+        assert all(torch.equal(m.dequantized(), plain[name]) for name, m in kquants.items())  # the file's values
         ratio = linear_weight_bytes(lm.model) / gguf_linear_bytes(path)
         assert 1.0 < ratio < 1.1, ratio
         widened = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
         chosen = precision._a8_linear
         monkeypatch.setattr(precision, "_a8_linear", lambda linear: precision.Int8A8Linear(linear) if type(
             chosen(linear)) is Int5A8Linear else chosen(linear))  # the Q5_0 codes in int8, the rest as they were
-        quantize(widened, adapter.precision, from_gguf=True)
+        quantize(widened, adapter.precision, from_gguf=True, gguf_file=path)
         assert not any(type(m) is Int5A8Linear for m in widened.modules())
         got, expected = _forward_both((adapter, ModelAdapter(widened, "auto")), random.Random(8))
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

@@ -1,5 +1,6 @@
 """An op-level harness for triedec's compiled kernels, as ggml's ``test-backend-ops``: one table
-of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int6 (Q6_K), int8 on 8-bit activations;
+of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int6 (Q6_K), Q4_K and Q5_K with their
+mins, int8 on 8-bit activations;
 float32), tree attention, the RMS norms, rotary),
 each with its shape generator, a float64 reference and an error bound, run on every installed
 kernel library this CPU runs (:func:`check`: within the bound of the reference, and the same bits
@@ -38,6 +39,8 @@ from triedec.model.precision import (
     Int5A8Linear,
     Int6A8Linear,
     Int8A8Linear,
+    KQuantA8Linear,
+    KQuantParts,
     dequantize_int4,
 )
 
@@ -96,11 +99,35 @@ def q6_k_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return scale.repeat_interleave(HALF_GROUP, dim=1) * codes.float()
 
 
+def kquant_parts(bits: int, n: int, k: int, gen: torch.Generator) -> KQuantParts:
+    """A Q4_K (``bits`` 4) or Q5_K (5) layer's blocks: any codes, scales and mins in 0..63, per
+    super-block of 256 a positive fp16 ``d`` and ``dmin`` (as llama.cpp's quantizer makes them)."""
+    def half(shape: tuple[int, int]) -> torch.Tensor:
+        return (torch.rand(shape, generator=gen) * 4e-4 + 1e-4).to(torch.float16).float()
+
+    def six_bits() -> torch.Tensor:
+        return torch.randint(0, 64, (n, k // GROUP_SIZE), generator=gen).to(torch.uint8)
+
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen).to(torch.uint8)
+    return KQuantParts(bits, codes, six_bits(), six_bits(), half((n, k // SUPER_BLOCK)), half((n, k // SUPER_BLOCK)))
+
+
 def _a8_linear(kind: str) -> Op:
-    layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int6": Int6A8Linear, "int8": Int8A8Linear}[kind]
+    layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int6": Int6A8Linear, "int8": Int8A8Linear,
+                   "q4_k": KQuantA8Linear, "q5_k": KQuantA8Linear}[kind]
 
     def build(shape: dict[str, int], gen: torch.Generator) -> Inputs:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
+        if kind in ("q4_k", "q5_k"):
+            parts = kquant_parts(int(kind[1]), shape["N"], shape["K"], gen)
+            layer = KQuantA8Linear(linear, parts)
+            x = (torch.randn(shape["R"], shape["K"], generator=gen) * 2).to(torch.bfloat16)
+            step = parts.d.repeat_interleave(8, dim=1) * parts.scales.float()
+            low = parts.dmin.repeat_interleave(8, dim=1) * parts.mins.float()
+            # the kernel sums d sc q and dmin m apart: its roundings scale with their magnitudes
+            size = (step.repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
+                    + low.repeat_interleave(GROUP_SIZE, dim=1))
+            return {"layer": layer, "x": x, "weight": parts.values().double(), "magnitude": size.double()}
         with torch.no_grad():
             if kind == "int5":
                 linear.weight.copy_(q5_0_weights(shape["N"], shape["K"], gen))
@@ -121,18 +148,20 @@ def _a8_linear(kind: str) -> Op:
             return kernel.int5_linear(inp["x"], layer.packed, layer.highs, layer.scales, False)
         if kind == "int6":
             return kernel.int6_linear(inp["x"], layer.packed, layer.highs, layer.scales, layer.supers, False)
+        if kind in ("q4_k", "q5_k"):
+            return kernel.kquant_linear(inp["x"], layer.packed, layer.highs, layer.scales_mins, layer.supers, False)
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
     def reference(inp: Inputs) -> torch.Tensor:
         return _quantized_activations(inp["x"]) @ inp["weight"].T
 
     def bound(inp: Inputs, expected: torch.Tensor) -> torch.Tensor:
-        terms = _quantized_activations(inp["x"]).abs() @ inp["weight"].abs().T
+        terms = _quantized_activations(inp["x"]).abs() @ inp.get("magnitude", inp["weight"]).abs().T
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
-    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5}[kind]
-    if kind == "int6":  # K-quants take rows of whole super-blocks: a Q4_K_M file's Q6_K ffn_down (Qwen2.5 0.5B's)
+    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5, "q4_k": 4.75, "q5_k": 5.75}[kind]
+    if kind in ("int6", "q4_k", "q5_k"):  # K-quants: rows of whole super-blocks (Qwen2.5 0.5B's ffn_down)
         checks = ({"R": 1, "K": 256, "N": 48}, {"R": 7, "K": 512, "N": 208}, {"R": 19, "K": 768, "N": 80})
         perfs = ({"R": 1, "K": 4864, "N": 896}, {"R": 16, "K": 4864, "N": 896}, {"R": 256, "K": 4864, "N": 896})
     else:
@@ -229,7 +258,8 @@ def _tree_attention() -> Op:
               lambda s: 4 * (2 * s["H"] * s["L"] * s["d"] + 2 * s["H"] * s["N"] * s["d"]))
 
 
-OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int6"), _a8_linear("int8"),
+OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int6"), _a8_linear("q4_k"),
+                       _a8_linear("q5_k"), _a8_linear("int8"),
                        _f32_linear(), _rms_norm(False), _rms_norm(True), _rotary(), _tree_attention())
 """The table: every op of triedec's kernel libraries a forward calls, by name."""
 

@@ -37,7 +37,7 @@ Pure torch (nothing here knows transformers).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -437,6 +437,105 @@ class Int6A8Linear(LinearStandIn):
         return f", super_block={SUPER_BLOCK}, bits=6, activations=int8"
 
 
+@dataclass(frozen=True)
+class KQuantParts:
+    """A GGUF Q4_K or Q5_K layer's blocks as the file holds them, ``w = d * sc * q - dmin * m``:
+    ``codes [N, K]`` (uint8, 0..15 or 0..31), ``scales`` and ``mins`` ``[N, K / 32]`` (uint8,
+    0..63), ``d`` and ``dmin`` ``[N, K / 256]`` (float32, the file's fp16 values); ``bits`` 4 or 5.
+    :mod:`triedec.model.gguf_blocks` reads them from the file."""
+
+    bits: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    def values(self) -> torch.Tensor:
+        """The weight ``[N, K]`` in float32 as the ``gguf`` package dequantizes it, bit for bit:
+        ``(d * sc) * q - dmin * m``, each product and the difference one float32 operation."""
+        step = (self.d[..., None] * self.scales.float().reshape(*self.d.shape, 8)).reshape(self.scales.shape)
+        low = (self.dmin[..., None] * self.mins.float().reshape(*self.dmin.shape, 8)).reshape(self.mins.shape)
+        q = self.codes.float().reshape(*self.scales.shape, GROUP_SIZE)
+        return (step[..., None] * q - low[..., None]).reshape(self.codes.shape)
+
+
+class KQuantA8Linear(LinearStandIn):
+    """``y = x w^T + b`` with a GGUF Q4_K or Q5_K layer's own blocks, ``w = d * sc * q - dmin * m``
+    (:class:`KQuantParts`, read from the file: its values bit for bit), at 4.75 or 5.75 bits a
+    weight (the file's 4.5 and 5.5), computed by triedec's kernel on ``x`` quantized to int8 per row
+    and group of :data:`GROUP_SIZE` features (``csrc/a8_linears.cpp``, ``kquant_linear``: per group
+    ``I = sc D`` and ``J = m Q`` in int32, then ``y = fma(a I, d, y); y = fma(a J, -dmin, y)``):
+    the codes in int4's layout (``packed``) with, for Q5_K, int5's plane of fifth bits
+    (``highs``; ``[N, 0]`` for Q4_K), ``scales_mins`` int8 ``[K / 32, 2, N]`` and ``supers``
+    float32 ``[K / 256, 2, N]`` (``d``, ``-dmin``) in the kernel's block order. Output rows a
+    multiple of 16, input features of :data:`SUPER_BLOCK`. Inference only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear, parts: KQuantParts) -> None:
+        super().__init__(linear)
+        if linear.out_features % 16 or linear.in_features % SUPER_BLOCK:
+            raise TriedecError(f"the K-quant kernel needs output rows divisible by 16 and input features by "
+                               f"{SUPER_BLOCK}, got {self.out_features}x{self.in_features}")
+        if parts.codes.shape != (self.out_features, self.in_features) or parts.bits not in (4, 5):
+            raise TriedecError(f"a Q4_K or Q5_K layer's blocks must be [{self.out_features}, {self.in_features}], "
+                               f"got {tuple(parts.codes.shape)} at {parts.bits} bits")
+        load_kernel()
+        self.bits = parts.bits
+        self._pack(parts)
+        self.bias = _bias(linear)
+
+    def _pack(self, parts: KQuantParts) -> None:
+        n = parts.codes.shape[0]
+        if parts.bits == 5:
+            packed, highs = pack_int5(parts.codes.to(torch.int16) - 16)
+        else:
+            packed, highs = pack_int4(parts.codes), torch.zeros(n, 0, dtype=torch.uint8)
+        self.register_buffer("packed", packed)
+        self.register_buffer("highs", highs)
+        both = torch.stack([parts.scales, parts.mins], dim=-1).to(torch.int8)[..., None]
+        self.register_buffer("scales_mins", blocked(both).reshape(-1, 2, n).contiguous())
+        supers = torch.stack([parts.d, -parts.dmin], dim=-1).float()[..., None]
+        self.register_buffer("supers", blocked(supers).reshape(-1, 2, n).contiguous())
+
+    def parts(self) -> KQuantParts:
+        """The blocks this layer holds (:class:`KQuantParts`)."""
+        n, k = self.out_features, self.in_features
+        codes = (unpack_int5(self.packed, self.highs).to(torch.int16) + 16 if self.bits == 5
+                 else unpack_int4(self.packed))
+        both = unblocked(self.scales_mins.reshape(-1), n, k // GROUP_SIZE, 2, 1)
+        supers = unblocked(self.supers.reshape(-1), n, k // SUPER_BLOCK, 2, 1)
+        return KQuantParts(self.bits, codes.to(torch.uint8), both[:, :, 0, 0].to(torch.uint8),
+                           both[:, :, 1, 0].to(torch.uint8), supers[:, :, 0, 0].contiguous(),
+                           (-supers[:, :, 1, 0]).contiguous())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (the file's values)."""
+        return self.parts().values()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        out = load_kernel().kquant_linear(x, buffers["packed"], buffers["highs"], buffers["scales_mins"],
+                                          buffers["supers"], False)
+        return _plus_bias(out, self.bias)
+
+    @classmethod
+    def joined(cls, layers: Sequence[KQuantA8Linear]) -> KQuantA8Linear:
+        """As :meth:`Int4A8Linear.joined`, for layers of one block type: the outputs side by side,
+        each with its own bits."""
+        if len({m.bits for m in layers}) != 1:
+            raise TriedecError("only K-quant layers of one block type (Q4_K or Q5_K) join")
+        joined = empty_join(cls, layers)
+        parts = [m.parts() for m in layers]
+        joined.bits = layers[0].bits
+        joined._pack(KQuantParts(joined.bits, *(torch.cat([getattr(p, f) for p in parts])
+                                                for f in ("codes", "scales", "mins", "d", "dmin"))))
+        joined.bias = joined_bias(layers)
+        return joined
+
+    def repr_extra(self) -> str:
+        return f", super_block={SUPER_BLOCK}, bits={self.bits}, mins=True, activations=int8"
+
+
 def pack_int6(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[N, K]`` in -32..31 as :class:`Int6A8Linear` holds them: ``u = codes + 32``'s low 4
     bits in :func:`pack_int4`'s order ``[N, K / 2]``, and its top two bits ``u >> 4`` ``[N, K /
@@ -564,7 +663,7 @@ number (a smaller one would lose bits to subnormal rounding; the group's codes t
 -127..127)."""
 
 
-NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear, Int6A8Linear)
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear, Int6A8Linear, KQuantA8Linear)
 """The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
 
 
@@ -768,7 +867,7 @@ class Quantized:
 
 
 def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None,
-                     from_gguf: bool = False) -> Quantized:
+                     from_gguf: bool = False, file_blocks: Mapping[int, KQuantParts] | None = None) -> Quantized:
     """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear`, :class:`Int4Linear` or
     :class:`Int4A8Linear` (``weights``: ``int8``, ``int4``, ``int4-a8``), in place, quantizing from
     the weights as they are (quantize from float32 for the best codes, then cast the rest of the
@@ -779,8 +878,11 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     ``from_gguf``: the weights are a GGUF file's dequantized values; if some of its layers are
     4-bit, the int4 modes keep their codes (:func:`quantize_int4`) and quantize the layers the
     file stored with more bits (:data:`FINER_THAN_4BIT`) to int8, like the head, not to 4 bits (a
-    file with no 4-bit layer is quantized as asked). A weight shared with another module (a tied
-    LM head's embedding) stays as it is in that module."""
+    file with no 4-bit layer is quantized as asked). ``file_blocks``: in ``int4-a8``, the file's own
+    Q4_K and Q5_K blocks of some linears, by the module's id
+    (:func:`triedec.model.gguf_blocks.file_kquant_layers`): those layers (but the head) are held as
+    :class:`KQuantA8Linear`, at the file's bits and values. A weight shared with another module (a
+    tied LM head's embedding) stays as it is in that module."""
     if weights not in ("int8", "int4", "int4-a8"):
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
     layers = kept = finer = 0
@@ -797,6 +899,12 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
                 continue
             if weights != "int8" and child is not head and not int4_fits(child):
                 kept += 1
+                continue
+            blocks = (file_blocks or {}).get(id(child)) if weights == "int4-a8" and child is not head else None
+            if blocks is not None and child.out_features % 16 == 0:
+                setattr(parent, name, KQuantA8Linear(child, blocks))
+                steps.pop(id(child), None)
+                layers += 1
                 continue
             as_int8 = weights == "int8" or child is head
             if not as_int8 and id(child) in stored_finer:
@@ -841,7 +949,8 @@ def stored_in_4bit(model: nn.Module, head: nn.Module | None = None) -> bool:
 def layer_mix(model: nn.Module) -> str:
     """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
     in int8 per group (:class:`Int8A8Linear`), and in 5 bits per group and in Q6_K's 6 bits where
-    there are any (:class:`Int5A8Linear`, :class:`Int6A8Linear`): ``int4x27-int8x0-int8g32x100``
+    there are any (:class:`Int5A8Linear`, :class:`Int6A8Linear`), and a file's own Q4_K and Q5_K
+    blocks (:class:`KQuantA8Linear`: ``-q4kxN``, ``-q5kxN``): ``int4x27-int8x0-int8g32x100``
     (the rest, left
     unquantized for their shape, follow from the architecture; layers the runner joined count as the
     layers they join). Loads of the same file in the same mode have the same mix; which layers go
@@ -849,14 +958,16 @@ def layer_mix(model: nn.Module) -> str:
     the calibration's key includes it (:func:`triedec.api.calibration.device_key`)."""
     modules = list(model.modules())
     joined = {id(m.joined) for m in modules if isinstance(m, JoinedPart)}  # counted as the layers they join
-    kinds = [type(m.joined) if isinstance(m, JoinedPart) else type(m) for m in modules if id(m) not in joined]
+    layers = [m.joined if isinstance(m, JoinedPart) else m for m in modules if id(m) not in joined]
+    kinds = [type(m) for m in layers]
     int4 = sum(kind in (Int4Linear, Int4A8Linear) for kind in kinds)
     int8 = sum(kind is Int8Linear for kind in kinds)
     grouped = sum(kind is Int8A8Linear for kind in kinds)
     five = sum(kind is Int5A8Linear for kind in kinds)  # named only where there are any (older keys stay)
     six = sum(kind is Int6A8Linear for kind in kinds)
+    kq = {bits: sum(isinstance(m, KQuantA8Linear) and m.bits == bits for m in layers) for bits in (4, 5)}
     return (f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}" + (f"-int5g{GROUP_SIZE}x{five}" if five else "")
-            + (f"-q6kx{six}" if six else ""))
+            + (f"-q6kx{six}" if six else "") + "".join(f"-q{bits}kx{kq[bits]}" for bits in (4, 5) if kq[bits]))
 
 
 def precision_of(model: nn.Module) -> Precision:

@@ -22,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from triedec.core.errors import TriedecError
 from triedec.core.params import AUTO_WEIGHTS, DEFAULT_WEIGHTS, WEIGHT_CHOICES
 from triedec.core.paths import cache_root
 from triedec.model.adapter import check_attention
+from triedec.model.gguf_blocks import file_kquant_layers
 from triedec.model.isa import ISAS, supported
 from triedec.model.precision import Precision, quantize_linears, stored_in_4bit
 
@@ -217,7 +219,8 @@ class ModelSource:
             precision = Precision.of(self.dtype, "float")  # a file of finer weights: weights=auto keeps them
             hf_model.to(precision.dtype)
         if precision.quantized:
-            quantize(hf_model, precision, from_gguf)
+            gguf_file = (default_model_path() if self.model is None else Path(self.model)) if from_gguf else None
+            quantize(hf_model, precision, from_gguf, gguf_file)
         hf_model.to(self.device)
         hf_model.eval()
         return hf_model, tokenizer
@@ -235,13 +238,21 @@ class ModelSource:
         return auto.from_pretrained(str(source), dtype=dtype, attn_implementation="eager", local_files_only=True)
 
 
-def quantize(model: Any, precision: Precision, from_gguf: bool = False) -> None:
+def quantize(model: Any, precision: Precision, from_gguf: bool = False,
+             gguf_file: str | os.PathLike[str] | None = None) -> None:
     """Put a float32 transformers ``model`` in a quantized ``precision``, in place: its linears
     quantized from their float32 weights (``from_gguf``: a GGUF file's, whose 4-bit codes are kept
-    and whose finer layers go to int8: :func:`triedec.model.precision.quantize_linears`), then every
+    and whose finer layers go to int8: :func:`triedec.model.precision.quantize_linears`; in
+    ``int4-a8`` the Q4_K and Q5_K layers of ``gguf_file``, the file loaded, read from its own blocks:
+    :func:`triedec.model.gguf_blocks.file_kquant_layers`), then every
     other floating parameter cast to the mode's dtype (buffers such as rotary frequencies stay as
     the model built them, as when it is loaded in that dtype directly)."""
-    quantize_linears(model, precision.weights, head=model.get_output_embeddings(), from_gguf=from_gguf)
+    head = model.get_output_embeddings()
+    blocks = None
+    if gguf_file is not None and precision.weights == "int4-a8":
+        linears = [m for m in model.modules() if type(m) is nn.Linear and m is not head]
+        blocks = file_kquant_layers(gguf_file, linears)
+    quantize_linears(model, precision.weights, head=head, from_gguf=from_gguf, file_blocks=blocks)
     with torch.no_grad():
         for param in model.parameters():
             if param.is_floating_point():

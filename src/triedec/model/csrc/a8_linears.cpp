@@ -29,6 +29,11 @@
 // order: D_h = sum_k x'_k u_k - 32 Q_h over each half h of the group (Q_h: the half's sum of x'),
 // I = S_0 D_0 + S_1 D_1 (int32, exact: |I| < 2^24), y = fma(a * I, d, y), d the group's
 // super-block's.
+// kquant_linear: a GGUF Q4_K or Q5_K block's weights as the file holds them: w = d sc q - dmin m, q
+// in 0..15 (Q4_K) or 0..31 (Q5_K), an integer sc and m (0..63) per output and group of 32, a float32
+// d and e = -dmin per output and super-block of 256 (K a multiple of 256). For row r and output n,
+// over the groups in order: D = sum_k x'_k q_k, I = sc D, J = m Q (int32, exact: |I| < 2^23),
+// y = fma(a * I, d, y); y = fma(a * J, e, y), d and e the group's super-block's.
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
@@ -59,6 +64,10 @@
 //         16h .. 16h + 15), the block's nvb * 16 at b * 4 * (K / 16) * 16 + h * nvb * 16; its
 //         super-block scales d: float32, per block b and super-block t, the block's nvb * 16 at
 //         b * 4 * (K / 256) * 16 + t * nvb * 16.
+//   kquant: int4's layout of the codes (Q4_K) or int5's codes and plane (Q5_K); scales_mins int8,
+//         per block b and group g the block's nvb * 16 sc then its m at b * 4 * (K / 32) * 32 +
+//         g * 2 * nvb * 16 (int4's scales and zeros' order); supers float32, per block b and
+//         super-block t the block's nvb * 16 d then its e at b * 4 * (K / 256) * 32 + t * 2 * nvb * 16.
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
 // zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
@@ -197,25 +206,40 @@ const Rows& quantize_rows(const c10::BFloat16* x, int64_t R, int64_t K, bool por
 inline float bf16_value(const c10::BFloat16 v) { return static_cast<float>(v); }
 
 // The portable paths: the same integer sums and the same float operations, one output at a time.
+
+// sum_k x'_k u_k over group g of output i of vector vb of a block, for codes u in int4's layout
+// (0..15), with int5's plane of fifth bits when highs is given (0..31).
+inline int32_t nibble_dot(const uint8_t* packed, const uint8_t* highs, int64_t K, int64_t block, int64_t nvb,
+                          int64_t vb, int64_t i, int64_t g, const int8_t* xq) {
+  int32_t D = 0;
+  for (int m = 0; m < kSteps; ++m) {
+    const int64_t step = (g * kSteps + m) * nvb + vb;
+    const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
+    const uint8_t* high = highs ? highs + block * kBlock * (K / 8) * 16 + step * 16 : nullptr;
+    for (int j = 0; j < 4; ++j) {
+      int lo = bytes[j] & 0x0F, hi = bytes[j] >> 4;
+      if (high) {
+        const int bit = 4 * static_cast<int>(i) + j;
+        lo |= ((high[bit / 8] >> (bit % 8)) & 1) << 4;
+        hi |= ((high[8 + bit / 8] >> (bit % 8)) & 1) << 4;
+      }
+      D += lo * xq[m * 8 + j] + hi * xq[m * 8 + 4 + j];
+    }
+  }
+  return D;
+}
+
 void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
                    c10::BFloat16* out) {
   const int64_t G = K / kGroup;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t v = n / kCols, i = n % kCols;
+      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
       for (int64_t r = 0; r < R; ++r) {
         float y = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
-          int32_t D = 0;
-          const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-          for (int m = 0; m < kSteps; ++m) {
-            const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + ((g * kSteps + m) * nvb + vb) * 64 + 4 * i;
-            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
-            for (int j = 0; j < 4; ++j) {
-              D += static_cast<int32_t>(bytes[j] & 0x0F) * xq[j];
-              D += static_cast<int32_t>(bytes[j] >> 4) * xq[4 + j];
-            }
-          }
+          const int32_t D = nibble_dot(packed, nullptr, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup);
           const c10::BFloat16* at = sz + block * kBlock * G * 2 * kCols + (g * 2 * nvb + vb) * kCols + i;
           const float s = bf16_value(at[0]), z = bf16_value(at[nvb * kCols]);
           const float c = std::fma(-8.0f, s, z);
@@ -267,23 +291,35 @@ void int5_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
       for (int64_t r = 0; r < R; ++r) {
         float y = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
-          int32_t D = 0;
-          for (int m = 0; m < kSteps; ++m) {
-            const int64_t step = (g * kSteps + m) * nvb + vb;
-            const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
-            const uint8_t* high = highs + block * kBlock * (K / 8) * 16 + step * 16;
-            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
-            for (int j = 0; j < 4; ++j) {
-              const int bit = 4 * static_cast<int>(i) + j;
-              const int lo = (bytes[j] & 0x0F) | (((high[bit / 8] >> (bit % 8)) & 1) << 4);
-              const int hi = (bytes[j] >> 4) | (((high[8 + bit / 8] >> (bit % 8)) & 1) << 4);
-              D += lo * xq[j] + hi * xq[4 + j];
-            }
-          }
-          D -= 16 * xs.sum[r * G + g];
+          const int32_t D = nibble_dot(packed, highs, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup) -
+                            16 * xs.sum[r * G + g];
           const float s = static_cast<float>(scales[block * kBlock * G * kCols + (g * nvb + vb) * kCols + i]);
           const float aD = xs.a[r * G + g] * static_cast<float>(D);
           y = std::fma(aD, s, y);
+        }
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
+      }
+    }
+  });
+}
+
+void kquant_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                     const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup, T = K / 256;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, i = n % kCols;
+      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int32_t D = nibble_dot(packed, highs, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup);
+          const int8_t* sm = scales_mins + block * kBlock * G * 2 * kCols + (g * 2 * nvb + vb) * kCols + i;
+          const float* de = supers + block * kBlock * T * 2 * kCols + ((g / 8) * 2 * nvb + vb) * kCols + i;
+          const int32_t I = sm[0] * D, J = sm[nvb * kCols] * xs.sum[r * G + g];
+          const float a = xs.a[r * G + g];
+          y = std::fma(a * static_cast<float>(I), de[0], y);
+          y = std::fma(a * static_cast<float>(J), de[nvb * kCols], y);
         }
         out[r * N + n] = static_cast<c10::BFloat16>(y);
       }
@@ -368,28 +404,39 @@ inline void int8_steps(const __m512i (&acc)[R][V], const c10::Half* scales, int6
   }
 }
 
-// int4_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
-// order: D by vpdpbusd over the group's 32 features (codes as unsigned bytes, unpacked from the
-// packed weight as they are used; activations as signed bytes), then y = fma(a D, s, y);
-// y = fma(a Q, c, y), y staying in registers from the first group to the last.
-template <int R, int V>
-inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t K,
-                  const RowTile& x, float* y_out) {
+// The tiles of the codes in int4's layout (int4, int5, kquant): rows r < R and vectors 0..V - 1 of a
+// block (V = nvb), over every group in order: D by vpdpbusd over the group's 32 features (codes as
+// unsigned bytes, unpacked from the packed weight as they are used, with each code's fifth bit from
+// int5's plane (a masked byte of 16) where kFifth; activations as signed bytes), from kBias * Q; then
+// finish(acc, g, y) takes the group's float steps, y staying in registers from the first group to
+// the last.
+template <int R, int V, bool kFifth, int kBias, class Finish>
+inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+                         float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   __m512 y[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512i acc[R][V];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r) {
+      const __m512i offset = kBias ? _mm512_set1_epi32(kBias * x.sum[r][g]) : _mm512_setzero_si512();
+      for (int v = 0; v < V; ++v) acc[r][v] = offset;
+    }
     for (int m = 0; m < kSteps; ++m) {
       __m512i lo[V], hi[V];
       for (int v = 0; v < V; ++v) {
-        const __m512i bytes = _mm512_loadu_si512(codes + ((g * kSteps + m) * nvb + v) * 64);
+        const int64_t step = (g * kSteps + m) * nvb + v;
+        const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
         lo[v] = _mm512_and_si512(bytes, low);                            // features 8m..8m+3
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);      // features 8m+4..8m+7
+        if constexpr (kFifth) {
+          uint64_t masks[2];
+          std::memcpy(masks, highs + step * 16, 16);
+          lo[v] = _mm512_or_si512(lo[v], _mm512_maskz_mov_epi8(masks[0], fifth));
+          hi[v] = _mm512_or_si512(hi[v], _mm512_maskz_mov_epi8(masks[1], fifth));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m512i x0 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
@@ -400,6 +447,18 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
         }
       }
     }
+    finish(acc, g, y);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+}
+
+// int4_linear's tile: tile_nibbles from 0, then y = fma(a D, s, y); y = fma(a Q, c, y).
+template <int R, int V>
+inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t K,
+                  const RowTile& x, float* y_out) {
+  tile_nibbles<R, V, false, 0>(codes, nullptr, nvb, K, x, y_out, [&](const __m512i (&acc)[R][V], int64_t g,
+                                                                     __m512 (&y)[R][V]) {
     for (int v = 0; v < V; ++v) {
       const c10::BFloat16* at = sz + (g * 2 * nvb + v) * kCols;
       const __m512 scale = bf16_to_float(at);
@@ -410,9 +469,7 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
         y[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(x.aq[r][g]), constant, y[r][v]);
       }
     }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+  });
 }
 
 // int8_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
@@ -445,46 +502,37 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// int5_linear's tile: tile4's unpacking with each code's fifth bit from the high-bit plane (a
-// masked byte of 16), tile8's sums from -16 Q and its float steps.
+// int5_linear's tile: tile_nibbles with the fifth bits from -16 Q, then int8's float steps.
 template <int R, int V>
 inline void tile5(const uint8_t* codes, const uint8_t* highs, const c10::Half* scales, int64_t nvb, int64_t K,
                   const RowTile& x, float* y_out) {
-  const int64_t G = K / kGroup;
-  const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-  __m512 y[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) y[r][v] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[R][V];  // from -16 Q: it ends at D = sum_k x'_k (q_k + 16) - 16 Q
-    for (int r = 0; r < R; ++r) {
-      const __m512i offset = _mm512_set1_epi32(-16 * x.sum[r][g]);
-      for (int v = 0; v < V; ++v) acc[r][v] = offset;
-    }
-    for (int m = 0; m < kSteps; ++m) {
-      __m512i lo[V], hi[V];
-      for (int v = 0; v < V; ++v) {
-        const int64_t step = (g * kSteps + m) * nvb + v;
-        const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
-        uint64_t masks[2];
-        std::memcpy(masks, highs + step * 16, 16);
-        lo[v] = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_maskz_mov_epi8(masks[0], fifth));
-        hi[v] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low),
-                                _mm512_maskz_mov_epi8(masks[1], fifth));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
-        const __m512i x1 = _mm512_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m + 1]);
-        for (int v = 0; v < V; ++v) {
-          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], lo[v], x0);
-          acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], hi[v], x1);
-        }
-      }
-    }
+  tile_nibbles<R, V, true, -16>(codes, highs, nvb, K, x, y_out, [&](const __m512i (&acc)[R][V], int64_t g,
+                                                                    __m512 (&y)[R][V]) {
     int8_steps<R, V>(acc, scales, g, nvb, x, y);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
+  });
+}
+
+// kquant_linear's tile: tile_nibbles from 0 (the fifth bits where kFifth: Q5_K), then per vector
+// I = sc D and J = m Q (vpmulld), y = fma(a I, d, y); y = fma(a J, e, y).
+template <int R, int V, bool kFifth>
+inline void tilek(const uint8_t* codes, const uint8_t* highs, const int8_t* scales_mins, const float* supers,
+                  int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
+  tile_nibbles<R, V, kFifth, 0>(codes, highs, nvb, K, x, y_out, [&](const __m512i (&acc)[R][V], int64_t g,
+                                                                    __m512 (&y)[R][V]) {
+    for (int v = 0; v < V; ++v) {
+      const int8_t* sm = scales_mins + (g * 2 * nvb + v) * kCols;
+      const float* de = supers + ((g / 8) * 2 * nvb + v) * kCols;
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm)));
+      const __m512i mn = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + nvb * kCols)));
+      const __m512 d = _mm512_loadu_ps(de), e = _mm512_loadu_ps(de + nvb * kCols);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x.a[r][g]);
+        const __m512i J = _mm512_mullo_epi32(_mm512_set1_epi32(x.sum[r][g]), mn);
+        y[r][v] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_mullo_epi32(acc[r][v], sc)), a), d, y[r][v]);
+        y[r][v] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(J), a), e, y[r][v]);
+      }
+    }
+  });
 }
 
 // int6_linear's tile: tile4's unpacking with bits 4 and 5 from the step's 32 bytes of top bits
@@ -689,12 +737,13 @@ inline __m256i fifth_bits(uint32_t bits) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// int5_linear's tile on AVX2: tile4_avx2's unpacking with the fifth bits (fifth_bits), sums from
-// -16 Q, tile8_avx2's float steps. Without AVX-VNNI each step's pairs (at most 2 * 31 * 127 =
-// 7874) are widened to int32 before the next.
-template <int R, int V>
-inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Half* scales, int64_t nvb, int64_t K,
-                       const RowTile& x, float* y_out) {
+// The AVX2 tiles of the codes in int4's layout read as unsigned 0..31 (int5, kquant): tile4_avx2's
+// unpacking, with the fifth bits (fifth_bits) where kFifth, each group's sums from kBias * Q; then
+// finish(acc, g, v) takes the float steps of group g and vector v. Without AVX-VNNI each step's
+// pairs (at most 2 * 31 * 127 = 7874) are widened to int32 before the next.
+template <int R, int V, bool kFifth, int kBias, class Finish>
+inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+                              float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifndef TRIEDEC_DPBUSD256
@@ -704,17 +753,22 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
   for (int64_t g = 0; g < G; ++g) {
     for (int v = 0; v < V; ++v) {
       __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-16 * x.sum[r][g]);
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = acc[r][1] = kBias ? _mm256_set1_epi32(kBias * x.sum[r][g]) : _mm256_setzero_si256();
       for (int m = 0; m < kSteps; ++m) {
         const int64_t step = (g * kSteps + m) * nvb + v;
         const uint8_t* at = codes + step * 64;
-        uint32_t masks[4];  // low nibbles' bits of outputs 0-7, 8-15, then the high nibbles'
-        std::memcpy(masks, highs + step * 16, 16);
+        uint32_t masks[4] = {};  // low nibbles' bits of outputs 0-7, 8-15, then the high nibbles'
+        if constexpr (kFifth) std::memcpy(masks, highs + step * 16, 16);
         __m256i lo[2], hi[2];
         for (int h = 0; h < 2; ++h) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
-          lo[h] = _mm256_or_si256(_mm256_and_si256(bytes, low), fifth_bits(masks[h]));
-          hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low), fifth_bits(masks[2 + h]));
+          lo[h] = _mm256_and_si256(bytes, low);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+          if constexpr (kFifth) {
+            lo[h] = _mm256_or_si256(lo[h], fifth_bits(masks[h]));
+            hi[h] = _mm256_or_si256(hi[h], fifth_bits(masks[2 + h]));
+          }
         }
         for (int r = 0; r < R; ++r) {
           const __m256i x0 = _mm256_set1_epi32(x.xq[r][g * 2 * kSteps + 2 * m]);
@@ -730,9 +784,43 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
           }
         }
       }
-      int8_steps_avx2<R, V>(acc, scales, g, nvb, v, x, y_out);
+      finish(acc, g, v);
     }
   }
+}
+
+// int5_linear's tile on AVX2: tile_nibbles_avx2 with the fifth bits from -16 Q, tile8_avx2's float steps.
+template <int R, int V>
+inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Half* scales, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  tile_nibbles_avx2<R, V, true, -16>(codes, highs, nvb, K, x, y_out,
+                                [&](const __m256i (&acc)[R][2], int64_t g, int v) {
+                                  int8_steps_avx2<R, V>(acc, scales, g, nvb, v, x, y_out);
+                                });
+}
+
+// kquant_linear's tile on AVX2: tile_nibbles_avx2 from 0, then tilek's steps per half of 8 outputs.
+template <int R, int V, bool kFifth>
+inline void tilek_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t* scales_mins, const float* supers,
+                       int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
+  tile_nibbles_avx2<R, V, kFifth, 0>(codes, highs, nvb, K, x, y_out, [&](const __m256i (&acc)[R][2], int64_t g, int v) {
+    const int8_t* sm = scales_mins + (g * 2 * nvb + v) * kCols;
+    const float* de = supers + ((g / 8) * 2 * nvb + v) * kCols;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8 * h)));
+      const __m256i mn = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + nvb * kCols + 8 * h)));
+      const __m256 d = _mm256_loadu_ps(de + 8 * h), e = _mm256_loadu_ps(de + nvb * kCols + 8 * h);
+      for (int r = 0; r < R; ++r) {
+        float* y = y_out + (r * V + v) * kCols + 8 * h;
+        const __m256 a = _mm256_set1_ps(x.a[r][g]);
+        const __m256i J = _mm256_mullo_epi32(_mm256_set1_epi32(x.sum[r][g]), mn);
+        __m256 sum = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(acc[r][h], sc)), a), d,
+                                     _mm256_loadu_ps(y));
+        sum = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(J), a), e, sum);
+        _mm256_storeu_ps(y, sum);
+      }
+    }
+  });
 }
 // int6_linear's tile on AVX2: tile4_avx2's unpacking with bits 4 and 5 from the step's 32 bytes of
 // top bits (one shift and mask for each of its four registers of codes), then tile8_avx2's float
@@ -862,11 +950,13 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 #define TRIEDEC_TILE5 tile5
 #define TRIEDEC_TILE6 tile6
 #define TRIEDEC_TILE8 tile8
+#define TRIEDEC_TILEK tilek
 #else
 #define TRIEDEC_TILE4 tile4_avx2
 #define TRIEDEC_TILE5 tile5_avx2
 #define TRIEDEC_TILE6 tile6_avx2
 #define TRIEDEC_TILE8 tile8_avx2
+#define TRIEDEC_TILEK tilek_avx2
 #endif
 
 // The vector paths: this build's tiles (VNNI's or AVX2's) over the blocks of the packed weight.
@@ -910,8 +1000,25 @@ void int6_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, co
         supers + b * kBlock * (K / 256) * kCols, nvb, K, x, y);
   });
 }
+
+void kquant_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                   const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                      float* y) {
+    constexpr int kR = decltype(rows)::value, kV = decltype(vectors)::value;
+    const uint8_t* codes = packed + b * kBlock * (K / 8) * 64;
+    const int8_t* sm = scales_mins + b * kBlock * G * 2 * kCols;
+    const float* de = supers + b * kBlock * (K / 256) * 2 * kCols;
+    if (highs)
+      TRIEDEC_TILEK<kR, kV, true>(codes, highs + b * kBlock * (K / 8) * 16, sm, de, nvb, K, x, y);
+    else
+      TRIEDEC_TILEK<kR, kV, false>(codes, nullptr, sm, de, nvb, K, x, y);
+  });
+}
 #else
 constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false
+constexpr auto& kquant_vector = kquant_portable;
 constexpr auto& int5_vector = int5_portable;
 constexpr auto& int6_vector = int6_portable;
 constexpr auto& int8_vector = int8_portable;
@@ -961,6 +1068,16 @@ void int6_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
     int6_vector(xs, R, K, packed, highs, subs, supers, N, out);
   else
     int6_portable(xs, R, K, packed, highs, subs, supers, N, out);
+}
+
+void kquant_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                        const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
+  if (kVector && !portable)
+    kquant_vector(xs, R, K, packed, highs, scales_mins, supers, N, out);
+  else
+    kquant_portable(xs, R, K, packed, highs, scales_mins, supers, N, out);
 }
 
 }  // namespace triedec

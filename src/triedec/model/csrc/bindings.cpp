@@ -55,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int6_linear", &int6_linear,
         "a linear with 6-bit weights (a Q6_K block's codes and scales) and 8-bit activations in its dot products",
         release());
+  m.def("kquant_linear", &kquant_linear,
+        "a linear with a Q4_K or Q5_K block's codes, scales and mins and 8-bit activations in its dot products",
+        release());
   m.def("f32_linear", &f32_linear, "a float32 linear, each output summed over the input features in order",
         release());
   m.def("dot_peak", &dot_peak,

@@ -61,6 +61,11 @@ void int5_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_
 // scales per half group of 16 (subs) and float32 ones per super-block of 256 (supers); K % 256 == 0
 void int6_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                       const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out, bool portable);
+// kquant (a Q4_K or Q5_K block's codes, scales and mins): int4's layout of the low 4 bits, int5's
+// plane of fifth bits (highs; null for Q4_K), int8 scales and mins per group of 32 (scales_mins
+// [K / 32, 2, N]) and float32 d and -dmin per super-block of 256 (supers [K / 256, 2, N]); K % 256 == 0
+void kquant_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                        const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out, bool portable);
 
 // f32_linears.cpp: x [R, K] float32 contiguous, packed [N, K] float32 in that file's block order (N
 // a multiple of 16), bias [N] or null, out [R, N] float32 contiguous; each output summed over the

@@ -327,6 +327,34 @@ torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor h
   });
 }
 
+// x [R, K] bf16; packed uint8 [N, K / 2] (the low 4 bits, int4's order), highs uint8 [N, K / 8] (the
+// fifth bits' masks: Q5_K) or [N, 0] (Q4_K), scales_mins int8 [K / 32, 2, N] and supers float32
+// [K / 256, 2, N] (K a multiple of 256), all in a8_linears.cpp's block order. Returns [R, N] bf16.
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales_mins,
+                            torch::Tensor supers, bool portable) {
+  using triedec::kA8Cols, triedec::kA8Group;
+  check_input(x, {&packed, &highs, &scales_mins, &supers});
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % 256 == 0,
+              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 256)");
+  const int64_t K = x.size(1), N = packed.size(0);
+  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
+  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
+                  (highs.size(1) == 0 || 8 * highs.size(1) == K),
+              "highs must be contiguous uint8 [N, K / 8] (Q5_K) or [N, 0] (Q4_K)");
+  TORCH_CHECK(scales_mins.scalar_type() == at::kChar && scales_mins.is_contiguous() && scales_mins.dim() == 3 &&
+                  scales_mins.size(0) == K / kA8Group && scales_mins.size(1) == 2 && scales_mins.size(2) == N,
+              "scales_mins must be contiguous int8 [K / 32, 2, N] (in the kernel's block order)");
+  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 3 &&
+                  supers.size(0) == K / 256 && supers.size(1) == 2 && supers.size(2) == N,
+              "supers must be contiguous float32 [K / 256, 2, N] (in the kernel's block order)");
+  const uint8_t* fifths = highs.size(1) ? highs.data_ptr<uint8_t>() : nullptr;
+  return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
+    triedec::kernels().kquant_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), fifths,
+                                          scales_mins.data_ptr<int8_t>(), supers.data_ptr<float>(), N, out, portable);
+  });
+}
+
 // x [R, K] float32; packed float32 [N, K] as a shape only (its values in f32_linears.cpp's block
 // order), bias float32 [N] or none. Returns [R, N] float32.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {

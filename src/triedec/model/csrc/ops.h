@@ -34,5 +34,7 @@ torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor h
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 // The probes of probes.cpp: multiply-adds done by `iterations` rounds on each thread; a checksum of
 // a contiguous uint8 tensor's bytes, read once.
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales_mins,
+                            torch::Tensor supers, bool portable);
 int64_t dot_peak(int64_t iterations);
 int64_t stream_read(torch::Tensor bytes);
