@@ -207,19 +207,43 @@ inline float bf16_value(const c10::BFloat16 v) { return static_cast<float>(v); }
 
 // The portable paths: the same integer sums and the same float operations, one output at a time.
 
-// sum_k x'_k u_k over group g of output i of vector vb of a block, for codes u in int4's layout
-// (0..15), with int5's plane of fifth bits when highs is given (0..31).
-inline int32_t nibble_dot(const uint8_t* packed, const uint8_t* highs, int64_t K, int64_t block, int64_t nvb,
-                          int64_t vb, int64_t i, int64_t g, const int8_t* xq) {
+// Where output n of a weight lies in the blocked layout: its vector's block, the vector's index vb
+// in that block, the block's count of vectors nvb, and the output's column i in its vector.
+struct Place {
+  int64_t block, vb, nvb, i;
+};
+
+// The walk every portable kernel shares: y = 0, then y = step(place, r, g, y) for each group g in
+// order, for each row r of each output n; out[r, n] = bf16(y). A kernel gives only its group's step.
+template <class Step>
+void for_each_output_portable(int64_t R, int64_t K, int64_t N, c10::BFloat16* out, const Step& step) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t v = n / kCols, block = v / kBlock;
+      const Place p{block, v % kBlock, std::min<int64_t>(kBlock, N / kCols - block * kBlock), n % kCols};
+      for (int64_t r = 0; r < R; ++r) {
+        float y = 0.0f;
+        for (int64_t g = 0; g < G; ++g) y = step(p, r, g, y);
+        out[r * N + n] = static_cast<c10::BFloat16>(y);
+      }
+    }
+  });
+}
+
+// sum_k x'_k u_k over group g of the output at p, for codes u in int4's layout (0..15), with
+// int5's plane of fifth bits when highs is given (0..31).
+inline int32_t nibble_dot(const uint8_t* packed, const uint8_t* highs, int64_t K, const Place& p, int64_t g,
+                          const int8_t* xq) {
   int32_t D = 0;
   for (int m = 0; m < kSteps; ++m) {
-    const int64_t step = (g * kSteps + m) * nvb + vb;
-    const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
-    const uint8_t* high = highs ? highs + block * kBlock * (K / 8) * 16 + step * 16 : nullptr;
+    const int64_t step = (g * kSteps + m) * p.nvb + p.vb;
+    const uint8_t* bytes = packed + p.block * kBlock * (K / 8) * 64 + step * 64 + 4 * p.i;
+    const uint8_t* high = highs ? highs + p.block * kBlock * (K / 8) * 16 + step * 16 : nullptr;
     for (int j = 0; j < 4; ++j) {
       int lo = bytes[j] & 0x0F, hi = bytes[j] >> 4;
       if (high) {
-        const int bit = 4 * static_cast<int>(i) + j;
+        const int bit = 4 * static_cast<int>(p.i) + j;
         lo |= ((high[bit / 8] >> (bit % 8)) & 1) << 4;
         hi |= ((high[8 + bit / 8] >> (bit % 8)) & 1) << 4;
       }
@@ -232,24 +256,14 @@ inline int32_t nibble_dot(const uint8_t* packed, const uint8_t* highs, int64_t K
 void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
                    c10::BFloat16* out) {
   const int64_t G = K / kGroup;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t v = n / kCols, i = n % kCols;
-      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-      for (int64_t r = 0; r < R; ++r) {
-        float y = 0.0f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int32_t D = nibble_dot(packed, nullptr, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup);
-          const c10::BFloat16* at = sz + block * kBlock * G * 2 * kCols + (g * 2 * nvb + vb) * kCols + i;
-          const float s = bf16_value(at[0]), z = bf16_value(at[nvb * kCols]);
-          const float c = std::fma(-8.0f, s, z);
-          const float aD = xs.a[r * G + g] * static_cast<float>(D);
-          y = std::fma(aD, s, y);
-          y = std::fma(xs.aq[r * G + g], c, y);
-        }
-        out[r * N + n] = static_cast<c10::BFloat16>(y);
-      }
-    }
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    const int32_t D = nibble_dot(packed, nullptr, K, p, g, xs.q.data() + r * K + g * kGroup);
+    const c10::BFloat16* at = sz + p.block * kBlock * G * 2 * kCols + (g * 2 * p.nvb + p.vb) * kCols + p.i;
+    const float s = bf16_value(at[0]), z = bf16_value(at[p.nvb * kCols]);
+    const float c = std::fma(-8.0f, s, z);
+    const float aD = xs.a[r * G + g] * static_cast<float>(D);
+    y = std::fma(aD, s, y);
+    return std::fma(xs.aq[r * G + g], c, y);
   });
 }
 
@@ -257,73 +271,42 @@ void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
                    c10::BFloat16* out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t v = n / kCols, i = n % kCols;
-      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-      for (int64_t r = 0; r < R; ++r) {
-        float y = 0.0f;
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t D = 0;
-          for (int m = 0; m < kQuads; ++m) {
-            const uint8_t* bytes = packed + block * kBlock * K * kCols + ((g * kQuads + m) * nvb + vb) * 64 + 4 * i;
-            const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 4;
-            for (int j = 0; j < 4; ++j) D += static_cast<int32_t>(bytes[j]) * xq[j];
-          }
-          D -= 128 * xs.sum[r * G + g];
-          const float s = static_cast<float>(scales[block * kBlock * G * kCols + (g * nvb + vb) * kCols + i]);
-          const float aD = xs.a[r * G + g] * static_cast<float>(D);
-          y = std::fma(aD, s, y);
-        }
-        out[r * N + n] = static_cast<c10::BFloat16>(y);
-      }
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    int32_t D = 0;
+    for (int m = 0; m < kQuads; ++m) {
+      const uint8_t* bytes = packed + p.block * kBlock * K * kCols + ((g * kQuads + m) * p.nvb + p.vb) * 64 + 4 * p.i;
+      const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 4;
+      for (int j = 0; j < 4; ++j) D += static_cast<int32_t>(bytes[j]) * xq[j];
     }
+    D -= 128 * xs.sum[r * G + g];
+    const float s = static_cast<float>(scales[p.block * kBlock * G * kCols + (g * p.nvb + p.vb) * kCols + p.i]);
+    const float aD = xs.a[r * G + g] * static_cast<float>(D);
+    return std::fma(aD, s, y);
   });
 }
 
 void int5_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                    const c10::Half* scales, int64_t N, c10::BFloat16* out) {
   const int64_t G = K / kGroup;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t v = n / kCols, i = n % kCols;
-      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-      for (int64_t r = 0; r < R; ++r) {
-        float y = 0.0f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int32_t D = nibble_dot(packed, highs, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup) -
-                            16 * xs.sum[r * G + g];
-          const float s = static_cast<float>(scales[block * kBlock * G * kCols + (g * nvb + vb) * kCols + i]);
-          const float aD = xs.a[r * G + g] * static_cast<float>(D);
-          y = std::fma(aD, s, y);
-        }
-        out[r * N + n] = static_cast<c10::BFloat16>(y);
-      }
-    }
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    const int32_t D = nibble_dot(packed, highs, K, p, g, xs.q.data() + r * K + g * kGroup) - 16 * xs.sum[r * G + g];
+    const float s = static_cast<float>(scales[p.block * kBlock * G * kCols + (g * p.nvb + p.vb) * kCols + p.i]);
+    const float aD = xs.a[r * G + g] * static_cast<float>(D);
+    return std::fma(aD, s, y);
   });
 }
 
 void kquant_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                      const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out) {
   const int64_t G = K / kGroup, T = K / 256;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t v = n / kCols, i = n % kCols;
-      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-      for (int64_t r = 0; r < R; ++r) {
-        float y = 0.0f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int32_t D = nibble_dot(packed, highs, K, block, nvb, vb, i, g, xs.q.data() + r * K + g * kGroup);
-          const int8_t* sm = scales_mins + block * kBlock * G * 2 * kCols + (g * 2 * nvb + vb) * kCols + i;
-          const float* de = supers + block * kBlock * T * 2 * kCols + ((g / 8) * 2 * nvb + vb) * kCols + i;
-          const int32_t I = sm[0] * D, J = sm[nvb * kCols] * xs.sum[r * G + g];
-          const float a = xs.a[r * G + g];
-          y = std::fma(a * static_cast<float>(I), de[0], y);
-          y = std::fma(a * static_cast<float>(J), de[nvb * kCols], y);
-        }
-        out[r * N + n] = static_cast<c10::BFloat16>(y);
-      }
-    }
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    const int32_t D = nibble_dot(packed, highs, K, p, g, xs.q.data() + r * K + g * kGroup);
+    const int8_t* sm = scales_mins + p.block * kBlock * G * 2 * kCols + (g * 2 * p.nvb + p.vb) * kCols + p.i;
+    const float* de = supers + p.block * kBlock * T * 2 * kCols + ((g / 8) * 2 * p.nvb + p.vb) * kCols + p.i;
+    const int32_t I = sm[0] * D, J = sm[p.nvb * kCols] * xs.sum[r * G + g];
+    const float a = xs.a[r * G + g];
+    y = std::fma(a * static_cast<float>(I), de[0], y);
+    return std::fma(a * static_cast<float>(J), de[p.nvb * kCols], y);
   });
 }
 
@@ -336,35 +319,25 @@ inline int int6_high_bits(const uint8_t* tops, int b, int upper) {
 void int6_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                    const int8_t* subs, const float* supers, int64_t N, c10::BFloat16* out) {
   const int64_t G = K / kGroup;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t v = n / kCols, i = n % kCols;
-      const int64_t block = v / kBlock, vb = v % kBlock, nvb = std::min<int64_t>(kBlock, N / kCols - block * kBlock);
-      for (int64_t r = 0; r < R; ++r) {
-        float y = 0.0f;
-        for (int64_t g = 0; g < G; ++g) {
-          int32_t I = 0;
-          for (int h = 0; h < 2; ++h) {
-            int32_t D = -32 * xs.half[(r * G + g) * 2 + h];
-            for (int m = 2 * h; m < 2 * h + 2; ++m) {
-              const int64_t step = (g * kSteps + m) * nvb + vb;
-              const uint8_t* bytes = packed + block * kBlock * (K / 8) * 64 + step * 64 + 4 * i;
-              const uint8_t* tops = highs + block * kBlock * (K / 8) * 32 + step * 32;
-              const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
-              for (int j = 0; j < 4; ++j) {
-                const int b = 4 * static_cast<int>(i) + j;
-                D += ((bytes[j] & 0x0F) | int6_high_bits(tops, b, 0)) * xq[j];
-                D += ((bytes[j] >> 4) | int6_high_bits(tops, b, 1)) * xq[4 + j];
-              }
-            }
-            I += static_cast<int32_t>(subs[block * kBlock * (K / 16) * kCols + ((2 * g + h) * nvb + vb) * kCols + i]) * D;
-          }
-          const float d = supers[block * kBlock * (K / 256) * kCols + ((g / 8) * nvb + vb) * kCols + i];
-          y = std::fma(xs.a[r * G + g] * static_cast<float>(I), d, y);
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    int32_t I = 0;
+    for (int h = 0; h < 2; ++h) {
+      int32_t D = -32 * xs.half[(r * G + g) * 2 + h];
+      for (int m = 2 * h; m < 2 * h + 2; ++m) {
+        const int64_t step = (g * kSteps + m) * p.nvb + p.vb;
+        const uint8_t* bytes = packed + p.block * kBlock * (K / 8) * 64 + step * 64 + 4 * p.i;
+        const uint8_t* tops = highs + p.block * kBlock * (K / 8) * 32 + step * 32;
+        const int8_t* xq = xs.q.data() + r * K + g * kGroup + m * 8;
+        for (int j = 0; j < 4; ++j) {
+          const int b = 4 * static_cast<int>(p.i) + j;
+          D += ((bytes[j] & 0x0F) | int6_high_bits(tops, b, 0)) * xq[j];
+          D += ((bytes[j] >> 4) | int6_high_bits(tops, b, 1)) * xq[4 + j];
         }
-        out[r * N + n] = static_cast<c10::BFloat16>(y);
       }
+      I += static_cast<int32_t>(subs[p.block * kBlock * (K / 16) * kCols + ((2 * g + h) * p.nvb + p.vb) * kCols + p.i]) * D;
     }
+    const float d = supers[p.block * kBlock * (K / 256) * kCols + ((g / 8) * p.nvb + p.vb) * kCols + p.i];
+    return std::fma(xs.a[r * G + g] * static_cast<float>(I), d, y);
   });
 }
 
