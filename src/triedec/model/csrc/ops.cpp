@@ -239,19 +239,42 @@ torch::Tensor on_rows(const torch::Tensor& x, int64_t N, Run&& run) {
 
 bool a8_linears_vectorized() { return triedec::kernels().a8_linears_vectorized(); }
 
+namespace {
+
+// packed: contiguous uint8 [N, K / per_byte] (N a multiple of 16, K a multiple of k_step),
+// K being x's features. Returns N.
+int64_t check_codes(const torch::Tensor& x, const torch::Tensor& packed, int64_t per_byte, int64_t k_step) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(0) % triedec::kA8Cols == 0 && (per_byte * packed.size(1)) % k_step == 0,
+              "packed must be contiguous uint8 [N, K", per_byte == 1 ? "" : " / 2", "] (N a multiple of 16, K of ",
+              k_step, ")");
+  TORCH_CHECK(per_byte * packed.size(1) == K, "x's features must match the packed weight's");
+  return packed.size(0);
+}
+
+// highs: contiguous uint8 [N, K / per_byte] (a plane of extra bits), or [N, 0] where may_be_empty.
+void check_highs(const torch::Tensor& highs, int64_t N, int64_t K, int64_t per_byte, bool may_be_empty) {
+  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
+                  ((may_be_empty && highs.size(1) == 0) || per_byte * highs.size(1) == K),
+              "highs must be contiguous uint8 [N, K / ", per_byte, "]", may_be_empty ? " or [N, 0]" : "");
+}
+
+// A tensor of per-block numbers: contiguous, of dtype, of exactly shape (its bytes in a8_linears.cpp's block order).
+void check_blocks(const torch::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* name,
+                  const char* described) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape, name, " must be contiguous ",
+              described, " (in the kernel's block order)");
+}
+
+}  // namespace
+
 // x [R, K] bf16; packed uint8 [N, K / 2] and scales_zeros bf16 [K / 32, 2, N] as shapes only (their
 // bytes in the block order a8_linears.cpp gives). Returns [R, N] bf16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales_zeros, bool portable) {
-  using triedec::kA8Cols, triedec::kA8Group;
   check_input(x, {&packed, &scales_zeros});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kA8Cols == 0 && packed.size(1) % (kA8Group / 2) == 0,
-              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == K, "x's features must match the packed weight's");
-  TORCH_CHECK(scales_zeros.scalar_type() == at::kBFloat16 && scales_zeros.is_contiguous() && scales_zeros.dim() == 3 &&
-                  scales_zeros.size(0) == K / kA8Group && scales_zeros.size(1) == 2 && scales_zeros.size(2) == N,
-              "scales_zeros must be contiguous bf16 [K / 32, 2, N] (in the kernel's block order)");
+  const int64_t K = x.size(1), N = check_codes(x, packed, 2, triedec::kA8Group);
+  check_blocks(scales_zeros, at::kBFloat16, {K / triedec::kA8Group, 2, N}, "scales_zeros", "bf16 [K / 32, 2, N]");
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().int4_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(),
                                         scales_zeros.data_ptr<c10::BFloat16>(), N, out, portable);
@@ -261,16 +284,9 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // x [R, K] bf16; packed uint8 [N, K] and scales fp16 [K / 32, N] as shapes only (their bytes in the
 // block order a8_linears.cpp gives). Returns [R, N] bf16.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, bool portable) {
-  using triedec::kA8Cols, triedec::kA8Group;
   check_input(x, {&packed, &scales});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kA8Cols == 0 && packed.size(1) % kA8Group == 0,
-              "packed must be contiguous uint8 [N, K] (N a multiple of 16, K of 32)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(packed.size(1) == K, "x's features must match the packed weight's");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == K / kA8Group && scales.size(1) == N,
-              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
+  const int64_t K = x.size(1), N = check_codes(x, packed, 1, triedec::kA8Group);
+  check_blocks(scales, at::kHalf, {K / triedec::kA8Group, N}, "scales", "float16 [K / 32, N]");
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().int8_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), N,
                                         out, portable);
@@ -281,19 +297,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // fifth bits' masks) and scales fp16 [K / 32, N] as int8's. Returns [R, N] bf16.
 torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales,
                           bool portable) {
-  using triedec::kA8Cols, triedec::kA8Group;
   check_input(x, {&packed, &highs, &scales});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % kA8Group == 0,
-              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 32)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
-  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
-                  8 * highs.size(1) == K,
-              "highs must be contiguous uint8 [N, K / 8]");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == K / kA8Group && scales.size(1) == N,
-              "scales must be contiguous float16 [K / 32, N] (in the kernel's block order)");
+  const int64_t K = x.size(1), N = check_codes(x, packed, 2, triedec::kA8Group);
+  check_highs(highs, N, K, 8, false);
+  check_blocks(scales, at::kHalf, {K / triedec::kA8Group, N}, "scales", "float16 [K / 32, N]");
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().int5_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), highs.data_ptr<uint8_t>(),
                                         scales.data_ptr<c10::Half>(), N, out, portable);
@@ -305,22 +312,11 @@ torch::Tensor int5_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor h
 // in a8_linears.cpp's block order. Returns [R, N] bf16.
 torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor subs,
                           torch::Tensor supers, bool portable) {
-  using triedec::kA8Cols;
   check_input(x, {&packed, &highs, &subs, &supers});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % 256 == 0,
-              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 256)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
-  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
-                  4 * highs.size(1) == K,
-              "highs must be contiguous uint8 [N, K / 4]");
-  TORCH_CHECK(subs.scalar_type() == at::kChar && subs.is_contiguous() && subs.dim() == 2 && subs.size(0) == K / 16 &&
-                  subs.size(1) == N,
-              "subs must be contiguous int8 [K / 16, N] (in the kernel's block order)");
-  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 2 &&
-                  supers.size(0) == K / 256 && supers.size(1) == N,
-              "supers must be contiguous float32 [K / 256, N] (in the kernel's block order)");
+  const int64_t K = x.size(1), N = check_codes(x, packed, 2, 256);
+  check_highs(highs, N, K, 4, false);
+  check_blocks(subs, at::kChar, {K / 16, N}, "subs", "int8 [K / 16, N]");
+  check_blocks(supers, at::kFloat, {K / 256, N}, "supers", "float32 [K / 256, N]");
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().int6_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), highs.data_ptr<uint8_t>(),
                                         subs.data_ptr<int8_t>(), supers.data_ptr<float>(), N, out, portable);
@@ -332,22 +328,11 @@ torch::Tensor int6_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor h
 // [K / 256, 2, N] (K a multiple of 256), all in a8_linears.cpp's block order. Returns [R, N] bf16.
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales_mins,
                             torch::Tensor supers, bool portable) {
-  using triedec::kA8Cols, triedec::kA8Group;
   check_input(x, {&packed, &highs, &scales_mins, &supers});
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) % kA8Cols == 0 && (2 * packed.size(1)) % 256 == 0,
-              "packed must be contiguous uint8 [N, K / 2] (N a multiple of 16, K of 256)");
-  const int64_t K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(2 * packed.size(1) == K, "x's features must match the packed weight's");
-  TORCH_CHECK(highs.dim() == 2 && highs.scalar_type() == at::kByte && highs.is_contiguous() && highs.size(0) == N &&
-                  (highs.size(1) == 0 || 8 * highs.size(1) == K),
-              "highs must be contiguous uint8 [N, K / 8] (Q5_K) or [N, 0] (Q4_K)");
-  TORCH_CHECK(scales_mins.scalar_type() == at::kChar && scales_mins.is_contiguous() && scales_mins.dim() == 3 &&
-                  scales_mins.size(0) == K / kA8Group && scales_mins.size(1) == 2 && scales_mins.size(2) == N,
-              "scales_mins must be contiguous int8 [K / 32, 2, N] (in the kernel's block order)");
-  TORCH_CHECK(supers.scalar_type() == at::kFloat && supers.is_contiguous() && supers.dim() == 3 &&
-                  supers.size(0) == K / 256 && supers.size(1) == 2 && supers.size(2) == N,
-              "supers must be contiguous float32 [K / 256, 2, N] (in the kernel's block order)");
+  const int64_t K = x.size(1), N = check_codes(x, packed, 2, 256);
+  check_highs(highs, N, K, 8, true);
+  check_blocks(scales_mins, at::kChar, {K / triedec::kA8Group, 2, N}, "scales_mins", "int8 [K / 32, 2, N]");
+  check_blocks(supers, at::kFloat, {K / 256, 2, N}, "supers", "float32 [K / 256, 2, N]");
   const uint8_t* fifths = highs.size(1) ? highs.data_ptr<uint8_t>() : nullptr;
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().kquant_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), fifths,
