@@ -8,6 +8,7 @@ path and the portable one."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -470,12 +471,30 @@ def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
     assert KERNEL.isa() == before
 
 
-def test_every_installed_build_gives_the_same_bits():
-    """The ISA decides the speed only: every kernel library this CPU runs (vector and portable
-    paths alike) gives the int4, int8 and float32 linears, the RMS norm and tree attention the same bits."""
+def _same_bits_on_every_build(run: Callable[[], Sequence[torch.Tensor]]) -> None:
+    """run() under each kernel library this CPU runs (the fastest loaded again after): the
+    same bits from every one. Skips where fewer than two builds run here."""
     libraries = switchable_libraries()
     if len(libraries) < 2:
         pytest.skip("fewer than two installed builds run on this CPU")
+    outputs = []
+    fastest = KERNEL.isa()
+    try:
+        with torch.inference_mode():
+            for isa, path in libraries.items():
+                assert KERNEL.use_kernels(str(path)) == isa == KERNEL.isa()
+                outputs.append(list(run()))
+    finally:
+        KERNEL.use_kernels(str(libraries[fastest]))
+    assert KERNEL.isa() == fastest
+    first, *others = outputs
+    for other in others:
+        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+
+
+def test_every_installed_build_gives_the_same_bits():
+    """The ISA decides the speed only: every kernel library this CPU runs (vector and portable
+    paths alike) gives the int4, int8 and float32 linears, the RMS norm and tree attention the same bits."""
     generator = torch.Generator().manual_seed(11)
     int4 = Int4A8Linear(nn.Linear(96, 208, bias=False))
     int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
@@ -485,24 +504,12 @@ def test_every_installed_build_gives_the_same_bits():
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
     attention = attention_cases(generator)
-    outputs = {}
-    fastest = KERNEL.isa()
-    try:
-        with torch.inference_mode():
-            for isa, path in libraries.items():
-                assert KERNEL.use_kernels(str(path)) == isa == KERNEL.isa()
-                outputs[isa] = (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
-                                KERNEL.int8_linear(x, int8.packed, int8.scales, False),
-                                KERNEL.f32_linear(x32, f32.packed, f32.padded_bias),
-                                KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
-                                KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
-                                *(KERNEL.tree_attention(*case) for case in attention))
-    finally:
-        KERNEL.use_kernels(str(libraries[fastest]))
-    assert KERNEL.isa() == fastest
-    first, *others = outputs.values()
-    for other in others:
-        assert all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    _same_bits_on_every_build(lambda: (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
+                                       KERNEL.int8_linear(x, int8.packed, int8.scales, False),
+                                       KERNEL.f32_linear(x32, f32.packed, f32.padded_bias),
+                                       KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
+                                       KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
+                                       *(KERNEL.tree_attention(*case) for case in attention)))
 
 
 # ---- the machine's limits, measured (scripts/roofline.py) ------------------------------------------
@@ -607,20 +614,9 @@ def test_the_int5_kernel_gives_the_int8_kernels_bits_on_a_q5_0_layers_codes(vect
 
 
 def test_the_int5_kernel_gives_the_same_bits_on_every_installed_build():
-    libraries = switchable_libraries()
-    if len(libraries) < 2:
-        pytest.skip("fewer than two installed builds run on this CPU")
     five = Int5A8Linear(_q5_0_linear(13, 3, 5))
     x = torch.randn(11, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    fastest, outs = KERNEL.isa(), []
-    try:
-        with torch.inference_mode():
-            for path in libraries.values():
-                KERNEL.use_kernels(str(path))
-                outs.append(KERNEL.int5_linear(x, five.packed, five.highs, five.scales, False))
-    finally:
-        KERNEL.use_kernels(str(libraries[fastest]))
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    _same_bits_on_every_build(lambda: [KERNEL.int5_linear(x, five.packed, five.highs, five.scales, False)])
 
 
 def test_only_codes_a_q5_0_block_holds_go_to_5_bits():
@@ -702,22 +698,11 @@ def test_a_q6_k_layer_is_held_at_its_bits_with_its_values_and_one_rows_bits_in_a
 
 
 def test_the_int6_kernel_gives_the_same_bits_on_every_installed_build():
-    libraries = switchable_libraries()
-    if len(libraries) < 2:
-        pytest.skip("fewer than two installed builds run on this CPU")
     from triedec.model.precision import Int6A8Linear
 
     six = Int6A8Linear(_linear_of(_q6_k_blocks(13 * 16, 512, 5)))
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    fastest, outs = KERNEL.isa(), []
-    try:
-        with torch.inference_mode():
-            for path in libraries.values():
-                KERNEL.use_kernels(str(path))
-                outs.append(KERNEL.int6_linear(x, six.packed, six.highs, six.scales, six.supers, False))
-    finally:
-        KERNEL.use_kernels(str(libraries[fastest]))
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    _same_bits_on_every_build(lambda: [KERNEL.int6_linear(x, six.packed, six.highs, six.scales, six.supers, False)])
 
 
 def test_only_a_q6_k_layers_values_go_to_6_bits():
@@ -803,25 +788,14 @@ def test_a_k_quant_layer_is_held_as_its_files_blocks_with_their_values_and_one_r
 
 
 def test_the_k_quant_kernel_gives_the_same_bits_on_every_installed_build():
-    libraries = switchable_libraries()
-    if len(libraries) < 2:
-        pytest.skip("fewer than two installed builds run on this CPU")
     from triedec.model.gguf_blocks import parse_kquant
     from triedec.model.precision import KQuantA8Linear
 
     layers = [KQuantA8Linear(_linear_of(w), parse_kquant(raw, kind))
               for kind in ("Q4_K", "Q5_K") for raw, w in [_kquant_raw(kind, 13 * 16, 512, 5)]]
     x = torch.randn(11, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    fastest, outs = KERNEL.isa(), []
-    try:
-        with torch.inference_mode():
-            for path in libraries.values():
-                KERNEL.use_kernels(str(path))
-                outs.append([KERNEL.kquant_linear(x, m.packed, m.highs, m.scales_mins, m.supers, False)
-                             for m in layers])
-    finally:
-        KERNEL.use_kernels(str(libraries[fastest]))
-    assert all(torch.equal(a, b) for out in outs[1:] for a, b in zip(outs[0], out, strict=True))
+    _same_bits_on_every_build(lambda: [KERNEL.kquant_linear(x, m.packed, m.highs, m.scales_mins, m.supers, False)
+                                       for m in layers])
 
 
 def test_k_quant_layers_refuse_what_they_cannot_hold():
