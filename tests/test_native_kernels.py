@@ -850,3 +850,41 @@ def test_a_files_k_quant_tensors_are_found_for_the_linears_they_became(tmp_path)
     assert set(found) == {id(same), id(shuffled)}
     assert found[id(same)].bits == 4 and torch.equal(found[id(same)].values(), w4)
     assert found[id(shuffled)].bits == 5 and torch.equal(found[id(shuffled)].values(), w5[order])
+
+
+def test_the_tensor_table_is_the_gguf_readers_and_steps_over_any_metadata(tmp_path):
+    """:func:`tensor_table` gives the tensors ``gguf.GGUFReader`` gives (names, block types,
+    shapes, bytes), past metadata of every value type (strings, arrays of strings and of numbers,
+    nested arrays) and a file's own alignment; it refuses a file that is not GGUF."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    from triedec.model.gguf_blocks import tensor_table
+
+    raw4, _ = _kquant_raw("Q4_K", 32, 512, 3)
+    path = tmp_path / "t.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_string("a.text", "héllo")
+    writer.add_array("a.words", ["one", "twö", "", "three"])
+    writer.add_array("a.numbers", [1.5, 2.5, 3.5])
+    writer.add_array("a.nested", [[1, 2], [3]])
+    writer.add_bool("a.flag", True)
+    writer.add_uint64("a.big", 2**40)
+    writer.add_int8("a.small", -3)
+    writer.add_float64("a.real", 0.25)
+    writer.add_tensor("a.weight", raw4, raw_dtype=GGMLQuantizationType.Q4_K)
+    writer.add_tensor("b.weight", np.arange(48, dtype=np.float32).reshape(3, 16))
+    writer.add_tensor("c.weight", np.arange(7, dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    table, reader = tensor_table(path), GGUFReader(str(path)).tensors
+    assert [t.name for t in table] == [t.name for t in reader] == ["a.weight", "b.weight", "c.weight"]
+    for mine, theirs in zip(table, reader, strict=True):
+        assert mine.kind == theirs.tensor_type.name and mine.shape == tuple(int(x) for x in theirs.shape)
+        assert np.array_equal(np.asarray(mine.data), np.asarray(theirs.data).view(np.uint8).reshape(-1))
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        tensor_table(tmp_path / "not.gguf")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +28,90 @@ log = logging.getLogger(__name__)
 
 _BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}
 """The K-quant block types read here and the bytes of one super-block of 256 weights."""
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """One entry of a GGUF file's tensor table: its name, block type (``Q4_K``, ``F32``, ...),
+    shape as the file lists it (the fastest-moving dimension first) and raw bytes (read-only,
+    memory-mapped)."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""Bytes of each scalar ``GGUFValueType`` (8 is a string, 9 an array)."""
+
+
+def tensor_table(path: str | os.PathLike[str]) -> list[FileTensor]:
+    """The tensor table of the little-endian GGUF file at ``path`` (versions 2 and 3), its data
+    memory-mapped. The metadata is stepped over, not parsed: ``gguf.GGUFReader`` builds every
+    metadata value first, 7.6 s for the default file's 49k-token vocabulary on a 2-core EPYC,
+    where this takes milliseconds. It gives the same tensors as that reader (tested)."""
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType
+
+    data = np.memmap(path, mode="r")
+    buf = memoryview(data)
+    offs = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal offs
+        values = struct.unpack_from(fmt, buf, offs)
+        offs += struct.calcsize(fmt)
+        return values
+
+    def text() -> str:
+        nonlocal offs
+        (length,) = take("<Q")
+        offs += length
+        return bytes(buf[offs - length:offs]).decode("utf-8")
+
+    def skip(kind: int) -> None:
+        nonlocal offs
+        if kind == 8:
+            (length,) = take("<Q")  # (not offs += take(...): that would add to offs as it was before take)
+            offs += length
+        elif kind == 9:
+            item, count = take("<IQ")
+            if item in _SCALAR_BYTES:
+                offs += _SCALAR_BYTES[item] * count
+            else:
+                for _ in range(count):
+                    skip(item)
+        elif kind in _SCALAR_BYTES:
+            offs += _SCALAR_BYTES[kind]
+        else:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+    magic, version, count, kv_count = take("<IIQQ")
+    if magic != GGUF_MAGIC or version not in (2, 3):
+        raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
+    alignment = GGUF_DEFAULT_ALIGNMENT
+    for _ in range(kv_count):
+        key = text()
+        (kind,) = take("<I")
+        if key == "general.alignment" and kind == 4:
+            (alignment,) = take("<I")
+        else:
+            skip(kind)
+    infos = []
+    for _ in range(count):
+        name = text()
+        (dims,) = take("<I")
+        shape = take(f"<{dims}Q")
+        kind, offset = take("<IQ")
+        infos.append((name, GGMLQuantizationType(kind), tuple(int(x) for x in shape), offset))
+    start = offs + (-offs % alignment)
+    tensors = []
+    for name, kind, shape, offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        n = int(np.prod(shape, dtype=np.int64))
+        at = start + offset
+        tensors.append(FileTensor(name, kind.name, shape, data[at:at + n // block * size]))
+    return tensors
 
 
 def parse_kquant(blocks: np.ndarray, kind: str) -> KQuantParts:
@@ -70,9 +156,6 @@ def file_kquant_layers(path: str | os.PathLike[str], linears: Iterable[nn.Linear
     """For the ``linears`` of a model loaded from the GGUF file at ``path`` (float32 weights), the
     file's Q4_K and Q5_K blocks of each whose weight is such a tensor's values, bit for bit (its
     rows in the model's order), by the module's id. Tensors that match no linear are left out."""
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
-
     by_shape: dict[tuple[int, int], list[nn.Linear]] = {}
     for linear in linears:
         if linear.in_features % SUPER_BLOCK == 0 and linear.weight.dtype == torch.float32:
@@ -80,24 +163,21 @@ def file_kquant_layers(path: str | os.PathLike[str], linears: Iterable[nn.Linear
     found: dict[int, KQuantParts] = {}
     if not by_shape:
         return found
-    for tensor in GGUFReader(str(path)).tensors:
-        kind = GGMLQuantizationType(tensor.tensor_type).name
+    for tensor in tensor_table(path):
+        kind = tensor.kind
         if kind not in _BLOCK_BYTES or len(tensor.shape) != 2:
             continue
         cols, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest-moving dimension first
         candidates = [m for m in by_shape.get((n, cols), []) if id(m) not in found]
         if not candidates:
             continue
-        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1)
-        values = torch.from_numpy(np.ascontiguousarray(dequantize(raw, tensor.tensor_type)).reshape(n, cols))
+        parts = parse_kquant(np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1), kind)
+        values = parts.values()  # the gguf package's dequantized values, bit for bit
         for linear in candidates:
-            order = _row_order(linear.weight.detach(), values)
-            if order is None:
-                continue
-            parts = parse_kquant(raw[order.numpy()], kind)
-            if torch.equal(parts.values(), linear.weight.detach()):
-                found[id(linear)] = parts
-            else:  # never seen: the gguf package's values and the blocks disagree
-                log.warning("%s: its %s blocks do not give its values; it keeps the float path", tensor.name, kind)
-            break
+            order = _row_order(linear.weight.detach(), values)  # checks every value
+            if order is not None:
+                found[id(linear)] = parts.rows(order)
+                break
+        else:
+            log.debug("%s: no linear has its %s values; those layers keep the float path", tensor.name, kind)
     return found

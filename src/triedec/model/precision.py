@@ -37,7 +37,7 @@ Pure torch (nothing here knows transformers).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -459,6 +459,11 @@ class KQuantParts:
         q = self.codes.float().reshape(*self.scales.shape, GROUP_SIZE)
         return (step[..., None] * q - low[..., None]).reshape(self.codes.shape)
 
+    def rows(self, order: torch.Tensor) -> KQuantParts:
+        """These blocks with their rows (outputs) in ``order``: row ``i`` is this one's ``order[i]``."""
+        return KQuantParts(self.bits, self.codes[order], self.scales[order], self.mins[order], self.d[order],
+                           self.dmin[order])
+
 
 class KQuantA8Linear(LinearStandIn):
     """``y = x w^T + b`` with a GGUF Q4_K or Q5_K layer's own blocks, ``w = d * sc * q - dmin * m``
@@ -789,12 +794,18 @@ def grid_steps(groups: torch.Tensor) -> torch.Tensor:
     span = (high - low).squeeze(-1)
     gaps = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.full_like(gaps, float("inf")))
     smallest = gaps.amin(dim=-1)
-    found = torch.zeros_like(span)
-    for divisor in (4, 3, 2, 1):  # any grid that fits holds the values exactly; the coarsest wins
-        step = smallest / divisor
-        k = (groups - low) / step[..., None]
+    found = torch.zeros_like(span).reshape(-1)
+    values, lows, smallest, span = groups.reshape(-1, groups.shape[-1]), low.reshape(-1, 1), smallest.reshape(-1), \
+        span.reshape(-1)
+    left = torch.arange(found.numel())  # the groups no grid has fitted yet
+    for divisor in (1, 2, 3, 4):  # any grid that fits holds the values exactly; the coarsest wins
+        step = smallest[left] / divisor
+        k = (values[left] - lows[left]) / step[:, None]
         fits = ((k - k.round()).abs() <= GRID_TOLERANCE).all(dim=-1) & (k.round().amax(dim=-1) <= 15)
-        found = torch.where(fits & torch.isfinite(step) & (span > 0), step, found)
+        fits &= torch.isfinite(step) & (span[left] > 0)
+        found[left[fits]] = step[fits]
+        left = left[~fits]
+    found, span = found.reshape(low.shape[:-1]), span.reshape(low.shape[:-1])
     levels = (span / found).round()  # the step from the whole span: (max - min) / 15 for a Q4_1 block
     return torch.where(found > 0, span / levels, found)
 
@@ -830,10 +841,12 @@ def on_4bit_grid(weight: torch.Tensor) -> float:
 
 FINER_THAN_4BIT = 0.5
 """In a GGUF file with 4-bit layers (``quantize_linears(..., from_gguf=True)``), a layer with
-fewer of its groups on a 4-bit grid than this was stored with more bits (Q5_K, Q6_K, Q8_0, F16:
-a Q4_K_M file keeps some layers at 6 bits) and is quantized to int8, not to int4 (in int4-a8 its
-own blocks where a kernel holds them: :func:`_a8_linear`). In a 4-bit
-layer every group is on a grid; in a 6-bit one almost none is."""
+fewer of its groups on a 4-bit grid than this was stored with more bits (Q5_0, Q6_K, Q8_0, F16:
+a Q4_K_M file keeps some layers at 5 and 6 bits) and is quantized to int8, not to int4 (in
+int4-a8 its own blocks where a kernel holds them: :func:`_a8_linear`). A Q4_K or Q5_K layer given
+its file's blocks (``quantize_linears(..., file_blocks=)``) is held as those and needs no grid; a
+Q5_K one without them goes to int8 by this rule. In a 4-bit layer every group is on a grid; in a
+6-bit one almost none is."""
 
 
 def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -886,12 +899,17 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     if weights not in ("int8", "int4", "int4-a8"):
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
     layers = kept = finer = 0
+    # the linears held as the file's own blocks: those need no grid (and the head is never one)
+    own = {id(m): file_blocks[id(m)] for m in model.modules()
+           if weights == "int4-a8" and file_blocks and type(m) is nn.Linear and m is not head
+           and id(m) in file_blocks and m.out_features % 16 == 0}
     stored_finer: set[int] = set()
     steps: dict[int, torch.Tensor] = {}  # each int4 layer's grid_steps, computed once (they decide int4 or int8 too)
     if from_gguf and weights != "int8":
-        steps = _grid_steps(model, head)
+        steps = _grid_steps(model, head, skip=own.keys())
         shares = {key: float((step > 0).float().mean()) for key, step in steps.items()}
-        if any(share >= FINER_THAN_4BIT for share in shares.values()):
+        four_bit = any(parts.bits == 4 for parts in own.values())
+        if four_bit or any(share >= FINER_THAN_4BIT for share in shares.values()):
             stored_finer = {key for key, share in shares.items() if share < FINER_THAN_4BIT}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -900,10 +918,9 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
             if weights != "int8" and child is not head and not int4_fits(child):
                 kept += 1
                 continue
-            blocks = (file_blocks or {}).get(id(child)) if weights == "int4-a8" and child is not head else None
-            if blocks is not None and child.out_features % 16 == 0:
+            blocks = own.get(id(child))
+            if blocks is not None:
                 setattr(parent, name, KQuantA8Linear(child, blocks))
-                steps.pop(id(child), None)
                 layers += 1
                 continue
             as_int8 = weights == "int8" or child is head
@@ -932,10 +949,12 @@ def _a8_linear(linear: nn.Linear) -> Int8A8Linear | Int6A8Linear:
     return Int6A8Linear(linear, six) if six is not None else Int8A8Linear(linear)
 
 
-def _grid_steps(model: nn.Module, head: nn.Module | None) -> dict[int, torch.Tensor]:
-    """Each int4-sized linear's :func:`grid_steps` but the head's, by the module's id."""
+def _grid_steps(model: nn.Module, head: nn.Module | None, skip: Iterable[int] = ()) -> dict[int, torch.Tensor]:
+    """Each int4-sized linear's :func:`grid_steps` but the head's and those whose ids are in ``skip``,
+    by the module's id."""
+    skipped = set(skip)
     return {id(m): grid_steps(weight_groups(m.weight)) for m in model.modules()
-            if type(m) is nn.Linear and m is not head and int4_fits(m)}
+            if type(m) is nn.Linear and m is not head and int4_fits(m) and id(m) not in skipped}
 
 
 def stored_in_4bit(model: nn.Module, head: nn.Module | None = None) -> bool:

@@ -264,8 +264,8 @@ def gguf_linear_bytes(path: str | os.PathLike[str]) -> int:
     """The bytes a GGUF file stores its linears and head in, as its blocks are: every 2-D tensor but
     the token embedding, which counts as the head when the file has no ``output.weight`` (a tied
     head reads it)."""
-    from gguf import GGUFReader
+    from triedec.model.gguf_blocks import tensor_table
 
-    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    tensors = {t.name: int(t.data.nbytes) for t in tensor_table(path) if len(t.shape) == 2}
     embedding = tensors.pop("token_embd.weight", 0)
     return sum(tensors.values()) + (embedding if "output.weight" not in tensors else 0)
