@@ -24,6 +24,7 @@ from triedec.core.errors import TriedecError
 from triedec.model.adapter import ModelAdapter
 from triedec.model.linears import F32Linear, pack_f32, unpack_f32
 from triedec.model.native import OPENMP, load_kernel, switchable_libraries
+from triedec.model.opcheck import quantized_activations
 from triedec.model.precision import (
     GROUP_SIZE,
     Int4A8Linear,
@@ -158,16 +159,6 @@ def test_the_rotary_kernel_gives_transformers_bits(heads, tokens, half, seed, dt
 
 # ---- the linears on 8-bit activations ------------------------------------------------------------------
 
-def _quantized_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' activation quantization, with the same float32 operations: per row and group of
-    32, ``a = max|x| / 127`` and ``x' = round(x * (127 / max|x|))`` (nearest even)."""
-    groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
-    top = groups.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros_like(top))
-    q = torch.round(groups * inv).clamp(-127, 127)
-    return q.reshape(x.shape), (top / 127).squeeze(-1)
-
-
 @settings(max_examples=25, deadline=None)
 @given(vectors=st.integers(1, 9), groups=st.integers(1, 5), rows=st.integers(1, 19), seed=st.integers(0, 10**6),
        bias=st.booleans())
@@ -190,8 +181,7 @@ def test_the_int4_kernel_computes_int4_weights_times_quantized_activations(vecto
         portable = KERNEL.int4_linear(x, layer.packed, layer.scales_zeros, True)
     assert torch.equal(got, alone)
     assert torch.equal(got, portable if layer.bias is None else portable + layer.bias)
-    q, a = _quantized_activations(x)
-    exact = (q.double().reshape(rows, groups, GROUP_SIZE) * a.double()[..., None]).reshape(rows, -1)
+    exact = quantized_activations(x)  # the kernels' view of x, in float64
     product = exact @ dequantize_int4(codes, scale, zero).double().T
     expected = product if layer.bias is None else product + layer.bias.double()
     scale_of_terms = (exact.abs() @ dequantize_int4(codes, scale, zero).double().abs().T).clamp_min(1e-3)
@@ -223,8 +213,7 @@ def test_the_int8_kernel_computes_int8_weights_times_quantized_activations(vecto
         portable = KERNEL.int8_linear(x, layer.packed, layer.scales, True)
     assert torch.equal(got, alone)
     assert torch.equal(got, portable if layer.bias is None else portable + layer.bias)
-    q, a = _quantized_activations(x)
-    exact = (q.double().reshape(rows, groups, GROUP_SIZE) * a.double()[..., None]).reshape(rows, -1)
+    exact = quantized_activations(x)  # the kernels' view of x, in float64
     product = exact @ weight.T
     expected = product if layer.bias is None else product + layer.bias.double()
     scale_of_terms = (exact.abs() @ weight.abs().T).clamp_min(1e-3)

@@ -67,7 +67,7 @@ class Op:
     int8: bool = False
 
 
-def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """The 8-bit-activation kernels' view of ``x [R, K]`` in float64: per group of 32,
     ``round(x * 127 / max|x|) * max|x| / 127`` (zero for a group below 1e-30)."""
     groups = x.float().reshape(x.shape[0], -1, GROUP_SIZE)
@@ -153,10 +153,10 @@ def _a8_linear(kind: str) -> Op:
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
     def reference(inp: Inputs) -> torch.Tensor:
-        return _quantized_activations(inp["x"]) @ inp["weight"].T
+        return quantized_activations(inp["x"]) @ inp["weight"].T
 
     def bound(inp: Inputs, expected: torch.Tensor) -> torch.Tensor:
-        terms = _quantized_activations(inp["x"]).abs() @ inp.get("magnitude", inp["weight"]).abs().T
+        terms = quantized_activations(inp["x"]).abs() @ inp.get("magnitude", inp["weight"]).abs().T
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
