@@ -178,3 +178,13 @@ def test_a_stored_llamacpp_runs_report_is_what_its_records_give(tmp_path, run) -
     script.write_report(tmp_path, json.loads((tmp_path / "results.json").read_text()))
     assert (tmp_path / "results.md").read_text() == (root / "benchmarks" / run / "results.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["auto_equals_ar"] == 60
+
+
+def test_the_startup_line_is_triedecs_runner_or_llama_cpps_system_info():
+    from triedec.bench.servers import startup_line
+
+    llama = ("system info: n_threads = 2, n_threads_batch = 2, total_threads = 2 | CPU : SSE3 = 1 | AVX = 1 | "
+             "AVX2 = 1 | F16C = 1 | FMA = 1 | OPENMP = 1 | REPACK = 1 |")
+    assert startup_line(llama) and startup_line("system_info: n_threads = 2 | AVX = 1 |")
+    assert startup_line("triedec: model: precision int4g32a8-bfloat16; runner: triedec; kernels: ...")
+    assert not startup_line("main: server is listening on http://127.0.0.1:8080")

@@ -210,17 +210,24 @@ def ratio_cell(s: Mapping[str, Any]) -> str:
             f"{s['ratio_of_means']:.2f}x{rom_text}")
 
 
+def startup_line(line: str) -> bool:
+    """Whether a server's log ``line`` says what it runs on: triedec's ``runner:`` line, or
+    llama.cpp's system info (``system info:`` now, ``system_info:`` in older builds)."""
+    return "runner:" in line or "system info:" in line or "system_info:" in line
+
+
 def start_servers(stack: contextlib.ExitStack, commands: Mapping[str, list[str]], ports: Mapping[str, int],
                   timeout: float, logs: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
     """Every server of ``commands`` started for ``stack``'s block, one at a time (a triedec server
     may calibrate at start): each one's base URL, and the last line of its log that names its
-    runner (triedec) or its system info (llama.cpp)."""
+    runner (triedec) or its CPU features (llama.cpp: ``system info: n_threads = ... | CPU : ...``;
+    older builds wrote ``system_info``)."""
     bases, startup = {}, {}
     for name, command in commands.items():
         bases[name] = stack.enter_context(server(name, command, ports[name], timeout, logs))
     for name in commands:
         with open(logs / f"{name}.log") as log:
-            startup[name] = [line.rstrip() for line in log if "runner:" in line or "system_info" in line][-1:]
+            startup[name] = [line.rstrip() for line in log if startup_line(line)][-1:]
     return bases, startup
 
 
