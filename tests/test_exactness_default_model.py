@@ -128,10 +128,10 @@ def test_stats_are_consistent(default_lm):
 @pytest.fixture(scope="module")
 def calibrated_lm(default_lm, tmp_path_factory):
     """The default model (float32) with a quick calibration of its own (in a temporary cache
-    directory). A second LM over one model object does not get triedec's runner again (a known
-    gap: its kernels ``f32-linear`` and exactness "up to rounding", where ``default_lm`` is
-    bit-exact), so recycling here runs on that path; in float32 its rounding has not changed a
-    token on these prompts, while over the int4-a8 model it changed seven of thirteen."""
+    directory). ``triedec.LM`` keeps the model's own kernels unless given ``kernels="auto"``, so
+    this LM runs the model's own attention (kernels ``f32-linear``, exactness "up to rounding",
+    where ``default_lm`` is bit-exact): its rounding has not changed a token on these prompts in
+    float32, while over the int4-a8 model it changed seven of thirteen."""
     lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"),
                     reference=default_lm.reference_model)
     cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
