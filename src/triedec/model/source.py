@@ -28,7 +28,7 @@ from triedec.core.errors import TriedecError
 from triedec.core.params import AUTO_WEIGHTS, DEFAULT_WEIGHTS, WEIGHT_CHOICES
 from triedec.core.paths import cache_root
 from triedec.model.adapter import check_attention
-from triedec.model.gguf_blocks import file_kquant_layers
+from triedec.model.gguf_blocks import file_kquant_layers, tensor_table
 from triedec.model.isa import ISAS, supported
 from triedec.model.precision import Precision, quantize_linears, stored_in_4bit
 
@@ -264,8 +264,6 @@ def gguf_linear_bytes(path: str | os.PathLike[str]) -> int:
     """The bytes a GGUF file stores its linears and head in, as its blocks are: every 2-D tensor but
     the token embedding, which counts as the head when the file has no ``output.weight`` (a tied
     head reads it)."""
-    from triedec.model.gguf_blocks import tensor_table
-
     tensors = {t.name: int(t.data.nbytes) for t in tensor_table(path) if len(t.shape) == 2}
     embedding = tensors.pop("token_embd.weight", 0)
     return sum(tensors.values()) + (embedding if "output.weight" not in tensors else 0)
