@@ -1,8 +1,8 @@
 """This machine's limits and how near a forward of M rows comes to them: the peak rate of the 8-bit
 dot products triedec's linears issue (``dot_peak``: 12 independent chains of this build's
-``vpdpbusd``, AVX-VNNI's, or AVX2's ``vpmaddubsw`` pair, on 1 .. ``--threads`` threads), the rate
-at which a kernel streams bytes from memory (``stream_read``: ``--stream-mib`` read once over the
-threads), and the roofline of a forward of M rows of the loaded model,
+``vpdpbusd``, AVX-VNNI's, or AVX2's ``vpmaddubsw`` with its ``vpaddw``, on 1 .. ``--threads``
+threads), the rate at which a kernel streams bytes from memory (``stream_read``: ``--stream-mib``
+read once over the threads), and the roofline of a forward of M rows of the loaded model,
 ``max(weight bytes / bandwidth, M x multiply-adds / peak)``, beside the measured forward (M tokens
 of a verify tree on a ``--context``-token cache, every row's logits, as a step verifies them).
 

@@ -236,6 +236,41 @@ def test_a_group_too_small_to_scale_quantizes_to_zeros_on_both_paths():
         assert torch.equal(got, KERNEL.int4_linear(tiny, layer.packed, layer.scales_zeros, True))
 
 
+def test_activations_quantize_ties_to_even_and_clamp_on_every_path():
+    """The activations' quantization, seen whole: int8 codes of 1 on the diagonal at scale 1 make
+    output n the quantized x'_n times a, and a group whose largest |x| is 127 has a = 1, 127 / max
+    = 1, so x' is x rounded to an integer. Halves (bf16 holds every k + 1/2 below 128) must round
+    to even, as torch.round does, the same bits on the vector path and the portable one; a group of
+    two magnitudes checks the scaling (x * (127 / max), clamped to +-127) against the same float32
+    operations in torch."""
+    K = N = 4 * GROUP_SIZE
+    halves = torch.arange(-126.5, 127.0, 1.0)  # 254 ties, every one representable in bf16
+    x = torch.zeros(3, K)
+    for row in range(3):
+        for g in range(K // GROUP_SIZE):
+            group = halves[torch.randperm(len(halves), generator=torch.Generator().manual_seed(10 * row + g))]
+            x[row, g * GROUP_SIZE : (g + 1) * GROUP_SIZE] = group[:GROUP_SIZE]
+            x[row, g * GROUP_SIZE + (row + g) % GROUP_SIZE] = 127.0 if (row + g) % 2 else -127.0
+    x[2, :GROUP_SIZE] *= 2.0**-70  # a = 2^-70: the same ties at a tiny scale
+    x[1, 3 * GROUP_SIZE :] = torch.linspace(-300.0, 300.0, GROUP_SIZE)  # max 300: 127 / 300 scales
+    x = x.to(torch.bfloat16)
+    layer = Int8A8Linear(nn.Linear(K, N, bias=False))
+    layer.packed.copy_(pack_int8(torch.eye(N, K, dtype=torch.int8)))
+    layer.scales.copy_(pack_int8_scales(torch.ones(N, K // GROUP_SIZE).half()))
+    groups = x.float().reshape(3, -1, GROUP_SIZE)  # the contract's float32 operations, in torch
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    codes = torch.round(groups * (127.0 / top)).clamp(-127, 127)
+    expected = (codes * (top / 127.0)).reshape(x.shape).to(torch.bfloat16)
+    with torch.inference_mode():
+        vector = KERNEL.int8_linear(x, layer.packed, layer.scales, False)
+        portable = KERNEL.int8_linear(x, layer.packed, layer.scales, True)
+    assert torch.equal(vector, portable)
+    assert torch.equal(vector, expected)
+    ties = x.float()[0, GROUP_SIZE : 2 * GROUP_SIZE]
+    assert torch.equal(vector.float()[0, GROUP_SIZE : 2 * GROUP_SIZE], torch.round(ties))  # half to even
+    assert (torch.round(ties) != torch.trunc(ties + 0.5 * ties.sign())).any()  # some tie went down
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_the_largest_codes_times_the_largest_activations_sum_exactly_on_every_path(sign):
     """The integer sums at their extremes: every int4 code 15 and every int8 code +-127 (a sign per

@@ -180,6 +180,50 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *aq = *a * static_cast<float>(total);
   *sum = total;
 }
+#elif defined(TRIEDEC_A8_AVX2)
+// The same operations on AVX2, 8 features a register (the portable path calls libm's fminf and
+// fmaxf for each feature: a quarter of a small linear's time on AVX2).
+inline int32_t sum_lanes(const __m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum, int32_t* half) {
+  __m256 x[4];
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 8 * i))), 16));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float top = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  if (!(top > kTiny)) {
+    std::memset(q, 0, kGroup);
+    *a = 0.0f;
+    *aq = 0.0f;
+    *sum = half[0] = half[1] = 0;
+    return;
+  }
+  const __m256 inv = _mm256_set1_ps(127.0f / top);
+  const __m256 limit = _mm256_set1_ps(127.0f), floor = _mm256_set1_ps(-127.0f);
+  __m256i v[4];  // clamped as floats before the conversion (max_ps returns its second operand for a NaN first)
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x[i], inv), floor), limit));
+  // packs work per 128-bit lane: bytes come out as dwords v0[0..3] v1[0..3] v2[0..3] v3[0..3], then
+  // the same of [4..7]; the permutation puts each register's 8 back in order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  half[0] = sum_lanes(_mm256_add_epi32(v[0], v[1]));
+  half[1] = sum_lanes(_mm256_add_epi32(v[2], v[3]));
+  const int32_t total = half[0] + half[1];
+  *a = top / 127.0f;
+  *aq = *a * static_cast<float>(total);
+  *sum = total;
+}
 #else
 constexpr auto& quantize_group_vector = quantize_group_portable;  // never chosen: kVector is false
 #endif
@@ -630,6 +674,10 @@ inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nv
 #else
             acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(lo[h], x0));
             acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_maddubs_epi16(hi[h], x1));
+            // the sum stays in its register, step by step: without this GCC reassociated the adds
+            // (exact in any order), kept every product of the group on the stack and summed them
+            // at its end, 10-18% slower at 4-64 rows (AVX2 EPYC, 2 threads)
+            asm("" : "+x"(acc[r][h]));
 #endif
           }
         }

@@ -5,8 +5,11 @@
 //
 // dot_peak: each thread runs `iterations` rounds of 12 independent accumulator chains (enough to
 // cover the instruction's latency on two ports) of this build's 8-bit dot product: AVX512-VNNI's
-// vpdpbusd on 512 bits (64 multiply-adds), AVX-VNNI's on 256 (32), AVX2's vpmaddubsw + vpmaddwd
-// pair (32, counted as one step of 32), or a scalar loop. Returns the multiply-adds done in all.
+// vpdpbusd on 512 bits (64 multiply-adds), AVX-VNNI's on 256 (32), AVX2's vpmaddubsw (32) with the
+// vpaddw that sums it into int16 (int4's step), or a scalar loop. Returns the multiply-adds done in
+// all. On AVX2 each chain multiplies its own accumulator's bytes: with one shared pair of operands
+// the compiler computes the product once a round for all 12 chains (it did, and the probe timed
+// twelve adds).
 // stream_read: the bytes [0, n) read once, split over the threads, with the widest loads this
 // build has; returns a checksum (so that the loads are not optimized away).
 #include "kernels.h"
@@ -48,9 +51,6 @@ int64_t dot_rounds(int64_t iterations) {
   __m256i acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_epi32(i);
   __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(1);
-#ifndef TRIEDEC_PROBE_VNNI256
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
   for (int64_t it = 0; it < iterations; ++it) {
     for (int i = 0; i < kChains; ++i) {
 #if defined(__AVXVNNI__)
@@ -58,7 +58,7 @@ int64_t dot_rounds(int64_t iterations) {
 #elif defined(TRIEDEC_PROBE_VNNI256)
       acc[i] = _mm256_dpbusd_epi32(acc[i], w, x);
 #else
-      acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones));
+      acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(acc[i], x));
 #endif
     }
     __asm__ volatile("" : "+v"(w));
