@@ -1,9 +1,9 @@
 """Differential exactness on the embedded default model (SmolLM2-135M-Instruct): in float32,
 ``pld`` == ``ar`` == transformers ``generate(do_sample=False)``, token for token; in the default
-mode (``triedec.load()``: int4-a8 on a CPU with the vector kernels), ``ngram-trie``, ``auto``
-and ``lookahead`` == that mode's ``ar`` on the same prompts (a method's tokens are ``ar``'s in any
-mode, by construction, and the default mode runs a step ~4x faster than float32: the suite's
-time); ``recycling`` in float32 against transformers."""
+mode (``triedec.load()``: int4-a8 on a CPU with the vector kernels), ``ngram-trie``, ``auto``,
+``lookahead`` and ``recycling`` == that mode's ``ar`` on the same prompts (a method's tokens are
+``ar``'s in any mode, by construction, and the default mode runs a step ~4x faster than float32:
+the suite's time)."""
 
 from __future__ import annotations
 
@@ -126,14 +126,14 @@ def test_stats_are_consistent(default_lm):
 
 
 @pytest.fixture(scope="module")
-def calibrated_lm(default_lm, tmp_path_factory):
-    """The default model (float32) with a quick calibration of its own (in a temporary cache
-    directory). ``triedec.LM`` keeps the model's own kernels unless given ``kernels="auto"``, so
-    this LM runs the model's own attention (kernels ``f32-linear``, exactness "up to rounding",
-    where ``default_lm`` is bit-exact): its rounding has not changed a token on these prompts in
-    float32, while over the int4-a8 model it changed seven of thirteen."""
-    lm = triedec.LM(default_lm.model, default_lm.tokenizer, cache_dir=tmp_path_factory.mktemp("cache"),
-                    reference=default_lm.reference_model)
+def calibrated_lm(default_mode_lm, tmp_path_factory):
+    """The default model in the default mode with a quick calibration of its own (in a temporary
+    cache directory): a second ``triedec.LM`` over ``default_mode_lm``'s prepared model, with
+    ``kernels="auto"`` (without it an LM keeps the model's own attention, exact "up to rounding"),
+    so it runs the same kernels and native forward, bit-exact."""
+    lm = triedec.LM(default_mode_lm.model, default_mode_lm.tokenizer, kernels="auto",
+                    cache_dir=tmp_path_factory.mktemp("cache"), reference=default_mode_lm.reference_model)
+    assert lm.adapter.kernels == default_mode_lm.adapter.kernels and lm.adapter.exactness == "bit-exact"
     cal = lm.recalibrate(prompts=2, max_new_tokens=16, repeats=1)
     profile = cal.profiles["recycling"]
     assert 0 <= profile.nodes <= 80 and sum(profile.rates) > 0
@@ -145,11 +145,11 @@ RECYCLING_SIZES = (80, 8, 24, 0, 3, 48)  # 0 = the calibrated size
 
 @pytest.mark.default_model
 @pytest.mark.parametrize("k", range(len(EXACT)))
-def test_recycling_equals_transformers(calibrated_lm, hf_truth, k):
+def test_recycling_equals_ar(calibrated_lm, mode_truth, k):
     """Several tree sizes (the paper's 80 nodes among them), one hot drafter per size across prompts."""
     index = EXACT[k]
     prompt = PROMPTS[index]
-    truth = hf_truth(index)  # the same model object as calibrated_lm's
+    truth = mode_truth(index)  # the same model object as calibrated_lm's
     nodes = RECYCLING_SIZES[k % len(RECYCLING_SIZES)]
     out = calibrated_lm.generate(prompt, "recycling", max_new_tokens=40, nodes=nodes)
     assert out.token_ids == truth

@@ -457,6 +457,24 @@ def test_the_runner_gives_transformers_bits_on_the_default_model(weights):
         assert torch.equal(a, b), f"row {i}"
 
 
+@pytest.mark.parametrize("name", ["llama-int4-a8", "qwen3-float32", "llama-int8", "phi3-int4-a8", "gemma3-int4"])
+def test_a_second_runner_over_a_prepared_model_joins_again_and_runs_natively(adapter_pairs, name):
+    """``triedec.LM(lm.model, ...)`` over a model a runner has prepared (its q/k/v and gate/up
+    already parts of one joined linear each) finds those joined linears again: the same kernels,
+    the native forward, and every row the first runner's bits."""
+    mine, _ = adapter_pairs[name]
+    again = ModelAdapter(mine.model, "auto", runner=RUNNER)
+    assert again.native_forward and again.kernels == mine.kernels
+    first, second = mine._runner.layers[0], again._runner.layers[0]
+    assert (first.qkv is None) == (second.qkv is None) and (first.gate_up is None) == (second.gate_up is None)
+    if first.qkv is not None:
+        assert second.qkv[0] is first.qkv[0] and second.qkv[1] == first.qkv[1]
+    got, expected = _forward_both((again, mine), random.Random(11))
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"row {i}"
+
+
 def test_a_gguf_like_models_int8_parts_run_unjoined_in_the_native_forward(adapter_pairs):
     from triedec.model.precision import Int8A8Linear
 

@@ -202,8 +202,17 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
     activations are quantized once for all) or its float32 ones
     (:class:`~triedec.model.linears.F32Linear`). In ``parent`` each is replaced by a
     :class:`~triedec.model.linears.JoinedPart` of it, so the weights are held once. Returns the joined layer and where
-    each part ends, or None (the linears stay as they are)."""
+    each part ends, or None (the linears stay as they are). Linears an earlier join made parts of
+    one layer (a second runner over the same model: ``triedec.LM(lm.model, ...)``) give that layer
+    again, so the second runner joins what the first did and gets its native forward too."""
     parts = [getattr(parent, name) for name in names]
+    if all(type(part) is JoinedPart for part in parts):
+        joined, ends = parts[0].joined, []
+        for part in parts:
+            if part.joined is not joined or part.start != (ends[-1] if ends else 0):
+                return None
+            ends.append(part.stop)
+        return (joined, ends) if ends[-1] == joined.out_features else None
     if type(parts[0]) not in (*NATIVE_LINEARS, F32Linear) or not joinable(parts):
         return None
     joined = type(parts[0]).joined(parts)
