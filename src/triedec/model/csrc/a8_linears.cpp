@@ -183,6 +183,11 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
 #elif defined(TRIEDEC_A8_AVX2)
 // The same operations on AVX2, 8 features a register (the portable path calls libm's fminf and
 // fmaxf for each feature: a quarter of a small linear's time on AVX2).
+inline __m256 bf16_to_float8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 inline int32_t sum_lanes(const __m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
@@ -191,9 +196,7 @@ inline int32_t sum_lanes(const __m256i v) {
 
 void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* aq, int32_t* sum, int32_t* half) {
   __m256 x[4];
-  for (int i = 0; i < 4; ++i)
-    x[i] = _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xg + 8 * i))), 16));
+  for (int i = 0; i < 4; ++i) x[i] = bf16_to_float8(xg + 8 * i);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
                                     _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
@@ -619,11 +622,6 @@ inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs
 // q's sign (vpsignb), a pair at most 2 * 127 * 127 = 32258, each widened to int32 before the next.
 // So D is the same integer as on the other paths, and the float operations per output are the
 // same ones in the same order. A 16-output vector is two halves of 8 (one 256-bit register each).
-
-inline __m256 bf16_to_float8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 
 // int8_linear's float steps on AVX2 for group g and vector v of a tile (int5_linear's too): y in
 // y_out = fma(a D, s, y), per half of 8 outputs.
