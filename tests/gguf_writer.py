@@ -14,7 +14,10 @@ Llama's q/k row permutation, Gemma's ``norm - 1``), the byte-level BPE tokenizer
   layers' weights are whatever their blocks decode to (the model's own are not kept); Q5_K for
   the attention's q (Phi-3's fused q/k/v), Q5_0 (by ``gguf.quants``) for its k and output, Q4_K
   for the MLP's gate and up, Q6_K for the attention's v, the MLP's down and the head, Q8_0 for the
-  embedding.
+  embedding;
+* ``"legacy"``: the legacy types of scale and minimum: Q4_0 for the attention's q, k and v, Q4_1 for
+  its output and the MLP's gate and up, Q5_1 for the MLP's down, Q8_0 for the head and the
+  embedding (all by ``gguf.quants``).
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ def _k_blocks(rows: int, cols: int, kind: GGMLQuantizationType, rng: np.random.G
 
 
 def _block_type(gguf_name: str, kind: str) -> GGMLQuantizationType:
+    if kind == "legacy":
+        if gguf_name.startswith(("token_embd", "output")):
+            return GGMLQuantizationType.Q8_0
+        if any(part in gguf_name for part in ("attn_q", "attn_k", "attn_v")):  # also Phi-3's attn_qkv
+            return GGMLQuantizationType.Q4_0
+        return GGMLQuantizationType.Q5_1 if "ffn_down" in gguf_name else GGMLQuantizationType.Q4_1
     if kind != "Q4_K_M":
         return GGMLQuantizationType[kind]
     if gguf_name.startswith("token_embd"):

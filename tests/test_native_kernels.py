@@ -847,22 +847,25 @@ def test_k_quant_layers_refuse_what_they_cannot_hold():
                              four.scales_mins, four.supers, False)
 
 
-def test_a_files_k_quant_tensors_are_found_for_the_linears_they_became(tmp_path):
-    """:func:`file_kquant_layers` reads a file's Q4_K and Q5_K tensors and gives each to the linear
-    whose weight is its values, also with the rows in another order (transformers' q/k unpermuting),
-    in that linear's row order; a linear of other values, or of a tensor of another block type, gets
-    none."""
+def test_a_files_own_blocks_are_found_for_the_linears_they_became(tmp_path):
+    """:func:`file_block_layers` reads a file's Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 tensors and gives each
+    to the linear whose weight is its values, also with the rows in another order (transformers' q/k
+    unpermuting), in that linear's row order, and to one linear only where two have the same values;
+    a linear of other values, or of a tensor of another block type, gets none."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    from triedec.model.gguf_blocks import file_kquant_layers
+    from triedec.model.gguf_blocks import file_block_layers
 
     raw4, w4 = _kquant_raw("Q4_K", 32, 512, 3)
     raw5, w5 = _kquant_raw("Q5_K", 48, 256, 4)
+    legacy = {kind: _scale_min_raw(kind, 32, 96, seed) for seed, kind in enumerate(("Q4_0", "Q4_1", "Q5_1"))}
     writer = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     writer.add_tensor("a.weight", raw4, raw_dtype=GGMLQuantizationType.Q4_K)
     writer.add_tensor("b.weight", raw5, raw_dtype=GGMLQuantizationType.Q5_K)
     writer.add_tensor("c.weight", np.ones((16, 256), dtype=np.float32))
+    for kind, (raw, _) in legacy.items():
+        writer.add_tensor(f"{kind}.weight", raw, raw_dtype=GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -870,10 +873,121 @@ def test_a_files_k_quant_tensors_are_found_for_the_linears_they_became(tmp_path)
     order = torch.randperm(48, generator=torch.Generator().manual_seed(0))
     same, shuffled = _linear_of(w4), _linear_of(w5[order])
     other, plain = _linear_of(w4 + 1), _linear_of(torch.ones(16, 256))
-    found = file_kquant_layers(tmp_path / "k.gguf", [other, same, shuffled, plain])
-    assert set(found) == {id(same), id(shuffled)}
+    flipped = torch.randperm(32, generator=torch.Generator().manual_seed(1))
+    q4_0, q4_1, q5_1 = (_linear_of(legacy["Q4_0"][1][flipped]), _linear_of(legacy["Q4_1"][1]),
+                        _linear_of(legacy["Q5_1"][1]))
+    twin = _linear_of(legacy["Q4_1"][1])  # the same values as q4_1: one of the two gets the tensor
+    found = file_block_layers(tmp_path / "k.gguf", [other, same, shuffled, plain, q4_0, q4_1, twin, q5_1])
+    assert set(found) == {id(same), id(shuffled), id(q4_0), id(q4_1), id(q5_1)}
     assert found[id(same)].bits == 4 and torch.equal(found[id(same)].values(), w4)
     assert found[id(shuffled)].bits == 5 and torch.equal(found[id(shuffled)].values(), w5[order])
+    for linear, kind in ((q4_0, "Q4_0"), (q4_1, "Q4_1"), (q5_1, "Q5_1")):
+        parts = found[id(linear)]
+        assert parts.kind == kind and torch.equal(parts.values(), linear.weight.detach())
+
+
+# ---- a GGUF Q4_0, Q4_1 or Q5_1 layer's own blocks (codes, scales and minimums) -------------------------
+
+
+def _scale_min_raw(kind: str, rows: int, cols: int, seed: int):
+    """Random Q4_0, Q4_1 or Q5_1 blocks ``[rows, cols / 32 * bytes]`` (uint8: any codes, an fp16 ``d``
+    and ``m`` of either sign and of magnitudes 1e-5..1, some blocks with a zero ``d``) and their
+    values as the ``gguf`` package dequantizes them, as transformers loads a file."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    size, halves = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q5_1": (24, 2)}[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, size), dtype=np.uint8)
+    shape = (rows, cols // 32, halves)
+    scales = np.exp(rng.uniform(np.log(1e-5), 0.0, size=shape)) * rng.choice([-1.0, 1.0], shape)
+    scales[..., 0] *= rng.random(shape[:2]) > 0.05  # a constant block: d = 0
+    blocks[..., 0:2 * halves] = scales.astype(np.float16).view(np.uint8).reshape(rows, cols // 32, 2 * halves)
+    raw = blocks.reshape(rows, -1)
+    return raw, torch.from_numpy(np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[kind])))
+
+
+@settings(max_examples=15, deadline=None)
+@given(kind=st.sampled_from(["Q4_0", "Q4_1", "Q5_1"]), vectors=st.integers(1, 9), groups=st.integers(1, 9),
+       rows=st.integers(1, 19), seed=st.integers(0, 10**6))
+def test_a_scale_min_layer_is_held_as_its_files_blocks_with_their_values_and_one_rows_bits_in_any_call(
+        kind, vectors, groups, rows, seed):
+    """A Q4_0, Q4_1 or Q5_1 tensor's blocks, as the file stores them, are read
+    (:func:`parse_scale_min`) into parts whose values are the ``gguf`` package's dequantized ones bit
+    for bit, held at 5 or 6 bits a weight (:class:`ScaleMinA8Linear`: the file's Q4_1 and Q5_1,
+    Q4_0's 4.5 at 5; the packing round-trips) and multiplied within the op harness's bound of a
+    float64 reference, with the same bits on the vector path and the portable one, alone and in any
+    call, and joined as the runner joins q, k and v."""
+    from triedec.model.gguf_blocks import parse_scale_min
+    from triedec.model.opcheck import OPS
+    from triedec.model.precision import ScaleMinA8Linear
+
+    raw, weight = _scale_min_raw(kind, 16 * vectors, 32 * groups, seed)
+    parts = parse_scale_min(raw, kind)
+    assert parts is not None and parts.kind == kind
+    values = parts.values()
+    assert torch.equal(values, weight) and torch.equal(values.view(torch.int32), weight.view(torch.int32))
+    layer = ScaleMinA8Linear(_linear_of(weight), parts)
+    assert torch.equal(layer.dequantized().view(torch.int32), weight.view(torch.int32))  # bit for bit, -0 too
+    back = layer.parts()
+    assert back.kind == kind and all(torch.equal(getattr(back, f), getattr(parts, f)) for f in ("codes", "d", "m"))
+    held = sum(t.numel() * t.element_size() for t in (layer.packed, layer.highs, layer.dm))
+    assert held * 8 == weight.numel() * (6 if kind == "Q5_1" else 5)
+    x = (torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    op = next(o for o in OPS if o.name == ("linear q5_1-a8" if kind == "Q5_1" else "linear q4_1-a8"))
+    size = (parts.d.abs().repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
+            + parts.m.abs().repeat_interleave(GROUP_SIZE, dim=1))
+    inputs = {"layer": layer, "x": x, "weight": weight.double(), "magnitude": size.double()}
+    with torch.inference_mode():
+        got = layer(x)
+        expected = op.reference(inputs)
+        assert ((got.double() - expected).abs() <= op.bound(inputs, expected)).all()
+        assert torch.equal(got, KERNEL.scale_min_linear(x, layer.packed, layer.highs, layer.dm, True))
+        assert torch.equal(got, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+        raw2, weight2 = _scale_min_raw(kind, 16, 32 * groups, seed + 1)
+        other = ScaleMinA8Linear(_linear_of(weight2), parse_scale_min(raw2, kind))
+        joined = ScaleMinA8Linear.joined([layer, other])
+        assert torch.equal(joined(x), torch.cat([got, other(x)], dim=1))
+
+
+def test_the_scale_min_kernel_gives_the_same_bits_on_every_installed_build():
+    from triedec.model.gguf_blocks import parse_scale_min
+    from triedec.model.precision import ScaleMinA8Linear
+
+    layers = [ScaleMinA8Linear(_linear_of(w), parse_scale_min(raw, kind))
+              for kind in ("Q4_0", "Q4_1", "Q5_1") for raw, w in [_scale_min_raw(kind, 13 * 16, 160, 5)]]
+    x = torch.randn(11, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    _same_bits_on_every_build(lambda: [KERNEL.scale_min_linear(x, m.packed, m.highs, m.dm, False) for m in layers])
+
+
+def test_scale_min_layers_refuse_what_they_cannot_hold():
+    """ScaleMinA8Linear refuses a shape its kernel cannot take and blocks of another shape; layers of
+    two block types do not join; the kernel checks its buffers' shapes and dtypes; a Q4_0 tensor
+    whose ``-8 d`` overflows fp16 is not read."""
+    import numpy as np
+
+    from triedec.model.gguf_blocks import parse_scale_min
+    from triedec.model.precision import ScaleMinA8Linear
+
+    raw, weight = _scale_min_raw("Q4_1", 16, 64, 1)
+    parts = parse_scale_min(raw, "Q4_1")
+    with pytest.raises(TriedecError, match="input features by 32"):
+        ScaleMinA8Linear(nn.Linear(48, 16), parts)
+    with pytest.raises(TriedecError, match="blocks must be"):
+        ScaleMinA8Linear(nn.Linear(96, 16), parts)
+    four = ScaleMinA8Linear(_linear_of(weight), parts)
+    raw0, weight0 = _scale_min_raw("Q4_0", 16, 64, 2)
+    zero = ScaleMinA8Linear(_linear_of(weight0), parse_scale_min(raw0, "Q4_0"))
+    with pytest.raises(TriedecError, match="one block type"):
+        ScaleMinA8Linear.joined([four, zero])
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dm must be"):
+        KERNEL.scale_min_linear(x, four.packed, four.highs, four.dm.float(), False)
+    with pytest.raises(RuntimeError, match="highs must be"):
+        KERNEL.scale_min_linear(x, four.packed, torch.zeros(16, 3, dtype=torch.uint8), four.dm, False)
+    huge = raw0.copy()
+    huge[0, 0:2] = np.array([60000.0], dtype=np.float16).view(np.uint8)
+    assert parse_scale_min(huge, "Q4_0") is None
 
 
 def test_the_tensor_table_is_the_gguf_readers_and_steps_over_any_metadata(tmp_path):

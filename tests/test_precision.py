@@ -579,6 +579,42 @@ def test_the_default_ggufs_own_q4_1_codes_are_kept_in_int4(default_int4):
     assert worst < 2**-7  # measured: 0.49% of a group's range at most
 
 
+@pytest.mark.default_model
+@pytest.mark.skipif(not kernel_available(), reason="int4-a8 needs triedec's kernels")
+def test_the_default_ggufs_q4_1_layers_are_held_as_its_own_blocks_in_int4_a8():
+    """In int4-a8 every linear the file stores as Q4_1 blocks (210: all but the head, Q8_0) is held
+    as those blocks (:class:`ScaleMinA8Linear`, read from the file, no grid search): its values
+    are the file's (``gguf``'s dequantize) bit for bit, rows of q and k in transformers' order, at
+    the file's 5 bits a weight."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+
+    from triedec.model.precision import ScaleMinA8Linear
+    from triedec.model.source import default_model_path
+
+    model = triedec.load(weights="int4-a8", kernels="plain").adapter.model  # plain: q/k/v and gate/up unjoined
+    modules = dict(model.named_modules())
+    names = {"ffn_down": "mlp.down_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj"}
+    checked = 0
+    for tensor in GGUFReader(default_model_path()).tensors:
+        if tensor.tensor_type.name != "Q4_1":
+            continue
+        _, layer, kind, _ = tensor.name.split(".")
+        module = modules[f"model.layers.{layer}.{names[kind]}"]
+        assert type(module) is ScaleMinA8Linear and module.kind == "Q4_1", tensor.name
+        ours = module.dequantized().numpy().view(np.uint32)
+        file_values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type)).view(np.uint32)
+        if kind in ("attn_q", "attn_k"):  # the rows as sets: transformers un-permutes them
+            assert sorted(map(bytes, ours)) == sorted(map(bytes, file_values)), tensor.name
+        else:
+            assert np.array_equal(ours, file_values), tensor.name
+        assert module.packed.numel() + module.dm.numel() * 2 == module.in_features * module.out_features * 5 // 8
+        checked += 1
+    assert checked == 210
+
+
 def _unpacked_codes(layer: Int4Linear):
     """The codes an :class:`Int4Linear` holds, read back through its own kernel: the product of
     one-hot rows with the weight, with scale 1 and zero 8 (so ``w = q``), is ``q`` itself."""

@@ -582,24 +582,32 @@ GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 ``mistral`` architecture)."""
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M", "legacy"])
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits(tmp_path, monkeypatch, family,
                                                                                  kind):
-    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, or a Q4_K_M-like mix of Q4_K, Q5_K,
-    Q5_0, Q6_K and Q8_0 blocks) loaded as a user loads one, ``triedec.load("x.gguf")``: triedec's
-    runner in one native call, its logits ``torch.equal`` to transformers' own loading of the same
-    file in the same precision mode on transformers' forward, and every method ``ar``'s tokens. The
-    Q5_0 layers are held at their 5 bits and give the bits of the same codes held in int8; the Q6_K
-    layers at their own 6.6 bits, the file's values; the Q4_K and Q5_K layers as the file's own
-    blocks (read from it, Llama's q rows in transformers' order), their values bit for bit."""
+    """A GGUF file the test writes (tests/gguf_writer.py: Q8_0, a Q4_K_M-like mix of Q4_K, Q5_K,
+    Q5_0, Q6_K and Q8_0 blocks, or a mix of the legacy Q4_0, Q4_1 and Q5_1) loaded as a user loads
+    one, ``triedec.load("x.gguf")``: triedec's runner in one native call, its logits ``torch.equal``
+    to transformers' own loading of the same file in the same precision mode on transformers'
+    forward, and every method ``ar``'s tokens. The Q5_0 layers are held at their 5 bits and give the
+    bits of the same codes held in int8; the Q6_K layers at their own 6.6 bits, the file's values;
+    the Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 layers as the file's own blocks (read from it, Llama's q and
+    k rows in transformers' order), their values bit for bit, at the file's bits (Q4_0's 4.5 at 5)."""
     from gguf_writer import write_gguf
     from helpers import tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
     import triedec
     from triedec.model import precision
-    from triedec.model.precision import Int5A8Linear, Int6A8Linear, KQuantA8Linear, linear_weight_bytes
+    from triedec.model.linears import JoinedPart
+    from triedec.model.precision import (
+        Int5A8Linear,
+        Int6A8Linear,
+        KQuantA8Linear,
+        ScaleMinA8Linear,
+        linear_weight_bytes,
+    )
     from triedec.model.source import gguf_linear_bytes, quantize
 
     tokenizer = tiny_tokenizer()
@@ -608,7 +616,7 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     lm = triedec.load(path, cache_dir=tmp_path / "cache")
     adapter = lm.adapter
     assert adapter.runner == RUNNER and adapter.native_forward, adapter.runner_note
-    assert adapter.precision.weights == ("int4-a8" if kind == "Q4_K_M" else "float")
+    assert adapter.precision.weights == ("float" if kind == "Q8_0" else "int4-a8")
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     assert type(reference) is type(lm.model)
     plain = {name: m.weight.detach().clone() for name, m in reference.named_modules() if type(m) is torch.nn.Linear}
@@ -640,6 +648,20 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
         assert not any(type(m) is Int5A8Linear for m in widened.modules())
         got, expected = _forward_both((adapter, ModelAdapter(widened, "auto")), random.Random(8))
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    if kind == "legacy":  # every layer but the head as the file's blocks, its values and bits
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        stored = [t.tensor_type for t in GGUFReader(str(path)).tensors]
+        own = {name: m for name, m in reference.named_modules() if type(m) is ScaleMinA8Linear}
+        assert [m.bits for m in own.values()].count(4) == stored.count(GGMLQuantizationType.Q4_0) + stored.count(
+            GGMLQuantizationType.Q4_1) > 0
+        assert [m.bits for m in own.values()].count(5) == stored.count(GGMLQuantizationType.Q5_1) > 0
+        assert all(torch.equal(m.dequantized(), plain[name]) for name, m in own.items())  # the file's values
+        assert sum(type(m) is ScaleMinA8Linear for m in lm.model.modules()) == len(own) - (
+            sum(type(m) is JoinedPart for m in lm.model.modules()) - len({id(m.joined) for m in lm.model.modules()
+                                                                         if type(m) is JoinedPart}))
+        ratio = linear_weight_bytes(lm.model) / gguf_linear_bytes(path)
+        assert 1.0 < ratio < 1.1, ratio  # Q4_0's 4.5 bits at 5
     prompt = "one two three four five six seven eight nine ten. Repeat: one two three"
     ar = lm.generate(prompt, "ar", max_new_tokens=16).token_ids
     for name in ("pld", "lookahead", "auto"):

@@ -1,13 +1,16 @@
-"""A GGUF file's own K-quant blocks for the linears of a model loaded from it.
+"""A GGUF file's own blocks (K-quants, and the legacy scale-and-min types) for the linears of a
+model loaded from it.
 
-transformers' GGUF loader hands triedec dequantized float32 weights. For most block types the
+transformers' GGUF loader hands triedec dequantized float32 weights. For some block types the
 file's codes and scales can be found again in those values (``precision.quantize_int8_groups``,
 ``precision.q6_codes``); a Q4_K or Q5_K block's, ``w = d * sc * q - dmin * m``, cannot in
-general, since the difference is rounded. So this module reads those blocks from the file itself
-(the ``gguf`` package's reader, memory-mapped) and finds the linear each tensor became: the one
-whose weight equals the tensor's dequantized values, up to an order of its rows (transformers
-reverses llama.cpp's q/k row permutation). A layer is given its file's blocks only where every
-value matches bit for bit; anything else keeps the float path.
+general, since the difference is rounded, and a Q4_0, Q4_1 or Q5_1 block's fp16 ``d`` and ``m``
+can only be approximated from them (``precision.quantize_int4``'s grid search, bf16 scale and zero,
+6.4 s for the default model's layers). So this module reads those blocks from the file itself (its
+tensor table, memory-mapped) and finds the linear each tensor became: the one whose weight equals
+the tensor's dequantized values, up to an order of its rows (transformers reverses llama.cpp's q/k
+row permutation). A layer is given its file's blocks only where every value matches bit for bit;
+anything else keeps the float path.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from triedec.model.precision import SUPER_BLOCK, KQuantParts
+from triedec.core.params import GROUP_SIZE
+from triedec.model.precision import SUPER_BLOCK, FileBlocks, KQuantParts, ScaleMinParts
 
 log = logging.getLogger(__name__)
 
-_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176}
-"""The K-quant block types read here and the bytes of one super-block of 256 weights."""
+_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q4_0": 18, "Q4_1": 20, "Q5_1": 24}
+"""The block types read here and the bytes of one block: a super-block of 256 weights (K-quants),
+a group of 32 (Q4_0, Q4_1, Q5_1)."""
+
+_BLOCK_WEIGHTS = {"Q4_K": SUPER_BLOCK, "Q5_K": SUPER_BLOCK, "Q4_0": GROUP_SIZE, "Q4_1": GROUP_SIZE, "Q5_1": GROUP_SIZE}
 
 
 @dataclass(frozen=True)
@@ -140,41 +147,97 @@ def parse_kquant(blocks: np.ndarray, kind: str) -> KQuantParts:
     return KQuantParts(5 if kind == "Q5_K" else 4, rows(codes), rows(sc), rows(m), rows(d), rows(dmin))
 
 
-def _row_order(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-    """The row order ``p`` with ``weight == values[p]`` bit for bit, or None."""
+def parse_scale_min(blocks: np.ndarray, kind: str) -> ScaleMinParts | None:
+    """The parts of ``blocks`` ``[N, K / 32 * bytes]`` (uint8, a Q4_0, Q4_1 or Q5_1 tensor's rows
+    as the file stores them; llama.cpp's ``block_q4_0`` (fp16 ``d``, 16 bytes of nibbles),
+    ``block_q4_1`` (``d``, ``m``, nibbles), ``block_q5_1`` (``d``, ``m``, 4 bytes of fifth bits,
+    nibbles); byte ``j``'s low nibble is weight ``j``, its high one weight ``16 + j``). None for a
+    Q4_0 tensor whose ``-8 d`` would overflow fp16 (no real file has one)."""
+    size = _BLOCK_BYTES[kind]
+    n = blocks.shape[0]
+    b = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1, size)  # one row per group of 32
+    d = b[:, 0:2].copy().view(np.float16)
+    if kind == "Q4_0":
+        with np.errstate(over="ignore"):
+            m = d * np.float16(-8)
+        if not np.isfinite(m).all():
+            return None
+    else:
+        m = b[:, 2:4].copy().view(np.float16)
+    qs = b[:, size - 16:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+    if kind == "Q5_1":  # bit i of the 32 bits: weight i's fifth bit
+        high = b[:, 4:8].copy().view("<u4")
+        codes = codes | (((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+
+    def rows(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
+
+    return ScaleMinParts(kind, rows(codes), rows(d.astype(np.float32)), rows(m.astype(np.float32)))
+
+
+def _row_keys(weight: torch.Tensor) -> torch.Tensor:
+    """A 64-bit key per row of the float32 ``weight [N, K]``, from its values' bits, a zero's sign
+    aside (rows equal as ``torch.equal`` compares them, equal keys; other rows, other keys but with a
+    chance of ~2^-64)."""
+    k = weight.shape[1]
+    mult = torch.randint(-(2**62), 2**62, (k,), dtype=torch.int64, generator=torch.Generator().manual_seed(k))
+    bits = (weight + 0.0).contiguous().view(torch.int32).to(torch.int64)  # + 0.0: -0 is +0
+    return (bits * mult).sum(dim=1)  # wraps: exact mod 2^64
+
+
+def _row_order(weight: torch.Tensor, values: torch.Tensor, keys: torch.Tensor | None = None
+               ) -> torch.Tensor | None:
+    """The row order ``p`` with ``weight == values[p]`` bit for bit, or None. ``keys``:
+    ``_row_keys(weight)``, where the caller has them."""
     if weight.shape != values.shape:
         return None
     if torch.equal(weight, values):
         return torch.arange(weight.shape[0])
-    probe = torch.randn(weight.shape[1], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    keys = _row_keys(weight) if keys is None else keys
     order = torch.empty(weight.shape[0], dtype=torch.int64)
-    order[(weight.double() @ probe).argsort()] = (values.double() @ probe).argsort()
+    order[keys.argsort()] = _row_keys(values).argsort()
     return order if torch.equal(weight, values[order]) else None
 
 
-def file_kquant_layers(path: str | os.PathLike[str], linears: Iterable[nn.Linear]) -> dict[int, KQuantParts]:
+def _parse(tensor: FileTensor, n: int) -> FileBlocks | None:
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1)
+    return parse_kquant(raw, tensor.kind) if tensor.kind in ("Q4_K", "Q5_K") else parse_scale_min(raw, tensor.kind)
+
+
+def file_block_layers(path: str | os.PathLike[str], linears: Iterable[nn.Linear]) -> dict[int, FileBlocks]:
     """For the ``linears`` of a model loaded from the GGUF file at ``path`` (float32 weights), the
-    file's Q4_K and Q5_K blocks of each whose weight is such a tensor's values, bit for bit (its
-    rows in the model's order), by the module's id. Tensors that match no linear are left out."""
-    by_shape: dict[tuple[int, int], list[nn.Linear]] = {}
+    file's Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 blocks of each whose weight is such a tensor's values,
+    bit for bit (its rows in the model's order), by the module's id. A tensor is matched to a linear
+    of its shape by the multiset of its rows (:func:`_row_keys`), then checked value by value.
+    Tensors that match no linear are left out."""
+    by_key: dict[tuple[int, int, bytes], list[tuple[nn.Linear, torch.Tensor]]] = {}
+    shapes: set[tuple[int, int]] = set()
     for linear in linears:
-        if linear.in_features % SUPER_BLOCK == 0 and linear.weight.dtype == torch.float32:
-            by_shape.setdefault((linear.out_features, linear.in_features), []).append(linear)
-    found: dict[int, KQuantParts] = {}
-    if not by_shape:
+        if linear.in_features % GROUP_SIZE == 0 and linear.weight.dtype == torch.float32:
+            keys = _row_keys(linear.weight.detach())
+            shape = (linear.out_features, linear.in_features)
+            by_key.setdefault((*shape, keys.sort().values.numpy().tobytes()), []).append((linear, keys))
+            shapes.add(shape)
+    found: dict[int, FileBlocks] = {}
+    if not by_key:
         return found
     for tensor in tensor_table(path):
         kind = tensor.kind
         if kind not in _BLOCK_BYTES or len(tensor.shape) != 2:
             continue
         cols, n = (int(x) for x in tensor.shape)  # GGUF lists the fastest-moving dimension first
-        candidates = [m for m in by_shape.get((n, cols), []) if id(m) not in found]
-        if not candidates:
+        if (n, cols) not in shapes or cols % _BLOCK_WEIGHTS[kind]:
             continue
-        parts = parse_kquant(np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1), kind)
+        parts = _parse(tensor, n)
+        if parts is None:
+            continue
         values = parts.values()  # the gguf package's dequantized values, bit for bit
-        for linear in candidates:
-            order = _row_order(linear.weight.detach(), values)  # checks every value
+        candidates = by_key.get((n, cols, _row_keys(values).sort().values.numpy().tobytes()), [])
+        for linear, keys in candidates:
+            if id(linear) in found:
+                continue
+            order = _row_order(linear.weight.detach(), values, keys)  # checks every value
             if order is not None:
                 found[id(linear)] = parts.rows(order)
                 break

@@ -141,10 +141,10 @@ _Stand = TypeVar("_Stand", bound=LinearStandIn)
 
 def joinable(layers: Sequence[LinearStandIn]) -> bool:
     """Whether ``layers`` can be joined into one (``joined``): at least one, of one class, input
-    size and code width (``bits``, where a class holds several), all with a bias or none (a zero bias
-    added to a layer without one could turn a -0 into +0)."""
-    return bool(layers) and len({(type(m), m.in_features, m.bias is None, getattr(m, "bits", None))
-                                 for m in layers}) == 1
+    size, code width (``bits``) and block type (``kind``), where a class holds several, all with a
+    bias or none (a zero bias added to a layer without one could turn a -0 into +0)."""
+    return bool(layers) and len({(type(m), m.in_features, m.bias is None, getattr(m, "bits", None),
+                                  getattr(m, "kind", None)) for m in layers}) == 1
 
 
 def empty_join(cls: type[_Stand], layers: Sequence[LinearStandIn]) -> _Stand:

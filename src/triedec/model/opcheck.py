@@ -1,6 +1,6 @@
 """An op-level harness for triedec's compiled kernels, as ggml's ``test-backend-ops``: one table
 of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int6 (Q6_K), Q4_K and Q5_K with their
-mins, int8 on 8-bit activations;
+mins, Q4_1 and Q5_1 with theirs (Q4_0 as Q4_1), int8 on 8-bit activations;
 float32), tree attention, the RMS norms, rotary),
 each with its shape generator, a float64 reference and an error bound, run on every installed
 kernel library this CPU runs (:func:`check`: within the bound of the reference, and the same bits
@@ -41,6 +41,8 @@ from triedec.model.precision import (
     Int8A8Linear,
     KQuantA8Linear,
     KQuantParts,
+    ScaleMinA8Linear,
+    ScaleMinParts,
     dequantize_int4,
 )
 
@@ -112,9 +114,19 @@ def kquant_parts(bits: int, n: int, k: int, gen: torch.Generator) -> KQuantParts
     return KQuantParts(bits, codes, six_bits(), six_bits(), half((n, k // SUPER_BLOCK)), half((n, k // SUPER_BLOCK)))
 
 
+def scale_min_parts(kind: str, n: int, k: int, gen: torch.Generator) -> ScaleMinParts:
+    """A Q4_0, Q4_1 or Q5_1 layer's blocks: any codes, per group of 32 a positive fp16 ``d`` and an
+    fp16 ``m`` of either sign (Q4_0: ``m = -8 d``), as llama.cpp's quantizer makes them."""
+    codes = torch.randint(0, 32 if kind == "Q5_1" else 16, (n, k), generator=gen).to(torch.uint8)
+    d = (torch.rand(n, k // GROUP_SIZE, generator=gen) * 4e-3 + 1e-3).to(torch.float16)
+    m = d * -8 if kind == "Q4_0" else ((torch.rand(d.shape, generator=gen) - 0.7) * 0.1).to(torch.float16)
+    return ScaleMinParts(kind, codes, d.float(), m.float())
+
+
 def _a8_linear(kind: str) -> Op:
     layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int6": Int6A8Linear, "int8": Int8A8Linear,
-                   "q4_k": KQuantA8Linear, "q5_k": KQuantA8Linear}[kind]
+                   "q4_k": KQuantA8Linear, "q5_k": KQuantA8Linear, "q4_1": ScaleMinA8Linear,
+                   "q5_1": ScaleMinA8Linear}[kind]
 
     def build(shape: dict[str, int], gen: torch.Generator) -> Inputs:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
@@ -128,6 +140,14 @@ def _a8_linear(kind: str) -> Op:
             size = (step.repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
                     + low.repeat_interleave(GROUP_SIZE, dim=1))
             return {"layer": layer, "x": x, "weight": parts.values().double(), "magnitude": size.double()}
+        if kind in ("q4_1", "q5_1"):
+            sm = scale_min_parts(kind.upper(), shape["N"], shape["K"], gen)
+            layer = ScaleMinA8Linear(linear, sm)
+            x = (torch.randn(shape["R"], shape["K"], generator=gen) * 2).to(torch.bfloat16)
+            # the kernel sums d q and m apart: its roundings scale with their magnitudes
+            size = (sm.d.repeat_interleave(GROUP_SIZE, dim=1) * sm.codes.float()
+                    + sm.m.abs().repeat_interleave(GROUP_SIZE, dim=1))
+            return {"layer": layer, "x": x, "weight": sm.values().double(), "magnitude": size.double()}
         with torch.no_grad():
             if kind == "int5":
                 linear.weight.copy_(q5_0_weights(shape["N"], shape["K"], gen))
@@ -150,6 +170,8 @@ def _a8_linear(kind: str) -> Op:
             return kernel.int6_linear(inp["x"], layer.packed, layer.highs, layer.scales, layer.supers, False)
         if kind in ("q4_k", "q5_k"):
             return kernel.kquant_linear(inp["x"], layer.packed, layer.highs, layer.scales_mins, layer.supers, False)
+        if kind in ("q4_1", "q5_1"):
+            return kernel.scale_min_linear(inp["x"], layer.packed, layer.highs, layer.dm, False)
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
     def reference(inp: Inputs) -> torch.Tensor:
@@ -160,7 +182,8 @@ def _a8_linear(kind: str) -> Op:
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
-    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5, "q4_k": 4.75, "q5_k": 5.75}[kind]
+    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5, "q4_k": 4.75, "q5_k": 5.75, "q4_1": 5,
+            "q5_1": 6}[kind]
     if kind in ("int6", "q4_k", "q5_k"):  # K-quants: rows of whole super-blocks (Qwen2.5 0.5B's ffn_down)
         checks = ({"R": 1, "K": 256, "N": 48}, {"R": 7, "K": 512, "N": 208}, {"R": 19, "K": 768, "N": 80})
         perfs = ({"R": 1, "K": 4864, "N": 896}, {"R": 16, "K": 4864, "N": 896}, {"R": 256, "K": 4864, "N": 896})
@@ -259,7 +282,7 @@ def _tree_attention() -> Op:
 
 
 OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int6"), _a8_linear("q4_k"),
-                       _a8_linear("q5_k"), _a8_linear("int8"),
+                       _a8_linear("q5_k"), _a8_linear("q4_1"), _a8_linear("q5_1"), _a8_linear("int8"),
                        _f32_linear(), _rms_norm(False), _rms_norm(True), _rotary(), _tree_attention())
 """The table: every op of triedec's kernel libraries a forward calls, by name."""
 

@@ -19,8 +19,11 @@ A decoding step on a CPU is bound by reading the weights, so the mode sets the s
   with more bits, int8 with an fp16 scale per output and group of :data:`GROUP_SIZE` (GGUF's Q8_0
   layout, :func:`quantize_int8_groups`: a file's Q8_0 and Q5_0 blocks are kept bit for bit; Q5_0
   layers held at their 5.5 bits, :class:`Int5A8Linear`, and Q6_K layers, whose scale changes every
-  16 weights, at their 6.6 bits with their values, :class:`Int6A8Linear`). What
-  ``weights="auto"`` gives a GGUF file stored in 4 bits on a CPU with AVX2 or AVX512-VNNI.
+  16 weights, at their 6.6 bits with their values, :class:`Int6A8Linear`); loaded from a GGUF
+  file, its Q4_K and Q5_K layers (:class:`KQuantA8Linear`) and Q4_0, Q4_1 and Q5_1 layers
+  (:class:`ScaleMinA8Linear`) are the file's own blocks, read from it
+  (:mod:`triedec.model.gguf_blocks`). What ``weights="auto"`` gives a GGUF file stored in 4 bits
+  on a CPU with AVX2 or AVX512-VNNI.
 
 Quantized weights run with ``bfloat16`` activations (torch's weight-only CPU kernels,
 ``_weight_int8pack_mm`` and ``_weight_int4pack_mm_for_cpu``; with float32 activations they take a
@@ -541,6 +544,122 @@ class KQuantA8Linear(LinearStandIn):
         return f", super_block={SUPER_BLOCK}, bits={self.bits}, mins=True, activations=int8"
 
 
+SCALE_MIN_KINDS = ("Q4_0", "Q4_1", "Q5_1")
+"""The GGUF block types :class:`ScaleMinA8Linear` holds: ``w = d * q + m`` per group of 32."""
+
+
+@dataclass(frozen=True)
+class ScaleMinParts:
+    """A GGUF Q4_0, Q4_1 or Q5_1 layer's blocks as the file holds them, ``w = d * q + m``: ``codes
+    [N, K]`` (uint8, 0..15, or 0..31 for Q5_1), ``d`` and ``m`` ``[N, K / 32]`` (float32, the file's
+    fp16 values; a Q4_0 block, ``w = d * (q - 8)``, has ``m = -8 d``, exact in fp16); ``kind`` the
+    block type (:data:`SCALE_MIN_KINDS`). :mod:`triedec.model.gguf_blocks` reads them from the file."""
+
+    kind: str
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def bits(self) -> int:
+        """The codes' width: 5 for Q5_1, else 4."""
+        return 5 if self.kind == "Q5_1" else 4
+
+    def values(self) -> torch.Tensor:
+        """The weight ``[N, K]`` in float32 as the ``gguf`` package dequantizes it, bit for bit:
+        ``d * q + m``, the product and the sum one float32 operation each; for Q4_0 ``d * (q -
+        8)``, the same number (``d * q`` and ``8 d`` are exact in float32) but for the sign of a
+        zero."""
+        q = self.codes.float().reshape(*self.d.shape, GROUP_SIZE)
+        if self.kind == "Q4_0":
+            return (self.d[..., None] * (q - 8)).reshape(self.codes.shape)
+        return (self.d[..., None] * q + self.m[..., None]).reshape(self.codes.shape)
+
+    def rows(self, order: torch.Tensor) -> ScaleMinParts:
+        """These blocks with their rows (outputs) in ``order``: row ``i`` is this one's ``order[i]``."""
+        return ScaleMinParts(self.kind, self.codes[order], self.d[order], self.m[order])
+
+
+class ScaleMinA8Linear(LinearStandIn):
+    """``y = x w^T + b`` with a GGUF Q4_0, Q4_1 or Q5_1 layer's own blocks, ``w = d * q + m``
+    (:class:`ScaleMinParts`, read from the file: its values bit for bit), at 5 or 6 bits a weight
+    (the file's Q4_1 and Q5_1; Q4_0's 4.5 held as 5: its ``m = -8 d`` beside each ``d``), computed
+    by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE` features
+    (``csrc/a8_linears.cpp``, ``scale_min_linear``: per group ``D`` in int32, then ``y = fma(a D, d,
+    y); y = fma(a Q, m, y)``, int4's float steps): the codes in int4's layout (``packed``) with, for
+    Q5_1, int5's plane of fifth bits (``highs``; ``[N, 0]`` for 4-bit codes), and ``dm`` fp16 ``[K /
+    32, 2, N]`` in int4's order of scales and zeros. Output rows a multiple of 16, input features of
+    :data:`GROUP_SIZE`. Inference only; bf16 activations."""
+
+    def __init__(self, linear: nn.Linear, parts: ScaleMinParts) -> None:
+        super().__init__(linear)
+        if not int4_fits(linear):
+            raise TriedecError(f"the scale-min kernel needs output rows divisible by 16 and input features by "
+                               f"{GROUP_SIZE}, got {self.out_features}x{self.in_features}")
+        if parts.codes.shape != (self.out_features, self.in_features) or parts.kind not in SCALE_MIN_KINDS:
+            raise TriedecError(f"a Q4_0, Q4_1 or Q5_1 layer's blocks must be [{self.out_features}, "
+                               f"{self.in_features}], got {tuple(parts.codes.shape)} of {parts.kind}")
+        load_kernel()
+        self.kind, self.bits = parts.kind, parts.bits
+        self._pack(parts)
+        self.bias = _bias(linear)
+
+    def _pack(self, parts: ScaleMinParts) -> None:
+        n = parts.codes.shape[0]
+        if parts.bits == 5:
+            packed, highs = pack_int5(parts.codes.to(torch.int16) - 16)
+        else:
+            packed, highs = pack_int4(parts.codes), torch.zeros(n, 0, dtype=torch.uint8)
+        self.register_buffer("packed", packed)
+        self.register_buffer("highs", highs)
+        both = torch.stack([parts.d, parts.m], dim=-1).to(torch.float16)[..., None]
+        self.register_buffer("dm", blocked(both).reshape(-1, 2, n).contiguous())
+
+    def parts(self) -> ScaleMinParts:
+        """The blocks this layer holds (:class:`ScaleMinParts`)."""
+        n, k = self.out_features, self.in_features
+        codes = (unpack_int5(self.packed, self.highs).to(torch.int16) + 16 if self.bits == 5
+                 else unpack_int4(self.packed))
+        both = unblocked(self.dm.reshape(-1), n, k // GROUP_SIZE, 2, 1).float()
+        return ScaleMinParts(self.kind, codes.to(torch.uint8), both[:, :, 0, 0].contiguous(),
+                             both[:, :, 1, 0].contiguous())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, ``[out, in]`` in float32 (the file's values)."""
+        return self.parts().values()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        buffers = self._buffers
+        out = load_kernel().scale_min_linear(x, buffers["packed"], buffers["highs"], buffers["dm"], False)
+        return _plus_bias(out, self.bias)
+
+    @classmethod
+    def joined(cls, layers: Sequence[ScaleMinA8Linear]) -> ScaleMinA8Linear:
+        """As :meth:`Int4A8Linear.joined`, for layers of one block type: the outputs side by side,
+        each with its own bits."""
+        if len({m.kind for m in layers}) != 1:
+            raise TriedecError("only scale-min layers of one block type (Q4_0, Q4_1 or Q5_1) join")
+        joined = empty_join(cls, layers)
+        parts = [m.parts() for m in layers]
+        joined.kind, joined.bits = layers[0].kind, layers[0].bits
+        joined._pack(ScaleMinParts(joined.kind, *(torch.cat([getattr(p, f) for p in parts])
+                                                  for f in ("codes", "d", "m"))))
+        joined.bias = joined_bias(layers)
+        return joined
+
+    def repr_extra(self) -> str:
+        return f", group_size={GROUP_SIZE}, kind={self.kind}, activations=int8"
+
+
+FileBlocks = KQuantParts | ScaleMinParts
+"""A layer's blocks as a GGUF file holds them, for the kernel that reads those blocks."""
+
+
+def file_block_layer(linear: nn.Linear, parts: FileBlocks) -> KQuantA8Linear | ScaleMinA8Linear:
+    """The stand-in that holds ``parts``, a file's own blocks of ``linear``."""
+    return KQuantA8Linear(linear, parts) if isinstance(parts, KQuantParts) else ScaleMinA8Linear(linear, parts)
+
+
 def pack_int6(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[N, K]`` in -32..31 as :class:`Int6A8Linear` holds them: ``u = codes + 32``'s low 4
     bits in :func:`pack_int4`'s order ``[N, K / 2]``, and its top two bits ``u >> 4`` ``[N, K /
@@ -668,7 +787,7 @@ number (a smaller one would lose bits to subnormal rounding; the group's codes t
 -127..127)."""
 
 
-NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear, Int6A8Linear, KQuantA8Linear)
+NATIVE_LINEARS = (Int4A8Linear, Int8A8Linear, Int5A8Linear, Int6A8Linear, KQuantA8Linear, ScaleMinA8Linear)
 """The stand-ins that run triedec's compiled kernels (``csrc/a8_linears.cpp``)."""
 
 
@@ -880,7 +999,7 @@ class Quantized:
 
 
 def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = None,
-                     from_gguf: bool = False, file_blocks: Mapping[int, KQuantParts] | None = None) -> Quantized:
+                     from_gguf: bool = False, file_blocks: Mapping[int, FileBlocks] | None = None) -> Quantized:
     """Swap every ``nn.Linear`` of ``model`` for an :class:`Int8Linear`, :class:`Int4Linear` or
     :class:`Int4A8Linear` (``weights``: ``int8``, ``int4``, ``int4-a8``), in place, quantizing from
     the weights as they are (quantize from float32 for the best codes, then cast the rest of the
@@ -892,9 +1011,10 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     4-bit, the int4 modes keep their codes (:func:`quantize_int4`) and quantize the layers the
     file stored with more bits (:data:`FINER_THAN_4BIT`) to int8, like the head, not to 4 bits (a
     file with no 4-bit layer is quantized as asked). ``file_blocks``: in ``int4-a8``, the file's own
-    Q4_K and Q5_K blocks of some linears, by the module's id
-    (:func:`triedec.model.gguf_blocks.file_kquant_layers`): those layers (but the head) are held as
-    :class:`KQuantA8Linear`, at the file's bits and values. A weight shared with another module (a
+    Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 blocks of some linears, by the module's id
+    (:func:`triedec.model.gguf_blocks.file_block_layers`): those layers (but the head) are held as
+    :class:`KQuantA8Linear` or :class:`ScaleMinA8Linear`, at the file's values and bits (Q4_0's 4.5
+    held in 5). A weight shared with another module (a
     tied LM head's embedding) stays as it is in that module."""
     if weights not in ("int8", "int4", "int4-a8"):
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")
@@ -920,7 +1040,7 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
                 continue
             blocks = own.get(id(child))
             if blocks is not None:
-                setattr(parent, name, KQuantA8Linear(child, blocks))
+                setattr(parent, name, file_block_layer(child, blocks))
                 layers += 1
                 continue
             as_int8 = weights == "int8" or child is head
@@ -969,7 +1089,8 @@ def layer_mix(model: nn.Module) -> str:
     """How many of ``model``'s linears are stored in int4, in int8 per row (:class:`Int8Linear`) and
     in int8 per group (:class:`Int8A8Linear`), and in 5 bits per group and in Q6_K's 6 bits where
     there are any (:class:`Int5A8Linear`, :class:`Int6A8Linear`), and a file's own Q4_K and Q5_K
-    blocks (:class:`KQuantA8Linear`: ``-q4kxN``, ``-q5kxN``): ``int4x27-int8x0-int8g32x100``
+    blocks (:class:`KQuantA8Linear`: ``-q4kxN``, ``-q5kxN``) and Q4_0/Q4_1 and Q5_1 ones
+    (:class:`ScaleMinA8Linear`: ``-sm4xN``, ``-sm5xN``): ``int4x27-int8x0-int8g32x100``
     (the rest, left
     unquantized for their shape, follow from the architecture; layers the runner joined count as the
     layers they join). Loads of the same file in the same mode have the same mix; which layers go
@@ -985,8 +1106,10 @@ def layer_mix(model: nn.Module) -> str:
     five = sum(kind is Int5A8Linear for kind in kinds)  # named only where there are any (older keys stay)
     six = sum(kind is Int6A8Linear for kind in kinds)
     kq = {bits: sum(isinstance(m, KQuantA8Linear) and m.bits == bits for m in layers) for bits in (4, 5)}
+    sm = {bits: sum(isinstance(m, ScaleMinA8Linear) and m.bits == bits for m in layers) for bits in (4, 5)}
     return (f"int4x{int4}-int8x{int8}-int8g{GROUP_SIZE}x{grouped}" + (f"-int5g{GROUP_SIZE}x{five}" if five else "")
-            + (f"-q6kx{six}" if six else "") + "".join(f"-q{bits}kx{kq[bits]}" for bits in (4, 5) if kq[bits]))
+            + (f"-q6kx{six}" if six else "") + "".join(f"-q{bits}kx{kq[bits]}" for bits in (4, 5) if kq[bits])
+            + "".join(f"-sm{bits}x{sm[bits]}" for bits in (4, 5) if sm[bits]))
 
 
 def precision_of(model: nn.Module) -> Precision:

@@ -64,6 +64,7 @@ from triedec.model.precision import (
     Int8A8Linear,
     Int8Linear,
     KQuantA8Linear,
+    ScaleMinA8Linear,
 )
 from triedec.model.rmsnorm import FusedRMSNorm, torch_ops_variant
 
@@ -242,6 +243,7 @@ def _activation(module: nn.Module) -> str | None:
 _DECODER_LINEARS = {Int4A8Linear: ("a8-int4", "packed", "scales_zeros"), Int8A8Linear: ("a8-int8", "packed", "scales"),
                     Int5A8Linear: ("a8-int5", "packed", "scales"), Int6A8Linear: ("a8-int6", "packed", "scales"),
                     KQuantA8Linear: ("a8-kquant", "packed", "scales_mins"),
+                    ScaleMinA8Linear: ("a8-scale-min", "packed", "dm"),
                     Int8Linear: ("int8", "codes", "scale"),
                     Int4Linear: ("int4", "packed", "scales_and_zeros")}
 """The linears the native forward runs (``csrc/decoder.h``'s ``NativeLinear``): its kind for each

@@ -28,7 +28,7 @@ from triedec.core.errors import TriedecError
 from triedec.core.params import AUTO_WEIGHTS, DEFAULT_WEIGHTS, WEIGHT_CHOICES
 from triedec.core.paths import cache_root
 from triedec.model.adapter import check_attention
-from triedec.model.gguf_blocks import file_kquant_layers, tensor_table
+from triedec.model.gguf_blocks import file_block_layers, tensor_table
 from triedec.model.isa import ISAS, supported
 from triedec.model.precision import Precision, quantize_linears, stored_in_4bit
 
@@ -243,15 +243,15 @@ def quantize(model: Any, precision: Precision, from_gguf: bool = False,
     """Put a float32 transformers ``model`` in a quantized ``precision``, in place: its linears
     quantized from their float32 weights (``from_gguf``: a GGUF file's, whose 4-bit codes are kept
     and whose finer layers go to int8: :func:`triedec.model.precision.quantize_linears`; in
-    ``int4-a8`` the Q4_K and Q5_K layers of ``gguf_file``, the file loaded, read from its own blocks:
-    :func:`triedec.model.gguf_blocks.file_kquant_layers`), then every
+    ``int4-a8`` the Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 layers of ``gguf_file``, the file loaded, read from its own blocks:
+    :func:`triedec.model.gguf_blocks.file_block_layers`), then every
     other floating parameter cast to the mode's dtype (buffers such as rotary frequencies stay as
     the model built them, as when it is loaded in that dtype directly)."""
     head = model.get_output_embeddings()
     blocks = None
     if gguf_file is not None and precision.weights == "int4-a8":
         linears = [m for m in model.modules() if type(m) is nn.Linear and m is not head]
-        blocks = file_kquant_layers(gguf_file, linears)
+        blocks = file_block_layers(gguf_file, linears)
     quantize_linears(model, precision.weights, head=head, from_gguf=from_gguf, file_blocks=blocks)
     with torch.no_grad():
         for param in model.parameters():

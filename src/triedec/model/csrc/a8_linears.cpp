@@ -35,6 +35,11 @@
 // over the groups in order: D = sum_k x'_k q_k, I = sc D, J = m Q (int32, exact: |I| < 2^23),
 // y = fma(a * I, d, y); y = fma(a * J, e, y), d and e the group's super-block's.
 //
+// scale_min_linear: a GGUF Q4_0, Q4_1 or Q5_1 block's weights as the file holds them: w = d q + m, q
+// in 0..15 (Q4_1; Q4_0 as m = -8 d) or 0..31 (Q5_1), an fp16 d and m per output and group of 32.
+// For row r and output n, over the groups in order: D = sum_k x'_k q_k (int32, exact),
+// y = fma(a * D, d, y); y = fma(a * Q, m, y): int4_linear's float steps with c = m.
+//
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
 // the same bits alone or in any call, and the vector paths and the portable one give the same bits
@@ -68,6 +73,8 @@
 //         per block b and group g the block's nvb * 16 sc then its m at b * 4 * (K / 32) * 32 +
 //         g * 2 * nvb * 16 (int4's scales and zeros' order); supers float32, per block b and
 //         super-block t the block's nvb * 16 d then its e at b * 4 * (K / 256) * 32 + t * 2 * nvb * 16.
+//   scale_min: int4's layout of the codes (Q4_0, Q4_1) or int5's codes and plane (Q5_1); d and m:
+//         fp16 in int4's order of scales and zeros.
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
 // zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
@@ -314,6 +321,19 @@ void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
   });
 }
 
+void scale_min_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                        const c10::Half* dm, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
+    const int32_t D = nibble_dot(packed, highs, K, p, g, xs.q.data() + r * K + g * kGroup);
+    const c10::Half* at = dm + p.block * kBlock * G * 2 * kCols + (g * 2 * p.nvb + p.vb) * kCols + p.i;
+    const float d = static_cast<float>(at[0]), m = static_cast<float>(at[p.nvb * kCols]);
+    const float aD = xs.a[r * G + g] * static_cast<float>(D);
+    y = std::fma(aD, d, y);
+    return std::fma(xs.aq[r * G + g], m, y);
+  });
+}
+
 void int8_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
                    c10::BFloat16* out) {
   const int64_t G = K / kGroup;
@@ -492,6 +512,26 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
   });
 }
 
+// scale_min_linear's tile: tile_nibbles from 0 (the fifth bits where kFifth: Q5_1), then tile4's
+// steps with the file's fp16 d and m in place of s and c.
+template <int R, int V, bool kFifth>
+inline void tile_sm(const uint8_t* codes, const uint8_t* highs, const c10::Half* dm, int64_t nvb, int64_t K,
+                    const RowTile& x, float* y_out) {
+  tile_nibbles<R, V, kFifth, 0>(codes, highs, nvb, K, x, y_out, [&](const __m512i (&acc)[R][V], int64_t g,
+                                                                    __m512 (&y)[R][V]) {
+    for (int v = 0; v < V; ++v) {
+      const c10::Half* at = dm + (g * 2 * nvb + v) * kCols;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + nvb * kCols)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
+        y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
+        y[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(x.aq[r][g]), mins, y[r][v]);
+      }
+    }
+  });
+}
+
 // int8_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd (codes + 128 as unsigned bytes) from -128 Q, then y = fma(a D, s, y).
 template <int R, int V>
@@ -640,12 +680,17 @@ inline void int8_steps_avx2(const __m256i (&acc)[R][2], const c10::Half* scales,
   }
 }
 
+inline __m256 half_to_float8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // int4_linear's tile on AVX2: rows r < R and vectors 0..V - 1 of a block (V = nvb); per group, per
 // vector, the group's 4 steps of 64 bytes (one 1 KiB window of the block's stream at a time). AVX2
 // has 16 registers, too few for every y of the tile beside the sums: y stays in y_out (L1), read
 // and written once per group.
-template <int R, int V>
-inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, int64_t K,
+// With S = c10::Half, scale_min_linear's 4-bit tile: the file's fp16 d and m in place of s and c.
+template <int R, int V, class S = c10::BFloat16>
+inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -680,10 +725,16 @@ inline void tile4_avx2(const uint8_t* codes, const c10::BFloat16* sz, int64_t nv
           }
         }
       }
-      const c10::BFloat16* at = sz + (g * 2 * nvb + v) * kCols;
+      const S* at = sz + (g * 2 * nvb + v) * kCols;
       for (int h = 0; h < 2; ++h) {
-        const __m256 scale = bf16_to_float8(at + 8 * h);
-        const __m256 constant = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_float8(at + nvb * kCols + 8 * h));
+        __m256 scale, constant;
+        if constexpr (std::is_same_v<S, c10::Half>) {
+          scale = half_to_float8(at + 8 * h);
+          constant = half_to_float8(at + nvb * kCols + 8 * h);
+        } else {
+          scale = bf16_to_float8(at + 8 * h);
+          constant = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_float8(at + nvb * kCols + 8 * h));
+        }
         for (int r = 0; r < R; ++r) {
           float* y = y_out + (r * V + v) * kCols + 8 * h;
 #ifdef TRIEDEC_DPBUSD256
@@ -816,6 +867,30 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
                                 [&](const __m256i (&acc)[R][2], int64_t g, int v) {
                                   int8_steps_avx2<R, V>(acc, scales, g, nvb, v, x, y_out);
                                 });
+}
+
+// scale_min_linear's tile on AVX2: 4-bit codes on tile4_avx2 (its sums in int16), 5-bit ones (Q5_1:
+// a group's int16 sums could exceed 32767) on tile_nibbles_avx2 from 0, both with tile_sm's steps.
+template <int R, int V, bool kFifth>
+inline void tile_sm_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Half* dm, int64_t nvb, int64_t K,
+                         const RowTile& x, float* y_out) {
+  if constexpr (!kFifth) {
+    tile4_avx2<R, V, c10::Half>(codes, dm, nvb, K, x, y_out);
+  } else {
+    tile_nibbles_avx2<R, V, true, 0>(codes, highs, nvb, K, x, y_out, [&](const __m256i (&acc)[R][2], int64_t g, int v) {
+      const c10::Half* at = dm + (g * 2 * nvb + v) * kCols;
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = half_to_float8(at + 8 * h), mins = half_to_float8(at + nvb * kCols + 8 * h);
+        for (int r = 0; r < R; ++r) {
+          float* y = y_out + (r * V + v) * kCols + 8 * h;
+          const __m256 aD = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_set1_ps(x.a[r][g]));
+          __m256 sum = _mm256_fmadd_ps(aD, scale, _mm256_loadu_ps(y));
+          sum = _mm256_fmadd_ps(_mm256_set1_ps(x.aq[r][g]), mins, sum);
+          _mm256_storeu_ps(y, sum);
+        }
+      }
+    });
+  }
 }
 
 // kquant_linear's tile on AVX2: tile_nibbles_avx2 from 0, then tilek's steps per half of 8 outputs.
@@ -970,12 +1045,14 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 #define TRIEDEC_TILE6 tile6
 #define TRIEDEC_TILE8 tile8
 #define TRIEDEC_TILEK tilek
+#define TRIEDEC_TILESM tile_sm
 #else
 #define TRIEDEC_TILE4 tile4_avx2
 #define TRIEDEC_TILE5 tile5_avx2
 #define TRIEDEC_TILE6 tile6_avx2
 #define TRIEDEC_TILE8 tile8_avx2
 #define TRIEDEC_TILEK tilek_avx2
+#define TRIEDEC_TILESM tile_sm_avx2
 #endif
 
 // The vector paths: this build's tiles (VNNI's or AVX2's) over the blocks of the packed weight.
@@ -1035,8 +1112,26 @@ void kquant_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
       TRIEDEC_TILEK<kR, kV, false>(codes, nullptr, sm, de, nvb, K, x, y);
   });
 }
+void scale_min_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                      const c10::Half* dm, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup;
+  if (highs)
+    for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                        float* y) {
+      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, true>(
+          packed + b * kBlock * (K / 8) * 64, highs + b * kBlock * (K / 8) * 16, dm + b * kBlock * G * 2 * kCols, nvb,
+          K, x, y);
+    });
+  else
+    for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                        float* y) {
+      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false>(
+          packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * 2 * kCols, nvb, K, x, y);
+    });
+}
 #else
 constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false
+constexpr auto& scale_min_vector = scale_min_portable;
 constexpr auto& kquant_vector = kquant_portable;
 constexpr auto& int5_vector = int5_portable;
 constexpr auto& int6_vector = int6_portable;
@@ -1097,6 +1192,16 @@ void kquant_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint
     kquant_vector(xs, R, K, packed, highs, scales_mins, supers, N, out);
   else
     kquant_portable(xs, R, K, packed, highs, scales_mins, supers, N, out);
+}
+
+void scale_min_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
+                           const c10::Half* dm, int64_t N, c10::BFloat16* out, bool portable) {
+  if (R == 0) return;
+  const Rows& xs = quantize_rows(x, R, K, portable);
+  if (kVector && !portable)
+    scale_min_vector(xs, R, K, packed, highs, dm, N, out);
+  else
+    scale_min_portable(xs, R, K, packed, highs, dm, N, out);
 }
 
 }  // namespace triedec

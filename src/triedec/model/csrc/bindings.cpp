@@ -58,6 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kquant_linear", &kquant_linear,
         "a linear with a Q4_K or Q5_K block's codes, scales and mins and 8-bit activations in its dot products",
         release());
+  m.def("scale_min_linear", &scale_min_linear,
+        "a linear with a Q4_0, Q4_1 or Q5_1 block's codes, fp16 scale and min, and 8-bit activations in its dot "
+        "products", release());
   m.def("f32_linear", &f32_linear, "a float32 linear, each output summed over the input features in order",
         release());
   m.def("dot_peak", &dot_peak,

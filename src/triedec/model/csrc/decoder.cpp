@@ -105,6 +105,10 @@ void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
     kern.kquant_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(),
                             l.highs.size(1) ? l.highs.data_ptr<uint8_t>() : nullptr, l.scales.data_ptr<int8_t>(),
                             l.supers.data_ptr<float>(), l.N, out, false);
+  } else if (l.kind == NativeLinear::kA8ScaleMin) {
+    kern.scale_min_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(),
+                               l.highs.size(1) ? l.highs.data_ptr<uint8_t>() : nullptr, l.scales.data_ptr<c10::Half>(),
+                               l.N, out, false);
   } else if (l.kind == NativeLinear::kA8Int6) {
     kern.int6_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.highs.data_ptr<uint8_t>(),
                           l.scales.data_ptr<int8_t>(), l.supers.data_ptr<float>(), l.N, out, false);
@@ -204,8 +208,10 @@ NativeLinear::Kind linear_kind(const std::string& kind) {
   if (kind == "a8-int5") return NativeLinear::kA8Int5;
   if (kind == "a8-int6") return NativeLinear::kA8Int6;
   if (kind == "a8-kquant") return NativeLinear::kA8KQuant;
+  if (kind == "a8-scale-min") return NativeLinear::kA8ScaleMin;
   if (kind == "int8") return NativeLinear::kInt8;
-  TORCH_CHECK(kind == "int4", "a linear's kind is f32, a8-int4, a8-int8, a8-int5, a8-int6, a8-kquant, int8 or int4, not ",
+  TORCH_CHECK(kind == "int4",
+              "a linear's kind is f32, a8-int4, a8-int8, a8-int5, a8-int6, a8-kquant, a8-scale-min, int8 or int4, not ",
               kind);
   return NativeLinear::kInt4;
 }
@@ -223,8 +229,8 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
     : kind(linear_kind(kind_)), packed(std::move(packed_)), scales(scales_.value_or(at::Tensor())),
       bias(bias_.value_or(at::Tensor())), highs(highs_.value_or(at::Tensor())),
       supers(supers_.value_or(at::Tensor())), K(in_features) {
-  TORCH_CHECK(highs.defined() == (kind == kA8Int5 || kind == kA8Int6 || kind == kA8KQuant),
-              "an a8-int5, a8-int6 or a8-kquant linear, and only they, take planes of high bits");
+  TORCH_CHECK(highs.defined() == (kind == kA8Int5 || kind == kA8Int6 || kind == kA8KQuant || kind == kA8ScaleMin),
+              "an a8-int5, a8-int6, a8-kquant or a8-scale-min linear, and only they, take planes of high bits");
   TORCH_CHECK(supers.defined() == (kind == kA8Int6 || kind == kA8KQuant),
               "an a8-int6 or a8-kquant linear, and only they, take super-block scales");
   if (kind == kF32) {
@@ -243,7 +249,7 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
   N = packed.size(0);
   TORCH_CHECK(K > 0 && K % kA8Group == 0, "input features must be a multiple of 32");
   TORCH_CHECK(packed.size(1) == ((kind == kA8Int4 || kind == kInt4 || kind == kA8Int5 || kind == kA8Int6 ||
-                                  kind == kA8KQuant) ? K / 2 : K),
+                                  kind == kA8KQuant || kind == kA8ScaleMin) ? K / 2 : K),
               "packed codes must be [N, K] (4-, 5- and 6-bit: [N, K / 2])");
   TORCH_CHECK(scales.device().is_cpu() && scales.is_contiguous(), "scales must be contiguous");
   switch (kind) {
@@ -283,6 +289,14 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
       TORCH_CHECK(supers.device().is_cpu() && supers.is_contiguous() && supers.scalar_type() == at::kFloat &&
                       supers.dim() == 3 && supers.size(0) == K / 256 && supers.size(1) == 2 && supers.size(2) == N,
                   "an a8-kquant linear's super-block scales must be contiguous float32 [K / 256, 2, N]");
+      break;
+    case kA8ScaleMin:
+      TORCH_CHECK(N % kA8Cols == 0, "output features must be a multiple of 16");
+      TORCH_CHECK(highs.device().is_cpu() && highs.is_contiguous() && highs.scalar_type() == at::kByte &&
+                      highs.dim() == 2 && highs.size(0) == N && (highs.size(1) == 0 || highs.size(1) == K / 8),
+                  "an a8-scale-min linear's fifth bits must be contiguous uint8 [N, K / 8] (Q5_1) or [N, 0]");
+      TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
+                      scales.size(1) == 2 && scales.size(2) == N, "an a8-scale-min linear's d and m must be fp16 [K / 32, 2, N]");
       break;
     case kInt8:
       TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 && scales.size(0) == N,

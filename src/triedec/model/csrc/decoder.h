@@ -28,12 +28,14 @@ at::Tensor aten_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 // input features as SplitLinear runs it (split: each piece's output added in order, then the bias);
 // pieces: the packed weights, bounds: where each piece starts, then in_features.
 struct NativeLinear {
-  enum Kind { kA8Int4, kA8Int8, kA8Int5, kA8Int6, kA8KQuant, kInt8, kInt4, kOneDnn, kF32 };
+  enum Kind { kA8Int4, kA8Int8, kA8Int5, kA8Int6, kA8KQuant, kA8ScaleMin, kInt8, kInt4, kOneDnn, kF32 };
   // highs: a8-int5's plane of fifth bits ([N, K / 8]) or a8-int6's two planes of bits 4 and 5 ([N, K
   // / 4]); a8-int6 (a Q6_K layer: 4-bit codes as a8-int4's, scales int8 [K / 16, N]) also takes
   // supers, float32 [K / 256, N]; a8-kquant (a Q4_K or Q5_K layer: 4-bit codes as a8-int4's, highs as
   // a8-int5's for Q5_K or [N, 0] for Q4_K, scales int8 [K / 32, 2, N]) takes supers float32 [K / 256,
-  // 2, N]; both undefined for every other kind
+  // 2, N]; a8-scale-min (a Q4_0, Q4_1 or Q5_1 layer: 4-bit codes as a8-int4's, highs as a8-int5's for
+  // Q5_1 or [N, 0], scales fp16 d and m [K / 32, 2, N]) takes highs only; both undefined for every
+  // other kind
   NativeLinear(const std::string& kind, at::Tensor packed, c10::optional<at::Tensor> scales,
                c10::optional<at::Tensor> bias, int64_t in_features, c10::optional<at::Tensor> highs,
                c10::optional<at::Tensor> supers);

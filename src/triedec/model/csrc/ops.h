@@ -36,5 +36,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 // a contiguous uint8 tensor's bytes, read once.
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor scales_mins,
                             torch::Tensor supers, bool portable);
+torch::Tensor scale_min_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor dm,
+                               bool portable);
 int64_t dot_peak(int64_t iterations);
 int64_t stream_read(torch::Tensor bytes);

@@ -17,7 +17,7 @@ constexpr TypedKernels<T> typed() {
 const KernelTable table{kKernelTableVersion, TRIEDEC_ISA, TRIEDEC_SOURCES_DIGEST, typed<float>(),
                         typed<c10::BFloat16>(), typed<c10::Half>(), &a8_linears_vectorized, &int4_linear_rows,
                         &int8_linear_rows, &f32_linear_rows, &add_bf16, &mul_bf16_rows, &add_bias_bf16,
-                        &int5_linear_rows, &int6_linear_rows, &kquant_linear_rows, &dot_peak, &stream_read};
+                        &int5_linear_rows, &int6_linear_rows, &kquant_linear_rows, &scale_min_linear_rows, &dot_peak, &stream_read};
 
 }  // namespace
 
