@@ -914,13 +914,13 @@ def test_a_scale_min_layer_is_held_as_its_files_blocks_with_their_values_and_one
         kind, vectors, groups, rows, seed):
     """A Q4_0, Q4_1 or Q5_1 tensor's blocks, as the file stores them, are read
     (:func:`parse_scale_min`) into parts whose values are the ``gguf`` package's dequantized ones bit
-    for bit, held at 5 or 6 bits a weight (:class:`ScaleMinA8Linear`: the file's Q4_1 and Q5_1,
-    Q4_0's 4.5 at 5; the packing round-trips) and multiplied within the op harness's bound of a
-    float64 reference, with the same bits on the vector path and the portable one, alone and in any
-    call, and joined as the runner joins q, k and v."""
+    for bit, held at the file's 4.5, 5 or 6 bits a weight (:class:`ScaleMinA8Linear`; the packing
+    round-trips) and multiplied within the op harness's bound of a float64 reference, with the same
+    bits on the vector path and the portable one, alone and in any call (a Q4_0 layer's: those of
+    the same blocks held with ``m = -8 d`` stored), and joined as the runner joins q, k and v."""
     from triedec.model.gguf_blocks import parse_scale_min
     from triedec.model.opcheck import OPS
-    from triedec.model.precision import ScaleMinA8Linear
+    from triedec.model.precision import ScaleMinA8Linear, ScaleMinParts
 
     raw, weight = _scale_min_raw(kind, 16 * vectors, 32 * groups, seed)
     parts = parse_scale_min(raw, kind)
@@ -932,9 +932,9 @@ def test_a_scale_min_layer_is_held_as_its_files_blocks_with_their_values_and_one
     back = layer.parts()
     assert back.kind == kind and all(torch.equal(getattr(back, f), getattr(parts, f)) for f in ("codes", "d", "m"))
     held = sum(t.numel() * t.element_size() for t in (layer.packed, layer.highs, layer.dm))
-    assert held * 8 == weight.numel() * (6 if kind == "Q5_1" else 5)
+    assert held * 8 == weight.numel() * {"Q4_0": 4.5, "Q4_1": 5, "Q5_1": 6}[kind]
     x = (torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
-    op = next(o for o in OPS if o.name == ("linear q5_1-a8" if kind == "Q5_1" else "linear q4_1-a8"))
+    op = next(o for o in OPS if o.name == f"linear {kind.lower()}-a8")
     size = (parts.d.abs().repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
             + parts.m.abs().repeat_interleave(GROUP_SIZE, dim=1))
     inputs = {"layer": layer, "x": x, "weight": weight.double(), "magnitude": size.double()}
@@ -944,6 +944,9 @@ def test_a_scale_min_layer_is_held_as_its_files_blocks_with_their_values_and_one
         assert ((got.double() - expected).abs() <= op.bound(inputs, expected)).all()
         assert torch.equal(got, KERNEL.scale_min_linear(x, layer.packed, layer.highs, layer.dm, True))
         assert torch.equal(got, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+        if kind == "Q4_0":  # d alone, m = -8 d in the kernel: the bits of d and m = -8 d stored
+            stored = ScaleMinA8Linear(_linear_of(weight), ScaleMinParts("Q4_1", parts.codes, parts.d, parts.m))
+            assert stored.dm.shape[1] == 2 and torch.equal(got, stored(x))
         raw2, weight2 = _scale_min_raw(kind, 16, 32 * groups, seed + 1)
         other = ScaleMinA8Linear(_linear_of(weight2), parse_scale_min(raw2, kind))
         joined = ScaleMinA8Linear.joined([layer, other])

@@ -1,6 +1,6 @@
 """An op-level harness for triedec's compiled kernels, as ggml's ``test-backend-ops``: one table
 of ops (:data:`OPS`: the linear of each weight layout (int4, int5, int6 (Q6_K), Q4_K and Q5_K with their
-mins, Q4_1 and Q5_1 with theirs (Q4_0 as Q4_1), int8 on 8-bit activations;
+mins, Q4_0, Q4_1 and Q5_1, int8 on 8-bit activations;
 float32), tree attention, the RMS norms, rotary),
 each with its shape generator, a float64 reference and an error bound, run on every installed
 kernel library this CPU runs (:func:`check`: within the bound of the reference, and the same bits
@@ -125,8 +125,8 @@ def scale_min_parts(kind: str, n: int, k: int, gen: torch.Generator) -> ScaleMin
 
 def _a8_linear(kind: str) -> Op:
     layer_class = {"int4": Int4A8Linear, "int5": Int5A8Linear, "int6": Int6A8Linear, "int8": Int8A8Linear,
-                   "q4_k": KQuantA8Linear, "q5_k": KQuantA8Linear, "q4_1": ScaleMinA8Linear,
-                   "q5_1": ScaleMinA8Linear}[kind]
+                   "q4_k": KQuantA8Linear, "q5_k": KQuantA8Linear, "q4_0": ScaleMinA8Linear,
+                   "q4_1": ScaleMinA8Linear, "q5_1": ScaleMinA8Linear}[kind]
 
     def build(shape: dict[str, int], gen: torch.Generator) -> Inputs:
         linear = nn.Linear(shape["K"], shape["N"], bias=False)
@@ -140,7 +140,7 @@ def _a8_linear(kind: str) -> Op:
             size = (step.repeat_interleave(GROUP_SIZE, dim=1) * parts.codes.float()
                     + low.repeat_interleave(GROUP_SIZE, dim=1))
             return {"layer": layer, "x": x, "weight": parts.values().double(), "magnitude": size.double()}
-        if kind in ("q4_1", "q5_1"):
+        if kind in ("q4_0", "q4_1", "q5_1"):
             sm = scale_min_parts(kind.upper(), shape["N"], shape["K"], gen)
             layer = ScaleMinA8Linear(linear, sm)
             x = (torch.randn(shape["R"], shape["K"], generator=gen) * 2).to(torch.bfloat16)
@@ -170,7 +170,7 @@ def _a8_linear(kind: str) -> Op:
             return kernel.int6_linear(inp["x"], layer.packed, layer.highs, layer.scales, layer.supers, False)
         if kind in ("q4_k", "q5_k"):
             return kernel.kquant_linear(inp["x"], layer.packed, layer.highs, layer.scales_mins, layer.supers, False)
-        if kind in ("q4_1", "q5_1"):
+        if kind in ("q4_0", "q4_1", "q5_1"):
             return kernel.scale_min_linear(inp["x"], layer.packed, layer.highs, layer.dm, False)
         return kernel.int8_linear(inp["x"], layer.packed, layer.scales, False)
 
@@ -182,8 +182,8 @@ def _a8_linear(kind: str) -> Op:
         groups = inp["x"].shape[1] // GROUP_SIZE
         return 2**-8 * expected.abs() + 4 * EPS32 * groups * terms + 1e-30
 
-    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5, "q4_k": 4.75, "q5_k": 5.75, "q4_1": 5,
-            "q5_1": 6}[kind]
+    bits = {"int4": 4.5, "int5": 5.5, "int6": 6.625, "int8": 8.5, "q4_k": 4.75, "q5_k": 5.75, "q4_0": 4.5,
+            "q4_1": 5, "q5_1": 6}[kind]
     if kind in ("int6", "q4_k", "q5_k"):  # K-quants: rows of whole super-blocks (Qwen2.5 0.5B's ffn_down)
         checks = ({"R": 1, "K": 256, "N": 48}, {"R": 7, "K": 512, "N": 208}, {"R": 19, "K": 768, "N": 80})
         perfs = ({"R": 1, "K": 4864, "N": 896}, {"R": 16, "K": 4864, "N": 896}, {"R": 256, "K": 4864, "N": 896})
@@ -282,7 +282,8 @@ def _tree_attention() -> Op:
 
 
 OPS: tuple[Op, ...] = (_a8_linear("int4"), _a8_linear("int5"), _a8_linear("int6"), _a8_linear("q4_k"),
-                       _a8_linear("q5_k"), _a8_linear("q4_1"), _a8_linear("q5_1"), _a8_linear("int8"),
+                       _a8_linear("q5_k"), _a8_linear("q4_0"), _a8_linear("q4_1"), _a8_linear("q5_1"),
+                       _a8_linear("int8"),
                        _f32_linear(), _rms_norm(False), _rms_norm(True), _rotary(), _tree_attention())
 """The table: every op of triedec's kernel libraries a forward calls, by name."""
 

@@ -582,14 +582,14 @@ class ScaleMinParts:
 
 class ScaleMinA8Linear(LinearStandIn):
     """``y = x w^T + b`` with a GGUF Q4_0, Q4_1 or Q5_1 layer's own blocks, ``w = d * q + m``
-    (:class:`ScaleMinParts`, read from the file: its values bit for bit), at 5 or 6 bits a weight
-    (the file's Q4_1 and Q5_1; Q4_0's 4.5 held as 5: its ``m = -8 d`` beside each ``d``), computed
-    by triedec's kernel on ``x`` quantized to int8 per row and group of :data:`GROUP_SIZE` features
-    (``csrc/a8_linears.cpp``, ``scale_min_linear``: per group ``D`` in int32, then ``y = fma(a D, d,
-    y); y = fma(a Q, m, y)``, int4's float steps): the codes in int4's layout (``packed``) with, for
-    Q5_1, int5's plane of fifth bits (``highs``; ``[N, 0]`` for 4-bit codes), and ``dm`` fp16 ``[K /
-    32, 2, N]`` in int4's order of scales and zeros. Output rows a multiple of 16, input features of
-    :data:`GROUP_SIZE`. Inference only; bf16 activations."""
+    (:class:`ScaleMinParts`, read from the file: its values bit for bit), at the file's bits: 4.5,
+    5 and 6 a weight, computed by triedec's kernel on ``x`` quantized to int8 per row and group of
+    :data:`GROUP_SIZE` features (``csrc/a8_linears.cpp``, ``scale_min_linear``: per group ``D`` in
+    int32, then ``y = fma(a D, d, y); y = fma(a Q, m, y)``, int4's float steps; for Q4_0 ``m = -8
+    d``, computed): the codes in int4's layout (``packed``) with, for Q5_1, int5's plane of fifth
+    bits (``highs``; ``[N, 0]`` for 4-bit codes), and ``dm`` fp16 ``[K / 32, 2, N]`` in int4's order
+    of scales and zeros (Q4_0: its ``d`` alone, ``[K / 32, 1, N]``). Output rows a multiple of 16,
+    input features of :data:`GROUP_SIZE`. Inference only; bf16 activations."""
 
     def __init__(self, linear: nn.Linear, parts: ScaleMinParts) -> None:
         super().__init__(linear)
@@ -612,17 +612,19 @@ class ScaleMinA8Linear(LinearStandIn):
             packed, highs = pack_int4(parts.codes), torch.zeros(n, 0, dtype=torch.uint8)
         self.register_buffer("packed", packed)
         self.register_buffer("highs", highs)
-        both = torch.stack([parts.d, parts.m], dim=-1).to(torch.float16)[..., None]
-        self.register_buffer("dm", blocked(both).reshape(-1, 2, n).contiguous())
+        numbers = [parts.d] if parts.kind == "Q4_0" else [parts.d, parts.m]  # Q4_0: m = -8 d, in the kernel
+        both = torch.stack(numbers, dim=-1).to(torch.float16)[..., None]
+        self.register_buffer("dm", blocked(both).reshape(-1, len(numbers), n).contiguous())
 
     def parts(self) -> ScaleMinParts:
         """The blocks this layer holds (:class:`ScaleMinParts`)."""
         n, k = self.out_features, self.in_features
         codes = (unpack_int5(self.packed, self.highs).to(torch.int16) + 16 if self.bits == 5
                  else unpack_int4(self.packed))
-        both = unblocked(self.dm.reshape(-1), n, k // GROUP_SIZE, 2, 1).float()
-        return ScaleMinParts(self.kind, codes.to(torch.uint8), both[:, :, 0, 0].contiguous(),
-                             both[:, :, 1, 0].contiguous())
+        both = unblocked(self.dm.reshape(-1), n, k // GROUP_SIZE, self.dm.shape[1], 1).float()
+        d = both[:, :, 0, 0].contiguous()
+        m = d * -8 if self.kind == "Q4_0" else both[:, :, 1, 0].contiguous()
+        return ScaleMinParts(self.kind, codes.to(torch.uint8), d, m)
 
     def dequantized(self) -> torch.Tensor:
         """The weight this layer multiplies by, ``[out, in]`` in float32 (the file's values)."""
@@ -1013,8 +1015,8 @@ def quantize_linears(model: nn.Module, weights: str, head: nn.Module | None = No
     file with no 4-bit layer is quantized as asked). ``file_blocks``: in ``int4-a8``, the file's own
     Q4_K, Q5_K, Q4_0, Q4_1 and Q5_1 blocks of some linears, by the module's id
     (:func:`triedec.model.gguf_blocks.file_block_layers`): those layers (but the head) are held as
-    :class:`KQuantA8Linear` or :class:`ScaleMinA8Linear`, at the file's values and bits (Q4_0's 4.5
-    held in 5). A weight shared with another module (a
+    :class:`KQuantA8Linear` or :class:`ScaleMinA8Linear`, at the file's values (Q4_0, Q4_1 and
+    Q5_1 also at its bits). A weight shared with another module (a
     tied LM head's embedding) stays as it is in that module."""
     if weights not in ("int8", "int4", "int4-a8"):
         raise TriedecError(f"quantize_linears takes 'int8', 'int4' or 'int4-a8', got {weights!r}")

@@ -36,9 +36,10 @@
 // y = fma(a * I, d, y); y = fma(a * J, e, y), d and e the group's super-block's.
 //
 // scale_min_linear: a GGUF Q4_0, Q4_1 or Q5_1 block's weights as the file holds them: w = d q + m, q
-// in 0..15 (Q4_1; Q4_0 as m = -8 d) or 0..31 (Q5_1), an fp16 d and m per output and group of 32.
-// For row r and output n, over the groups in order: D = sum_k x'_k q_k (int32, exact),
-// y = fma(a * D, d, y); y = fma(a * Q, m, y): int4_linear's float steps with c = m.
+// in 0..15 or 0..31 (Q5_1), an fp16 d and m per output and group of 32; a Q4_0 block (w = d (q -
+// 8)) holds d only, and m = -8 d is computed (exact in float32). For row r and output n, over the
+// groups in order: D = sum_k x'_k q_k (int32, exact), y = fma(a * D, d, y); y = fma(a * Q, m, y):
+// int4_linear's float steps with c = m.
 //
 // y is rounded once to bf16 (nearest even). The integer sums are exact and every float operation is
 // one IEEE operation in a fixed order on values of the output's own row and column, so a row gets
@@ -74,7 +75,7 @@
 //         g * 2 * nvb * 16 (int4's scales and zeros' order); supers float32, per block b and
 //         super-block t the block's nvb * 16 d then its e at b * 4 * (K / 256) * 32 + t * 2 * nvb * 16.
 //   scale_min: int4's layout of the codes (Q4_0, Q4_1) or int5's codes and plane (Q5_1); d and m:
-//         fp16 in int4's order of scales and zeros.
+//         fp16 in int4's order of scales and zeros; Q4_0's d alone: fp16 in int8's order of scales.
 // int4's scales and zeros: bf16, per block b and group g: the block's nvb * 16 scales, then its
 // zeros, at b * 4 * (K / 32) * 32 + g * 2 * nvb * 16. int8's scales: fp16, per block b and group g
 // the block's nvb * 16 scales at b * 4 * (K / 32) * 16 + g * nvb * 16. So a block's weights are two
@@ -322,12 +323,12 @@ void int4_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
 }
 
 void scale_min_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
-                        const c10::Half* dm, int64_t N, c10::BFloat16* out) {
-  const int64_t G = K / kGroup;
+                        const c10::Half* dm, bool mins, int64_t N, c10::BFloat16* out) {
+  const int64_t G = K / kGroup, per = mins ? 2 : 1;
   for_each_output_portable(R, K, N, out, [&](const Place& p, int64_t r, int64_t g, float y) {
     const int32_t D = nibble_dot(packed, highs, K, p, g, xs.q.data() + r * K + g * kGroup);
-    const c10::Half* at = dm + p.block * kBlock * G * 2 * kCols + (g * 2 * p.nvb + p.vb) * kCols + p.i;
-    const float d = static_cast<float>(at[0]), m = static_cast<float>(at[p.nvb * kCols]);
+    const c10::Half* at = dm + p.block * kBlock * G * per * kCols + (g * per * p.nvb + p.vb) * kCols + p.i;
+    const float d = static_cast<float>(at[0]), m = mins ? static_cast<float>(at[p.nvb * kCols]) : -8.0f * d;
     const float aD = xs.a[r * G + g] * static_cast<float>(D);
     y = std::fma(aD, d, y);
     return std::fma(xs.aq[r * G + g], m, y);
@@ -513,16 +514,18 @@ inline void tile4(const uint8_t* codes, const c10::BFloat16* sz, int64_t nvb, in
 }
 
 // scale_min_linear's tile: tile_nibbles from 0 (the fifth bits where kFifth: Q5_1), then tile4's
-// steps with the file's fp16 d and m in place of s and c.
-template <int R, int V, bool kFifth>
+// steps with the file's fp16 d and m (kMins; else m = -8 d: Q4_0) in place of s and c.
+template <int R, int V, bool kFifth, bool kMins>
 inline void tile_sm(const uint8_t* codes, const uint8_t* highs, const c10::Half* dm, int64_t nvb, int64_t K,
                     const RowTile& x, float* y_out) {
+  constexpr int kPer = kMins ? 2 : 1;
   tile_nibbles<R, V, kFifth, 0>(codes, highs, nvb, K, x, y_out, [&](const __m512i (&acc)[R][V], int64_t g,
                                                                     __m512 (&y)[R][V]) {
     for (int v = 0; v < V; ++v) {
-      const c10::Half* at = dm + (g * 2 * nvb + v) * kCols;
+      const c10::Half* at = dm + (g * kPer * nvb + v) * kCols;
       const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-      const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + nvb * kCols)));
+      const __m512 mins = kMins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + nvb * kCols)))
+                                : _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
       for (int r = 0; r < R; ++r) {
         const __m512 aD = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), _mm512_set1_ps(x.a[r][g]));
         y[r][v] = _mm512_fmadd_ps(aD, scale, y[r][v]);
@@ -688,8 +691,9 @@ inline __m256 half_to_float8(const c10::Half* p) {
 // vector, the group's 4 steps of 64 bytes (one 1 KiB window of the block's stream at a time). AVX2
 // has 16 registers, too few for every y of the tile beside the sums: y stays in y_out (L1), read
 // and written once per group.
-// With S = c10::Half, scale_min_linear's 4-bit tile: the file's fp16 d and m in place of s and c.
-template <int R, int V, class S = c10::BFloat16>
+// With S = c10::Half, scale_min_linear's 4-bit tile: the file's fp16 d and m (kMins; else m = -8 d)
+// in place of s and c.
+template <int R, int V, class S = c10::BFloat16, bool kMins = true>
 inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
@@ -725,12 +729,13 @@ inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K
           }
         }
       }
-      const S* at = sz + (g * 2 * nvb + v) * kCols;
+      constexpr int kPer = kMins ? 2 : 1;
+      const S* at = sz + (g * kPer * nvb + v) * kCols;
       for (int h = 0; h < 2; ++h) {
         __m256 scale, constant;
         if constexpr (std::is_same_v<S, c10::Half>) {
           scale = half_to_float8(at + 8 * h);
-          constant = half_to_float8(at + nvb * kCols + 8 * h);
+          constant = kMins ? half_to_float8(at + nvb * kCols + 8 * h) : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));
         } else {
           scale = bf16_to_float8(at + 8 * h);
           constant = _mm256_fmadd_ps(_mm256_set1_ps(-8.0f), scale, bf16_to_float8(at + nvb * kCols + 8 * h));
@@ -871,11 +876,12 @@ inline void tile5_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Ha
 
 // scale_min_linear's tile on AVX2: 4-bit codes on tile4_avx2 (its sums in int16), 5-bit ones (Q5_1:
 // a group's int16 sums could exceed 32767) on tile_nibbles_avx2 from 0, both with tile_sm's steps.
-template <int R, int V, bool kFifth>
+template <int R, int V, bool kFifth, bool kMins>
 inline void tile_sm_avx2(const uint8_t* codes, const uint8_t* highs, const c10::Half* dm, int64_t nvb, int64_t K,
                          const RowTile& x, float* y_out) {
+  static_assert(kMins || !kFifth, "5-bit codes come with their minimums (Q5_1)");
   if constexpr (!kFifth) {
-    tile4_avx2<R, V, c10::Half>(codes, dm, nvb, K, x, y_out);
+    tile4_avx2<R, V, c10::Half, kMins>(codes, dm, nvb, K, x, y_out);
   } else {
     tile_nibbles_avx2<R, V, true, 0>(codes, highs, nvb, K, x, y_out, [&](const __m256i (&acc)[R][2], int64_t g, int v) {
       const c10::Half* at = dm + (g * 2 * nvb + v) * kCols;
@@ -1112,21 +1118,29 @@ void kquant_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
       TRIEDEC_TILEK<kR, kV, false>(codes, nullptr, sm, de, nvb, K, x, y);
   });
 }
+// One tile loop per kind of block (with both tiles in one loop GCC allocated the 4-bit tile's
+// registers worse: 2-5% slower at 16-64 rows on the AVX2 EPYC).
 void scale_min_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
-                      const c10::Half* dm, int64_t N, c10::BFloat16* out) {
+                      const c10::Half* dm, bool mins, int64_t N, c10::BFloat16* out) {
   const int64_t G = K / kGroup;
   if (highs)
     for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                         float* y) {
-      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, true>(
+      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, true, true>(
           packed + b * kBlock * (K / 8) * 64, highs + b * kBlock * (K / 8) * 16, dm + b * kBlock * G * 2 * kCols, nvb,
           K, x, y);
+    });
+  else if (mins)
+    for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
+                                        float* y) {
+      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false, true>(
+          packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * 2 * kCols, nvb, K, x, y);
     });
   else
     for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                         float* y) {
-      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false>(
-          packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * 2 * kCols, nvb, K, x, y);
+      TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false, false>(
+          packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * kCols, nvb, K, x, y);
     });
 }
 #else
@@ -1195,13 +1209,13 @@ void kquant_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint
 }
 
 void scale_min_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
-                           const c10::Half* dm, int64_t N, c10::BFloat16* out, bool portable) {
+                           const c10::Half* dm, bool mins, int64_t N, c10::BFloat16* out, bool portable) {
   if (R == 0) return;
   const Rows& xs = quantize_rows(x, R, K, portable);
   if (kVector && !portable)
-    scale_min_vector(xs, R, K, packed, highs, dm, N, out);
+    scale_min_vector(xs, R, K, packed, highs, dm, mins, N, out);
   else
-    scale_min_portable(xs, R, K, packed, highs, dm, N, out);
+    scale_min_portable(xs, R, K, packed, highs, dm, mins, N, out);
 }
 
 }  // namespace triedec

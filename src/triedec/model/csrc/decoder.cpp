@@ -108,7 +108,7 @@ void run_linear(const NativeLinear& l, const bf16* x, int64_t R, bf16* out) {
   } else if (l.kind == NativeLinear::kA8ScaleMin) {
     kern.scale_min_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(),
                                l.highs.size(1) ? l.highs.data_ptr<uint8_t>() : nullptr, l.scales.data_ptr<c10::Half>(),
-                               l.N, out, false);
+                               l.scales.size(1) == 2, l.N, out, false);
   } else if (l.kind == NativeLinear::kA8Int6) {
     kern.int6_linear_rows(x, R, l.K, l.packed.data_ptr<uint8_t>(), l.highs.data_ptr<uint8_t>(),
                           l.scales.data_ptr<int8_t>(), l.supers.data_ptr<float>(), l.N, out, false);
@@ -296,7 +296,9 @@ NativeLinear::NativeLinear(const std::string& kind_, at::Tensor packed_, c10::op
                       highs.dim() == 2 && highs.size(0) == N && (highs.size(1) == 0 || highs.size(1) == K / 8),
                   "an a8-scale-min linear's fifth bits must be contiguous uint8 [N, K / 8] (Q5_1) or [N, 0]");
       TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.size(0) == K / kA8Group &&
-                      scales.size(1) == 2 && scales.size(2) == N, "an a8-scale-min linear's d and m must be fp16 [K / 32, 2, N]");
+                      (scales.size(1) == 2 || (scales.size(1) == 1 && highs.size(1) == 0)) && scales.size(2) == N,
+                  "an a8-scale-min linear's d and m must be fp16 [K / 32, 2, N] (or its d alone, [K / 32, 1, N], "
+                  "with 4-bit codes: Q4_0)");
       break;
     case kInt8:
       TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 && scales.size(0) == N,

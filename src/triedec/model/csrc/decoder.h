@@ -34,8 +34,8 @@ struct NativeLinear {
   // supers, float32 [K / 256, N]; a8-kquant (a Q4_K or Q5_K layer: 4-bit codes as a8-int4's, highs as
   // a8-int5's for Q5_K or [N, 0] for Q4_K, scales int8 [K / 32, 2, N]) takes supers float32 [K / 256,
   // 2, N]; a8-scale-min (a Q4_0, Q4_1 or Q5_1 layer: 4-bit codes as a8-int4's, highs as a8-int5's for
-  // Q5_1 or [N, 0], scales fp16 d and m [K / 32, 2, N]) takes highs only; both undefined for every
-  // other kind
+  // Q5_1 or [N, 0], scales fp16 d and m [K / 32, 2, N], or Q4_0's d alone [K / 32, 1, N]) takes highs
+  // only; both undefined for every other kind
   NativeLinear(const std::string& kind, at::Tensor packed, c10::optional<at::Tensor> scales,
                c10::optional<at::Tensor> bias, int64_t in_features, c10::optional<at::Tensor> highs,
                c10::optional<at::Tensor> supers);

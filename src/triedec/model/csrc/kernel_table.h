@@ -55,7 +55,7 @@ struct KernelTable {
   void (*kquant_linear_rows)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const uint8_t*, const int8_t*,
                              const float*, int64_t, c10::BFloat16*, bool);
   void (*scale_min_linear_rows)(const c10::BFloat16*, int64_t, int64_t, const uint8_t*, const uint8_t*,
-                                const c10::Half*, int64_t, c10::BFloat16*, bool);
+                                const c10::Half*, bool, int64_t, c10::BFloat16*, bool);
   int64_t (*dot_peak)(int64_t);
   int64_t (*stream_read)(const uint8_t*, int64_t);
 

@@ -68,9 +68,10 @@ void kquant_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint
                         const int8_t* scales_mins, const float* supers, int64_t N, c10::BFloat16* out, bool portable);
 // scale_min (a Q4_0, Q4_1 or Q5_1 block's codes, d and m): int4's layout of the low 4 bits, int5's
 // plane of fifth bits (highs; null for 4-bit codes), fp16 d and m per group in int4's order of
-// scales and zeros (dm [K / 32, 2, N])
+// scales and zeros (dm [K / 32, 2, N]), or where !mins (Q4_0, 4-bit codes) d alone in int8's order
+// of scales (dm [K / 32, 1, N]) and m = -8 d
 void scale_min_linear_rows(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
-                           const c10::Half* dm, int64_t N, c10::BFloat16* out, bool portable);
+                           const c10::Half* dm, bool mins, int64_t N, c10::BFloat16* out, bool portable);
 
 // f32_linears.cpp: x [R, K] float32 contiguous, packed [N, K] float32 in that file's block order (N
 // a multiple of 16), bias [N] or null, out [R, N] float32 contiguous; each output summed over the

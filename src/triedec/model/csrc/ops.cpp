@@ -342,17 +342,19 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor
 
 // x [R, K] bf16; packed uint8 [N, K / 2] (the low 4 bits, int4's order), highs uint8 [N, K / 8] (the
 // fifth bits' masks: Q5_1) or [N, 0] (Q4_0, Q4_1), dm fp16 [K / 32, 2, N] (d and m, in int4's order of
-// scales and zeros). Returns [R, N] bf16.
+// scales and zeros) or, for 4-bit codes, [K / 32, 1, N] (Q4_0's d alone: m = -8 d). Returns [R, N] bf16.
 torch::Tensor scale_min_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor highs, torch::Tensor dm,
                                bool portable) {
   check_input(x, {&packed, &highs, &dm});
   const int64_t K = x.size(1), N = check_codes(x, packed, 2, triedec::kA8Group);
   check_highs(highs, N, K, 8, true);
-  check_blocks(dm, at::kHalf, {K / triedec::kA8Group, 2, N}, "dm", "float16 [K / 32, 2, N]");
+  const bool mins = !(dm.dim() == 3 && dm.size(1) == 1 && highs.size(1) == 0);
+  check_blocks(dm, at::kHalf, {K / triedec::kA8Group, mins ? 2 : 1, N}, "dm",
+               "float16 [K / 32, 2, N] or, with 4-bit codes, [K / 32, 1, N]");
   const uint8_t* fifths = highs.size(1) ? highs.data_ptr<uint8_t>() : nullptr;
   return on_rows(x, N, [&](const c10::BFloat16* rows, int64_t R, c10::BFloat16* out) {
     triedec::kernels().scale_min_linear_rows(rows, R, K, packed.data_ptr<uint8_t>(), fifths,
-                                             dm.data_ptr<c10::Half>(), N, out, portable);
+                                             dm.data_ptr<c10::Half>(), mins, N, out, portable);
   });
 }
 
