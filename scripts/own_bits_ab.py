@@ -1,9 +1,11 @@
 """A Q4_K_M file's Q5_0 or Q6_K layers held at their own bits (``Int5A8Linear``, 5.5 bits a weight;
 ``Int6A8Linear``, 6.625) against the same layers in int8 (``Int8A8Linear``, 8.5 bits, what triedec
-did before): one process, the two models' forwards alternated in rounds, the bytes a token reads,
-and the logits compared (Q5_0: the same bits expected, its codes fit int8 exactly; Q6_K: int8
-re-quantizes its values, so the logits differ, and the table gives by how much and whether the
-top token agrees).
+did before), or (``--block legacy``) a file's Q4_0, Q4_1 and Q5_1 layers as its own blocks
+(``ScaleMinA8Linear``) against the same file's values on int4's grid (``Int4A8Linear``: bf16 scale
+and zero, what triedec did before; a Q5_1 layer then in int8): one process, the two models'
+forwards alternated in rounds, the bytes a token reads, and the logits compared (Q5_0: the same
+bits expected, its codes fit int8 exactly; Q6_K and legacy: the other form rounds the values
+again, so the logits differ, and the table gives by how much and whether the top token agrees).
 
     .venv/bin/python scripts/own_bits_ab.py models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf --block Q5_0 \
         --out benchmarks/q5_0-qwen-cpu
@@ -23,7 +25,7 @@ import torch
 
 import triedec
 from triedec.bench.report import machine_info, source_commit, versions
-from triedec.model import precision
+from triedec.model import gguf_blocks, precision
 from triedec.model.adapter import ForwardItem
 from triedec.model.native import load_kernel
 from triedec.model.source import gguf_linear_bytes
@@ -32,8 +34,8 @@ from triedec.model.source import gguf_linear_bytes
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path)
-    parser.add_argument("--block", choices=("Q5_0", "Q6_K"), default="Q5_0",
-                        help="which layers the second model widens to int8")
+    parser.add_argument("--block", choices=("Q5_0", "Q6_K", "legacy"), default="Q5_0",
+                        help="which layers the second model widens to int8 (legacy: puts on int4's grid)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=9)
@@ -41,20 +43,29 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    own_class = {"Q5_0": precision.Int5A8Linear, "Q6_K": precision.Int6A8Linear}[args.block]
     own = triedec.load(args.model)
-    chosen = precision._a8_linear
+    if args.block == "legacy":
+        read = dict(gguf_blocks._BLOCK_BYTES)
+        for kind in precision.SCALE_MIN_KINDS:  # not read from the file: the values on int4's grid
+            del gguf_blocks._BLOCK_BYTES[kind]
+        try:
+            eight = triedec.load(args.model)
+        finally:
+            gguf_blocks._BLOCK_BYTES.update(read)
+    else:
+        own_class = {"Q5_0": precision.Int5A8Linear, "Q6_K": precision.Int6A8Linear}[args.block]
+        chosen = precision._a8_linear
 
-    def widened(linear: torch.nn.Module) -> torch.nn.Module:
-        layer = chosen(linear)
-        return precision.Int8A8Linear(linear) if type(layer) is own_class else layer
+        def widened(linear: torch.nn.Module) -> torch.nn.Module:
+            layer = chosen(linear)
+            return precision.Int8A8Linear(linear) if type(layer) is own_class else layer
 
-    precision._a8_linear = widened  # those layers in int8, the others as they were
-    try:
-        eight = triedec.load(args.model)
-    finally:
-        precision._a8_linear = chosen
-    own_name = {"Q5_0": "int5", "Q6_K": "int6"}[args.block]
+        precision._a8_linear = widened  # those layers in int8, the others as they were
+        try:
+            eight = triedec.load(args.model)
+        finally:
+            precision._a8_linear = chosen
+    own_name = {"Q5_0": "int5", "Q6_K": "int6", "legacy": "scale-min"}[args.block]
     models = {own_name: own, "int8": eight}
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(100, own.adapter.vocab_size - 100, (args.context,), generator=gen)
@@ -96,11 +107,13 @@ def main() -> int:
                                  "q3_ms": statistics.quantiles(v, n=4)[2]} for name, v in medians.items()}
     held = {name: precision.linear_weight_bytes(lm.model) for name, lm in models.items()}
     in_file = gguf_linear_bytes(args.model)
-    own_label = {"Q5_0": "int5 (Q5_0 at 5.5 bits)", "Q6_K": "int6 (Q6_K at 6.625 bits)"}[args.block]
+    own_label = {"Q5_0": "int5 (Q5_0 at 5.5 bits)", "Q6_K": "int6 (Q6_K at 6.625 bits)",
+                 "legacy": "scale-min (the file's own blocks)"}[args.block]
+    other_label = "int4's grid (bf16 scale and zero)" if args.block == "legacy" else "int8 (those layers at 8.5)"
     lines = [f"{args.model.name}, {args.threads} threads, kernel build {load_kernel().isa()}, {args.context}-token "
              f"cache; median ms [quartiles] over {args.rounds} rounds of {args.per_round}; "
              f"{precision.layer_mix(own.model)} against {precision.layer_mix(eight.model)}", "",
-             f"| | {own_label} | int8 (those layers at 8.5) | logits equal |", "|---|---|---|---|"]
+             f"| | {own_label} | {other_label} | logits equal |", "|---|---|---|---|"]
     for label, row in results.items():
         cells = [f"{r['median_ms']:.2f} [{r['q1_ms']:.2f}, {r['q3_ms']:.2f}]" for r in row.values()]
         same = "yes" if equal[label] else (f"no: up to {apart[label]['max_abs']:.3g} apart, top token the same at "
@@ -117,7 +130,7 @@ def main() -> int:
             "weight_bytes": held, "file_weight_bytes": in_file, "machine": machine_info(torch.device("cpu")),
             "versions": versions(), "commit": source_commit()}, indent=2))
         (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    return 0 if all(equal.values()) or args.block == "Q6_K" else 1
+    return 0 if all(equal.values()) or args.block != "Q5_0" else 1
 
 
 if __name__ == "__main__":
