@@ -40,8 +40,8 @@ from triedec.bench.datasets import load_questions, select, split
 from triedec.bench.report import machine_info, source_commit, versions
 from triedec.bench.stats import MIN_UNITS, bootstrap_interval, geometric_mean
 
-MODES = {"float32": {"weights": "float"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"}, "int4": {"weights": "int4"},
-         "int4-a8": {"weights": "int4-a8"}}
+MODES = {"float32": {"weights": "float"}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"weights": "int8"},
+         "int4": {"weights": "int4"}, "int4-a8": {"weights": "int4-a8"}}
 
 
 def context_cache(lm: triedec.LM, context: int = 256) -> object:
