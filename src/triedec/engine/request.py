@@ -508,7 +508,8 @@ class Request:
                                self._draft_seconds + time.perf_counter() - started + self.draft_forward_seconds)
             self.draft_forward_seconds = 0.0
         new, reason = self._constrained(*self.stop.cut(self.generated, acceptance.tokens))
-        self._score(logits[list(acceptance.path[: len(new)])], new)
+        if self.logprobs is not None:  # the accepted rows gathered (a copy) only when they are scored
+            self._score(logits[list(acceptance.path[: len(new)])], new)
         cache.commit(acceptance.path[: len(new)])  # the root and the accepted drafts before the newest token
         stats = self.stats
         stats.steps += 1
