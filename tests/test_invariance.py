@@ -63,7 +63,7 @@ def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
     kv_heads = data.draw(st.integers(1, 3), label="kv_heads")
     group = data.draw(st.integers(1, 7), label="group")  # heads sharing K/V are computed as teams of 1-3
     dim = data.draw(st.sampled_from([4, 8, 12, 16, 64]), label="dim")  # 4, 12: the scalar path
-    slots = data.draw(st.integers(1, 90), label="slots")
+    slots = data.draw(st.integers(1, 200), label="slots")
     queries = data.draw(st.integers(1, 10), label="queries")
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31), label="seed"))
@@ -71,6 +71,18 @@ def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
     k = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
     v = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
     visible = torch.rand(queries, slots, generator=gen) < data.draw(st.floats(0.05, 1.0), label="density")
+    # the layouts of a forward, where queries share leading keys and are computed jointly over them:
+    # a prompt chunk (query t sees slots up to base + t) and a tree (a shared cache, then some of
+    # the tree's slots), beside keys scattered at random
+    layout = data.draw(st.sampled_from(["random", "chunk", "tree"]), label="layout")
+    if layout == "chunk":
+        base = max(slots - queries, 0)
+        visible = torch.arange(slots)[None, :] <= base + torch.arange(queries)[:, None]
+    elif layout == "tree":
+        shared = data.draw(st.integers(0, slots), label="shared cache")
+        start = data.draw(st.integers(0, max(shared - 1, 0)), label="first shared slot")
+        visible[:, start:shared] = True
+        visible[:, :start] = False
     visible[torch.arange(queries), torch.randint(0, slots, (queries,), generator=gen)] = True
     scale = dim**-0.5
     together = tree_attention(q, k, v, key_lists(visible), scale)

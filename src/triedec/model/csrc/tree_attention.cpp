@@ -19,7 +19,12 @@
 // Speed without changing an operation: the heads of one query that share a key/value head see the
 // same keys, so they go as a team (up to 3, what the registers hold) and each K or V vector loaded
 // serves them all; a thread takes its outputs in blocks whose scores stay in L2; the maximum score
-// is found 8 lanes at a time (a maximum is exact in any order).
+// is found in four chains of 8 lanes (a maximum is exact in any order); a key scored alone keeps its
+// 8 partial sums in one register's lanes; on AVX-512 the exponentials go 16 at a time.
+// Tried and not kept (measured on a Xeon with AVX-512, issue 79): teams of several queries over the
+// keys they share (a prompt chunk's or a tree's cache), also with a chunk's keys transposed so that
+// 16 keys' sums fill a register; the same bits, no faster, the scores being bound by the broadcasts
+// of the query's features and the combining of each key's 8 partial sums rather than by K's loads.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -155,6 +160,23 @@ inline __m512 load8x2(const c10::BFloat16* a, const c10::BFloat16* b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves(a, b)), 16));
 }
 inline __m512 load8x2(const c10::Half* a, const c10::Half* b) { return _mm512_cvtph_ps(halves(a, b)); }
+
+inline __m512 exp16(__m512 x) {  // exp8 on 16 lanes, the same operations
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kUnderflow), _CMP_GT_OQ);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(kRound)),
+                                 _mm512_set1_ps(kRound));
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
 
 inline __m512 hadd512(__m512 a, __m512 b) {  // _mm256_hadd_ps's sums in each 128-bit lane
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
@@ -343,6 +365,15 @@ inline int64_t max_avx2(const Output& o, int64_t n, float& best) {
   int64_t m = 0;
   {  // the maximum is exact in any order (NaN scores are skipped, as below)
     __m256 top = _mm256_set1_ps(-INFINITY);
+    // four independent maxima of 8 lanes (one chain waits on each vmaxps's latency), then one
+    __m256 t1 = top, t2 = top, t3 = top;
+    for (; m + 4 * kLanes <= n; m += 4 * kLanes) {
+      top = _mm256_max_ps(_mm256_loadu_ps(o.scores + m), top);
+      t1 = _mm256_max_ps(_mm256_loadu_ps(o.scores + m + kLanes), t1);
+      t2 = _mm256_max_ps(_mm256_loadu_ps(o.scores + m + 2 * kLanes), t2);
+      t3 = _mm256_max_ps(_mm256_loadu_ps(o.scores + m + 3 * kLanes), t3);
+    }
+    top = _mm256_max_ps(_mm256_max_ps(t1, top), _mm256_max_ps(t3, t2));
     for (; m + kLanes <= n; m += kLanes) top = _mm256_max_ps(_mm256_loadu_ps(o.scores + m), top);
     float lane[kLanes];
     _mm256_storeu_ps(lane, top);
@@ -356,6 +387,17 @@ inline int64_t exp_avx2(Output& o, int64_t n, float best, float* total) {
   {
     const __m256 top = _mm256_set1_ps(best);
     __m256 tv = _mm256_setzero_ps();
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    // 16 scores a pass, exp8's operations on each; the 8 chains of the denominator (rank mod 8)
+    // take the low 8 lanes, then the high 8, so each still adds in rank order
+    const __m512 top16 = _mm512_set1_ps(best);
+    for (; r + 2 * kLanes <= n; r += 2 * kLanes) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(o.scores + r), top16));
+      _mm512_storeu_ps(o.scores + r, e);
+      tv = _mm256_add_ps(tv, _mm512_castps512_ps256(e));
+      tv = _mm256_add_ps(tv, _mm512_extractf32x8_ps(e, 1));
+    }
+#endif
     for (; r + kLanes <= n; r += kLanes) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(o.scores + r), top));
       _mm256_storeu_ps(o.scores + r, e);
@@ -380,6 +422,23 @@ inline int64_t exp_avx2(Output&, int64_t, float, float*) { return 0; }
 
 // ---- the portable path (and the tails of the AVX2 one) --------------------------------------------
 
+// one key's score: 8 partial sums (d mod 8), each a chain of fused multiply-adds in d order, combined
+// as combine() does; with AVX2 the 8 chains are the 8 lanes of one register
+template <typename scalar_t>
+inline float dot_one(const float* q, const scalar_t* kp, int64_t D) {
+  float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+#ifdef TRIEDEC_AVX2
+  if (D % kLanes == 0) {
+    __m256 a = _mm256_setzero_ps();
+    for (; d < D; d += kLanes) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kp + d), a);
+    _mm256_storeu_ps(lane, a);
+  }
+#endif
+  for (; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
+  return combine(lane);
+}
+
 template <typename scalar_t>
 inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, int64_t stop) {
   // the scores of o's keys whose slot is below `stop`, from o.cursor on; each score on its own
@@ -388,12 +447,7 @@ inline void scores_until(const Problem<scalar_t>& P, Output& o, const float* q, 
   int64_t r = o.cursor;
   const int64_t last = o.keys.below(r, stop);
   r = scores_avx2(P, o, q, r, last);
-  for (; r < last; ++r) {
-    const scalar_t* kp = kbase + o.keys.at(r) * P.k_ss;
-    float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
-    o.scores[r] = combine(lane) * P.scale;
-  }
+  for (; r < last; ++r) o.scores[r] = dot_one(q, kbase + o.keys.at(r) * P.k_ss, D) * P.scale;
   o.cursor = last;
 }
 
@@ -423,12 +477,7 @@ inline void team_scores(const Problem<scalar_t>& P, Output* o, const float* q0, 
   r = team_scores_avx2<scalar_t, NQ>(P, o, q0, r, last);
   for (int i = 0; i < NQ; ++i) {
     const float* q = q0 + i * D;
-    for (int64_t s = r; s < last; ++s) {
-      const scalar_t* kp = kbase + o[0].keys.at(s) * P.k_ss;
-      float lane[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t d = 0; d < D; ++d) lane[d % kLanes] = std::fma(q[d], to_float(kp[d]), lane[d % kLanes]);
-      o[i].scores[s] = combine(lane) * P.scale;
-    }
+    for (int64_t s = r; s < last; ++s) o[i].scores[s] = dot_one(q, kbase + o[0].keys.at(s) * P.k_ss, D) * P.scale;
     o[i].cursor = last;
   }
 }
