@@ -71,9 +71,9 @@ def test_kernel_gives_a_query_the_same_bits_in_any_call_and_any_layout(data):
     k = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
     v = torch.randn(1, kv_heads, slots, dim, generator=gen).to(dtype)
     visible = torch.rand(queries, slots, generator=gen) < data.draw(st.floats(0.05, 1.0), label="density")
-    # the layouts of a forward, where queries share leading keys and are computed jointly over them:
-    # a prompt chunk (query t sees slots up to base + t) and a tree (a shared cache, then some of
-    # the tree's slots), beside keys scattered at random
+    # the layouts of a forward beside keys scattered at random: a prompt chunk (query t sees slots
+    # up to base + t, so its last keys are scored one at a time) and a tree (a shared cache, then
+    # some of the tree's slots)
     layout = data.draw(st.sampled_from(["random", "chunk", "tree"]), label="layout")
     if layout == "chunk":
         base = max(slots - queries, 0)
