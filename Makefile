@@ -10,7 +10,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: demo test test-fast lint
 
-$(STAMP): pyproject.toml setup.py scripts/setup.sh $(wildcard src/triedec/model/csrc/*)
+$(STAMP): pyproject.toml setup.py scripts/setup.sh $(wildcard src/triedec/model/csrc/* src/triedec/model/csrc/x86/*/*)
 	bash scripts/setup.sh
 	touch $(STAMP)
 

@@ -29,7 +29,12 @@ and the Python bindings of those. Built once: torch's headers make them most of 
 SOURCES = (*KERNEL_SOURCES, *EXTENSION_SOURCES)
 EXTENSION = "_kernels"
 """The extension's module, inside this package: ``triedec.model._kernels``."""
-HEADERS = ("kernels.h", "kernel_table.h", "tiles.h", "ops.h", "decoder.h")
+HEADERS = ("kernels.h", "kernel_table.h", "tiles.h", "ops.h", "decoder.h",
+           *(f"x86/{isa}/{op}.h" for isa in ("avx512", "avx2") for op in ("a8_linears", "tree_attention",
+                                                                        "f32_linears", "probes")))
+"""The headers: the kernels' interfaces and, in ``x86/avx512/`` and ``x86/avx2/``, each op's code for
+that instruction set (included by the op's translation unit where the build's flags enable it; the
+portable code stays in the ``.cpp`` as the reference)."""
 COMMON_FLAGS = ("-O3", "-g0", "-ffp-contract=off", "-fno-fast-math")
 """``-ffp-contract=off``: no implicit fused multiply-adds (an element gets the same bits in a vector
 lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` overrides the ``-g``

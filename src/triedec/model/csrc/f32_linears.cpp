@@ -7,7 +7,8 @@
 //   y = fma(x[r, k], w[n, k], y)    for k = 0 .. K - 1, from y = 0
 // then y + b[n] where the layer has a bias: one IEEE operation each, in an order fixed by the
 // output alone, so a row gets the same bits alone or in any call, on any thread count, and the
-// AVX-512, AVX2 and portable paths give the same bits (each lane of a vector is one output).
+// AVX-512, AVX2 (x86/avx512/f32_linears.h, x86/avx2/f32_linears.h) and portable paths give the same
+// bits (each lane of a vector is one output).
 //
 // Packed layout (triedec.model.linears.pack_f32): float32, N * K values in blocks of 4 vectors of 16
 // outputs (64 outputs; the last block may hold fewer, nvb): block b, feature k, vector v of the
@@ -35,53 +36,19 @@ namespace {
 
 constexpr int kCols = 16;   // outputs per vector
 constexpr int kBlock = 4;   // vectors per block (one stream per block)
+constexpr int64_t kAhead = 1024;  // floats of the block's stream prefetched ahead (4 KiB)
+
 #if defined(TRIEDEC_F32_AVX512)
-constexpr int kRows = 4;    // rows per register tile: 4 rows x 4 vectors, 16 accumulators of 32 registers
+#include "x86/avx512/f32_linears.h"
 #elif defined(TRIEDEC_F32_AVX2)
-constexpr int kRows = 1;    // 16 registers: 1 row x 4 vectors is 8 accumulators of 8 lanes
+#include "x86/avx2/f32_linears.h"
 #else
 constexpr int kRows = 1;
-#endif
-constexpr int64_t kAhead = 1024;  // floats of the block's stream prefetched ahead (4 KiB)
 
 // One tile: rows r < R (row r at x[r * ldx]) and vectors v < V of a block's stream w (nvb vectors
 // per feature), y [R, V * 16] written in float32.
 template <int R, int V>
 inline void tile(const float* x, int64_t ldx, const float* w, int64_t nvb, int64_t K, float* y) {
-#if defined(TRIEDEC_F32_AVX512)
-  __m512 acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* at = w + k * nvb * kCols;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-    __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(at + v * kCols);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xb, wv[v], acc[r][v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + (r * V + v) * kCols, acc[r][v]);
-#elif defined(TRIEDEC_F32_AVX2)
-  __m256 acc[R][V][2];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* at = w + k * nvb * kCols;
-    _mm_prefetch(reinterpret_cast<const char*>(at + kAhead), _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[r * ldx + k]);
-      for (int v = 0; v < V; ++v)
-        for (int h = 0; h < 2; ++h)
-          acc[r][v][h] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(at + v * kCols + 8 * h), acc[r][v][h]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (r * V + v) * kCols + 8 * h, acc[r][v][h]);
-#else
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < V * kCols; ++i) y[r * V * kCols + i] = 0.0f;
   for (int64_t k = 0; k < K; ++k) {
@@ -91,8 +58,8 @@ inline void tile(const float* x, int64_t ldx, const float* w, int64_t nvb, int64
       for (int i = 0; i < V * kCols; ++i) y[r * V * kCols + i] = std::fma(xk, at[i], y[r * V * kCols + i]);
     }
   }
-#endif
 }
+#endif
 
 }  // namespace
 

@@ -35,38 +35,12 @@ namespace {
 
 constexpr int kChains = 12;
 
-int64_t dot_rounds(int64_t iterations) {
 #if defined(TRIEDEC_PROBE_VNNI512)
-  __m512i acc[kChains];
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_epi32(i);
-  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1);
-  for (int64_t it = 0; it < iterations; ++it) {
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, x);
-    __asm__ volatile("" : "+v"(w));  // a new w each round: the rounds cannot be folded
-  }
-  __m512i s = acc[0];
-  for (int i = 1; i < kChains; ++i) s = _mm512_add_epi32(s, acc[i]);
-  return _mm512_reduce_add_epi32(s) == 1 ? 0 : iterations * kChains * 64;
+#include "x86/avx512/probes.h"
 #elif defined(TRIEDEC_PROBE_AVX2)
-  __m256i acc[kChains];
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_epi32(i);
-  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(1);
-  for (int64_t it = 0; it < iterations; ++it) {
-    for (int i = 0; i < kChains; ++i) {
-#if defined(__AVXVNNI__)
-      acc[i] = _mm256_dpbusd_avx_epi32(acc[i], w, x);
-#elif defined(TRIEDEC_PROBE_VNNI256)
-      acc[i] = _mm256_dpbusd_epi32(acc[i], w, x);
+#include "x86/avx2/probes.h"
 #else
-      acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(acc[i], x));
-#endif
-    }
-    __asm__ volatile("" : "+v"(w));
-  }
-  __m256i s = acc[0];
-  for (int i = 1; i < kChains; ++i) s = _mm256_add_epi32(s, acc[i]);
-  return _mm256_extract_epi32(s, 0) == 1 ? 0 : iterations * kChains * 32;
-#else
+int64_t dot_rounds(int64_t iterations) {
   int32_t acc[kChains * 4];
   for (int i = 0; i < kChains * 4; ++i) acc[i] = i;
   volatile uint8_t w_source = 3;
@@ -78,8 +52,10 @@ int64_t dot_rounds(int64_t iterations) {
   int32_t s = 0;
   for (int i = 0; i < kChains * 4; ++i) s += acc[i];
   return s == 1 ? 0 : iterations * kChains * 4;
-#endif
 }
+
+inline int64_t stream_xor(const uint8_t*, int64_t&, int64_t) { return 0; }
+#endif
 
 }  // namespace
 
@@ -100,28 +76,7 @@ int64_t stream_read(const uint8_t* bytes, int64_t n) {
   at::parallel_for(0, (n + kPiece - 1) / kPiece, 1, [&](int64_t begin, int64_t end) {
     const int64_t lo = begin * kPiece, hi = std::min(n, end * kPiece);
     int64_t i = lo;
-#if defined(TRIEDEC_PROBE_VNNI512)
-    __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
-    for (; i + 256 <= hi; i += 256) {
-      a = _mm512_xor_si512(a, _mm512_loadu_si512(bytes + i));
-      b = _mm512_xor_si512(b, _mm512_loadu_si512(bytes + i + 64));
-      c = _mm512_xor_si512(c, _mm512_loadu_si512(bytes + i + 128));
-      d = _mm512_xor_si512(d, _mm512_loadu_si512(bytes + i + 192));
-    }
-    int64_t sum = _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
-#elif defined(TRIEDEC_PROBE_AVX2)
-    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-    for (; i + 128 <= hi; i += 128) {
-      a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i)));
-      b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32)));
-      c = _mm256_xor_si256(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 64)));
-      d = _mm256_xor_si256(d, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 96)));
-    }
-    const __m256i e = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
-    int64_t sum = _mm256_extract_epi64(e, 0) ^ _mm256_extract_epi64(e, 3);
-#else
-    int64_t sum = 0;
-#endif
+    int64_t sum = stream_xor(bytes, i, hi);
     for (; i + 8 <= hi; i += 8) {
       int64_t word;
       std::memcpy(&word, bytes + i, 8);
