@@ -172,7 +172,15 @@ struct RowTile {
   const float* aq[kRows];
   const int32_t* sum[kRows];
   const int32_t* half[kRows];  // Q of each half group: [2G]
+  int64_t ahead;               // how far ahead of its loads the tile prefetches the codes (0: not at all)
 };
+
+// How far ahead of its loads a tile that streams a block from memory prefetches its codes (the
+// hardware's prefetcher alone left a one-row forward waiting on memory: its time the bytes' and
+// the arithmetic's added, 1.2-1.9x as long on a Xeon's AVX-512 and AVX2 builds); the tiles after
+// it read the block from the caches and do not.
+constexpr int64_t kAheadBytes = 4096;
+
 #endif
 
 #if defined(TRIEDEC_VNNI)
@@ -370,9 +378,10 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
   static_assert(kBlock == 4, "tiles.h cuts blocks of 4 vectors");
   const int64_t G = K / kGroup, NV = N / kCols;
   const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
-  triedec::for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows) {
+  triedec::for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows, bool streams) {
     alignas(64) float y[kRows * kBlock * kCols];
     RowTile x{};
+    x.ahead = streams ? kAheadBytes : 0;  // the part's first tile streams the block: it prefetches
     const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock);
     const int64_t first = b * kBlock * kCols;
     for (int r = 0; r < rows; ++r) {

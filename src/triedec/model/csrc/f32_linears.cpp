@@ -72,7 +72,7 @@ void f32_linear_rows(const float* x, int64_t R, int64_t K, const float* packed, 
                      float* out) {
   if (R == 0) return;
   const int64_t NV = N / kCols;
-  for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows) {
+  for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows, bool) {
     alignas(64) float y[kRows * kBlock * kCols];
     const int64_t nvb = std::min<int64_t>(kBlock, NV - b * kBlock), first = b * kBlock * kCols;
     dispatch_tile<kRows>(rows, static_cast<int>(nvb), [&](auto tr, auto tv) {

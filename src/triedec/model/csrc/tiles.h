@@ -18,8 +18,9 @@
 
 namespace triedec {
 
-// Calls body(b, r0, rows) for every tile: block b, rows r0 .. r0 + rows (rows <= rows_per_tile),
-// the (block, part) items spread over torch's intra-op threads.
+// Calls body(b, r0, rows, first) for every tile: block b, rows r0 .. r0 + rows (rows <=
+// rows_per_tile), first when the tile is its part's first (the one that brings the block's stream
+// from memory), the (block, part) items spread over torch's intra-op threads.
 template <class Body>
 inline void for_each_row_tile(int64_t R, int64_t rows_per_tile, int64_t blocks, Body&& body) {
   const int64_t tiles = (R + rows_per_tile - 1) / rows_per_tile;
@@ -30,9 +31,10 @@ inline void for_each_row_tile(int64_t R, int64_t rows_per_tile, int64_t blocks, 
   at::parallel_for(0, blocks * parts, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / parts, part = item % parts;
-      for (int64_t t = part * tiles / parts; t < (part + 1) * tiles / parts; ++t) {
+      const int64_t t0 = part * tiles / parts;
+      for (int64_t t = t0; t < (part + 1) * tiles / parts; ++t) {
         const int64_t r0 = row_of(t);
-        body(b, r0, static_cast<int>(row_of(t + 1) - r0));
+        body(b, r0, static_cast<int>(row_of(t + 1) - r0), t == t0);
       }
     }
   });

@@ -52,6 +52,7 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *sum = total;
 }
 
+
 // AVX2 has no vpdpbusd. Its stand-in, vpmaddubsw (unsigned byte x signed byte, adjacent pairs
 // summed to int16 with saturation) then vpmaddwd by ones (pairs of int16 summed to int32), is
 // exact here because no int16 sum can saturate: int4 codes are 0..15 and activations -127..127, so
@@ -88,8 +89,8 @@ inline __m256 half_to_float8(const c10::Half* p) {
 // and written once per group.
 // With S = c10::Half, scale_min_linear's 4-bit tile: the file's fp16 d and m (kMins; else m = -8 d)
 // in place of s and c.
-template <int R, int V, class S = c10::BFloat16, bool kMins = true>
-inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
+template <int R, int V, class S = c10::BFloat16, bool kMins = true, bool kAhead>
+inline void tile4_avx2_pass(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -100,6 +101,7 @@ inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
       for (int m = 0; m < kSteps; ++m) {
         const uint8_t* at = codes + ((g * kSteps + m) * nvb + v) * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         __m256i lo[2], hi[2];
         for (int h = 0; h < 2; ++h) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
@@ -152,9 +154,19 @@ inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K
   }
 }
 
+// tile4_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V, class S = c10::BFloat16, bool kMins = true>
+inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  if (x.ahead) tile4_avx2_pass<R, V, S, kMins, true>(codes, sz, nvb, K, x, y_out);
+  else tile4_avx2_pass<R, V, S, kMins, false>(codes, sz, nvb, K, x, y_out);
+}
+
+
 // int8_linear's tile on AVX2: as tile4_avx2, the group's 8 steps of 4 features per vector.
-template <int R, int V>
-inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
+template <int R, int V, bool kAhead>
+inline void tile8_avx2_pass(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
@@ -168,6 +180,7 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_set1_epi32(-128 * x.sum[r][g]);
       for (int m = 0; m < kQuads; ++m) {
         const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         __m256i w[2];
         for (int h = 0; h < 2; ++h) w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h));
         for (int r = 0; r < R; ++r) {
@@ -179,6 +192,7 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
       for (int m = 0; m < kQuads; ++m) {
         const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         __m256i w[2], magnitude[2];
         for (int h = 0; h < 2; ++h) {
           w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32 * h)), flip);  // q
@@ -197,6 +211,16 @@ inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nv
     }
   }
 }
+
+// tile8_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V>
+inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
+                       const RowTile& x, float* y_out) {
+  if (x.ahead) tile8_avx2_pass<R, V, true>(codes, scales, nvb, K, x, y_out);
+  else tile8_avx2_pass<R, V, false>(codes, scales, nvb, K, x, y_out);
+}
+
 // 32 bits of a mask as 32 bytes: 0x10 where the bit is set (byte k: bit k).
 inline __m256i fifth_bits(uint32_t bits) {
   const __m256i spread = _mm256_shuffle_epi8(
@@ -211,8 +235,8 @@ inline __m256i fifth_bits(uint32_t bits) {
 // unpacking, with the fifth bits (fifth_bits) where kFifth, each group's sums from kBias * Q; then
 // finish(acc, g, v) takes the float steps of group g and vector v. Without AVX-VNNI each step's
 // pairs (at most 2 * 31 * 127 = 7874) are widened to int32 before the next.
-template <int R, int V, bool kFifth, int kBias, class Finish>
-inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+template <int R, int V, bool kFifth, int kBias, class Finish, bool kAhead>
+inline void tile_nibbles_avx2_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
                               float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -228,6 +252,7 @@ inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_
       for (int m = 0; m < kSteps; ++m) {
         const int64_t step = (g * kSteps + m) * nvb + v;
         const uint8_t* at = codes + step * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         uint32_t masks[4] = {};  // low nibbles' bits of outputs 0-7, 8-15, then the high nibbles'
         if constexpr (kFifth) std::memcpy(masks, highs + step * 16, 16);
         __m256i lo[2], hi[2];
@@ -258,6 +283,16 @@ inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_
     }
   }
 }
+
+// tile_nibbles_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V, bool kFifth, int kBias, class Finish>
+inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+                              float* y_out, Finish&& finish) {
+  if (x.ahead) tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+  else tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+}
+
 
 // int5_linear's tile on AVX2: tile_nibbles_avx2 with the fifth bits from -16 Q, tile8_avx2's float steps.
 template <int R, int V>
@@ -325,8 +360,8 @@ inline void tilek_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t*
 // the sum starts from -32 (S_0 Q_0 + S_1 Q_1) (vpmaddwd of (S_0, S_1) by (Q_0, Q_1), |Q_h| <= 2032)
 // and adds each step's S_h-weighted sums: I, the same integer. With AVX-VNNI, vpdpbusd sums into
 // int32 directly: each half's sum from -32 Q_h, times S_h (vpmulld), the two added.
-template <int R, int V>
-inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
+template <int R, int V, bool kAhead>
+inline void tile6_avx2_pass(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
                        int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
@@ -364,6 +399,7 @@ inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t*
 #endif
         const int64_t step = (g * kSteps + m) * nvb + v;
         const uint8_t* at = codes + step * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         const __m256i tops = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + step * 32));
         const __m256i top_lo[2] = {_mm256_and_si256(_mm256_slli_epi16(tops, 4), top),
                                    _mm256_and_si256(_mm256_slli_epi16(tops, 2), top)};
@@ -403,3 +439,13 @@ inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t*
     }
   }
 }
+
+// tile6_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V>
+inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
+                       int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
+  if (x.ahead) tile6_avx2_pass<R, V, true>(codes, highs, subs, supers, nvb, K, x, y_out);
+  else tile6_avx2_pass<R, V, false>(codes, highs, subs, supers, nvb, K, x, y_out);
+}
+

@@ -23,10 +23,13 @@ int64_t dot_rounds(int64_t iterations) {
   return _mm256_extract_epi32(s, 0) == 1 ? 0 : iterations * kChains * 32;
 }
 
-// The leading part of stream_read's xor of bytes [i, hi): advances i, returns the xor so far.
+// The leading part of stream_read's xor of bytes [i, hi): advances i, returns the xor so far; it
+// prefetches 4 KiB ahead, as the linears' tiles that stream a block do.
 inline int64_t stream_xor(const uint8_t* bytes, int64_t& i, int64_t hi) {
   __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
   for (; i + 128 <= hi; i += 128) {
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 0), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 64), _MM_HINT_T0);
     a = _mm256_xor_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i)));
     b = _mm256_xor_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 32)));
     c = _mm256_xor_si256(c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i + 64)));

@@ -32,6 +32,7 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *sum = total;
 }
 
+
 inline __m512 bf16_to_float(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -59,8 +60,8 @@ inline void int8_steps(const __m512i (&acc)[R][V], const c10::Half* scales, int6
 // int5's plane (a masked byte of 16) where kFifth; activations as signed bytes), from kBias * Q; then
 // finish(acc, g, y) takes the group's float steps, y staying in registers from the first group to
 // the last.
-template <int R, int V, bool kFifth, int kBias, class Finish>
-inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+template <int R, int V, bool kFifth, int kBias, class Finish, bool kAhead>
+inline void tile_nibbles_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
                          float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
@@ -77,6 +78,7 @@ inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb
       __m512i lo[V], hi[V];
       for (int v = 0; v < V; ++v) {
         const int64_t step = (g * kSteps + m) * nvb + v;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(codes + step * 64 + kAheadBytes), _MM_HINT_T0);
         const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
         lo[v] = _mm512_and_si512(bytes, low);                            // features 8m..8m+3
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);      // features 8m+4..8m+7
@@ -101,6 +103,16 @@ inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
+
+// tile_nibbles_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V, bool kFifth, int kBias, class Finish>
+inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
+                         float* y_out, Finish&& finish) {
+  if (x.ahead) tile_nibbles_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+  else tile_nibbles_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+}
+
 
 // int4_linear's tile: tile_nibbles from 0, then y = fma(a D, s, y); y = fma(a Q, c, y).
 template <int R, int V>
@@ -145,8 +157,8 @@ inline void tile_sm(const uint8_t* codes, const uint8_t* highs, const c10::Half*
 
 // int8_linear's tile: rows r < R and vectors 0..V - 1 of a block (V = nvb), over every group in
 // order: D by vpdpbusd (codes + 128 as unsigned bytes) from -128 Q, then y = fma(a D, s, y).
-template <int R, int V>
-inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
+template <int R, int V, bool kAhead>
+inline void tile8_pass(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
                   const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
@@ -161,7 +173,11 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
     }
     for (int m = 0; m < kQuads; ++m) {
       __m512i w[V];
-      for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_si512(codes + ((g * kQuads + m) * nvb + v) * 64);
+      for (int v = 0; v < V; ++v) {
+        const uint8_t* at = codes + ((g * kQuads + m) * nvb + v) * 64;
+        if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
+        w[v] = _mm512_loadu_si512(at);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512i xb = _mm512_set1_epi32(x.xq[r][g * kQuads + m]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
@@ -172,6 +188,16 @@ inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, in
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
+
+// tile8_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V>
+inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
+                  const RowTile& x, float* y_out) {
+  if (x.ahead) tile8_pass<R, V, true>(codes, scales, nvb, K, x, y_out);
+  else tile8_pass<R, V, false>(codes, scales, nvb, K, x, y_out);
+}
+
 
 // int5_linear's tile: tile_nibbles with the fifth bits from -16 Q, then int8's float steps.
 template <int R, int V>
@@ -209,8 +235,8 @@ inline void tilek(const uint8_t* codes, const uint8_t* highs, const int8_t* scal
 // int6_linear's tile: tile4's unpacking with bits 4 and 5 from the step's 32 bytes of top bits
 // (broadcast to both halves, each half shifted to its two bits by a 64-bit lane shift), each half group's sum
 // from -32 Q_h times its S (vpmulld), the two added, then int8's float steps on the super-block's d.
-template <int R, int V>
-inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
+template <int R, int V, bool kAhead>
+inline void tile6_pass(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
                   int64_t K, const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
@@ -232,6 +258,7 @@ inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs
         __m512i lo[V], hi[V];
         for (int v = 0; v < V; ++v) {
           const int64_t step = (g * kSteps + m) * nvb + v;
+          if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(codes + step * 64 + kAheadBytes), _MM_HINT_T0);
           const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
           const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + step * 32)));
           lo[v] = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_sllv_epi64(tops, lo_shift), top));
@@ -261,3 +288,13 @@ inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
+
+// tile6_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
+// where it reads them from the caches: two instantiations, so no test in the loop.
+template <int R, int V>
+inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
+                  int64_t K, const RowTile& x, float* y_out) {
+  if (x.ahead) tile6_pass<R, V, true>(codes, highs, subs, supers, nvb, K, x, y_out);
+  else tile6_pass<R, V, false>(codes, highs, subs, supers, nvb, K, x, y_out);
+}
+

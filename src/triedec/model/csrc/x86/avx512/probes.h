@@ -15,10 +15,15 @@ int64_t dot_rounds(int64_t iterations) {
   return _mm512_reduce_add_epi32(s) == 1 ? 0 : iterations * kChains * 64;
 }
 
-// The leading part of stream_read's xor of bytes [i, hi): advances i, returns the xor so far.
+// The leading part of stream_read's xor of bytes [i, hi): advances i, returns the xor so far; it
+// prefetches 4 KiB ahead, as the linears' tiles that stream a block do.
 inline int64_t stream_xor(const uint8_t* bytes, int64_t& i, int64_t hi) {
   __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
   for (; i + 256 <= hi; i += 256) {
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 0), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bytes + i + 4096 + 192), _MM_HINT_T0);
     a = _mm512_xor_si512(a, _mm512_loadu_si512(bytes + i));
     b = _mm512_xor_si512(b, _mm512_loadu_si512(bytes + i + 64));
     c = _mm512_xor_si512(c, _mm512_loadu_si512(bytes + i + 128));
