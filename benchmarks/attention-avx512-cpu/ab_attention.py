@@ -1,15 +1,16 @@
 """Alternates kernel libraries in one process on tree attention alone (ab_attention.md):
 ab_attention.py OLD.so,NEW.so ROUNDS. Shapes of the default model (9 query heads on 3 key/value
-heads, 64 features, bf16): T queries of a prompt chunk over a cache of C tokens (query t sees slots
-up to C + t). Each round times 5 calls per shape and keeps the fastest; printed: the median over
-the rounds, [smallest-largest round], and whether every output is the same bits on both."""
+heads, 64 features, bf16): T queries of a prompt chunk over a cache of C tokens (query t sees
+slots up to C + t), and a decoding step of N requests of one query each, every one on its own
+cache. Each round times 5 calls per shape and keeps the fastest; printed: the median over the
+rounds, [smallest-largest round], and whether every output is the same bits on both."""
 import statistics
 import sys
 import time
 
 import torch
 
-from triedec.model.attention import key_lists, tree_attention
+from triedec.model.attention import key_lists, tree_attention, tree_attention_items
 from triedec.model.native import load_kernel
 
 libs, rounds = sys.argv[1].split(","), int(sys.argv[2])
@@ -25,7 +26,15 @@ def case(queries: int, cache: int) -> tuple:
     return q, k, v, key_lists(torch.arange(slots)[None] <= cache + torch.arange(queries)[:, None])
 
 
-cases = {(t, c): case(t, c) for t, c in [(1, 256), (16, 256), (64, 256), (256, 256), (256, 0)]}
+def requests(count: int, cache: int) -> tuple:
+    """A decoding step of ``count`` requests, one query each, every one on its own cache."""
+    q = torch.randn(1, 9, count, 64, generator=gen).bfloat16()
+    caches = [tuple(torch.randn(1, 3, cache + 1, 64, generator=gen).bfloat16() for _ in range(2)) for _ in range(count)]
+    return q, caches, list(range(count + 1)), [None] * count
+
+
+cases = {(t, c): case(t, c) for t, c in [(1, 256), (1, 1200), (16, 256), (64, 256), (256, 256), (256, 0)]}
+batches = {(n, c): requests(n, c) for n, c in [(16, 400), (16, 1000)]}
 times: dict[tuple, list[float]] = {}
 outputs: dict[tuple, torch.Tensor] = {}
 for r in range(rounds):
@@ -39,9 +48,20 @@ for r in range(rounds):
                 tree_attention(q, k, v, seen, 0.125)
                 trials.append(time.perf_counter() - start)
             times.setdefault((lib, shape), []).append(1e3 * min(trials))
-for shape in cases:
+        for shape, (q, caches, bounds, seen) in batches.items():
+            key = ("requests", *shape)
+            outputs.setdefault((lib, key), tree_attention_items(q, caches, bounds, seen, 0.125))
+            trials = []
+            for _ in range(5):
+                start = time.perf_counter()
+                tree_attention_items(q, caches, bounds, seen, 0.125)
+                trials.append(time.perf_counter() - start)
+            times.setdefault((lib, key), []).append(1e3 * min(trials))
+for shape in [*cases, *(("requests", *b) for b in batches)]:
     same = all(torch.equal(outputs[(libs[0], shape)], outputs[(lib, shape)]) for lib in libs)
     cells = [f"{lib.split('/')[-1]} {statistics.median(times[(lib, shape)]):.3f} ms "
              f"[{min(times[(lib, shape)]):.3f}-{max(times[(lib, shape)]):.3f}]" for lib in libs]
     ratio = statistics.median(times[(libs[0], shape)]) / statistics.median(times[(libs[-1], shape)])
-    print(f"queries {shape[0]}, cache {shape[1]}: " + "  ".join(cells) + f"  ratio {ratio:.2f}  same bits: {same}")
+    label = (f"{shape[1]} requests of one query, caches of {shape[2]}" if shape[0] == "requests"
+             else f"queries {shape[0]}, cache {shape[1]}")
+    print(f"{label}: " + "  ".join(cells) + f"  ratio {ratio:.2f}  same bits: {same}")

@@ -50,8 +50,8 @@ inline __m512 hadd512(__m512 a, __m512 b) {  // _mm256_hadd_ps's sums in each 12
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <typename scalar_t, int NQ>
-inline int64_t team_scores_avx512(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
+template <typename scalar_t, int NQ, bool kStream>
+inline int64_t team_scores_pass(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
   const scalar_t* kbase = P.k + o[0].g * P.k_sh;
   const int64_t D = P.D;
   if (D % kLanes != 0) return r;
@@ -59,6 +59,8 @@ inline int64_t team_scores_avx512(const Problem<scalar_t>& P, Output* o, const f
   for (; r + 8 <= last; r += 8) {  // 8 keys: pairs (0,1), (2,3), (4,5), (6,7), one register each
     const scalar_t* kp[8];
     for (int j = 0; j < 8; ++j) kp[j] = kbase + o[0].keys.at(r + j) * P.k_ss;
+    if constexpr (kStream)
+      for (int j = 0; j < 8; ++j) prefetch_row(kp[j], P.k_ss, P.D);
     __m512 a[NQ][4];
     for (int i = 0; i < NQ; ++i)
       for (int j = 0; j < 4; ++j) a[i][j] = _mm512_setzero_ps();
@@ -82,8 +84,8 @@ inline int64_t team_scores_avx512(const Problem<scalar_t>& P, Output* o, const f
   return r;
 }
 
-template <typename scalar_t, int NQ>
-inline int64_t team_values_avx512(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
+template <typename scalar_t, int NQ, bool kStream>
+inline int64_t team_values_pass(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
   const scalar_t* vbase = P.v + o[0].g * P.v_sh;
   const int64_t D = P.D;
   constexpr int kWide = 16, kRegs = 4;  // 64 features a pass
@@ -94,6 +96,8 @@ inline int64_t team_values_avx512(const Problem<scalar_t>& P, Output* o, int64_t
       for (int j = 0; j < kRegs; ++j) a[i][j] = _mm512_loadu_ps(o[i].acc + d0 + j * kWide);
     for (int64_t s = first; s < last; ++s) {
       const scalar_t* vp = vbase + o[0].keys.at(s) * P.v_ss + d0;
+      if constexpr (kStream)
+        if (d0 == 0) prefetch_row(vp, P.v_ss, P.D);
       __m512 e[NQ];
       for (int i = 0; i < NQ; ++i) e[i] = _mm512_set1_ps(o[i].scores[s]);
       for (int j = 0; j < kRegs; ++j) {
@@ -120,4 +124,18 @@ inline int64_t exp_avx512(Output& o, int64_t n, float best, __m256& tv) {
     tv = _mm256_add_ps(tv, _mm512_extractf32x8_ps(e, 1));
   }
   return r;
+}
+
+// With the K and V rows prefetched ahead where the problem has one query (see
+// x86/avx2/tree_attention.h's prefetch_row), without it elsewhere.
+template <typename scalar_t, int NQ>
+inline int64_t team_scores_avx512(const Problem<scalar_t>& P, Output* o, const float* q0, int64_t r, int64_t last) {
+  return P.T == 1 ? team_scores_pass<scalar_t, NQ, true>(P, o, q0, r, last)
+                  : team_scores_pass<scalar_t, NQ, false>(P, o, q0, r, last);
+}
+
+template <typename scalar_t, int NQ>
+inline int64_t team_values_avx512(const Problem<scalar_t>& P, Output* o, int64_t first, int64_t last) {
+  return P.T == 1 ? team_values_pass<scalar_t, NQ, true>(P, o, first, last)
+                  : team_values_pass<scalar_t, NQ, false>(P, o, first, last);
 }
