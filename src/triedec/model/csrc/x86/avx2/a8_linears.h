@@ -52,7 +52,6 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *sum = total;
 }
 
-
 // AVX2 has no vpdpbusd. Its stand-in, vpmaddubsw (unsigned byte x signed byte, adjacent pairs
 // summed to int16 with saturation) then vpmaddwd by ones (pairs of int16 summed to int32), is
 // exact here because no int16 sum can saturate: int4 codes are 0..15 and activations -127..127, so
@@ -91,7 +90,7 @@ inline __m256 half_to_float8(const c10::Half* p) {
 // in place of s and c.
 template <int R, int V, class S = c10::BFloat16, bool kMins = true, bool kAhead>
 inline void tile4_avx2_pass(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
-                       const RowTile& x, float* y_out) {
+                            const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int i = 0; i < R * V * kCols; ++i) y_out[i] = 0.0f;
@@ -154,8 +153,9 @@ inline void tile4_avx2_pass(const uint8_t* codes, const S* sz, int64_t nvb, int6
   }
 }
 
-// tile4_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile4_avx2_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V, class S = c10::BFloat16, bool kMins = true>
 inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
@@ -163,11 +163,10 @@ inline void tile4_avx2(const uint8_t* codes, const S* sz, int64_t nvb, int64_t K
   else tile4_avx2_pass<R, V, S, kMins, false>(codes, sz, nvb, K, x, y_out);
 }
 
-
 // int8_linear's tile on AVX2: as tile4_avx2, the group's 8 steps of 4 features per vector.
 template <int R, int V, bool kAhead>
 inline void tile8_avx2_pass(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
-                       const RowTile& x, float* y_out) {
+                            const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
@@ -212,8 +211,9 @@ inline void tile8_avx2_pass(const uint8_t* codes, const c10::Half* scales, int64
   }
 }
 
-// tile8_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile8_avx2_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V>
 inline void tile8_avx2(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
                        const RowTile& x, float* y_out) {
@@ -236,8 +236,8 @@ inline __m256i fifth_bits(uint32_t bits) {
 // finish(acc, g, v) takes the float steps of group g and vector v. Without AVX-VNNI each step's
 // pairs (at most 2 * 31 * 127 = 7874) are widened to int32 before the next.
 template <int R, int V, bool kFifth, int kBias, class Finish, bool kAhead>
-inline void tile_nibbles_avx2_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
-                              float* y_out, Finish&& finish) {
+inline void tile_nibbles_avx2_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K,
+                                   const RowTile& x, float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifndef TRIEDEC_DPBUSD256
@@ -284,15 +284,17 @@ inline void tile_nibbles_avx2_pass(const uint8_t* codes, const uint8_t* highs, i
   }
 }
 
-// tile_nibbles_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile_nibbles_avx2_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V, bool kFifth, int kBias, class Finish>
 inline void tile_nibbles_avx2(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
                               float* y_out, Finish&& finish) {
-  if (x.ahead) tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
-  else tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+  if (x.ahead) tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out,
+                                                                         std::forward<Finish>(finish));
+  else tile_nibbles_avx2_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out,
+                                                                  std::forward<Finish>(finish));
 }
-
 
 // int5_linear's tile on AVX2: tile_nibbles_avx2 with the fifth bits from -16 Q, tile8_avx2's float steps.
 template <int R, int V>
@@ -362,7 +364,7 @@ inline void tilek_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t*
 // int32 directly: each half's sum from -32 Q_h, times S_h (vpmulld), the two added.
 template <int R, int V, bool kAhead>
 inline void tile6_avx2_pass(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
-                       int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
+                            int64_t nvb, int64_t K, const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
 #ifndef TRIEDEC_DPBUSD256
@@ -440,8 +442,9 @@ inline void tile6_avx2_pass(const uint8_t* codes, const uint8_t* highs, const in
   }
 }
 
-// tile6_avx2_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile6_avx2_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V>
 inline void tile6_avx2(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers,
                        int64_t nvb, int64_t K, const RowTile& x, float* y_out) {

@@ -32,7 +32,6 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *sum = total;
 }
 
-
 inline __m512 bf16_to_float(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
@@ -61,8 +60,8 @@ inline void int8_steps(const __m512i (&acc)[R][V], const c10::Half* scales, int6
 // finish(acc, g, y) takes the group's float steps, y staying in registers from the first group to
 // the last.
 template <int R, int V, bool kFifth, int kBias, class Finish, bool kAhead>
-inline void tile_nibbles_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
-                         float* y_out, Finish&& finish) {
+inline void tile_nibbles_pass(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K,
+                              const RowTile& x, float* y_out, Finish&& finish) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
   __m512 y[R][V];
@@ -104,15 +103,17 @@ inline void tile_nibbles_pass(const uint8_t* codes, const uint8_t* highs, int64_
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// tile_nibbles_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile_nibbles_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V, bool kFifth, int kBias, class Finish>
 inline void tile_nibbles(const uint8_t* codes, const uint8_t* highs, int64_t nvb, int64_t K, const RowTile& x,
                          float* y_out, Finish&& finish) {
-  if (x.ahead) tile_nibbles_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
-  else tile_nibbles_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out, std::forward<Finish>(finish));
+  if (x.ahead) tile_nibbles_pass<R, V, kFifth, kBias, Finish, true>(codes, highs, nvb, K, x, y_out,
+                                                                    std::forward<Finish>(finish));
+  else tile_nibbles_pass<R, V, kFifth, kBias, Finish, false>(codes, highs, nvb, K, x, y_out,
+                                                             std::forward<Finish>(finish));
 }
-
 
 // int4_linear's tile: tile_nibbles from 0, then y = fma(a D, s, y); y = fma(a Q, c, y).
 template <int R, int V>
@@ -159,7 +160,7 @@ inline void tile_sm(const uint8_t* codes, const uint8_t* highs, const c10::Half*
 // order: D by vpdpbusd (codes + 128 as unsigned bytes) from -128 Q, then y = fma(a D, s, y).
 template <int R, int V, bool kAhead>
 inline void tile8_pass(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
-                  const RowTile& x, float* y_out) {
+                       const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   constexpr int kQuads = kGroup / 4;
   __m512 y[R][V];
@@ -189,15 +190,15 @@ inline void tile8_pass(const uint8_t* codes, const c10::Half* scales, int64_t nv
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// tile8_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile8_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V>
 inline void tile8(const uint8_t* codes, const c10::Half* scales, int64_t nvb, int64_t K,
                   const RowTile& x, float* y_out) {
   if (x.ahead) tile8_pass<R, V, true>(codes, scales, nvb, K, x, y_out);
   else tile8_pass<R, V, false>(codes, scales, nvb, K, x, y_out);
 }
-
 
 // int5_linear's tile: tile_nibbles with the fifth bits from -16 Q, then int8's float steps.
 template <int R, int V>
@@ -237,7 +238,7 @@ inline void tilek(const uint8_t* codes, const uint8_t* highs, const int8_t* scal
 // from -32 Q_h times its S (vpmulld), the two added, then int8's float steps on the super-block's d.
 template <int R, int V, bool kAhead>
 inline void tile6_pass(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
-                  int64_t K, const RowTile& x, float* y_out) {
+                       int64_t K, const RowTile& x, float* y_out) {
   const int64_t G = K / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
   // bytes 0-31 of a register take bits 0-1 (low nibbles) or 4-5 (high) of the top bytes, bytes 32-63
@@ -258,7 +259,8 @@ inline void tile6_pass(const uint8_t* codes, const uint8_t* highs, const int8_t*
         __m512i lo[V], hi[V];
         for (int v = 0; v < V; ++v) {
           const int64_t step = (g * kSteps + m) * nvb + v;
-          if constexpr (kAhead) _mm_prefetch(reinterpret_cast<const char*>(codes + step * 64 + kAheadBytes), _MM_HINT_T0);
+          if constexpr (kAhead)
+            _mm_prefetch(reinterpret_cast<const char*>(codes + step * 64 + kAheadBytes), _MM_HINT_T0);
           const __m512i bytes = _mm512_loadu_si512(codes + step * 64);
           const __m512i tops = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + step * 32)));
           lo[v] = _mm512_or_si512(_mm512_and_si512(bytes, low), _mm512_and_si512(_mm512_sllv_epi64(tops, lo_shift), top));
@@ -289,8 +291,9 @@ inline void tile6_pass(const uint8_t* codes, const uint8_t* highs, const int8_t*
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y_out + (r * V + v) * kCols, y[r][v]);
 }
 
-// tile6_pass with the codes prefetched ahead where the tile streams its block (x.ahead), without
-// where it reads them from the caches: two instantiations, so no test in the loop.
+// tile6_pass with the codes prefetched ahead where the tile streams its block
+// (x.ahead), without where it reads them from the caches: two instantiations, no test in
+// the loop.
 template <int R, int V>
 inline void tile6(const uint8_t* codes, const uint8_t* highs, const int8_t* subs, const float* supers, int64_t nvb,
                   int64_t K, const RowTile& x, float* y_out) {
