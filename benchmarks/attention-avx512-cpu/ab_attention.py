@@ -37,26 +37,28 @@ cases = {(t, c): case(t, c) for t, c in [(1, 256), (1, 1200), (16, 256), (64, 25
 batches = {(n, c): requests(n, c) for n, c in [(16, 400), (16, 1000)]}
 times: dict[tuple, list[float]] = {}
 outputs: dict[tuple, torch.Tensor] = {}
+
+
+def measure(lib: str, key: tuple, call) -> None:
+    """``call``'s output (once per library) and its fastest of 5 runs, this round."""
+    outputs.setdefault((lib, key), call())
+    trials = []
+    for _ in range(5):
+        start = time.perf_counter()
+        call()
+        trials.append(time.perf_counter() - start)
+    times.setdefault((lib, key), []).append(1e3 * min(trials))
+
+
 for r in range(rounds):
     for lib in libs if r % 2 == 0 else libs[::-1]:
         kernel.use_kernels(lib)
         for shape, (q, k, v, seen) in cases.items():
-            outputs.setdefault((lib, shape), tree_attention(q, k, v, seen, 0.125))
-            trials = []
-            for _ in range(5):
-                start = time.perf_counter()
-                tree_attention(q, k, v, seen, 0.125)
-                trials.append(time.perf_counter() - start)
-            times.setdefault((lib, shape), []).append(1e3 * min(trials))
+            measure(lib, shape, lambda q=q, k=k, v=v, seen=seen: tree_attention(q, k, v, seen, 0.125))
         for shape, (q, caches, bounds, seen) in batches.items():
-            key = ("requests", *shape)
-            outputs.setdefault((lib, key), tree_attention_items(q, caches, bounds, seen, 0.125))
-            trials = []
-            for _ in range(5):
-                start = time.perf_counter()
-                tree_attention_items(q, caches, bounds, seen, 0.125)
-                trials.append(time.perf_counter() - start)
-            times.setdefault((lib, key), []).append(1e3 * min(trials))
+            measure(lib, ("requests", *shape),
+                    lambda q=q, caches=caches, bounds=bounds, seen=seen: tree_attention_items(q, caches, bounds,
+                                                                                              seen, 0.125))
 for shape in [*cases, *(("requests", *b) for b in batches)]:
     same = all(torch.equal(outputs[(libs[0], shape)], outputs[(lib, shape)]) for lib in libs)
     cells = [f"{lib.split('/')[-1]} {statistics.median(times[(lib, shape)]):.3f} ms "
