@@ -8,7 +8,9 @@ count). A *phase* is one system at one concurrency C and one temperature: a fres
 ``auto``'s memory holds only that phase's earlier answers, never this prompt's answer from another
 phase; declared warm within the phase, as a server runs), one untimed warm-up request on a tuning
 prompt, then every prompt sent once, C in flight at a time, each streamed on
-``POST /v1/completions``. All phases of all repeats run in one order shuffled by ``--seed``.
+``POST /v1/completions``. Phases run in blocks (``triedec.bench.stats.paired_order``): every
+system back to back, in an order of its own, at one (concurrency, temperature, repeat); the blocks
+in one order shuffled by ``--seed``, so the phases a ratio pairs run minutes apart at most.
 Sampled requests carry ``temperature``, ``top_p`` 1 and the seed ``--seed`` + the prompt's index
 (llama-server also ``top_k`` 0 and ``min_p`` 0: both draw from the whole distribution).
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,7 @@ from triedec.bench.servers import (
     run_phase,
     server,
 )
-from triedec.bench.stats import geometric_mean, ratio_interval, repeat_interval
+from triedec.bench.stats import geometric_mean, paired_order, ratio_interval, repeat_interval
 from triedec.model.source import default_model_path
 
 LLAMA = "llama-server"
@@ -163,7 +164,8 @@ def engine_line(engine: dict[str, Any] | None) -> str:
 def header_text(prompts: int, max_tokens: int | str, repeats: int | str, threads: int | str, commit: str,
                 version: str | None) -> str:
     return (f"{prompts} Spec-Bench evaluation prompts x {max_tokens} tokens, each sent once per phase, C at a time; "
-            f"{repeats} repeat(s) of every phase, each on a fresh server, all phases in one seeded random order; "
+            f"{repeats} repeat(s) of every phase, each on a fresh server, every system back to back in each "
+            f"(C, T, repeat) block, the blocks in one seeded random order; "
             f"{threads} threads; llama-server `-np C`, triedec `--max-running C`. Commit {commit}; llama.cpp: "
             f"{version}.")
 
@@ -323,8 +325,8 @@ def main() -> int:
         found = subprocess.run([str(args.llamacpp / "llama-server"), "--version"], capture_output=True, text=True)
         version = (found.stdout + found.stderr).strip()
 
-    plan = [(name, c, t, r) for r in range(args.repeats) for name in systems for c in loads for t in temperatures]
-    random.Random(args.seed).shuffle(plan)
+    plan = [(name, c, t, r) for name, (c, t), r in paired_order(systems, [(c, t) for c in loads for t in temperatures],
+                                                                 args.repeats, args.seed)]
     phases: list[dict[str, Any]] = []
     started = time.time()
     for k, (name, concurrency, temperature, repeat) in enumerate(plan):

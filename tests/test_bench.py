@@ -410,6 +410,9 @@ def test_serving_benchmark_repeats_sampled_phases_and_pairs_them(tmp_path, tiny_
     assert sorted((r["method"], r["repeat"]) for r in results["phases"]) == [
         ("ar", 0), ("ar", 1), ("ngram-trie:sized=false", 0), ("ngram-trie:sized=false", 1)]
     assert len(results["phase_order"]) == 4
+    firsts, seconds = results["phase_order"][0::2], results["phase_order"][1::2]  # blocks of two, back to back
+    assert [p[1:] for p in firsts] == [p[1:] for p in seconds]
+    assert all(a[0] != b[0] for a, b in zip(firsts, seconds, strict=True))
     for r in results["phases"]:
         assert r["identical_texts"] == 3 and r["differing_texts"] == []
     assert results["solo_outputs"]["ar"]["texts"] == results["solo_outputs"]["ngram-trie:sized=false"]["texts"]

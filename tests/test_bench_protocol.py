@@ -25,6 +25,7 @@ from triedec.bench.stats import (
     bootstrap_interval,
     compare,
     geometric_mean,
+    paired_order,
     ratio_interval,
 )
 from triedec.bench.summary import leader, summarize
@@ -84,6 +85,22 @@ def test_method_order_is_a_fresh_seeded_shuffle_per_prompt_and_repeat():
     assert orders != [BenchConfig(order_seed=4).order(labels, p, r) for p in range(30) for r in range(3)]
     with pytest.raises(TriedecError, match="--state"):
         BenchConfig(state="lukewarm")
+
+
+def test_serving_phases_run_every_system_back_to_back_per_cell_and_repeat():
+    systems, cells, repeats = ["ar", "auto", "pld"], [1, 4, 16, 32], 5
+    order = paired_order(systems, cells, repeats, seed=7)
+    assert sorted(order) == sorted((s, c, r) for s in systems for c in cells for r in range(repeats))
+    blocks = [order[k : k + len(systems)] for k in range(0, len(order), len(systems))]
+    for block in blocks:  # one (cell, repeat) per block, every system once in it
+        assert len({(c, r) for _, c, r in block}) == 1
+        assert sorted(s for s, _, _ in block) == systems
+    assert {block[0][0] for block in blocks} == set(systems)  # no system always runs first
+    assert [(b[0][1], b[0][2]) for b in blocks] != [(c, r) for r in range(repeats) for c in cells]  # shuffled
+    assert order == paired_order(systems, cells, repeats, seed=7)
+    assert order != paired_order(systems, cells, repeats, seed=8)
+    with pytest.raises(TriedecError, match="repeats"):
+        paired_order(systems, cells, 0, seed=7)
 
 
 # ---- statistics ----------------------------------------------------------------------------------

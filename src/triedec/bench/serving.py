@@ -11,9 +11,12 @@ Protocol (one process, one loaded model):
   shared cache), so learned state starts fresh too: a prompt answered in an earlier phase would
   otherwise be drafted from its own answer by auto's store, which measures replay, not serving.
   One warm-up request on a prompt outside the sample starts each phase (untimed);
-* every phase runs ``repeats`` times, each a fresh server, and all of them in one seeded random
-  order, so that no method, concurrency or repeat always runs first; a method's ratio to ``ar`` at
-  a concurrency pairs the two phases of the same repeat (:mod:`triedec.bench.serving_report`);
+* every phase runs ``repeats`` times, each a fresh server, in blocks
+  (:func:`~triedec.bench.stats.paired_order`): one block per (concurrency, repeat) runs every
+  method (and setup) back to back, in an order of its own, and the blocks run in one seeded random
+  order, so that no method always runs first and the two phases a ratio pairs are minutes apart at
+  most; a method's ratio to ``ar`` at a concurrency pairs the two phases of the same repeat
+  (:mod:`triedec.bench.serving_report`);
 * clients are the ``openai`` client over loopback (:mod:`triedec.bench.load`), ``concurrency``
   requests in flight at a time; a phase's tokens/s is its completion tokens over its wall time;
   latency is request start to last byte (p50/p95);
@@ -50,6 +53,7 @@ from triedec.api.lm import LM
 from triedec.bench.datasets import Question
 from triedec.bench.harness import first_mismatch
 from triedec.bench.load import LoadRequest, run_load, summarize_load
+from triedec.bench.stats import paired_order
 from triedec.core.errors import TriedecError, positive_int
 from triedec.core.sampling import GREEDY_SAMPLING, MAX_SEED, Sampling
 from triedec.drafters import NEEDS_COST
@@ -291,9 +295,8 @@ def run_serving(lm: LM, methods: Sequence[str], questions: Sequence[Question], c
         solo[m] = _solo(lm, entries[m], requests, config.sampling)
     setups = dict(config.setups)
     labels = {(m, s): f"{m} {s}".strip() for m in methods for s in setups}
-    phases = [(m, s, c, r) for m in methods for s in setups for c in config.concurrencies
-              for r in range(config.repeats)]
-    random.Random(config.seed).shuffle(phases)
+    phases = [(m, s, c, r) for (m, s), c, r in paired_order([(m, s) for m in methods for s in setups],
+                                                            config.concurrencies, config.repeats, config.seed)]
     rows = []
     for done, (m, s, c, r) in enumerate(phases):
         say(f"phase {done + 1}/{len(phases)}: {labels[m, s]} at concurrency {c}, repeat {r + 1}")

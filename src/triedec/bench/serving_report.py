@@ -59,8 +59,9 @@ def serving_markdown(results: dict[str, Any]) -> str:
              f"commit {results.get('commit', '?')}",
              *_surface_lines(results.get("cost_surface")),
              *(["- the calibration was measured while the machine was busy"] if calibration.get("busy") else []),
-             f"- a fresh server over fresh learned state per phase; {repeats} repeat(s) of every phase; phases in a "
-             f"seeded random order ({', '.join('@'.join(map(str, p[:2])) for p in results['phase_order'])})", "",
+             f"- a fresh server over fresh learned state per phase; {repeats} repeat(s) of every phase; phases in "
+             "blocks, every method back to back at one concurrency and repeat, the blocks in a seeded random "
+             f"order ({', '.join('@'.join(map(str, p[:2])) for p in results['phase_order'])})", "",
              "| method | concurrency | tokens/s (total" + ("; median, min-max over repeats" if repeats > 1 else "")
              + ") | x one at a time | p50 latency s | p95 latency s | identical texts |",
              "|---|---|---|---|---|---|---|"]

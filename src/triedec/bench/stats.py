@@ -13,10 +13,11 @@ need at least :data:`MIN_UNITS` units.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -139,6 +140,29 @@ def repeat_interval(ratios: Sequence[float]) -> tuple[float, float] | None:
     half = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     mean = statistics.fmean(logs)
     return math.exp(mean - half), math.exp(mean + half)
+
+
+S = TypeVar("S")
+C = TypeVar("C")
+
+
+def paired_order(systems: Sequence[S], cells: Sequence[C], repeats: int, seed: int) -> list[tuple[S, C, int]]:
+    """The order a serving benchmark runs its phases in, ``(system, cell, repeat)``: each (cell,
+    repeat) is a *block* in which every system runs once, back to back, in an order of its own;
+    the blocks run in one seeded random order. The phases a ratio pairs (two systems, the same
+    cell and repeat) then run minutes apart at most, so the machine's drift between them is what
+    a block lasts, not what the whole run does, and no system always runs first in its block."""
+    if repeats < 1:
+        raise TriedecError(f"repeats must be >= 1, got {repeats!r}")
+    rng = random.Random(seed)
+    blocks = [(cell, r) for r in range(repeats) for cell in cells]
+    rng.shuffle(blocks)
+    order: list[tuple[S, C, int]] = []
+    for cell, r in blocks:
+        inside = list(systems)
+        rng.shuffle(inside)
+        order += [(system, cell, r) for system in inside]
+    return order
 
 
 @dataclass(frozen=True)
