@@ -261,7 +261,7 @@ def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluste
     text, first, _ = _asked(client, question, 64, user="reader-0")
     other = next(f"reader-{i}" for i in range(1, 64)
                  if _ask(client, [{"role": "user", "content": "Hi"}], 1, user=f"reader-{i}")[1] != first)
-    time.sleep(2.0)  # ten exchange intervals: the merge takes about one (docs/scaling-out.md)
+    time.sleep(6.0)  # thirty exchange intervals: the merge takes about one (docs/scaling-out.md); a busy CI more
     again, second, stats = _asked(client, question, 64, user=other)
     assert second != first and again == text == lm.generate(question, "ar", max_new_tokens=64).text
     assert stats["tokens_from_store"] > 0  # drafted from the first replica's answer, merged from Redis
