@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from triedec.core.errors import TriedecError
+from triedec.core.errors import TriedecError, positive_int
 
 BOOTSTRAP_RESAMPLES = 10_000
 BOOTSTRAP_SEED = 0
@@ -152,8 +152,7 @@ def paired_order(systems: Sequence[S], cells: Sequence[C], repeats: int, seed: i
     the blocks run in one seeded random order. The phases a ratio pairs (two systems, the same
     cell and repeat) then run minutes apart at most, so the machine's drift between them is what
     a block lasts, not what the whole run does, and no system always runs first in its block."""
-    if repeats < 1:
-        raise TriedecError(f"repeats must be >= 1, got {repeats!r}")
+    positive_int("repeats", repeats)
     rng = random.Random(seed)
     blocks = [(cell, r) for r in range(repeats) for cell in cells]
     rng.shuffle(blocks)
