@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,29 @@ PROMPTS = [
     CODE + "\n# Tests\nassert fibonacci(10) ==",
     [0, 1, 2, 3, 4],  # raw token ids
 ]
+
+
+def absorbed_after(sharing: Callable[[], dict], before: int, seconds: float, what: str = "absorbed") -> float:
+    """Seconds until a process's ``sharing`` status (``GET /health``'s) counts more than ``before``
+    of ``what`` (``"outputs"``: finished outputs, the answers themselves; an entry of matrix rows
+    or rates may come first) (fails past ``seconds``)."""
+    start = time.monotonic()
+    while (now := sharing())[what] <= before:
+        assert time.monotonic() - start < seconds, f"nothing absorbed within {seconds} s: {now}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def quiet(sharing: Callable[[], dict], seconds: float, what: str = "absorbed") -> int:
+    """Wait until a process's ``sharing`` status has counted nothing more of ``what`` for
+    ``seconds``; that count."""
+    count, since = sharing()[what], time.monotonic()
+    while time.monotonic() - since < seconds:
+        time.sleep(0.1)
+        now = sharing()[what]
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
 
 
 def free_port() -> int:

@@ -12,11 +12,12 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
 import pytest
 import torch
-from helpers import RedisServer, free_port
+from helpers import RedisServer, absorbed_after, free_port, quiet
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
@@ -255,27 +256,21 @@ def _asked(client: openai.OpenAI, messages: list[dict], max_tokens: int, **extra
     return out.choices[0].message.content, raw.headers[REPLICA_HEADER], out.model_extra["triedec"]
 
 
-def _merged(client: openai.OpenAI, user: str) -> tuple[str, int]:
-    """The replica ``user``'s requests go to and the other processes' answers it has merged
-    (``GET /health``; the gateway routes on the body's ``user`` whatever the method)."""
-    health = httpx.request("GET", f"{client.base_url}".removesuffix("v1/") + "health",
-                           content=json.dumps({"user": user}), timeout=30)
-    health.raise_for_status()
-    return health.headers[REPLICA_HEADER], health.json()["sharing"]["outputs"]
-
-
-def _settled(client: openai.OpenAI, user: str, replica: str, quiet: float = 1.0, within: float = 60.0) -> int:
-    """The count of merged answers on ``replica`` once it has stayed the same for ``quiet`` seconds."""
-    deadline, last, since = time.monotonic() + within, None, time.monotonic()
-    while time.monotonic() < deadline:
-        home, count = _merged(client, user)
-        if home == replica:
-            if count != last:
-                last, since = count, time.monotonic()
-            elif time.monotonic() - since >= quiet:
-                return count
-        time.sleep(0.1)
-    raise AssertionError(f"replica {replica}'s merged answers never settled")
+def _sharing(client: openai.OpenAI, user: str, replica: str) -> Callable[[], dict]:
+    """``replica``'s sharing status (``GET /health``), asked where ``user``'s requests go (the
+    gateway routes on the body's ``user`` whatever the method; an answer from another replica is
+    asked again)."""
+    def status() -> dict:
+        deadline = time.monotonic() + 30
+        while True:
+            health = httpx.request("GET", f"{client.base_url}".removesuffix("v1/") + "health",
+                                   content=json.dumps({"user": user}), timeout=30)
+            health.raise_for_status()
+            if health.headers[REPLICA_HEADER] == replica:
+                return health.json()["sharing"]
+            assert time.monotonic() < deadline, f"GET /health never reached replica {replica}"
+            time.sleep(0.1)
+    return status
 
 
 @pytest.mark.default_model  # the cluster serves the default model
@@ -286,16 +281,11 @@ def test_an_answer_from_one_replica_drafts_on_the_other_through_redis(ray_cluste
     other, second = next((f"reader-{i}", home) for i in range(1, 64)
                          if (home := _ask(client, [{"role": "user", "content": "Hi"}], 1, user=f"reader-{i}")[1])
                          != first)
-    before = _settled(client, other, second)  # what the other replica merged so far: nothing is under way
+    status = _sharing(client, other, second)
+    before = quiet(status, 1.0, "outputs")  # what the other replica merged so far: nothing is under way
     text, where, _ = _asked(client, question, 64, user="reader-0")
     assert where == first
-    deadline = time.monotonic() + 60  # the merge takes about one exchange interval (docs/scaling-out.md)
-    while True:
-        home, merged = _merged(client, other)
-        if home == second and merged > before:  # the only answer given since: the question's
-            break
-        assert time.monotonic() < deadline, "the other replica never merged the answer"
-        time.sleep(0.1)
+    absorbed_after(status, before, 60.0, "outputs")  # the only answer given since: the question's
     again, where, stats = _asked(client, question, 64, user=other)
     assert where == second and again == text == lm.generate(question, "ar", max_new_tokens=64).text
     assert stats["tokens_from_store"] > 0  # drafted from the first replica's answer, merged from Redis

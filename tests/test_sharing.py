@@ -18,7 +18,17 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers import RedisServer, cache_with_built_kernels, free_port, hf_greedy, run, tiny_info, tiny_llama
+from helpers import (
+    RedisServer,
+    absorbed_after,
+    cache_with_built_kernels,
+    free_port,
+    hf_greedy,
+    quiet,
+    run,
+    tiny_info,
+    tiny_llama,
+)
 from helpers import random_prompts as prompts
 
 import triedec
@@ -277,35 +287,13 @@ def cluster(tmp_path_factory, tiny_model_dir):
         redis_server.stop()
 
 
-def _absorbed_after(replica: Replica, before: int, seconds: float, what: str = "absorbed") -> float:
-    """Seconds until ``replica`` has absorbed more than ``before`` entries (``what="outputs"``:
-    finished outputs, the answers themselves; an entry of matrix rows or rates may come first)
-    (fails past ``seconds``)."""
-    start = time.monotonic()
-    while replica.sharing()[what] <= before:
-        assert time.monotonic() - start < seconds, f"nothing absorbed within {seconds} s: {replica.sharing()}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def _quiet(replica: Replica, what: str = "absorbed") -> int:
-    """Wait until ``replica`` absorbs nothing more for three intervals; its count of ``what``."""
-    count, since = replica.sharing()[what], time.monotonic()
-    while time.monotonic() - since < 3 * INTERVAL + 0.5:
-        time.sleep(0.1)
-        now = replica.sharing()[what]
-        if now != count:
-            count, since = now, time.monotonic()
-    return count
-
-
 def test_an_answer_on_one_process_drafts_on_the_other_for_its_tenant_only(cluster):
     _, (one, two) = cluster
     question = "Tell me a story about the sea and the ships."
-    before = _quiet(two, "outputs")
+    before = quiet(two.sharing, 3 * INTERVAL + 0.5, "outputs")
     text, stats = one.ask(ALICE, question)
     assert stats["tokens_from_store"] == 0
-    delay = _absorbed_after(two, before, STATED_DELAY, "outputs")
+    delay = absorbed_after(two.sharing, before, STATED_DELAY, "outputs")
     print(f"process 2 absorbed process 1's answer {delay:.2f} s after it was returned")
     again, again_stats = two.ask(ALICE, question)
     assert again == text and again_stats["tokens_from_store"] > 0 and again_stats["learning"] == "tenant"
@@ -336,7 +324,7 @@ def test_redis_stopped_and_restarted_mid_run_fails_no_request_and_the_streams_ca
         time.sleep(0.1)
     before = two.sharing()["outputs"]
     redis_server.start()  # an empty Redis: the streams start again
-    _absorbed_after(two, before, 15.0, "outputs")
+    absorbed_after(two.sharing, before, 15.0, "outputs")
     assert one.sharing()["redis"] == "up" and one.sharing()["pending"] == 0
     again, again_stats = two.ask(CAROL, question)
     assert again == text and again_stats["tokens_from_store"] > 0
@@ -355,7 +343,7 @@ def test_a_method_built_later_in_a_followed_scope_catches_up_on_the_streams_past
     body["max_tokens"] = 1
     got = httpx.post(f"{two.url}/v1/chat/completions", json=body, headers={"Authorization": CAROL}, timeout=120)
     assert got.status_code == 200, got.text
-    _absorbed_after(two, before, STATED_DELAY + 2)
+    absorbed_after(two.sharing, before, STATED_DELAY + 2)
 
 
 def test_a_malformed_entry_is_skipped_and_counted(cluster):
