@@ -331,6 +331,53 @@ def test_the_runner_gives_transformers_forwards_bits(adapter_pairs, name, seed):
         assert torch.equal(a, b), f"row {i}: differs by up to {float((a - b).abs().max()):.3g}"
 
 
+ROTARY_MODELS = {"llama": lambda: tiny_llama(seed=3), "gemma3-by-kind": lambda: _tiny_gemma3(seed=4),
+                 "olmo2-float32-tables": lambda: _tiny_olmo2(seed=5),
+                 "phi4-partial": lambda: _tiny_phi3(seed=6, partial=0.75)}
+
+
+@pytest.mark.parametrize("name", list(ROTARY_MODELS))
+def test_the_runners_rotary_rows_are_the_rotary_modules_own_bits_at_any_positions(name):
+    runner = ModelAdapter(ROTARY_MODELS[name](), "auto", runner=RUNNER)._runner
+    rows = runner._rotary_rows
+    assert rows is not None  # the rope type is static: the runner gathers from its table
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        probe = torch.empty((1, 1, 1), dtype=dtype)
+        for n in (1, 2, 3, 5, 16, 33, 600):  # past the first table's 1,024 positions and its 4,096 slices
+            positions = torch.randint(0, 5000, (n,), generator=gen)
+            got = rows.at(positions, runner._kinds, dtype, probe.device)
+            assert set(got) == set(runner._kinds)
+            for kind, (cos, sin) in got.items():
+                args = (probe, positions[None], kind) if rows.by_kind else (probe, positions[None])
+                want_cos, want_sin = runner.rotary(*args)
+                assert cos.dtype == want_cos.dtype and torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_a_dynamic_rope_type_is_computed_on_each_forwards_positions():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    mine = ModelAdapter(LlamaForCausalLM(config).eval(), "auto", runner=RUNNER)
+    assert mine._runner._rotary_rows is None  # its frequencies follow the positions past 16
+    torch.manual_seed(7)
+    theirs = ModelAdapter(LlamaForCausalLM(config).eval(), "auto", runner=TRANSFORMERS)
+    outs: dict[str, list[torch.Tensor]] = {RUNNER: [], TRANSFORMERS: []}
+    for adapter in (mine, theirs):
+        cache = adapter.new_cache(64)
+        tokens = torch.arange(3, 43) % TINY_VOCAB
+        for at in range(0, 40, 10):
+            causal = torch.ones((10, 10), dtype=torch.bool).tril()
+            item = ForwardItem(cache, tokens[at : at + 10], torch.arange(at, at + 10), causal)
+            outs[adapter.runner].append(adapter.forward_batch([item])[0])
+            cache.commit(list(range(10)))
+    for a, b in zip(outs[RUNNER], outs[TRANSFORMERS], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_kernels_auto_runs_triedecs_runner_and_plain_transformers_forward():
     assert ModelAdapter(tiny_llama(seed=1), "auto").runner == RUNNER
     assert ModelAdapter(tiny_llama(seed=1), "plain").runner == TRANSFORMERS

@@ -342,20 +342,24 @@ class ModelAdapter:
             item.cache.stage(item.positions)
         visibility = [item_visibility(item, self.layout) for item in items]
         batch = ItemBatch(items, visibility, self.layout.kinds, self.exact_attention, self.dtype, self.device)
-        tokens = torch.cat([item.tokens.reshape(-1) for item in items]).to(self.device)
-        positions = torch.cat([item.positions.reshape(-1) for item in items]).to(self.device)
+        if len(items) == 1:  # a request's step alone: its own tensors, no copies
+            tokens = items[0].tokens.reshape(-1).to(self.device)
+            positions = items[0].positions.reshape(-1).to(self.device)
+        else:
+            tokens = torch.cat([item.tokens.reshape(-1) for item in items]).to(self.device)
+            positions = torch.cat([item.positions.reshape(-1) for item in items]).to(self.device)
         rows = [(stop - item.rows, stop) for item, (_, stop) in zip(items, batch.bounds, strict=True)]
-        keep = torch.cat([torch.arange(a, b) for a, b in rows])
+        everything = sum(b - a for a, b in rows) == tokens.numel()
+        keep = None if everything else torch.cat([torch.arange(a, b) for a, b in rows])
         kwargs: dict[str, Any] = {}
-        everything = keep.numel() == tokens.numel()
-        if not everything and self._takes_logits_to_keep:
+        if keep is not None and self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep.to(self.device)  # the LM head runs on these rows only
         placeholder = {k: self._placeholder for k in self.layout.windows} if self.layout.per_type \
             else self._placeholder
         try:
             if self._runner is not None:
                 attention = BASES[self.model.config._attn_implementation]
-                logits = self._runner.forward(tokens, positions, batch, None if everything else keep.to(self.device),
+                logits = self._runner.forward(tokens, positions, batch, None if keep is None else keep.to(self.device),
                                               attention)[0]
             else:
                 layers = [BatchCacheLayer(batch, i) for i in range(self._num_layers())]
@@ -366,7 +370,7 @@ class ModelAdapter:
                 logits = out.logits[0]
         finally:
             self.fell_back = self.fell_back or batch.fell_back
-        if not everything and not self._takes_logits_to_keep and self._runner is None:
+        if keep is not None and not self._takes_logits_to_keep and self._runner is None:
             logits = logits[keep.to(logits.device)]
         logits = logits.float()
         found, at = [], 0

@@ -137,6 +137,9 @@ def item_visibility(item: ForwardItem, layout: AttentionLayout) -> dict[str, tor
     explicit = item.visible.shape[1] != n
     out: dict[str, torch.Tensor | None] = {}
     for kind, window in layout.windows.items():
+        if n == 1 and not explicit and window is None and bool(item.visible.all()):
+            out[kind] = None  # one query that sees its token sees everything (no mask built to say so)
+            continue
         if explicit:
             visible = item.visible
         else:
