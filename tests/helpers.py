@@ -35,10 +35,11 @@ CPU = torch.device("cpu")
 # ---- tiny models --------------------------------------------------------------------------------
 
 
-def tiny_llama(vocab: int = TINY_VOCAB, seed: int = 0, attn: str = "sdpa", max_pos: int = 512) -> LlamaForCausalLM:
+def tiny_llama(vocab: int = TINY_VOCAB, seed: int = 0, attn: str = "sdpa", max_pos: int = 512,
+               intermediate: int = 128) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
         eos_token_id=EOS, bos_token_id=1, pad_token_id=0, attn_implementation=attn,
     )

@@ -187,6 +187,11 @@ MODELS = {
     "llama-bfloat16": lambda: _in_mode(tiny_llama(seed=2), "bfloat16"),
     "llama-tied-int8": lambda: _in_mode(_tied_llama(), weights="int8"),
     "gemma3-sliding-windows-int4": lambda: _in_mode(tiny_gemma3(seed=3, window=4), weights="int4"),
+    # intermediate sizes no multiple of a vector: torch's silu leaves a call's last elements to its
+    # scalar std::exp, so the activation is applied on padded whole rows (runner.activated, the
+    # native forward's gated_rows); before, 24-30 of 30 seeds failed on these two
+    "llama-odd-intermediate-native": lambda: tiny_llama(seed=2, intermediate=104),
+    "llama-odd-intermediate-walk": lambda: tiny_llama(seed=2, intermediate=100),
 }
 
 

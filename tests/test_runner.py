@@ -378,6 +378,50 @@ def test_a_dynamic_rope_type_is_computed_on_each_forwards_positions():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kind", ["silu", "gelu-tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_activations_row_has_the_bits_of_the_row_alone_whatever_the_rows_and_threads(kind, dtype):
+    from triedec.model.runner import activated
+
+    act = torch.nn.SiLU() if kind == "silu" else torch.nn.GELU(approximate="tanh")
+    gen = torch.Generator().manual_seed(1)
+    threads = torch.get_num_threads()
+    try:
+        for width, rows, count in ((100, 7, 1), (104, 401, 3), (1536, 101, 5), (96, 343, 2)):
+            torch.set_num_threads(count)  # a call of over 32,768 elements is cut among the threads
+            gate = (4 * torch.randn((1, rows, width), generator=gen)).to(dtype)
+            got = activated(act, gate)
+            assert got.shape == gate.shape and got.dtype == dtype
+            for r in range(rows):
+                alone = activated(act, gate[:, r : r + 1].clone())
+                assert torch.equal(got[0, r], alone[0, 0]), f"{width} x {rows} on {count} threads: row {r}"
+                assert torch.allclose(got[0, r].float(), act(gate[0, r].float()), rtol=1e-2, atol=1e-3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_native_prompt_chunk_gives_each_row_the_bits_of_a_smaller_chunk_on_any_threads():
+    adapter = ModelAdapter(tiny_llama(seed=4, intermediate=104, max_pos=1024), "auto", runner=RUNNER)
+    assert adapter.native_forward
+    tokens = torch.tensor([random.Random(4).randrange(TINY_VOCAB) for _ in range(401)])
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count, sizes in ((3, [401]), (1, [150, 251])):
+            torch.set_num_threads(count)
+            cache, rows, at = adapter.new_cache(512), [], 0
+            for size in sizes:
+                causal = torch.ones((size, size), dtype=torch.bool).tril()
+                item = ForwardItem(cache, tokens[at : at + size], torch.arange(at, at + size), causal)
+                rows.append(adapter.forward_batch([item])[0])
+                cache.commit(list(range(size)))
+                at += size
+            outs.append(torch.cat(rows))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_kernels_auto_runs_triedecs_runner_and_plain_transformers_forward():
     assert ModelAdapter(tiny_llama(seed=1), "auto").runner == RUNNER
     assert ModelAdapter(tiny_llama(seed=1), "plain").runner == TRANSFORMERS

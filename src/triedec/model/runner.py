@@ -369,6 +369,36 @@ def _multipliers(model: nn.Module) -> tuple[float | None, float | None, float | 
     return (float(config.embedding_multiplier), float(config.residual_multiplier), float(config.logits_scaling))
 
 
+ACT_PAD = 64
+"""Elements a row of an activation's input is padded to a multiple of (two AVX-512 vectors of
+bfloat16: every build's step of torch's elementwise loop divides it)."""
+ACT_ELEMENTS = 16384
+"""Most elements one call of an activation takes: torch cuts a call among its threads past its
+grain, 32,768 elements (silu), or past 16,384 (gelu, whose kernel then takes a thread's share of
+the call as its grain)."""
+
+
+def activated(act: nn.Module, gate: torch.Tensor) -> torch.Tensor:
+    """``act(gate)`` (``gate [..., I]``) with every element through torch's vector function, as the
+    native forward's ``gated_rows`` (csrc/decoder.cpp) computes it: torch's elementwise loop leaves a
+    call's last elements past a multiple of two vectors to a scalar version (silu's ``std::exp``,
+    gelu's ``std::tanh``) that can round differently, and cuts a call of over :data:`ACT_ELEMENTS`
+    among its threads at points that need not fall on a vector, so which elements of a row went the
+    scalar way depended on the rows beside it and on the thread count. Calls here take whole rows
+    padded to a multiple of :data:`ACT_PAD`, at most :data:`ACT_ELEMENTS` elements, so no element
+    is in a tail and a row's bits depend on its own inputs only (on a GPU every element is already
+    its own thread's: the call is left whole)."""
+    width = gate.shape[-1]
+    padded = -(-width // ACT_PAD) * ACT_PAD
+    per_call = max(1, ACT_ELEMENTS // padded)
+    rows = gate.reshape(-1, width)
+    if gate.device.type != "cpu" or (padded == width and rows.shape[0] <= per_call and gate.is_contiguous()):
+        return act(gate)
+    x = torch.nn.functional.pad(rows, (0, padded - width))
+    out = torch.cat([act(x[a : a + per_call]) for a in range(0, x.shape[0], per_call)])
+    return out[:, :width].reshape(gate.shape)
+
+
 _Pair = tuple[torch.Tensor, torch.Tensor]
 """A rotary table's (cos, sin)."""
 
@@ -573,7 +603,7 @@ class DecoderRunner:
                 out = _rows(joined, x.reshape(n, -1))
                 gate = out[:, :gate_end].contiguous().view(1, n, -1)  # the activation on a dense tensor, as unjoined
                 up = out[:, gate_end:].view(1, n, -1)
-            out = mlp.down_proj(layer.act(gate) * up)  # Phi-3 writes up * act(gate): the same product
+            out = mlp.down_proj(activated(layer.act, gate) * up)  # Phi-3 writes up * act(gate): the same product
             hidden = residual + self._residual(out, layer.mlp_out_norm)
         hidden = self.norm(hidden)
         if keep is not None:

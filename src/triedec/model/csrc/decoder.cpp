@@ -11,7 +11,8 @@
 // then the final norm and the LM head on the kept rows. act is torch's silu or tanh-gelu. Every step
 // is the kernel or the one IEEE operation per element that the Python walk runs (the residual adds,
 // Granite's scaling and the product act(g) * u are one float32 operation rounded to bfloat16, as
-// torch's bfloat16 ops are; the activation is torch's own op), so the logits are the same bits
+// torch's bfloat16 ops are; the activation is torch's own op on every element's vector path:
+// gated_rows), so the logits are the same bits
 // (tests/test_runner.py). The embedding's and the logits' own scalings (Gemma, Granite) and the final
 // soft-cap are the Python side's torch ops, before and after this call.
 // On float32 activations (the float mode: triedec's float32 linears) the norms are transformers'
@@ -34,6 +35,8 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -193,6 +196,37 @@ void scale_rows(bf16* y, float s, int64_t n) {
 }
 void mul_rows(const bf16* a, int64_t a_ld, const bf16* b, int64_t b_ld, bf16* out, int64_t R, int64_t n) {
   kernels().mul_bf16_rows(a, a_ld, b, b_ld, out, R, n);
+}
+
+// act(g) * u of each row, g and u the two halves of gu [R, 2 I], into out [R, I]. The activation
+// is torch's own op, applied so that every element goes through its vector function: torch's
+// elementwise loop leaves a call's last elements past a multiple of two vectors (16 to 64 of them)
+// to a scalar version (silu's std::exp, gelu's std::tanh), which can round differently, and a
+// call of over 32,768 elements (gelu: 16,384) is cut among the threads at points that need not
+// fall on a vector, so which elements of a row went the scalar way depended on N and the thread
+// count (a tree's rows
+// could differ from plain decoding's where the intermediate size is no multiple of the vector).
+// Here each call covers whole rows of g copied into rows padded to a multiple of kActPad, at most
+// kActElements elements, inside this loop's thread (a nested parallel_for runs on its caller), so
+// no element is in a tail and a row's bits depend on its own inputs only.
+constexpr int64_t kActPad = 64;          // two AVX-512 vectors of bfloat16: every build's step divides it
+constexpr int64_t kActElements = 16384;  // a call this size is not cut among threads (gelu cuts past it)
+template <typename T>
+void gated_rows(const T* gu, int64_t R, int64_t I, bool gelu, T* out) {
+  const int64_t width = (I + kActPad - 1) / kActPad * kActPad;
+  const int64_t per_call = std::max<int64_t>(1, kActElements / width);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    at::Tensor g = at::zeros({std::min(per_call, r1 - r0), width}, at::TensorOptions().dtype(dtype_of<T>()));
+    T* gp = g.data_ptr<T>();
+    for (int64_t a = r0; a < r1; a += per_call) {
+      const int64_t rows = std::min(per_call, r1 - a);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(gp + r * width, gu + (a + r) * 2 * I, I * sizeof(T));
+      at::Tensor part = g.narrow(0, 0, rows);
+      if (gelu) at::gelu_(part, "tanh");
+      else at::silu_(part);
+      mul_rows(gp, width, gu + a * 2 * I + I, 2 * I, out + a * I, rows, I);
+    }
+  });
 }
 
 int64_t total_out(const std::vector<NativeLinear>& parts) {
@@ -618,10 +652,7 @@ at::Tensor NativeDecoder::run(const at::Tensor& hidden, const std::vector<at::Te
     run_linear(layer.o, ap, N, yp);
     add_output(layer.attn_out_norm);
     run_parts(layer.gate_up, sublayer_input(layer.post_norm), N, gup, 2 * I_);
-    const at::Tensor gate = gu.narrow(1, 0, I_).contiguous();
-    const at::Tensor act = gelu_ ? at::gelu(gate, "tanh") : at::silu(gate);
-    const T* actp = act.data_ptr<T>();
-    mul_rows(actp, I_, gup + I_, 2 * I_, pp, N, I_);
+    gated_rows(gup, N, I_, gelu_, pp);
     run_linear(layer.down, pp, N, yp);
     add_output(layer.mlp_out_norm);
   }
