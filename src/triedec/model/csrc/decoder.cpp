@@ -204,8 +204,8 @@ void mul_rows(const bf16* a, int64_t a_ld, const bf16* b, int64_t b_ld, bf16* ou
 // to a scalar version (silu's std::exp, gelu's std::tanh), which can round differently, and a
 // call of over 32,768 elements (gelu: 16,384) is cut among the threads at points that need not
 // fall on a vector, so which elements of a row went the scalar way depended on N and the thread
-// count (a tree's rows
-// could differ from plain decoding's where the intermediate size is no multiple of the vector).
+// count (a tree's rows could differ from plain decoding's where the intermediate size is no
+// multiple of the vector).
 // Here each call covers whole rows of g copied into rows padded to a multiple of kActPad, at most
 // kActElements elements, inside this loop's thread (a nested parallel_for runs on its caller), so
 // no element is in a tail and a row's bits depend on its own inputs only.
