@@ -756,3 +756,23 @@ def test_a_gguf_file_of_each_family_loads_onto_the_runner_with_transformers_bits
     ar = lm.generate(prompt, "ar", max_new_tokens=16).token_ids
     for name in ("pld", "lookahead", "auto"):
         assert lm.generate(prompt, name, max_new_tokens=16).token_ids == ar, name
+
+
+def test_the_models_own_forward_gets_its_activations_on_whole_rows_and_the_runner_still_reads_them():
+    from triedec.model.adapter import ROW_ACTIVATION
+    from triedec.model.runner import RowActivation, wrap_activations
+
+    model = tiny_llama(seed=2, intermediate=104)
+    stock = ModelAdapter(model, "auto", runner=TRANSFORMERS)
+    acts = [layer.mlp.act_fn for layer in model.model.layers]
+    assert all(isinstance(a, RowActivation) and "SiLU" in type(a.act).__name__ for a in acts), acts
+    assert ROW_ACTIVATION in stock.kernels and stock.exactness == BIT_EXACT
+    assert wrap_activations(model) == 0  # never wrapped twice
+    # the runner on the same (wrapped) model still knows its activation: the native forward runs it
+    assert ModelAdapter(model, "auto", runner=RUNNER).native_forward
+    # its own runner applies activations itself, and kernels="plain" keeps the model's calls
+    fresh = tiny_llama(seed=2, intermediate=104)
+    assert ROW_ACTIVATION not in ModelAdapter(fresh, "auto", runner=RUNNER).kernels
+    assert not any(isinstance(m, RowActivation) for m in fresh.modules())
+    ModelAdapter(fresh, "plain")
+    assert not any(isinstance(m, RowActivation) for m in fresh.modules())

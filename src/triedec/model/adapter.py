@@ -86,7 +86,15 @@ from triedec.model.linears import F32Linear, PackedLinear, pack_linears, packing
 from triedec.model.native import build_id, kernel_available
 from triedec.model.precision import NATIVE_LINEARS, precision_of
 from triedec.model.rmsnorm import FusedRMSNorm, fuse_norms
-from triedec.model.runner import RUNNER, RUNNERS, TRANSFORMERS, runner_for, why_not_runner
+from triedec.model.runner import (
+    RUNNER,
+    RUNNERS,
+    TRANSFORMERS,
+    RowActivation,
+    runner_for,
+    why_not_runner,
+    wrap_activations,
+)
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations a model may be loaded with (flash attention ignores tree masks)."""
@@ -183,6 +191,9 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
     return kernels == "auto" and param.device.type == "cpu" and param.dtype in DTYPES and kernel_available()
 
 
+ROW_ACTIVATION = "row-activation"
+"""How :func:`describe_kernels` names activations applied on whole padded rows
+(:class:`~triedec.model.runner.RowActivation`, the ``transformers`` runner on CPU)."""
 OWN_RUNNER = "triedec-runner"
 """How :func:`describe_kernels` names triedec's own runner (:mod:`triedec.model.runner`)."""
 NATIVE_FORWARD = "native-forward"
@@ -204,6 +215,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append("f32-linear")
     if any(isinstance(m, FusedRMSNorm) for m in model.modules()):
         used.append("fused-rmsnorm")
+    if any(isinstance(m, RowActivation) for m in model.modules()):
+        used.append(ROW_ACTIVATION)
     if exact_attention:
         used.append(FIXED_ORDER_ATTENTION)
     elif getattr(model.config, "_attn_implementation", None) == GQA_SDPA:
@@ -253,6 +266,8 @@ class ModelAdapter:
         self._runner = runner_for(model) if wanted else None
         if runner == RUNNER and self._runner is None:
             raise TriedecError(f"{why_not_runner(model)}; use runner='{TRANSFORMERS}'")
+        if self._runner is None and kernels == "auto" and self.device.type == "cpu":
+            wrap_activations(model)  # the runner applies its activations on whole rows itself
         place_weights(model)  # a no-op for what the runner placed
         self.runner = TRANSFORMERS if self._runner is None else RUNNER
         """Which code runs a forward: ``triedec`` (its own runner, :mod:`triedec.model.runner`: by

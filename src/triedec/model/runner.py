@@ -230,7 +230,10 @@ def join(parent: nn.Module, names: tuple[str, ...]) -> tuple[LinearStandIn, list
 def _activation(module: nn.Module) -> str | None:
     """Which of torch's ops ``module`` (an MLP's ``act_fn``) is: ``"silu"`` (``nn.SiLU``,
     transformers' ``SiLUActivation``), ``"gelu-tanh"`` (transformers' ``GELUTanh``: torch's gelu,
-    tanh-approximated), or None (``csrc/decoder.cpp`` calls neither)."""
+    tanh-approximated), or None (``csrc/decoder.cpp`` calls neither). A :class:`RowActivation` is
+    the module it wraps."""
+    if isinstance(module, RowActivation):
+        module = module.act
     if type(module) is nn.SiLU or (type(module).__name__ == "SiLUActivation"
                                    and type(module).__module__ == "transformers.activations"):
         return "silu"
@@ -397,6 +400,50 @@ def activated(act: nn.Module, gate: torch.Tensor) -> torch.Tensor:
     x = torch.nn.functional.pad(rows, (0, padded - width))
     out = torch.cat([act(x[a : a + per_call]) for a in range(0, x.shape[0], per_call)])
     return out[:, :width].reshape(gate.shape)
+
+
+class RowActivation(nn.Module):
+    """An elementwise activation module run through :func:`activated`: what a model's own forward
+    (the ``transformers`` runner) calls in place of its MLP's activation with ``kernels="auto"`` on
+    CPU, so that a row's bits do not depend on the rows sharing the call there either."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return activated(self.act, x)
+
+
+_TORCH_ELEMENTWISE = (nn.SiLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.Softplus,
+                      nn.LogSigmoid, nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink)
+"""torch's activation modules that are elementwise and go through a vector function (their scalar
+tail can round otherwise); the exact ones (ReLU and the like) need no wrapping."""
+
+
+def _elementwise_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is one of torch's or transformers' elementwise activations with a
+    transcendental or rounded part (every class of ``transformers.activations`` but the identity)."""
+    kind = type(module)
+    if kind.__module__ == "transformers.activations":
+        return kind.__name__ not in ("LinearActivation", "ClassInstantier")
+    return kind in _TORCH_ELEMENTWISE
+
+
+def wrap_activations(model: nn.Module) -> int:
+    """Replace, in place, every elementwise activation submodule of ``model`` (an MLP's ``act_fn``,
+    GPT-2's ``act``, Phi's ``activation_fn``: wherever the model keeps one) with a
+    :class:`RowActivation` around it. Returns how many were wrapped. Activations a modeling file
+    calls as functions (``torch.tanh`` in a soft-cap) are not modules and keep torch's own call."""
+    wrapped = 0
+    for parent in list(model.modules()):
+        if isinstance(parent, RowActivation):
+            continue
+        for name, child in list(parent.named_children()):
+            if _elementwise_activation(child):
+                setattr(parent, name, RowActivation(child))
+                wrapped += 1
+    return wrapped
 
 
 _Pair = tuple[torch.Tensor, torch.Tensor]
