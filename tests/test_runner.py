@@ -387,10 +387,13 @@ def test_an_activations_row_has_the_bits_of_the_row_alone_whatever_the_rows_and_
     gen = torch.Generator().manual_seed(1)
     threads = torch.get_num_threads()
     try:
-        for width, rows, count in ((100, 7, 1), (104, 401, 3), (1536, 101, 5), (96, 343, 2)):
+        for width, rows, count in ((100, 7, 1), (104, 401, 3), (1536, 101, 5), (96, 343, 2), (36_900, 3, 3)):
             torch.set_num_threads(count)  # a call of over 32,768 elements is cut among the threads
             gate = (4 * torch.randn((1, rows, width), generator=gen)).to(dtype)
             got = activated(act, gate)
+            torch.set_num_threads(1)
+            assert torch.equal(got, activated(act, gate)), f"{width} x {rows}: {count} threads against 1"
+            torch.set_num_threads(count)
             assert got.shape == gate.shape and got.dtype == dtype
             for r in range(rows):
                 alone = activated(act, gate[:, r : r + 1].clone())

@@ -387,19 +387,22 @@ def activated(act: nn.Module, gate: torch.Tensor) -> torch.Tensor:
     call's last elements past a multiple of two vectors to a scalar version (silu's ``std::exp``,
     gelu's ``std::tanh``) that can round differently, and cuts a call of over :data:`ACT_ELEMENTS`
     among its threads at points that need not fall on a vector, so which elements of a row went the
-    scalar way depended on the rows beside it and on the thread count. Calls here take whole rows
-    padded to a multiple of :data:`ACT_PAD`, at most :data:`ACT_ELEMENTS` elements, so no element
-    is in a tail and a row's bits depend on its own inputs only (on a GPU every element is already
-    its own thread's: the call is left whole)."""
+    scalar way depended on the rows beside it and on the thread count. Here the rows are padded to
+    a multiple of :data:`ACT_PAD` and taken in calls of at most :data:`ACT_ELEMENTS` elements, so no
+    element is in a tail or at a thread's cut and a row's bits depend on its own inputs only, at any
+    width and thread count (on a GPU every element is already its own thread's: the call is left
+    whole)."""
     width = gate.shape[-1]
     padded = -(-width // ACT_PAD) * ACT_PAD
-    per_call = max(1, ACT_ELEMENTS // padded)
-    rows = gate.reshape(-1, width)
-    if gate.device.type != "cpu" or (padded == width and rows.shape[0] <= per_call and gate.is_contiguous()):
+    if gate.device.type != "cpu" or (padded == width and gate.numel() <= ACT_ELEMENTS and gate.is_contiguous()):
         return act(gate)
-    x = torch.nn.functional.pad(rows, (0, padded - width))
-    out = torch.cat([act(x[a : a + per_call]) for a in range(0, x.shape[0], per_call)])
-    return out[:, :width].reshape(gate.shape)
+    rows = gate.reshape(-1, width)
+    # the padded rows as one run of elements, in calls of ACT_ELEMENTS (a multiple of ACT_PAD): a
+    # call may end inside a row, never inside a vector, so rows wider than a call are not cut
+    # among threads either
+    x = (rows if padded == width else torch.nn.functional.pad(rows, (0, padded - width))).reshape(-1)
+    out = torch.cat([act(x[a : a + ACT_ELEMENTS]) for a in range(0, x.numel(), ACT_ELEMENTS)])
+    return out.view(-1, padded)[:, :width].reshape(gate.shape)
 
 
 class RowActivation(nn.Module):
