@@ -134,7 +134,7 @@ def test_kernels_apply_only_where_they_can_and_are_recorded(tiny_model_dir):
     plain = triedec.load(tiny_model_dir, kernels="plain")
     assert plain.adapter.kernels == "plain" and plain.reference_model() is plain.model
     if packing_available(torch.device("cpu"), torch.float32):
-        assert fast.adapter.kernels == "f32-linear+fixed-order-attention+triedec-runner+native-forward"
+        assert fast.adapter.kernels == "f32-linear+row-activation+fixed-order-attention+triedec-runner+native-forward"
         reference = fast.reference_model()
         assert reference is not fast.model and not any(isinstance(m, F32Linear) for m in reference.modules())
         assert reference.config._attn_implementation == "sdpa" and fast.model.config._attn_implementation == GQA_SDPA

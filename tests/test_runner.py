@@ -773,9 +773,10 @@ def test_the_models_own_forward_gets_its_activations_on_whole_rows_and_the_runne
     assert wrap_activations(model) == 0  # never wrapped twice
     # the runner on the same (wrapped) model still knows its activation: the native forward runs it
     assert ModelAdapter(model, "auto", runner=RUNNER).native_forward
-    # its own runner applies activations itself, and kernels="plain" keeps the model's calls
+    # its own runner applies activations on whole rows itself (and says so); kernels="plain" keeps
+    # the model's calls
     fresh = tiny_llama(seed=2, intermediate=104)
-    assert ROW_ACTIVATION not in ModelAdapter(fresh, "auto", runner=RUNNER).kernels
+    assert ROW_ACTIVATION in ModelAdapter(fresh, "auto", runner=RUNNER).kernels
     assert not any(isinstance(m, RowActivation) for m in fresh.modules())
     ModelAdapter(fresh, "plain")
     assert not any(isinstance(m, RowActivation) for m in fresh.modules())

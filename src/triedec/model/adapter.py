@@ -192,8 +192,10 @@ def exact_attention_applies(model: PreTrainedModel, kernels: str) -> bool:
 
 
 ROW_ACTIVATION = "row-activation"
-"""How :func:`describe_kernels` names activations applied on whole padded rows
-(:class:`~triedec.model.runner.RowActivation`, the ``transformers`` runner on CPU)."""
+"""How :func:`describe_kernels` names activations applied on whole padded rows on CPU: triedec's
+runner (:func:`~triedec.model.runner.activated`, the native ``gated_rows``) and, on the
+``transformers`` runner with ``kernels="auto"``, the model's own activation modules wrapped in
+:class:`~triedec.model.runner.RowActivation`."""
 OWN_RUNNER = "triedec-runner"
 """How :func:`describe_kernels` names triedec's own runner (:mod:`triedec.model.runner`)."""
 NATIVE_FORWARD = "native-forward"
@@ -215,8 +217,8 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append("f32-linear")
     if any(isinstance(m, FusedRMSNorm) for m in model.modules()):
         used.append("fused-rmsnorm")
-    if any(isinstance(m, RowActivation) for m in model.modules()):
-        used.append(ROW_ACTIVATION)
+    if any(isinstance(m, RowActivation) for m in model.modules()) or (runner and next(model.parameters()).is_cpu):
+        used.append(ROW_ACTIVATION)  # the runner applies its activations on whole rows itself
     if exact_attention:
         used.append(FIXED_ORDER_ATTENTION)
     elif getattr(model.config, "_attn_implementation", None) == GQA_SDPA:
