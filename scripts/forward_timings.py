@@ -55,8 +55,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--per-round", type=int, default=15, help="forwards of the one-token shape per round")
     parser.add_argument("--isa", default=None,
-                        help="run this installed kernel build (avx512vnni, avxvnni, avxvnni_evex, avx2, portable) "
-                             "instead of the fastest this CPU runs")
+                        help="run this installed kernel build (avx512amx, avx512vnni, avxvnni, avxvnni_evex, avx2, "
+                             "portable) instead of the fastest this CPU runs")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -161,6 +161,26 @@ def test_a_stale_calibration_file_is_measured_again(tiny_lm, monkeypatch):
         load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"warp"}))
 
 
+def test_a_long_device_key_gets_a_file_name_the_file_system_takes(tiny_lm, monkeypatch):
+    """A long CPU name with the kernels and the layer mix passed 255 bytes (a Xeon's, with the
+    lock's suffix): the name is cut and ends in a digest of the whole key, so two keys that differ
+    only past the cut get files of their own, and the calibration is written, locked and read."""
+    long_key = "cpu-" + "Intel-R--Xeon-R--Processor-" * 10 + "{}"
+    monkeypatch.setattr(calibration, "device_key", lambda adapter: long_key.format("a"))
+    path = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    assert len(path.stem) == calibration.CALIBRATION_NAME_LIMIT and len(path.with_suffix(".lock").name) < 255
+    assert path.name.startswith(f"{tiny_lm.adapter.model_id}-cpu-Intel")
+    monkeypatch.setattr(calibration, "measure_cost_model", lambda lm, repeats, progress: fake_cost())
+    assert load_or_calibrate(tiny_lm, tiny_lm.cache_dir, frozenset({"cost"})).cost == fake_cost()
+    assert Calibration.from_json(path.read_text()).cost == fake_cost()
+    monkeypatch.setattr(calibration, "device_key", lambda adapter: long_key.format("b"))
+    other = calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter)
+    assert other != path and len(other.stem) == len(path.stem)
+    monkeypatch.setattr(calibration, "device_key", lambda adapter: "cpu-short")
+    assert calibration.calibration_path(tiny_lm.cache_dir, tiny_lm.adapter).name == \
+        f"{tiny_lm.adapter.model_id}-cpu-short.json"
+
+
 class FakeWatch:
     """A :class:`machine.CpuWatch` that reports a given share."""
 

@@ -476,6 +476,8 @@ def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
     assert supported()[-1] == "portable" and set(supported()) <= set(ISAS)
     assert supported(frozenset()) == ("portable",)
     assert "avx2" in supported(frozenset(ISAS["avx2"][1])) and "avx512vnni" not in supported(frozenset(ISAS["avx2"][1]))
+    assert supported(frozenset(ISAS["avx512amx"][1]))[0] == "avx512amx"  # AMX-INT8 first where the CPU has it
+    assert "avx512amx" not in supported(frozenset(ISAS["avx512vnni"][1]))
     if not libraries:
         pytest.skip("triedec was installed without its kernels' builds (they were built on first use)")
     assert KERNEL.isa() == next(isa for isa in supported() if isa in libraries)
@@ -524,12 +526,15 @@ def test_every_installed_build_gives_the_same_bits():
     int8 = Int8A8Linear(nn.Linear(96, 208, bias=False))
     f32 = F32Linear(nn.Linear(96, 208))
     x = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    many = torch.randn(37, 96, generator=generator).to(torch.bfloat16)  # two AMX tiles of 16 rows and 5 more
     x32 = torch.randn(9, 96, generator=generator)  # tiles of 4, 4 and 1 rows on AVX-512
     norm_x, norm_w = torch.randn(300, 64, generator=generator), torch.randn(64, generator=generator)
     q, k, v = (torch.randn(4, n, 32, generator=generator) for n in (9, 40, 40))
     attention = attention_cases(generator)
     _same_bits_on_every_build(lambda: (KERNEL.int4_linear(x, int4.packed, int4.scales_zeros, False),
                                        KERNEL.int8_linear(x, int8.packed, int8.scales, False),
+                                       KERNEL.int4_linear(many, int4.packed, int4.scales_zeros, False),
+                                       KERNEL.int8_linear(many, int8.packed, int8.scales, False),
                                        KERNEL.f32_linear(x32, f32.packed, f32.padded_bias),
                                        KERNEL.rms_norm(norm_x, norm_w, 1e-6, False),
                                        KERNEL.tree_attention(q, k, v, None, None, 32 ** -0.5, 0.0),
@@ -543,7 +548,7 @@ def test_the_probes_count_what_they_did_and_refuse_bad_input():
     """dot_peak's count is iterations x 12 chains x the build's multiply-adds an instruction x the
     threads, whatever the machine's speed; stream_read reads every byte (a changed byte changes its
     checksum) and refuses anything but contiguous uint8."""
-    width = {"avx512vnni": 64, "avxvnni": 32, "avxvnni_evex": 32, "avx2": 32, "portable": 4}
+    width = {"avx512amx": 64, "avx512vnni": 64, "avxvnni": 32, "avxvnni_evex": 32, "avx2": 32, "portable": 4}
     threads = torch.get_num_threads()  # one share per intra-op thread (run inline without OpenMP)
     done = KERNEL.dot_peak(100)
     assert KERNEL.dot_peak(0) == 0 and KERNEL.dot_peak(200) == 2 * done
@@ -959,8 +964,41 @@ def test_the_scale_min_kernel_gives_the_same_bits_on_every_installed_build():
 
     layers = [ScaleMinA8Linear(_linear_of(w), parse_scale_min(raw, kind))
               for kind in ("Q4_0", "Q4_1", "Q5_1") for raw, w in [_scale_min_raw(kind, 13 * 16, 160, 5)]]
-    x = torch.randn(11, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    _same_bits_on_every_build(lambda: [KERNEL.scale_min_linear(x, m.packed, m.highs, m.dm, False) for m in layers])
+    x = torch.randn(35, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # 2 AMX tiles + 3
+    _same_bits_on_every_build(lambda: [KERNEL.scale_min_linear(x[:r], m.packed, m.highs, m.dm, False)
+                                       for m in layers for r in (11, 35)])
+
+
+@settings(max_examples=20, deadline=None)
+@given(kind=st.sampled_from(["int4", "int8", "Q4_0", "Q4_1"]), vectors=st.integers(1, 9), groups=st.integers(1, 7),
+       rows=st.sampled_from([16, 17, 23, 32, 35, 48, 50]), seed=st.integers(0, 10**6))
+def test_calls_of_16_rows_and_more_give_each_row_the_bits_it_gets_alone(kind, vectors, groups, rows, seed):
+    """Calls of 16 rows or more (a tree, a batch, a prompt chunk): on an AMX-INT8 build the tile
+    unit sums the first multiple of 16 rows and the register tiles the rest
+    (``csrc/x86/amx/a8_linears.h``), elsewhere the register tiles all of them; either way a row gets
+    the bits it gets alone, in any cut of the call and on the portable path, over odd and even
+    counts of groups and blocks of 1-4 vectors."""
+    from triedec.model.gguf_blocks import parse_scale_min
+    from triedec.model.precision import ScaleMinA8Linear
+
+    torch.manual_seed(seed)
+    if kind in ("int4", "int8"):
+        linear = nn.Linear(GROUP_SIZE * groups, 16 * vectors, bias=False)
+        layer = Int4A8Linear(linear) if kind == "int4" else Int8A8Linear(linear)
+        call = ((lambda x, p: KERNEL.int4_linear(x, layer.packed, layer.scales_zeros, p)) if kind == "int4"
+                else (lambda x, p: KERNEL.int8_linear(x, layer.packed, layer.scales, p)))
+    else:
+        raw, weight = _scale_min_raw(kind, 16 * vectors, 32 * groups, seed)
+        layer = ScaleMinA8Linear(_linear_of(weight), parse_scale_min(raw, kind))
+        call = lambda x, p: KERNEL.scale_min_linear(x, layer.packed, layer.highs, layer.dm, p)  # noqa: E731
+    x = (torch.randn(rows, GROUP_SIZE * groups, generator=torch.Generator().manual_seed(seed)) * 2).to(torch.bfloat16)
+    x[1, :GROUP_SIZE] = 0  # a group of zeros, inside the first 16 rows
+    with torch.inference_mode():
+        got = call(x, False)
+        assert torch.equal(got, call(x, True))
+        assert torch.equal(got, torch.cat([call(x[i : i + 1], False) for i in range(rows)]))
+        assert torch.equal(got, torch.cat([call(x[:7], False), call(x[7:], False)]))  # 16 rows from 7 on
+        assert torch.equal(got, torch.cat([call(x[:16], False), call(x[16:], False)]) if rows > 16 else got)
 
 
 def test_scale_min_layers_refuse_what_they_cannot_hold():

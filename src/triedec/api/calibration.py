@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -162,8 +163,22 @@ def device_key(adapter: ModelAdapter) -> str:
     return "".join(c if c.isalnum() or c in "-." else "-" for c in key)
 
 
+CALIBRATION_NAME_LIMIT = 200
+"""The most characters of a calibration file's name before ``.json``: a file name is at most 255
+bytes on the usual file systems, and the lock beside it and the atomic write's temporary file add
+suffixes. A longer name (a long CPU name, kernels and layer mix) keeps its first characters and
+ends in a digest of the whole."""
+
+
 def calibration_path(cache_dir: Path, adapter: ModelAdapter) -> Path:
-    return cache_dir / "calibration" / f"{adapter.model_id}-{device_key(adapter)}.json"
+    """Where the calibration of this model on this device is cached: its model id and
+    :func:`device_key`, cut to :data:`CALIBRATION_NAME_LIMIT` characters with a digest of the whole
+    name where longer (the file itself holds the full key)."""
+    name = f"{adapter.model_id}-{device_key(adapter)}"
+    if len(name) > CALIBRATION_NAME_LIMIT:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+        name = f"{name[:CALIBRATION_NAME_LIMIT - len(digest) - 1]}-{digest}"
+    return cache_dir / "calibration" / f"{name}.json"
 
 
 def read_calibration(cache_dir: Path, adapter: ModelAdapter) -> Calibration | None:

@@ -31,7 +31,8 @@ EXTENSION = "_kernels"
 """The extension's module, inside this package: ``triedec.model._kernels``."""
 HEADERS = ("kernels.h", "kernel_table.h", "tiles.h", "ops.h", "decoder.h",
            *(f"x86/{isa}/{op}.h" for isa in ("avx512", "avx2") for op in ("a8_linears", "tree_attention",
-                                                                        "f32_linears", "probes")))
+                                                                        "f32_linears", "probes")),
+           "x86/amx/a8_linears.h")
 """The headers: the kernels' interfaces and, in ``x86/avx512/`` and ``x86/avx2/``, each op's code for
 that instruction set (included by the op's translation unit where the build's flags enable it; the
 portable code stays in the ``.cpp`` as the reference)."""
@@ -41,6 +42,10 @@ lane as in a scalar tail); the kernels' own fused ones are explicit. ``-g0`` ove
 Python's own build flags add: debug information for torch's headers costs a third of the build."""
 
 ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "avx512amx": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
+                   "-mf16c", "-mamx-tile", "-mamx-int8"),
+                  ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c", "amx_tile",
+                   "amx_int8")),
     "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma",
                     "-mf16c"),
                    ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c")),
@@ -51,7 +56,10 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "portable": ((), ()),
 }
 """Each build: its compiler flags and the CPU flags (``/proc/cpuinfo``) it needs, fastest first.
-``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree attention's AVX-512 path; ``avxvnni``
+``avx512amx`` is ``avx512vnni``'s code with the 8-bit linears' calls of 16 rows or more on
+AMX-INT8's tile unit (``csrc/x86/amx/a8_linears.h``; the VNNI tiles where Linux does not grant the
+process the tile state); ``avx512vnni`` runs the 8-bit-activation linears' VNNI path and tree
+attention's AVX-512 path; ``avxvnni``
 (AVX2 CPUs with AVX-VNNI: Intel's since Alder Lake, AMD's Zen 5) the linears' AVX2 tiles with the
 256-bit ``vpdpbusd`` in its VEX encoding; ``avx2`` the linears' AVX2 path (``vpmaddubsw``) and tree
 attention's; ``portable`` plain C++ everywhere. ``avxvnni_evex`` is ``avxvnni``'s code with the EVEX

@@ -185,6 +185,10 @@ constexpr int64_t kAheadBytes = 4096;
 
 #if defined(TRIEDEC_VNNI)
 #include "x86/avx512/a8_linears.h"
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define TRIEDEC_AMX 1
+#include "x86/amx/a8_linears.h"
+#endif
 #elif defined(TRIEDEC_A8_AVX2)
 #include "x86/avx2/a8_linears.h"
 #else
@@ -373,12 +377,16 @@ void int6_portable(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
 // 16-row forward of the default model took ~1.25x as long.) For each tile,
 // fill(rows, vectors, b, nvb, x, y) writes y [rows, vectors * 16] in float32 (rows and vectors as
 // std::integral_constant); it is rounded to bf16 into out [R, N].
+// Rows below `row0` are left alone (the AMX tiles' rows, where the build has them).
 template <class Fill>
-void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat16* out, Fill&& fill) {
+void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat16* out, Fill&& fill,
+                   int64_t row0 = 0) {
   static_assert(kBlock == 4, "tiles.h cuts blocks of 4 vectors");
   const int64_t G = K / kGroup, NV = N / kCols;
   const int32_t* quads = reinterpret_cast<const int32_t*>(xs.q.data());
-  triedec::for_each_row_tile(R, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t r0, int rows, bool streams) {
+  triedec::for_each_row_tile(R - row0, kRows, (NV + kBlock - 1) / kBlock, [&](int64_t b, int64_t t0, int rows,
+                                                                              bool streams) {
+    const int64_t r0 = row0 + t0;
     alignas(64) float y[kRows * kBlock * kCols];
     RowTile x{};
     x.ahead = streams ? kAheadBytes : 0;  // the part's first tile streams the block: it prefetches
@@ -393,8 +401,13 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
     }
     triedec::dispatch_tile<kRows>(rows, static_cast<int>(nvb), [&](auto tr, auto tv) { fill(tr, tv, b, nvb, x, y); });
     for (int r = 0; r < rows; ++r)
+#ifdef TRIEDEC_VNNI
+      for (int64_t v = 0; v < nvb; ++v)
+        store_bf16(out + (r0 + r) * N + first + v * kCols, _mm512_load_ps(y + (r * nvb + v) * kCols));
+#else
       for (int64_t i = 0; i < nvb * kCols; ++i)
         out[(r0 + r) * N + first + i] = static_cast<c10::BFloat16>(y[r * nvb * kCols + i]);
+#endif
   });
 }
 
@@ -414,25 +427,46 @@ void for_each_tile(const Rows& xs, int64_t R, int64_t K, int64_t N, c10::BFloat1
 #define TRIEDEC_TILESM tile_sm_avx2
 #endif
 
-// The vector paths: this build's tiles (VNNI's or AVX2's) over the blocks of the packed weight.
+// The rows the AMX tiles take (x86/amx/a8_linears.h: int4, int8 and Q4_0 / Q4_1 layers): R rounded
+// down to 16 where the build has them and the process may use them, else none; the register
+// tiles take the rest. Each output is computed whole by one tile of either kind, in the same
+// operations, so the cut changes no bits.
+inline int64_t amx_rows(int64_t R) {
+#ifdef TRIEDEC_AMX
+  return R >= kAmxRows && amx_granted() ? R / kAmxRows * kAmxRows : 0;
+#else
+  (void)R;
+  return 0;
+#endif
+}
+
+// The vector paths: this build's tiles (VNNI's or AVX2's, and AMX's) over the blocks of the packed weight.
 void int4_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::BFloat16* sz, int64_t N,
                  c10::BFloat16* out) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kGroup, first = amx_rows(R);
+#ifdef TRIEDEC_AMX
+  if (first) int4_amx(xs, first, K, packed, sz, N, out);
+#endif
+  if (first == R) return;
   for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
     TRIEDEC_TILE4<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * (K / 8) * 64,
                                                                    sz + b * kBlock * G * 2 * kCols, nvb, K, x, y);
-  });
+  }, first);
 }
 
 void int8_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* scales, int64_t N,
                  c10::BFloat16* out) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kGroup, first = amx_rows(R);
+#ifdef TRIEDEC_AMX
+  if (first) int8_amx(xs, first, K, packed, scales, N, out);
+#endif
+  if (first == R) return;
   for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                       float* y) {
     TRIEDEC_TILE8<decltype(rows)::value, decltype(vectors)::value>(packed + b * kBlock * K * kCols,
                                                                    scales + b * kBlock * G * kCols, nvb, K, x, y);
-  });
+  }, first);
 }
 
 void int5_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
@@ -475,7 +509,12 @@ void kquant_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, 
 // registers worse: 2-5% slower at 16-64 rows on the AVX2 EPYC).
 void scale_min_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packed, const uint8_t* highs,
                       const c10::Half* dm, bool mins, int64_t N, c10::BFloat16* out) {
-  const int64_t G = K / kGroup;
+  const int64_t G = K / kGroup, first = highs ? 0 : amx_rows(R);
+#ifdef TRIEDEC_AMX
+  if (first && mins) scale_min_amx<true>(xs, first, K, packed, dm, N, out);
+  else if (first) scale_min_amx<false>(xs, first, K, packed, dm, N, out);
+#endif
+  if (first == R) return;
   if (highs)
     for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                         float* y) {
@@ -488,13 +527,13 @@ void scale_min_vector(const Rows& xs, int64_t R, int64_t K, const uint8_t* packe
                                         float* y) {
       TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false, true>(
           packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * 2 * kCols, nvb, K, x, y);
-    });
+    }, first);
   else
     for_each_tile(xs, R, K, N, out, [&](auto rows, auto vectors, int64_t b, int64_t nvb, const RowTile& x,
                                         float* y) {
       TRIEDEC_TILESM<decltype(rows)::value, decltype(vectors)::value, false, false>(
           packed + b * kBlock * (K / 8) * 64, nullptr, dm + b * kBlock * G * kCols, nvb, K, x, y);
-    });
+    }, first);
 }
 #else
 constexpr auto& int4_vector = int4_portable;  // never chosen: kVector is false

@@ -32,6 +32,17 @@ void quantize_group_vector(const c10::BFloat16* xg, int8_t* q, float* a, float* 
   *sum = total;
 }
 
+// out[0..15] = y rounded to bf16 as c10::BFloat16 rounds a float (nearest even on the bits; any
+// NaN to 0x7FC0), so the same bits as the scalar conversion (vcvtneps2bf16 would flush subnormals).
+inline void store_bf16(c10::BFloat16* out, __m512 y) {
+  const __m512i u = _mm512_castps_si512(y);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+}
+
 inline __m512 bf16_to_float(const c10::BFloat16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
