@@ -37,6 +37,10 @@ else:
         extra_compile_args=common))
     for name in isa.buildable():  # shared libraries the extension loads (no Python module in them)
         flags, _ = isa.ISAS[name]
+        if not isa.compiler_accepts(flags):
+            print(f"triedec: the C++ compiler does not take {' '.join(flags)}: no {name} build "
+                  "(the fastest build it makes runs instead)", file=sys.stderr)
+            continue
         ext_modules.append(CppExtension(
             f"triedec.model.{isa.library_name(name)}", [str(csrc / s) for s in isa.KERNEL_SOURCES],
             include_dirs=[str(HERE / csrc)], define_macros=[digest_macro, ("TRIEDEC_ISA", f'"{name}"')],

@@ -483,6 +483,20 @@ def test_the_fastest_installed_build_this_cpu_runs_is_the_one_loaded():
     assert KERNEL.isa() == next(isa for isa in supported() if isa in libraries)
 
 
+def test_the_install_builds_only_what_the_compiler_takes():
+    """setup.py skips a build whose flags the compiler refuses (an older GCC without AMX's), so
+    the install goes on with the others; this machine's compiler takes every build's flags."""
+    import shutil
+
+    from triedec.model.isa import ISAS, buildable, compiler_accepts
+
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler here")
+    assert not compiler_accepts(("-mno-such-instruction-set",), "c++")
+    assert all(compiler_accepts(ISAS[name][0], "c++") for name in buildable())
+    assert compiler_accepts(("-O2",), "no-such-compiler-anywhere")  # none found: the build says why
+
+
 def test_a_library_built_from_other_sources_or_no_library_is_refused(tmp_path):
     """The extension loads only a kernel library built from its own sources: another file, or a
     library whose digest differs, is refused with the reason and the library in use stays."""

@@ -204,10 +204,11 @@ NATIVE_FORWARD = "native-forward"
 
 
 def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_attention: bool = False,
-                     runner: bool = False, native: bool = False) -> str:
+                     runner: bool = False, native: bool = False, cpu: bool = True) -> str:
     """What ``model`` runs: ``plain``, or the techniques applied, joined by ``+`` (``weights``: how
     its linear weights are stored, :attr:`triedec.model.precision.Precision.weights`; ``runner``:
-    whether triedec's own runner walks its layers; ``native``: whether that walk is one native call)."""
+    whether triedec's own runner walks its layers; ``native``: whether that walk is one native call;
+    ``cpu``: whether it runs on the CPU, where the runner takes its activations on whole rows)."""
     used = []
     if weights != "float":
         used.append(f"{weights}-weights")
@@ -217,7 +218,7 @@ def describe_kernels(model: PreTrainedModel, weights: str = "float", exact_atten
         used.append("f32-linear")
     if any(isinstance(m, FusedRMSNorm) for m in model.modules()):
         used.append("fused-rmsnorm")
-    if any(isinstance(m, RowActivation) for m in model.modules()) or (runner and next(model.parameters()).is_cpu):
+    if any(isinstance(m, RowActivation) for m in model.modules()) or (runner and cpu):
         used.append(ROW_ACTIVATION)  # the runner applies its activations on whole rows itself
     if exact_attention:
         used.append(FIXED_ORDER_ATTENTION)
@@ -287,7 +288,7 @@ class ModelAdapter:
         self.native_forward = self._runner is not None and self._runner.native and self.exact_attention
         """Whether a forward is one native call (:func:`triedec.model.runner.native_decoder`)."""
         self.kernels = describe_kernels(model, self.precision.weights, self.exact_attention,
-                                        self._runner is not None, self.native_forward)
+                                        self._runner is not None, self.native_forward, self.device.type == "cpu")
         """What the model runs: ``plain`` or the techniques applied (see the module doc)."""
         native = self.exact_attention or any(isinstance(m, (FusedRMSNorm, *NATIVE_LINEARS)) for m in model.modules())
         self.native_build = build_id() if native else None

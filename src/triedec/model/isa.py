@@ -79,6 +79,28 @@ def buildable() -> tuple[str, ...]:
     return tuple(ISAS) if platform.machine().lower() in ("x86_64", "amd64") else ("portable",)
 
 
+def compiler_accepts(flags: tuple[str, ...], compiler: str | None = None) -> bool:
+    """Whether the C++ compiler (``compiler``, else ``$CXX``, else ``c++``) compiles an empty
+    program with ``flags``: ``setup.py`` builds only the ISAs whose flags it takes, so an older
+    compiler without, say, ``-mamx-int8`` (GCC before 11) installs the other builds instead of
+    failing. True where no such compiler is found (the build then fails with the compiler's own
+    error)."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    command = compiler or os.environ.get("CXX") or "c++"
+    if shutil.which(command) is None:
+        return True
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "probe.cpp"
+        source.write_text("int main() { return 0; }\n")
+        done = subprocess.run([command, *flags, "-c", str(source), "-o", str(Path(scratch) / "probe.o")],
+                              capture_output=True, check=False)
+    return done.returncode == 0
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:

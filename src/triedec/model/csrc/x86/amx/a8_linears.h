@@ -111,11 +111,15 @@ inline void amx_vector(int64_t G, const int8_t* act, int64_t K, Codes&& codes, F
 struct NibbleCodes {
   const uint8_t* panel;
 
+  struct alignas(64) Line {
+    uint8_t bytes[64];
+  };
+
   // The calling thread's panel, unpacked from the codes first where `fresh` (a vector's first row
   // tile), else as the thread's last call left it.
   static const uint8_t* of(bool fresh, const uint8_t* codes, int64_t nvb, int64_t v, int64_t G) {
-    thread_local std::vector<__m512i> rows;
-    if (!fresh) return reinterpret_cast<const uint8_t*>(rows.data());
+    thread_local std::vector<Line> rows;
+    if (!fresh) return rows.data()->bytes;
     rows.resize(G * (kGroup / 4));
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int64_t g = 0; g < G; ++g)
@@ -123,11 +127,11 @@ struct NibbleCodes {
         const uint8_t* at = codes + ((g * kSteps + m) * nvb + v) * 64;
         _mm_prefetch(reinterpret_cast<const char*>(at + kAheadBytes), _MM_HINT_T0);
         const __m512i bytes = _mm512_loadu_si512(at);
-        rows[g * 8 + 2 * m] = _mm512_and_si512(bytes, low);
-        rows[g * 8 + 2 * m + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        _mm512_store_si512(rows[g * 8 + 2 * m].bytes, _mm512_and_si512(bytes, low));
+        _mm512_store_si512(rows[g * 8 + 2 * m + 1].bytes, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low));
       }
     amx_barrier();
-    return reinterpret_cast<const uint8_t*>(rows.data());
+    return rows.data()->bytes;
   }
 
   std::pair<const uint8_t*, int64_t> operator()(int64_t g, int) const { return {panel + g * (kGroup / 4) * 64, 64}; }
