@@ -299,6 +299,29 @@ def test_the_largest_codes_times_the_largest_activations_sum_exactly_on_every_pa
     assert torch.equal(got8, (x.double() @ weight8.T).to(torch.bfloat16))
 
 
+def test_outputs_round_to_bf16_as_torch_rounds_them_infinities_and_nans_too():
+    """The vector paths round 16 outputs at a time to bf16 with c10's rounding (nearest even on the
+    bits, any NaN to 0x7FC0; not the instruction, which flushes subnormals): rows of activations
+    from 1e-38 (zeros: below the quantizer's 1e-30) to 3e38 times large scales give tiny, infinite
+    and NaN outputs (an infinity of each sign in one sum), the same bits as the portable path,
+    alone and in calls of 16 rows or more."""
+    generator = torch.Generator().manual_seed(4)
+    linear = nn.Linear(4 * GROUP_SIZE, 80, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(80, 4 * GROUP_SIZE, generator=generator) * 3e4)
+    int8 = Int8A8Linear(linear)
+    magnitudes = torch.tensor([1e-38, 2e-30, 1e-20, 1.0, 1e30, 3e38]).repeat(4)[:21]
+    x = (torch.randn(21, 4 * GROUP_SIZE, generator=generator) * magnitudes[:, None]).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = KERNEL.int8_linear(x, int8.packed, int8.scales, False)
+        portable = KERNEL.int8_linear(x, int8.packed, int8.scales, True)
+        alone = torch.cat([KERNEL.int8_linear(x[i : i + 1], int8.packed, int8.scales, False) for i in range(21)])
+    bits = got.view(torch.int16)
+    assert torch.equal(bits, portable.view(torch.int16)) and torch.equal(bits, alone.view(torch.int16))
+    assert got.float().isinf().any() and got.float().isnan().any() and (got[0] == 0).all()
+    assert ((got.float().abs() > 0) & (got.float().abs() < 1e-20)).any()
+
+
 def test_calls_from_several_threads_at_once_each_get_their_own_rows():
     """Each call quantizes its activations into a buffer of its calling thread's own: calls of
     different sizes from several threads at once give what each gives alone."""

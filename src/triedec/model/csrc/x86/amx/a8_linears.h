@@ -7,9 +7,10 @@
 // The per-group scales force the tile unit's sums through memory once a group (AMX has no move
 // from a tile to a vector register): each 16 x 16 block of sums is stored, and the float steps
 // read it back. A group's tile operation is issued two groups ahead of the float steps that read
-// its sums, so the tile unit's work and the stores of one group overlap the vector ports' float
-// steps of the groups before (in two sets of tile registers, tmm0/2/4 and tmm1/3/5,
-// and three buffers of sums).
+// its sums (two sets of tile registers, tmm0/2/4 and tmm1/3/5, and three buffers of sums), so the
+// float steps never wait on a store's latency. The tile work and the float steps still do not run
+// at once: across tilezero and tilestored the core does not overlap them, and a group costs about
+// their sum (benchmarks/amx-cpu/results.md).
 #pragma once
 
 #include <sys/syscall.h>
@@ -76,9 +77,9 @@ inline void amx_configure() {
 inline void amx_barrier() { __asm__ volatile("" ::: "memory"); }
 
 // One vector (16 outputs) for 16 rows over every group in order: codes(g, slot) gives the group's
-// codes as tdpbsud's 8 rows (its pointer and row stride; slot 0 or 1, a scratch of its own for
-// codes it unpacks), finish(g, sums, y) takes the group's float steps on its sums, y (one register
-// a row) staying in registers from the first group to the last.
+// codes as tdpbsud's 8 rows (their pointer and row stride; slot: the set of tile registers, 0 or
+// 1), finish(g, sums, y) takes the group's float steps on its sums, y (one register a row) staying
+// in registers from the first group to the last.
 template <class Codes, class Finish>
 inline void amx_vector(int64_t G, const int8_t* act, int64_t K, Codes&& codes, Finish&& finish,
                        __m512 (&y)[kAmxRows]) {
