@@ -1,5 +1,6 @@
-"""Alternates two kernel libraries (paths, or "new" for the installed avx2 one) in one process on
-the default model's forward of M rows: ab_forward.py OLD.so,new 1,4,16,64 ROUNDS (ab_forward.md)."""
+"""Alternates two kernel libraries (paths, "new" for the installed avx2 one, or an installed build's
+ISA name, e.g. avx512vnni,avx512amx) in one process on the default model's forward of M rows:
+ab_forward.py OLD.so,new 1,4,16,64 ROUNDS (ab_forward.md)."""
 import statistics, sys, time
 from pathlib import Path
 
@@ -15,7 +16,10 @@ sizes = [int(s) for s in sys.argv[2].split(",")]
 rounds = int(sys.argv[3])
 torch.set_num_threads(2)
 k = load_kernel()
-libs = [str(installed_libraries()["avx2"]) if l == "new" else l for l in libs]
+installed = installed_libraries()
+paths = [str(installed["avx2"]) if l == "new" else str(installed[l]) if l in installed else l for l in libs]
+labels = {p: l if l in installed else p.split('/')[-1][:12] for p, l in zip(paths, libs)}
+libs = paths
 lm = triedec.load(None, weights="int4-a8")
 ad = lm.adapter
 gen = torch.Generator().manual_seed(0)
@@ -48,4 +52,4 @@ def flat(o):
 for s in sizes:
     a, b = flat(outs[(libs[0], s)]), flat(outs[(libs[1], s)])
     same = len(a) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
-    print(f"rows {s}: " + "  ".join(f"{l.split('/')[-1][:12]} {statistics.median(res[(l,s)]):.2f} ms [{min(res[(l,s)]):.2f}-{max(res[(l,s)]):.2f}]" for l in libs) + f"  ratio {statistics.median(res[(libs[0],s)])/statistics.median(res[(libs[1],s)]):.2f}  same bits: {same} ({len(a)} tensors)")
+    print(f"rows {s}: " + "  ".join(f"{labels[l]} {statistics.median(res[(l,s)]):.2f} ms [{min(res[(l,s)]):.2f}-{max(res[(l,s)]):.2f}]" for l in libs) + f"  ratio {statistics.median(res[(libs[0],s)])/statistics.median(res[(libs[1],s)]):.2f}  same bits: {same} ({len(a)} tensors)")
